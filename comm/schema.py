@@ -1,0 +1,240 @@
+"""The wire schema: every message crossdc sends between a site and the coordinator.
+
+This module owns the message types, ``PROTOCOL_VERSION`` and the error codes. Each message is a
+frozen dataclass registered under one :class:`MessageType`; ``comm.wire`` turns them into frames
+and back. Fields are plain values (int, float, str, bool, lists and dicts of them) except a
+``payload`` field, which carries encoded tensors as zero-copy frames. Nothing else builds frames.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from comm.compress import EncodedTensor
+
+PROTOCOL_VERSION = 1
+
+
+class MessageType(enum.IntEnum):
+    """One value per message on the wire; the number is what the header carries."""
+
+    JOIN = 1
+    WELCOME = 2
+    HEARTBEAT = 3
+    LEAVE = 4
+    INIT_PARAMS = 5
+    ROUND_START = 6
+    UPDATE = 7
+    GLOBAL = 8
+    EVAL = 9
+    ERROR = 10
+    SHUTDOWN = 11
+    SYNC_REQUEST = 12
+    CHUNK = 13
+
+
+class ErrorCode(enum.IntEnum):
+    """Why a message was rejected; ``ERROR_MEANINGS`` holds the one-line meaning of each."""
+
+    MALFORMED = 1
+    WRONG_VERSION = 2
+    OVERSIZE = 3
+    NOT_JOINED = 4
+    MODEL_MISMATCH = 5
+    STALE_ROUND = 6
+    DUPLICATE = 7
+    NON_FINITE = 8
+    BAD_PAYLOAD = 9
+    BAD_DIGEST = 10
+    UNEXPECTED = 11
+    UNKNOWN_CODEC = 12
+
+
+ERROR_MEANINGS: dict[ErrorCode, str] = {
+    ErrorCode.MALFORMED: "frames could not be decoded into a message",
+    ErrorCode.WRONG_VERSION: "the header's protocol version is not ours",
+    ErrorCode.OVERSIZE: "the message exceeds the configured size bound",
+    ErrorCode.NOT_JOINED: "the sender has not joined (or the coordinator restarted): join again",
+    ErrorCode.MODEL_MISMATCH: "the site's model does not match the federation's",
+    ErrorCode.STALE_ROUND: "the message names a round that is not open",
+    ErrorCode.DUPLICATE: "an update for this round was already accepted from this site",
+    ErrorCode.NON_FINITE: "a tensor holds NaN or Inf",
+    ErrorCode.BAD_PAYLOAD: "tensor names, shapes or sizes do not match the global model",
+    ErrorCode.BAD_DIGEST: "a chunk's digest does not match its bytes",
+    ErrorCode.UNEXPECTED: "the message is valid but not expected in this state",
+    ErrorCode.UNKNOWN_CODEC: "the payload names a codec this build does not know",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Join:
+    """A site asks to take part; it states what it holds so the coordinator can sync it."""
+
+    site_id: str
+    model_fingerprint: str
+    global_version: int
+    state_hash: str
+    capabilities: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Welcome:
+    """The coordinator admits a site. ``need_init``: send your parameters as θ_0."""
+
+    site_id: str
+    session_id: str
+    global_version: int
+    heartbeat_interval_s: float
+    need_init: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat:
+    """Application-level liveness, both directions."""
+
+    site_id: str
+    global_version: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Leave:
+    """A site leaves on purpose."""
+
+    site_id: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class InitParams:
+    """θ_0 from the first site to join, when the coordinator holds no parameters yet."""
+
+    site_id: str
+    model_fingerprint: str
+    payload: tuple[EncodedTensor, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundStart:
+    """The coordinator opens a round for one site: train from ``global_version``, then send."""
+
+    round_id: int
+    global_version: int
+    num_inner_steps: int
+    codec: str
+    deadline_s: float
+    participants: tuple[str, ...]
+    evaluate: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Update:
+    """A site's encoded pseudo-gradient for one round, weighted by the tokens it trained on."""
+
+    site_id: str
+    round_id: int
+    global_version: int
+    weight: float
+    train_loss: float
+    compute_seconds: float
+    payload: tuple[EncodedTensor, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Global:
+    """The new global model: a delta from ``base_version`` (``is_full`` false) or all of it.
+
+    ``state_hash`` is the hash of the parameters after applying; a site that disagrees
+    asks for a full download with :class:`SyncRequest`.
+    """
+
+    round_id: int
+    base_version: int
+    global_version: int
+    is_full: bool
+    state_hash: str
+    evaluate: bool
+    """The receiving site should report the validation loss of the new model."""
+    payload: tuple[EncodedTensor, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Eval:
+    """A site's validation loss of the global model at ``global_version``."""
+
+    site_id: str
+    global_version: int
+    val_loss: float
+    num_tokens: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Error:
+    """A rejection, sent back to the sender when it can be addressed."""
+
+    code: int
+    detail: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shutdown:
+    """The federation is finished (or the coordinator stops): sites save and exit."""
+
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncRequest:
+    """A site asks for the full current global model."""
+
+    site_id: str
+    global_version: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Chunk:
+    """One piece of a large message, cut to bound frame size (``comm.chunking``)."""
+
+    transfer_id: str
+    index: int
+    num_chunks: int
+    offset: int
+    total_bytes: int
+    digest: str
+    data: bytes | memoryview
+
+
+Message = (
+    Join
+    | Welcome
+    | Heartbeat
+    | Leave
+    | InitParams
+    | RoundStart
+    | Update
+    | Global
+    | Eval
+    | Error
+    | Shutdown
+    | SyncRequest
+    | Chunk
+)
+
+MESSAGE_CLASSES: dict[MessageType, type[Any]] = {
+    MessageType.JOIN: Join,
+    MessageType.WELCOME: Welcome,
+    MessageType.HEARTBEAT: Heartbeat,
+    MessageType.LEAVE: Leave,
+    MessageType.INIT_PARAMS: InitParams,
+    MessageType.ROUND_START: RoundStart,
+    MessageType.UPDATE: Update,
+    MessageType.GLOBAL: Global,
+    MessageType.EVAL: Eval,
+    MessageType.ERROR: Error,
+    MessageType.SHUTDOWN: Shutdown,
+    MessageType.SYNC_REQUEST: SyncRequest,
+    MessageType.CHUNK: Chunk,
+}
+
+MESSAGE_TYPES: dict[type[Any], MessageType] = {cls: t for t, cls in MESSAGE_CLASSES.items()}

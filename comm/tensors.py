@@ -1,0 +1,80 @@
+"""Named float32 tensors as payloads: encode a parameter set with a codec, decode and check it.
+
+Both roles use these so their view of "the same parameters" is computed one way: the state hash
+that sites and the coordinator compare after every round is :func:`state_hash`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from comm.compress import EncodedTensor, FloatArray, PayloadCodec, get_codec
+from comm.schema import ErrorCode
+from comm.wire import WireError
+
+TensorSpec = Mapping[str, tuple[int, ...]]
+
+
+def state_hash(params: Mapping[str, np.ndarray]) -> str:
+    """BLAKE2b over names, shapes and float32 bytes, in name order."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(params):
+        arr = np.ascontiguousarray(params[name], dtype=np.float32)
+        h.update(name.encode())
+        h.update(repr(tuple(arr.shape)).encode())
+        h.update(arr.tobytes())
+    return h.hexdigest()
+
+
+def spec_of(params: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(arr.shape) for name, arr in params.items()}
+
+
+def encode_tensors(
+    params: Mapping[str, np.ndarray], codec: PayloadCodec
+) -> tuple[EncodedTensor, ...]:
+    return tuple(
+        codec.encode(name, np.asarray(arr, dtype=np.float32)) for name, arr in params.items()
+    )
+
+
+def decode_tensors(
+    payload: Sequence[EncodedTensor], expected: TensorSpec | None = None
+) -> dict[str, FloatArray]:
+    """Decode a payload, checking names and shapes against ``expected`` and finiteness.
+
+    Raises :class:`WireError` (BAD_PAYLOAD, UNKNOWN_CODEC or NON_FINITE) naming the tensor.
+    """
+    names = [enc.name for enc in payload]
+    if len(set(names)) != len(names):
+        raise WireError(ErrorCode.BAD_PAYLOAD, "a tensor name appears twice")
+    if expected is not None and set(names) != set(expected):
+        missing = sorted(set(expected) - set(names))[:3]
+        extra = sorted(set(names) - set(expected))[:3]
+        raise WireError(
+            ErrorCode.BAD_PAYLOAD, f"tensor names differ: missing {missing} extra {extra}"
+        )
+    out: dict[str, FloatArray] = {}
+    for enc in payload:
+        if expected is not None and tuple(enc.shape) != tuple(expected[enc.name]):
+            raise WireError(
+                ErrorCode.BAD_PAYLOAD,
+                f"{enc.name!r} has shape {enc.shape}, expected {expected[enc.name]}",
+            )
+        try:
+            codec = get_codec(enc.codec)
+        except ValueError as exc:
+            raise WireError(ErrorCode.UNKNOWN_CODEC, f"{enc.name!r}: {exc}") from None
+        try:
+            arr = codec.decode(enc)
+        except (ValueError, TypeError) as exc:
+            raise WireError(ErrorCode.BAD_PAYLOAD, f"{enc.name!r}: {exc}") from None
+        if arr.shape != tuple(enc.shape):
+            raise WireError(ErrorCode.BAD_PAYLOAD, f"{enc.name!r} decoded to shape {arr.shape}")
+        if not np.isfinite(arr).all():
+            raise WireError(ErrorCode.NON_FINITE, f"{enc.name!r} holds NaN or Inf")
+        out[enc.name] = arr
+    return out

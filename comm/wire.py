@@ -1,0 +1,238 @@
+"""The frame codec: messages of ``comm.schema`` to ZeroMQ frames and back, never pickle.
+
+Frame 0 is a msgpack header ``{"v": version, "t": type, "f": fields, "p": payload index}``.
+Every ``bytes`` field and every buffer of every encoded tensor follows as its own frame, so large
+tensors travel without a copy (numpy arrays expose their memory to ZeroMQ directly). ``from_wire``
+validates everything against the message's dataclass before building it and raises
+:class:`WireError` with an :class:`~comm.schema.ErrorCode` on any deviation; it never trusts a
+size or a count it has not checked against the frames it actually holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from comm.compress import EncodedTensor
+from comm.schema import MESSAGE_CLASSES, MESSAGE_TYPES, PROTOCOL_VERSION, ErrorCode, Message
+
+# Anything exposing the buffer protocol: bytes, memoryview, numpy arrays, zmq frame buffers.
+Frame = Any
+
+_MAX_HEADER_BYTES = 1 << 20
+_MAX_PAYLOAD_TENSORS = 1 << 16
+_ALLOWED_DTYPES = frozenset(
+    {"uint8", "int8", "uint16", "int16", "uint32", "int32", "float16", "float32"}
+)
+
+
+class WireError(ValueError):
+    """A frame sequence that is not a valid message; ``code`` says why."""
+
+    def __init__(self, code: ErrorCode, detail: str) -> None:
+        super().__init__(f"{code.name.lower()}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+def _check_value(kind: Any, value: Any, where: str) -> Any:
+    """Check ``value`` (as msgpack decoded it) against a field annotation; return it converted."""
+    origin = typing.get_origin(kind)
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise WireError(ErrorCode.MALFORMED, f"{where} must be a bool")
+        return value
+    if kind is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise WireError(ErrorCode.MALFORMED, f"{where} must be an int")
+        return value
+    if kind is float:
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise WireError(ErrorCode.MALFORMED, f"{where} must be a number")
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise WireError(ErrorCode.MALFORMED, f"{where} must be a string")
+        return value
+    if origin is tuple:
+        (item_kind, _ellipsis) = typing.get_args(kind)
+        if not isinstance(value, list):
+            raise WireError(ErrorCode.MALFORMED, f"{where} must be a list")
+        return tuple(_check_value(item_kind, v, f"{where}[]") for v in value)
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise WireError(ErrorCode.MALFORMED, f"{where} must be a map with string keys")
+        return value
+    raise AssertionError(f"no wire rule for field type {kind!r} at {where}")
+
+
+class _MessageCodec:
+    """``to_wire``/``from_wire`` for one message class, derived from its dataclass fields."""
+
+    def __init__(self, cls: type[Any]) -> None:
+        self.cls = cls
+        hints = typing.get_type_hints(cls)
+        self.value_fields: dict[str, Any] = {}
+        self.bytes_fields: list[str] = []
+        self.has_payload = False
+        for f in dataclasses.fields(cls):
+            kind = hints[f.name]
+            if f.name == "payload":
+                self.has_payload = True
+            elif kind == bytes | memoryview:
+                self.bytes_fields.append(f.name)
+            else:
+                self.value_fields[f.name] = kind
+
+    def to_wire(self, msg: Message) -> list[Frame]:
+        fields = {name: getattr(msg, name) for name in self.value_fields}
+        frames: list[Frame] = [getattr(msg, name) for name in self.bytes_fields]
+        index: list[dict[str, Any]] = []
+        if self.has_payload:
+            payload: tuple[EncodedTensor, ...] = typing.cast(Any, msg).payload
+            for enc in payload:
+                bufs = [np.ascontiguousarray(b) for b in enc.buffers]
+                index.append(
+                    {
+                        "n": enc.name,
+                        "s": list(enc.shape),
+                        "c": enc.codec,
+                        "m": enc.meta,
+                        "b": [[str(b.dtype), int(b.nbytes)] for b in bufs],
+                    }
+                )
+                frames.extend(bufs)
+        header = msgpack.packb(
+            {"v": PROTOCOL_VERSION, "t": int(MESSAGE_TYPES[self.cls]), "f": fields, "p": index},
+            use_bin_type=True,
+        )
+        return [header, *frames]
+
+    def from_wire(self, fields: Any, index: Any, frames: Sequence[Frame]) -> Message:
+        if not isinstance(fields, dict) or set(fields) != set(self.value_fields):
+            got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
+            raise WireError(
+                ErrorCode.MALFORMED,
+                f"{self.cls.__name__} fields {got} != expected {sorted(self.value_fields)}",
+            )
+        values = {
+            name: _check_value(kind, fields[name], f"{self.cls.__name__}.{name}")
+            for name, kind in self.value_fields.items()
+        }
+        if len(frames) < len(self.bytes_fields):
+            raise WireError(ErrorCode.MALFORMED, f"{self.cls.__name__} is missing data frames")
+        for name, frame in zip(self.bytes_fields, frames, strict=False):
+            values[name] = memoryview(frame).cast("B")
+        rest = frames[len(self.bytes_fields) :]
+        if self.has_payload:
+            values["payload"] = _decode_payload(index, rest)
+        elif index or rest:
+            raise WireError(ErrorCode.MALFORMED, f"{self.cls.__name__} carries no tensors")
+        return self.cls(**values)  # type: ignore[no-any-return]
+
+
+def _decode_payload(index: Any, frames: Sequence[Frame]) -> tuple[EncodedTensor, ...]:
+    if not isinstance(index, list) or len(index) > _MAX_PAYLOAD_TENSORS:
+        raise WireError(ErrorCode.MALFORMED, "payload index must be a bounded list")
+    out: list[EncodedTensor] = []
+    pos = 0
+    for i, item in enumerate(index):
+        if not isinstance(item, dict) or set(item) != {"n", "s", "c", "m", "b"}:
+            raise WireError(ErrorCode.MALFORMED, f"payload entry {i} has the wrong keys")
+        name = _check_value(str, item["n"], f"payload[{i}].name")
+        shape = _check_value(tuple[int, ...], item["s"], f"payload[{i}].shape")
+        if any(d < 0 for d in shape):
+            raise WireError(ErrorCode.MALFORMED, f"payload[{i}] {name!r} has a negative dimension")
+        codec = _check_value(str, item["c"], f"payload[{i}].codec")
+        meta = _check_value(dict[str, Any], item["m"], f"payload[{i}].meta")
+        specs = item["b"]
+        if not isinstance(specs, list):
+            raise WireError(ErrorCode.MALFORMED, f"payload[{i}] buffer list is not a list")
+        bufs: list[np.ndarray] = []
+        for spec in specs:
+            if (
+                not isinstance(spec, list)
+                or len(spec) != 2
+                or spec[0] not in _ALLOWED_DTYPES
+                or not isinstance(spec[1], int)
+            ):
+                raise WireError(ErrorCode.MALFORMED, f"payload[{i}] {name!r} has a bad buffer spec")
+            if pos >= len(frames):
+                raise WireError(ErrorCode.MALFORMED, f"payload[{i}] {name!r} is missing frames")
+            raw = memoryview(frames[pos]).cast("B")
+            pos += 1
+            dtype = np.dtype(spec[0])
+            if raw.nbytes != spec[1] or raw.nbytes % dtype.itemsize:
+                raise WireError(
+                    ErrorCode.MALFORMED,
+                    f"payload[{i}] {name!r} frame holds {raw.nbytes} bytes, header says {spec[1]}",
+                )
+            bufs.append(np.frombuffer(raw, dtype=dtype))
+        out.append(
+            EncodedTensor(name=name, shape=shape, codec=codec, meta=meta, buffers=tuple(bufs))
+        )
+    if pos != len(frames):
+        raise WireError(
+            ErrorCode.MALFORMED, f"{len(frames) - pos} frames left over after the payload"
+        )
+    return tuple(out)
+
+
+_CODECS: dict[int, _MessageCodec] = {
+    int(t): _MessageCodec(cls) for t, cls in MESSAGE_CLASSES.items()
+}
+
+
+def _check_registry() -> None:
+    """Import-time check: every ``MessageType`` has a class and a codec, and back."""
+    from comm.schema import MessageType
+
+    missing = [t.name for t in MessageType if int(t) not in _CODECS]
+    if missing:
+        raise RuntimeError(f"message types without a wire codec: {missing}")
+
+
+_check_registry()
+
+
+def to_wire(msg: Message) -> list[Frame]:
+    """Frames for ``msg``: a header and then its data frames, tensor buffers not copied."""
+    return _CODECS[int(MESSAGE_TYPES[type(msg)])].to_wire(msg)
+
+
+def frames_nbytes(frames: Sequence[Frame]) -> int:
+    """Total bytes of a frame list (what travels, before ZMTP framing)."""
+    return sum(int(memoryview(f).nbytes) for f in frames)
+
+
+def from_wire(frames: Sequence[Frame], *, max_bytes: int | None = None) -> Message:
+    """Parse frames into a message; :class:`WireError` names what is wrong."""
+    if not frames:
+        raise WireError(ErrorCode.MALFORMED, "no frames")
+    if max_bytes is not None:
+        size = frames_nbytes(frames)
+        if size > max_bytes:
+            raise WireError(ErrorCode.OVERSIZE, f"{size} bytes > bound {max_bytes}")
+    head = memoryview(frames[0]).cast("B")
+    if head.nbytes > _MAX_HEADER_BYTES:
+        raise WireError(ErrorCode.OVERSIZE, f"header of {head.nbytes} bytes")
+    try:
+        header = msgpack.unpackb(head, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise WireError(ErrorCode.MALFORMED, f"header is not msgpack: {exc}") from None
+    if not isinstance(header, dict) or not {"v", "t", "f", "p"} <= set(header):
+        raise WireError(ErrorCode.MALFORMED, "header lacks v/t/f/p")
+    if header["v"] != PROTOCOL_VERSION:
+        raise WireError(
+            ErrorCode.WRONG_VERSION,
+            f"protocol version {header['v']!r}, expected {PROTOCOL_VERSION}",
+        )
+    codec = _CODECS.get(header["t"]) if isinstance(header["t"], int) else None
+    if codec is None:
+        raise WireError(ErrorCode.MALFORMED, f"unknown message type {header['t']!r}")
+    return codec.from_wire(header["f"], header["p"], frames[1:])

@@ -1,0 +1,78 @@
+"""The coordinator's Prometheus metrics, declared once (DESIGN.md §6).
+
+Each :class:`CoordinatorMetrics` owns its registry, so several coordinators can live in one
+process (tests) without colliding.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Round and transfer durations on a WAN range from seconds to tens of minutes.
+DURATION_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, float("inf"))
+SIZE_BUCKETS = tuple(float(4**i) for i in range(5, 17)) + (float("inf"),)
+
+
+class CoordinatorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.rounds = Counter("crossdc_rounds_total", "Outer rounds completed", registry=r)
+        self.rounds_aborted = Counter(
+            "crossdc_rounds_aborted_total", "Outer rounds aborted without quorum", registry=r
+        )
+        self.round_duration = Histogram(
+            "crossdc_round_duration_seconds",
+            "Wall time from opening a round to publishing its result",
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.global_version = Gauge(
+            "crossdc_global_version", "Round id of the current global model", registry=r
+        )
+        self.quorum_size = Gauge(
+            "crossdc_quorum_size", "Updates merged in the last completed round", registry=r
+        )
+        self.members = Gauge("crossdc_members", "Sites currently joined", registry=r)
+        self.updates_accepted = Counter(
+            "crossdc_updates_accepted_total", "Site updates accepted", ["site"], registry=r
+        )
+        self.rejected = Counter(
+            "crossdc_rejected_total", "Messages or updates rejected", ["reason"], registry=r
+        )
+        self.wire_bytes = Counter(
+            "crossdc_wire_bytes_total",
+            "Bytes on coordinator<->site sockets (after compression)",
+            ["direction"],
+            registry=r,
+        )
+        self.payload_raw_bytes = Counter(
+            "crossdc_payload_raw_bytes_total",
+            "Tensor payload bytes before compression (fp32)",
+            ["direction"],
+            registry=r,
+        )
+        self.payload_bytes = Counter(
+            "crossdc_payload_bytes_total",
+            "Tensor payload bytes after compression",
+            ["direction"],
+            registry=r,
+        )
+        self.update_size = Histogram(
+            "crossdc_update_size_bytes",
+            "Encoded size of accepted site updates",
+            buckets=SIZE_BUCKETS,
+            registry=r,
+        )
+        self.outer_grad_norm = Gauge(
+            "crossdc_outer_grad_norm", "L2 norm of the last outer gradient", registry=r
+        )
+        self.val_loss = Gauge(
+            "crossdc_val_loss", "Validation loss of the latest evaluated global model", registry=r
+        )
+        self.train_loss = Gauge(
+            "crossdc_train_loss", "Token-weighted mean inner training loss, last round", registry=r
+        )
+        self.joins = Counter("crossdc_joins_total", "Site joins", registry=r)
+        self.site_timeouts = Counter(
+            "crossdc_site_timeouts_total", "Sites removed for silence", registry=r
+        )

@@ -1,0 +1,99 @@
+"""The strategy: aggregation math and the outer optimizer, as free functions over arrays.
+
+DiLoCo (Douillard et al., 2023): the outer gradient is the token-weighted mean of the sites'
+pseudo-gradients Δ_s = θ_t − θ_s; the outer optimizer is SGD with Nesterov momentum, written to
+match ``torch.optim.SGD(nesterov=True)`` with a zero-initialised buffer. Everything is float32
+and iterates sites in a fixed order, so the same inputs give bit-identical outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+Arrays = dict[str, npt.NDArray[np.float32]]
+
+
+def weighted_mean(updates: Sequence[tuple[float, Mapping[str, np.ndarray]]]) -> Arrays:
+    """Σ w_i x_i / Σ w_i per tensor, accumulated in float32 in the given order."""
+    if not updates:
+        raise ValueError("weighted_mean of no updates")
+    total = float(sum(w for w, _ in updates))
+    if not total > 0:
+        raise ValueError(f"weights must sum to > 0, got {total}")
+    names = list(updates[0][1])
+    out: Arrays = {}
+    for name in names:
+        acc = np.zeros(np.shape(updates[0][1][name]), dtype=np.float32)
+        for weight, tensors in updates:
+            acc += np.float32(weight / total) * np.asarray(tensors[name], dtype=np.float32)
+        out[name] = acc
+    return out
+
+
+def nesterov_step(
+    params: Mapping[str, np.ndarray],
+    grad: Mapping[str, np.ndarray],
+    momentum_buf: Mapping[str, np.ndarray],
+    *,
+    lr: float,
+    momentum: float,
+) -> tuple[Arrays, Arrays]:
+    """One SGD-Nesterov step: b ← μb + g; θ ← θ − lr (g + μb). Returns (θ', b')."""
+    lr32, mu32 = np.float32(lr), np.float32(momentum)
+    new_params: Arrays = {}
+    new_buf: Arrays = {}
+    for name, p in params.items():
+        g = np.asarray(grad[name], dtype=np.float32)
+        b = (mu32 * np.asarray(momentum_buf[name], dtype=np.float32) + g).astype(np.float32)
+        new_buf[name] = b
+        step = (lr32 * (g + mu32 * b)).astype(np.float32)
+        new_params[name] = np.asarray(p, dtype=np.float32) - step
+    return new_params, new_buf
+
+
+def global_norm(tensors: Mapping[str, np.ndarray]) -> float:
+    return float(np.sqrt(sum(float(np.dot(t.ravel(), t.ravel())) for t in tensors.values())))
+
+
+@dataclass(frozen=True)
+class OuterResult:
+    params: Arrays
+    momentum: Arrays
+    outer_grad_norm: float
+
+
+class Strategy(Protocol):
+    """Turns accepted updates into the next exact global parameters."""
+
+    def outer_step(
+        self,
+        params: Mapping[str, np.ndarray],
+        momentum: Mapping[str, np.ndarray],
+        updates: Sequence[tuple[str, float, Mapping[str, np.ndarray]]],
+    ) -> OuterResult: ...
+
+
+@dataclass(frozen=True)
+class DiLoCo:
+    """Token-weighted mean of pseudo-gradients, then outer SGD with Nesterov momentum."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+
+    def outer_step(
+        self,
+        params: Mapping[str, np.ndarray],
+        momentum: Mapping[str, np.ndarray],
+        updates: Sequence[tuple[str, float, Mapping[str, np.ndarray]]],
+    ) -> OuterResult:
+        ordered = sorted(updates, key=lambda u: u[0])  # site order fixes float summation order
+        grad = weighted_mean([(w, t) for _, w, t in ordered])
+        new_params, new_buf = nesterov_step(
+            params, grad, momentum, lr=self.lr, momentum=self.momentum
+        )
+        return OuterResult(new_params, new_buf, global_norm(grad))

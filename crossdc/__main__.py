@@ -1,0 +1,5 @@
+import sys
+
+from crossdc.cli import main
+
+sys.exit(main())

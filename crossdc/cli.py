@@ -1,0 +1,175 @@
+"""The ``crossdc`` command: coordinator, agent, demo, bench, status.
+
+Every command that reports takes ``--json``. A bad config prints one line naming the field and
+exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+EXIT_BAD_CONFIG = 2
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    def handler(signum: int, _frame: Any) -> None:
+        logging.getLogger("crossdc").info("signal %d: stopping", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from comm.configio import ConfigError
+    from comm.observe import ObserveServer
+    from coordinator.config import load_coordinator_config
+    from coordinator.service import Coordinator
+
+    try:
+        cfg = load_coordinator_config(args.config)
+    except ConfigError as exc:
+        print(f"crossdc coordinator: bad config: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    coord = Coordinator(cfg)
+    stop = threading.Event()
+    _stop_on_signals(stop)
+    coord.start()
+    http = None
+    if cfg.metrics_port:
+        http = ObserveServer(
+            registry=coord.metrics.registry,
+            status=coord.status,
+            host=cfg.metrics_host,
+            port=cfg.metrics_port,
+        )
+        http.start()
+    try:
+        coord.run(stop)
+    finally:
+        coord.close()
+        if http is not None:
+            http.close()
+    return 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from comm.configio import ConfigError
+    from site_agent.agent import build_agent
+    from site_agent.config import load_site_config
+
+    try:
+        cfg = load_site_config(args.config)
+    except ConfigError as exc:
+        print(f"crossdc agent: bad config: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    try:
+        agent = build_agent(cfg)
+    except ValueError as exc:
+        print(f"crossdc agent: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stop.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    agent.start()
+    try:
+        return agent.run()
+    except KeyboardInterrupt:
+        agent.leave("stopped by signal")
+        return 0
+    finally:
+        agent.close()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from crossdc.demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    url = args.url.rstrip("/") + "/status"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            status = json.load(resp)
+    except OSError as exc:
+        print(f"crossdc status: cannot reach {url}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(status, indent=1, sort_keys=True))
+        return 0
+    for key in ("global_version", "rounds_completed", "members", "open_round", "finished"):
+        if key in status:
+            print(f"{key:>18}: {status[key]}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(f"crossdc.bench.{args.suite}")
+    rc: int = module.main(args.rest)
+    return rc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="crossdc", description=__doc__.splitlines()[0])
+    p.add_argument("--log-level", default=os.environ.get("CROSSDC_LOG_LEVEL", "info"))
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("coordinator", help="run the coordinator service")
+    c.add_argument("--config", required=True, help="TOML file with a [coordinator] table")
+    c.set_defaults(func=cmd_coordinator)
+
+    a = sub.add_parser("agent", help="run a site agent")
+    a.add_argument("--config", required=True, help="TOML file with a [site] table")
+    a.set_defaults(func=cmd_agent)
+
+    d = sub.add_parser("demo", help="a coordinator and N sites on this machine")
+    from crossdc.demo import add_demo_arguments
+
+    add_demo_arguments(d)
+    d.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("status", help="show a running role's /status")
+    s.add_argument("--url", default="http://127.0.0.1:9710")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
+
+    b = sub.add_parser("bench", help="benchmarks (print JSON with --json)")
+    b.add_argument("suite", choices=["codecs", "pipeline", "wan", "demo"])
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    rc: int = args.func(args)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

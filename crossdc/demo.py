@@ -1,0 +1,249 @@
+"""``crossdc demo``: a coordinator and N site agents as separate processes on this machine.
+
+Writes one config per role into a work directory, starts ``crossdc coordinator`` and ``crossdc
+agent`` processes over tcp on loopback, follows the coordinator's ``status.json`` to print one
+line per round, and ends with a summary (and a JSON report with ``--report``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from comm.configio import dump_toml
+
+SITE_NAMES = ("eu", "us", "ap", "sa", "af", "me", "oc", "na")
+
+# The embedded default: a small byte-level GPT that learns visibly within two minutes on 2 cores.
+DEMO_MODEL = {"context_len": 128, "num_layers": 4, "d_model": 128, "num_heads": 4}
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sites", type=int, default=3, help="number of site agents (default 3)")
+    p.add_argument("--rounds", type=int, default=8, help="outer rounds to train (default 8)")
+    p.add_argument("--inner-steps", type=int, default=50, help="H: inner steps per round")
+    p.add_argument("--batch-size", type=int, default=8, help="inner batch size per site")
+    p.add_argument("--uplink-codec", default="fp32", help="codec for site updates")
+    p.add_argument("--downlink-codec", default="fp32", help="codec for the global delta")
+    p.add_argument("--stages", type=int, default=1, help="pipeline stages per site")
+    p.add_argument("--workdir", default="", help="where configs, state and logs go")
+    p.add_argument("--report", default="", help="write a JSON report here")
+    p.add_argument("--metrics-port", type=int, default=0, help="coordinator /metrics port")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--timeout", type=float, default=1800.0, help="give up after this many s")
+
+
+@dataclass
+class DemoRun:
+    workdir: Path
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    logs: list[Any] = field(default_factory=list)
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 (closed in close())
+        self.logs.append(log)
+        self.procs[name] = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def close(self, grace_s: float = 10.0) -> None:
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for log in self.logs:
+            log.close()
+
+
+def write_configs(args: argparse.Namespace, workdir: Path) -> tuple[Path, list[tuple[str, Path]]]:
+    coord_dir = workdir / "coordinator"
+    coordinator = {
+        "coordinator": {
+            "bind": "tcp://127.0.0.1:0",
+            "state_dir": str(coord_dir),
+            "metrics_port": args.metrics_port,
+            "min_sites": args.sites,
+            "num_inner_steps": args.inner_steps,
+            "max_rounds": args.rounds,
+            "uplink_codec": args.uplink_codec,
+            "downlink_codec": args.downlink_codec,
+            "round_deadline_s": 600.0,
+            "site_timeout_s": 60.0,
+        }
+    }
+    coord_cfg = workdir / "coordinator.toml"
+    coord_cfg.write_text(dump_toml(coordinator))
+    sites = []
+    for i in range(args.sites):
+        site_id = SITE_NAMES[i] if i < len(SITE_NAMES) else f"site{i}"
+        doc = {
+            "site": {
+                "site_id": site_id,
+                "coordinator_endpoint_file": str(coord_dir / "endpoint.json"),
+                "state_dir": str(workdir / f"site-{site_id}"),
+                "num_threads": 1,
+                "device": "cpu",
+                "stages": args.stages,
+                "eval_batches": 8,
+                "eval_batch_size": 16,
+                "data": {"source": "stdlib", "shard_index": i, "num_shards": args.sites},
+                "model": DEMO_MODEL,
+                "optim": {"batch_size": args.batch_size},
+            }
+        }
+        path = workdir / f"site-{site_id}.toml"
+        path.write_text(dump_toml(doc))
+        sites.append((site_id, path))
+    return coord_cfg, sites
+
+
+def _read_status(path: Path) -> dict[str, Any] | None:
+    try:
+        status: dict[str, Any] = json.loads(path.read_text())
+        return status
+    except (OSError, ValueError):
+        return None
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    if args.sites < 1 or args.rounds < 1 or args.inner_steps < 1:
+        print("crossdc demo: --sites, --rounds and --inner-steps must be >= 1", file=sys.stderr)
+        return 2
+    workdir = Path(args.workdir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    coord_cfg, sites = write_configs(args, workdir)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    python = [sys.executable, "-m", "crossdc"]
+    run = DemoRun(workdir)
+    started = time.monotonic()
+    status_path = workdir / "coordinator" / "status.json"
+    quiet = args.json
+    if not quiet:
+        print(
+            f"crossdc demo: {args.sites} sites x {args.rounds} rounds x {args.inner_steps} "
+            f"inner steps; logs and state in {workdir}"
+        )
+        print(f"{'round':>5} {'val_loss':>9} {'train_loss':>10} {'round_s':>8} {'wan_bytes':>12}")
+    status: dict[str, Any] | None = None
+    try:
+        run.spawn("coordinator", [*python, "coordinator", "--config", str(coord_cfg)], env)
+        for site_id, path in sites:
+            run.spawn(f"site-{site_id}", [*python, "agent", "--config", str(path)], env)
+        shown = 0
+        coord = run.procs["coordinator"]
+        while True:
+            status = _read_status(status_path) or status
+            if status is not None and not quiet:
+                shown = _print_rounds(status, shown)
+            if coord.poll() is not None:
+                break
+            dead = [n for n, p in run.procs.items() if p.poll() not in (None, 0)]
+            if dead:
+                print(f"crossdc demo: {dead} exited with an error; see {workdir}", file=sys.stderr)
+                return 1
+            if time.monotonic() - started > args.timeout:
+                print(f"crossdc demo: timed out after {args.timeout:.0f}s", file=sys.stderr)
+                return 1
+            time.sleep(0.25)
+        for name, proc in run.procs.items():
+            if name != "coordinator":
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    print(f"crossdc demo: {name} did not stop on shutdown", file=sys.stderr)
+        status = _read_status(status_path) or status
+        if status is not None and not quiet:
+            _print_rounds(status, shown)
+    finally:
+        run.close()
+    wall = time.monotonic() - started
+    if coord.returncode != 0 or status is None:
+        print(
+            f"crossdc demo: coordinator failed (exit {coord.returncode}); see {workdir}",
+            file=sys.stderr,
+        )
+        return 1
+    report = build_report(args, status, wall)
+    if args.report:
+        Path(args.report).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    if quiet:
+        print(json.dumps(report, indent=1, sort_keys=True))
+    else:
+        _print_summary(report)
+    return 0
+
+
+def _print_rounds(status: dict[str, Any], shown: int) -> int:
+    history = status.get("history", [])
+    vals = status.get("val_losses", {})
+    # Print a round once its model's validation loss is known (or a later round completed).
+    while shown < len(history):
+        h = history[shown]
+        val = vals.get(str(h["global_version"]))
+        if val is None and shown == len(history) - 1 and not status.get("finished"):
+            break
+        wan = h.get("wire_bytes_in", 0) + h.get("wire_bytes_out", 0)
+        val_s = f"{val:9.4f}" if val is not None else f"{'-':>9}"
+        print(
+            f"{h['round_id']:>5} {val_s} {h['train_loss']:10.4f} {h['duration_s']:8.1f} {_fmt_bytes(wan):>12}"
+        )
+        shown += 1
+    return shown
+
+
+def build_report(args: argparse.Namespace, status: dict[str, Any], wall: float) -> dict[str, Any]:
+    vals = {int(k): v for k, v in status.get("val_losses", {}).items()}
+    history = status.get("history", [])
+    final_version = status.get("global_version")
+    return {
+        "sites": args.sites,
+        "rounds_completed": status.get("rounds_completed", 0),
+        "inner_steps_per_round": args.inner_steps,
+        "batch_size": args.batch_size,
+        "context_len": DEMO_MODEL["context_len"],
+        "num_parameters": status.get("num_parameters", 0),
+        "uplink_codec": args.uplink_codec,
+        "downlink_codec": args.downlink_codec,
+        "stages": args.stages,
+        "val_loss_initial": vals.get(0),
+        "val_loss_final": vals.get(final_version) if final_version is not None else None,
+        "val_loss_by_version": {str(k): v for k, v in sorted(vals.items())},
+        "wan_bytes_total": status.get("wire_bytes_in", 0) + status.get("wire_bytes_out", 0),
+        "wan_bytes_in": status.get("wire_bytes_in", 0),
+        "wan_bytes_out": status.get("wire_bytes_out", 0),
+        "round_seconds": [h["duration_s"] for h in history],
+        "wall_seconds": wall,
+    }
+
+
+def _print_summary(r: dict[str, Any]) -> None:
+    v0, v1 = r["val_loss_initial"], r["val_loss_final"]
+    drop = f"{(1 - v1 / v0) * 100:.1f}% lower" if v0 and v1 else "n/a"
+    print(
+        f"\ndone: {r['rounds_completed']} rounds, {r['sites']} sites, "
+        f"{r['num_parameters']:,} parameters\n"
+        f"  validation loss {v0:.4f} -> {v1:.4f} ({drop})\n"
+        f"  WAN bytes {_fmt_bytes(r['wan_bytes_total'])} in {r['wall_seconds']:.1f}s wall"
+    )

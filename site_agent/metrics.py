@@ -1,0 +1,103 @@
+"""A site agent's Prometheus metrics, declared once (DESIGN.md §6)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+DURATION_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, float("inf"))
+
+
+class SiteMetrics:
+    def __init__(self, site_id: str, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.site_id = site_id
+        lab = ["site"]
+        self._inner_steps = Counter(
+            "crossdc_site_inner_steps_total", "Inner optimizer steps", lab, registry=r
+        )
+        self._tokens = Counter("crossdc_site_tokens_total", "Tokens trained on", lab, registry=r)
+        self._rounds = Counter(
+            "crossdc_site_rounds_total",
+            "Outer rounds this site sent an update for",
+            lab,
+            registry=r,
+        )
+        self._train_loss = Gauge(
+            "crossdc_site_train_loss", "Mean inner training loss, last round", lab, registry=r
+        )
+        self._val_loss = Gauge(
+            "crossdc_site_val_loss", "Validation loss of the global model", lab, registry=r
+        )
+        self._global_version = Gauge(
+            "crossdc_site_global_version", "Global model version held", lab, registry=r
+        )
+        self._compute_util = Gauge(
+            "crossdc_site_compute_utilization",
+            "Fraction of wall time since start spent in inner-step compute",
+            lab,
+            registry=r,
+        )
+        self._stall = Counter(
+            "crossdc_site_sync_stall_seconds_total",
+            "Seconds not computing while waiting on the coordinator",
+            lab,
+            registry=r,
+        )
+        self._compute = Counter(
+            "crossdc_site_compute_seconds_total", "Seconds spent in inner steps", lab, registry=r
+        )
+        self._round_compute = Histogram(
+            "crossdc_site_round_compute_seconds",
+            "Inner-step compute per round",
+            lab,
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self._wire_bytes = Counter(
+            "crossdc_site_wire_bytes_total",
+            "Bytes on this site's coordinator socket",
+            ["site", "direction"],
+            registry=r,
+        )
+        self._rejected = Counter(
+            "crossdc_site_rejected_total",
+            "Messages rejected by this site",
+            ["site", "reason"],
+            registry=r,
+        )
+        self._ef_norm = Gauge(
+            "crossdc_site_error_feedback_norm", "L2 norm of the uplink residual", lab, registry=r
+        )
+
+    def inner(self, steps: int, tokens: int, seconds: float, loss: float) -> None:
+        s = self.site_id
+        self._inner_steps.labels(site=s).inc(steps)
+        self._tokens.labels(site=s).inc(tokens)
+        self._compute.labels(site=s).inc(seconds)
+        self._round_compute.labels(site=s).observe(seconds)
+        self._train_loss.labels(site=s).set(loss)
+
+    def round_sent(self) -> None:
+        self._rounds.labels(site=self.site_id).inc()
+
+    def val_loss(self, value: float) -> None:
+        self._val_loss.labels(site=self.site_id).set(value)
+
+    def global_version(self, version: int) -> None:
+        self._global_version.labels(site=self.site_id).set(version)
+
+    def utilization(self, value: float) -> None:
+        self._compute_util.labels(site=self.site_id).set(value)
+
+    def stalled(self, seconds: float) -> None:
+        self._stall.labels(site=self.site_id).inc(seconds)
+
+    def wire(self, sent: int, received: int) -> None:
+        self._wire_bytes.labels(site=self.site_id, direction="out").inc(sent)
+        self._wire_bytes.labels(site=self.site_id, direction="in").inc(received)
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(site=self.site_id, reason=reason).inc()
+
+    def ef_norm(self, value: float) -> None:
+        self._ef_norm.labels(site=self.site_id).set(value)

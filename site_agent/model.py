@@ -1,0 +1,194 @@
+"""The site-local model of the embedded default job: a small byte-level GPT.
+
+The model is a plain chain of layers (``ByteGPT.layers``): an embedding, ``num_layers`` transformer
+blocks and a head, each mapping one tensor to one tensor. That shape is what lets a site cut the
+model into pipeline stages without knowing its internals, and why no weights are tied: every stage
+must own a disjoint set of parameters.
+
+The coordinator never sees this class; it holds named tensors. ``param_spec`` and
+``model_fingerprint`` are what a site shows it so that a site with a different model is rejected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Part of the fingerprint: bump it whenever the architecture or parameter naming changes, so sites
+# running different code cannot join the same federation even with equal config fields.
+ARCHITECTURE_VERSION = "bytegpt-1"
+
+INIT_STD = 0.02
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape of the byte-level GPT. Every site in a federation must use the same one."""
+
+    vocab_size: int = 256
+    """Number of token ids; 256 for raw bytes."""
+    context_len: int = 128
+    """Longest sequence, in tokens, the position embedding covers."""
+    num_layers: int = 4
+    """Number of transformer blocks."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    num_heads: int = 4
+    """Attention heads per block; must divide ``d_model``."""
+    mlp_ratio: int = 4
+    """Hidden width of each block's MLP as a multiple of ``d_model``."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "context_len",
+            "num_layers",
+            "d_model",
+            "num_heads",
+            "mlp_ratio",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.num_heads != 0:
+            raise ValueError(
+                f"model.d_model must be divisible by model.num_heads, "
+                f"got d_model={self.d_model} num_heads={self.num_heads}"
+            )
+
+
+class Embedding(nn.Module):
+    """Token ids ``[B, T]`` to the residual stream ``[B, T, D]``: token plus learned position."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.context_len = cfg.context_len
+        self.token = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.position = nn.Embedding(cfg.context_len, cfg.d_model)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        seq_len = idx.shape[1]
+        if seq_len > self.context_len:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds model.context_len={self.context_len}"
+            )
+        positions = torch.arange(seq_len, device=idx.device)
+        embedded: torch.Tensor = self.token(idx) + self.position(positions)
+        return embedded
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: causal self-attention then a GELU MLP, both residual."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.ln_attn = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.attn_proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln_mlp = nn.LayerNorm(cfg.d_model)
+        self.mlp_fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.mlp_proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, d_model = x.shape
+        head_dim = d_model // self.num_heads
+        q, k, v = self.qkv(self.ln_attn(x)).split(d_model, dim=2)
+        # [B, T, D] -> [B, H, T, D/H]
+        q = q.view(batch, seq_len, self.num_heads, head_dim).transpose(1, 2)
+        k = k.view(batch, seq_len, self.num_heads, head_dim).transpose(1, 2)
+        v = v.view(batch, seq_len, self.num_heads, head_dim).transpose(1, 2)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attn = attn.transpose(1, 2).contiguous().view(batch, seq_len, d_model)
+        x = x + self.attn_proj(attn)
+        out: torch.Tensor = x + self.mlp_proj(F.gelu(self.mlp_fc(self.ln_mlp(x))))
+        return out
+
+
+class Head(nn.Module):
+    """Residual stream ``[B, T, D]`` to logits ``[B, T, V]``: final LayerNorm and an untied linear."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.proj(self.ln(x))
+        return logits
+
+
+class ByteGPT(nn.Module):
+    """A chain ``layers = [Embedding, Block * num_layers, Head]``; ``forward`` applies it in order."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(
+            [Embedding(cfg), *(Block(cfg) for _ in range(cfg.num_layers)), Head(cfg)]
+        )
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = idx
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, mean over every token of the batch."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build_model(cfg: ModelConfig, seed: int, *, device: str | torch.device = "cpu") -> ByteGPT:
+    """A freshly initialised model; the same ``(cfg, seed)`` gives bit-identical parameters.
+
+    Parameters are allocated without default initialisation and then drawn, on the CPU, from a
+    private generator in ``named_parameters`` order, so the global torch RNG is left untouched and
+    the values do not depend on ``device``. GPT-2 style: weights N(0, 0.02), biases zero, LayerNorm
+    identity, and the two residual projections per block scaled by ``1/sqrt(2 * num_layers)``.
+    """
+    with torch.device("meta"):
+        model = ByteGPT(cfg)
+    model.to_empty(device="cpu")
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    residual_std = INIT_STD / math.sqrt(2 * cfg.num_layers)
+    initialised: set[str] = set()
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            if isinstance(module, nn.Linear):
+                is_residual = module_name.endswith(("attn_proj", "mlp_proj"))
+                std = residual_std if is_residual else INIT_STD
+                nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
+                nn.init.zeros_(module.bias)
+                initialised.update({prefix + "weight", prefix + "bias"})
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD, generator=generator)
+                initialised.add(prefix + "weight")
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+                initialised.update({prefix + "weight", prefix + "bias"})
+    assert initialised == {name for name, _ in model.named_parameters()}
+    assert not list(model.buffers()), "every state_dict entry must be a parameter"
+    return model.to(device)
+
+
+def param_spec(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of the model's state, in ``state_dict`` order."""
+    return [(name, tuple(tensor.shape)) for name, tensor in model.state_dict().items()]
+
+
+def model_fingerprint(cfg: ModelConfig) -> str:
+    """A short hex digest of the architecture version and every config field."""
+    fields = dataclasses.asdict(cfg)
+    payload = json.dumps({"architecture": ARCHITECTURE_VERSION, **fields}, sort_keys=True)
+    return hashlib.blake2b(payload.encode(), digest_size=8).hexdigest()

@@ -1,0 +1,249 @@
+"""Bottleneck-optimal split of a layer chain into pipeline stages.
+
+This module owns the stage partition of a site's pipeline (Archer et al., ICML 2024): given each
+layer's compute cost, each layer's output activation size and a transfer cost model, cut the chain
+into ``num_stages`` contiguous, non-empty stages so that the slowest stage is as fast as possible.
+A stage's time is the sum of its layers' costs plus the time to send its last layer's activation to
+the next stage; the last stage sends nothing. The chain is solved exactly by dynamic programming
+(O(p n^2)); ``brute_force_partition`` enumerates every cut set and exists to check it.
+
+Everything here is pure Python except ``profile_layers``, which measures costs with torch and
+imports it locally.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferModel:
+    """Time to send one activation between adjacent stages: ``latency_s + bytes / bandwidth``.
+
+    The default is a zero-cost transfer (no latency, infinite bandwidth).
+    """
+
+    latency_s: float = 0.0
+    """Fixed cost of one send, in seconds; >= 0."""
+    bandwidth_bytes_per_s: float = math.inf
+    """Link bandwidth in bytes per second; > 0, ``math.inf`` for free transfers."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise ValueError(f"latency_s must be finite and >= 0, got {self.latency_s!r}")
+        if math.isnan(self.bandwidth_bytes_per_s) or self.bandwidth_bytes_per_s <= 0:
+            raise ValueError(
+                f"bandwidth_bytes_per_s must be > 0, got {self.bandwidth_bytes_per_s!r}"
+            )
+
+    def seconds(self, num_bytes: int) -> float:
+        """Time to send ``num_bytes`` from one stage to the next."""
+        return self.latency_s + num_bytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartitionPlan:
+    """A contiguous split of layers ``0 .. n-1`` into stages, with the times it implies."""
+
+    boundaries: tuple[int, ...]
+    """Index of the first layer of each stage; starts with 0, strictly increasing."""
+    stages: tuple[tuple[int, ...], ...]
+    """Layer indices of each stage, in chain order."""
+    stage_times: tuple[float, ...]
+    """Per stage: compute seconds plus the send of its last activation (none for the last stage)."""
+    bottleneck: float
+    """The slowest stage's time: ``max(stage_times)``; the pipeline's steady-state period."""
+    lower_bound: float
+    """``max(largest layer cost, total cost / num_stages)``: no partition does better."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+
+def partition_layers(
+    layer_costs_s: Sequence[float],
+    activation_bytes: Sequence[int],
+    num_stages: int,
+    transfer: TransferModel | None = None,
+) -> PartitionPlan:
+    """Split the chain into ``num_stages`` stages minimizing the slowest stage's time.
+
+    ``layer_costs_s[i]`` is layer i's forward+backward time; ``activation_bytes[i]`` the size of its
+    output, sent when a cut follows layer i; ``transfer`` defaults to free transfers.
+
+    Ties are broken deterministically, preferring earlier cuts: the last cut is the earliest one
+    that keeps the bottleneck optimal, and the layers before it are split by the same rule. So each
+    prefix of the plan is itself an optimal plan for its layers and number of stages.
+    """
+    costs, sizes, link = _check_inputs(layer_costs_s, activation_bytes, num_stages, transfer)
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    send_s = [link.seconds(b) for b in sizes]
+
+    def stage_time(start: int, end: int) -> float:
+        # Layers [start, end); a stage that ends the chain sends nothing.
+        compute = prefix[end] - prefix[start]
+        return compute if end == n else compute + send_s[end - 1]
+
+    # best[k][j]: smallest bottleneck splitting layers [0, j) into k stages; cut[k][j] the start of
+    # the k-th stage in that split. Only j >= k is reachable (stages are non-empty).
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[-1] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        # The first k stages must leave at least one layer for each of the remaining ones.
+        for j in range(k, n - (num_stages - k) + 1):
+            for i in range(k - 1, j):
+                value = max(best[k - 1][i], stage_time(i, j))
+                if value < best[k][j]:  # strict: the earliest cut wins a tie
+                    best[k][j] = value
+                    cut[k][j] = i
+    boundaries = [0] * num_stages
+    end = n
+    for k in range(num_stages, 0, -1):
+        start = cut[k][end]
+        assert start >= 0, "every reachable state has a cut"
+        boundaries[k - 1] = start
+        end = start
+    return _plan(costs, send_s, boundaries)
+
+
+def brute_force_partition(
+    layer_costs_s: Sequence[float],
+    activation_bytes: Sequence[int],
+    num_stages: int,
+    transfer: TransferModel | None = None,
+) -> PartitionPlan:
+    """Same contract as ``partition_layers`` by trying every cut set; exponential, for tests.
+
+    Among optimal plans it returns the first in lexicographic order of boundaries, which may differ
+    from ``partition_layers``'s choice; the bottleneck is the same.
+    """
+    costs, sizes, link = _check_inputs(layer_costs_s, activation_bytes, num_stages, transfer)
+    send_s = [link.seconds(b) for b in sizes]
+    best: PartitionPlan | None = None
+    for cuts in itertools.combinations(range(1, len(costs)), num_stages - 1):
+        plan = _plan(costs, send_s, [0, *cuts])
+        if best is None or plan.bottleneck < best.bottleneck:
+            best = plan
+    assert best is not None, "1 <= num_stages <= n leaves at least one cut set"
+    return best
+
+
+def _check_inputs(
+    layer_costs_s: Sequence[float],
+    activation_bytes: Sequence[int],
+    num_stages: int,
+    transfer: TransferModel | None,
+) -> tuple[list[float], list[int], TransferModel]:
+    costs = [float(c) for c in layer_costs_s]
+    sizes = [int(b) for b in activation_bytes]
+    if not costs:
+        raise ValueError("layer_costs_s is empty: a pipeline needs at least one layer")
+    for i, c in enumerate(costs):
+        if not (math.isfinite(c) and c >= 0):
+            raise ValueError(f"layer_costs_s[{i}] must be finite and >= 0, got {c!r}")
+    if len(sizes) != len(costs):
+        raise ValueError(
+            f"activation_bytes has {len(sizes)} entries but layer_costs_s has {len(costs)}"
+        )
+    for i, b in enumerate(sizes):
+        if b < 0:
+            raise ValueError(f"activation_bytes[{i}] must be >= 0, got {b}")
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if num_stages > len(costs):
+        raise ValueError(
+            f"num_stages={num_stages} exceeds the number of layers ({len(costs)}): "
+            "every stage needs at least one layer"
+        )
+    return costs, sizes, transfer if transfer is not None else TransferModel()
+
+
+def _plan(costs: list[float], send_s: list[float], boundaries: Sequence[int]) -> PartitionPlan:
+    """Build the plan for given stage starts; times are summed exactly (``math.fsum``)."""
+    n = len(costs)
+    ends = [*boundaries[1:], n]
+    stages = tuple(tuple(range(start, end)) for start, end in zip(boundaries, ends, strict=True))
+    stage_times = tuple(
+        math.fsum(costs[start:end]) + (send_s[end - 1] if end < n else 0.0)
+        for start, end in zip(boundaries, ends, strict=True)
+    )
+    return PartitionPlan(
+        boundaries=tuple(boundaries),
+        stages=stages,
+        stage_times=stage_times,
+        bottleneck=max(stage_times),
+        lower_bound=max(max(costs), math.fsum(costs) / len(boundaries)),
+    )
+
+
+def profile_layers(
+    layers: list[torch.nn.Module], sample_input: torch.Tensor, steps: int = 3
+) -> tuple[list[float], list[int]]:
+    """Measure each layer's forward+backward seconds and output activation bytes.
+
+    Runs the chain on ``sample_input`` once to warm up, then ``steps`` timed times, and reports the
+    per-layer median. Each layer is timed on its own: its input is a detached copy of the previous
+    output, so its backward covers exactly that layer. Gradients are taken with
+    ``torch.autograd.grad``, so the layers' ``.grad`` fields are left untouched. Every layer must
+    return one tensor. On CUDA the device is synchronized around every timed region, so the
+    numbers are kernel time rather than launch time.
+    """
+    import torch
+
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if not layers:
+        raise ValueError("layers is empty: nothing to profile")
+    device = sample_input.device
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    times: list[list[float]] = [[] for _ in layers]
+    sizes = [0] * len(layers)
+    with torch.enable_grad():
+        for step in range(steps + 1):  # step 0 is the warm-up, not recorded
+            x = sample_input
+            for i, layer in enumerate(layers):
+                x_in = x.detach().requires_grad_(x.is_floating_point())
+                sync()
+                t0 = time.perf_counter()
+                y = layer(x_in)
+                sync()
+                t1 = time.perf_counter()
+                if not isinstance(y, torch.Tensor):
+                    raise ValueError(
+                        f"layers[{i}] returned {type(y).__name__}; profiling needs one tensor"
+                    )
+                wrt: list[torch.Tensor] = [p for p in layer.parameters() if p.requires_grad]
+                if x_in.requires_grad:
+                    wrt.append(x_in)
+                backward_s = 0.0
+                if y.requires_grad and wrt:
+                    grad_out = torch.ones_like(y)
+                    sync()
+                    t2 = time.perf_counter()
+                    torch.autograd.grad(y, wrt, grad_outputs=grad_out, allow_unused=True)
+                    sync()
+                    backward_s = time.perf_counter() - t2
+                if step > 0:
+                    times[i].append((t1 - t0) + backward_s)
+                sizes[i] = y.numel() * y.element_size()
+                x = y.detach()
+    return [statistics.median(t) for t in times], sizes

@@ -1,0 +1,108 @@
+"""Config files: TOML onto dataclasses, errors naming the field, env overrides, CLI exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from comm.configio import ConfigError, build, dump_toml, env_overrides, load_section
+from coordinator.config import CoordinatorConfig
+from site_agent.config import SiteConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_build_nested_and_explicit_wins() -> None:
+    cfg = build(
+        SiteConfig,
+        {"site_id": "eu", "coordinator": "tcp://h:1", "model": {"d_model": 64, "num_heads": 4}},
+        prefix="site",
+        seed=7,
+    )
+    assert cfg.model.d_model == 64 and cfg.seed == 7
+
+
+@pytest.mark.parametrize(
+    ("table", "needle"),
+    [
+        ({"bogus": 1}, "unknown key coordinator.bogus"),
+        ({"min_sites": "two"}, "coordinator.min_sites must be an integer"),
+        ({"min_sites": 0}, "coordinator.min_sites must be >= 1"),
+        ({"quorum_fraction": 1.5}, "coordinator.quorum_fraction"),
+        ({"uplink_codec": "zip9"}, "coordinator.uplink_codec"),
+        ({"channel": {"chunk_bytes": 1}}, "channel.chunk_bytes"),
+    ],
+)
+def test_bad_coordinator_config_names_the_field(table: dict[str, object], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        build(CoordinatorConfig, table, prefix="coordinator")
+
+
+def test_site_config_errors() -> None:
+    with pytest.raises(ConfigError, match="site.coordinator"):
+        build(SiteConfig, {"site_id": "eu"}, prefix="site")
+    with pytest.raises(ConfigError, match="model.d_model"):
+        build(
+            SiteConfig,
+            {"site_id": "eu", "coordinator": "tcp://h:1", "model": {"d_model": 30, "num_heads": 4}},
+            prefix="site",
+        )
+
+
+def test_env_overrides_parse_toml_values() -> None:
+    env = {
+        "CROSSDC_SITE_SEED": "9",
+        "CROSSDC_SITE_MODEL__D_MODEL": "64",
+        "CROSSDC_SITE_SITE_ID": "eu",
+        "OTHER": "x",
+    }
+    assert env_overrides("site", env) == {"seed": 9, "model": {"d_model": 64}, "site_id": "eu"}
+
+
+def test_dump_toml_round_trips(tmp_path: Path) -> None:
+    doc = {
+        "coordinator": {
+            "min_sites": 3,
+            "bind": "tcp://127.0.0.1:0",
+            "outer_lr": 0.5,
+            "channel": {"chunk_bytes": 65536},
+        }
+    }
+    path = tmp_path / "c.toml"
+    path.write_text(dump_toml(doc))
+    cfg = load_section(CoordinatorConfig, path, "coordinator")
+    assert cfg.min_sites == 3 and cfg.channel.chunk_bytes == 65536 and cfg.outer_lr == 0.5
+
+
+def test_unknown_table_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[coordinatr]\nmin_sites = 2\n")
+    with pytest.raises(ConfigError, match="unknown table"):
+        load_section(CoordinatorConfig, path, "coordinator")
+
+
+def test_cli_bad_config_prints_one_line_and_exits_2(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[coordinator]\nmin_sites = -1\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "crossdc", "coordinator", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "coordinator.min_sites" in lines[0]
+
+
+def test_shipped_example_configs_load() -> None:
+    root = Path(__file__).resolve().parent.parent / "deploy" / "config"
+    from coordinator.config import load_coordinator_config
+    from site_agent.config import load_site_config
+
+    assert load_coordinator_config(root / "coordinator.toml").min_sites >= 1
+    for path in sorted(root.glob("site-*.toml")):
+        assert load_site_config(path).site_id

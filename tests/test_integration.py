@@ -1,0 +1,131 @@
+"""A federation of real processes over tcp loopback: it learns, survives a coordinator SIGKILL,
+and keeps training while garbage is thrown at the coordinator's socket."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from comm.schema import PROTOCOL_VERSION, MessageType
+from tests.conftest import Procs, read_status, wait_for, write_coordinator_config, write_site_config
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _start_federation(
+    procs: Procs, workdir: Path, num_sites: int = 2, start_sites: int | None = None, **coord: object
+) -> None:
+    cfg = write_coordinator_config(workdir, **coord)
+    procs.start("coordinator", "coordinator", "--config", str(cfg))
+    for i, site in enumerate(["eu", "us", "ap"][: start_sites or num_sites]):
+        procs.start(
+            f"site-{site}", "agent", "--config", str(write_site_config(workdir, site, i, num_sites))
+        )
+
+
+def test_two_sites_learn_and_stop_cleanly(procs: Procs, tmp_path: Path) -> None:
+    _start_federation(procs, tmp_path, max_rounds=3)
+    assert procs.procs["coordinator"].wait(timeout=240) == 0, procs.log("coordinator")
+    for name in ("site-eu", "site-us"):
+        assert procs.procs[name].wait(timeout=60) == 0, procs.log(name)
+    status = read_status(tmp_path)
+    assert status is not None and status["finished"]
+    assert status["rounds_completed"] == 3
+    vals = {int(k): v for k, v in status["val_losses"].items()}
+    assert vals[3] < 0.9 * vals[0], vals
+    ids = [h["round_id"] for h in status["history"]]
+    assert ids == sorted(set(ids))
+    assert all(h["merged"] == ["eu", "us"] for h in status["history"])
+    # Every site ends on the coordinator's global version (their checkpoints say so).
+    import torch
+
+    for site in ("eu", "us"):
+        ckpt = torch.load(tmp_path / f"site-{site}" / "checkpoint.pt", weights_only=True)
+        assert ckpt["global_version"] == 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_coordinator_sigkill_resumes_without_reusing_round_ids(
+    procs: Procs, tmp_path: Path
+) -> None:
+    # A restarted coordinator must come back on the same address the sites know.
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    _start_federation(procs, tmp_path, max_rounds=5, bind=bind, faults={"kill_after_open_round": 3})
+    assert procs.procs["coordinator"].wait(timeout=240) == -signal.SIGKILL, procs.log("coordinator")
+    meta = json.loads((tmp_path / "coordinator" / "meta.json").read_text())
+    assert (meta["global_version"], meta["round_counter"]) == (2, 3)
+    # Restart on the same state dir without the fault: it resumes from its last durable round.
+    cfg = write_coordinator_config(tmp_path, max_rounds=5, bind=bind)
+    procs.start("coordinator", "coordinator", "--config", str(cfg))
+    assert procs.procs["coordinator"].wait(timeout=240) == 0, procs.log("coordinator")
+    status = read_status(tmp_path)
+    assert status is not None and status["finished"] and status["rounds_completed"] == 5
+    ids = [h["round_id"] for h in status["history"]]
+    assert ids == [1, 2, 4, 5, 6], ids  # round 3 was announced, then lost: its id is never reused
+    assert [h["base_version"] for h in status["history"]] == [0, 1, 2, 4, 5]
+    assert "resumed global_version=2 round_counter=3" in procs.log("coordinator")
+    for site in ("site-eu", "site-us"):
+        assert procs.procs[site].wait(timeout=60) == 0, procs.log(site)
+
+
+def test_garbage_frames_are_rejected_while_training_continues(procs: Procs, tmp_path: Path) -> None:
+    # One site first: the federation waits for the second while garbage arrives, then trains.
+    _start_federation(procs, tmp_path, num_sites=2, start_sites=1, max_rounds=3)
+    endpoint = wait_for(
+        lambda: (
+            (tmp_path / "coordinator" / "endpoint.json").exists()
+            and json.loads((tmp_path / "coordinator" / "endpoint.json").read_text())["endpoint"]
+        ),
+        timeout_s=60,
+        what="coordinator endpoint",
+        procs=procs,
+    )
+    wait_for(
+        lambda: (s := read_status(tmp_path)) and s["members"] == ["eu"],
+        timeout_s=120,
+        what="eu joined",
+        procs=procs,
+    )
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        good_head = {
+            "v": PROTOCOL_VERSION,
+            "t": int(MessageType.HEARTBEAT),
+            "f": {"site_id": "x", "global_version": 0},
+            "p": [],
+        }
+        sock.send_multipart([b"\x00not msgpack at all"])
+        sock.send_multipart([msgpack.packb({**good_head, "v": 99})])
+        sock.send_multipart([msgpack.packb(good_head), b"x" * (2 << 20)])  # oversize
+        sock.send_multipart([msgpack.packb({**good_head, "t": 250})])
+        sock.send_multipart([msgpack.packb(good_head)])  # valid but never joined
+        wait_for(
+            lambda: (s := read_status(tmp_path)) and s["rejected"].get("oversize", 0) >= 1,
+            timeout_s=60,
+            what="the rejections to be counted",
+            procs=procs,
+        )
+        procs.start("site-us", "agent", "--config", str(write_site_config(tmp_path, "us", 1, 2)))
+        assert procs.procs["coordinator"].wait(timeout=240) == 0, procs.log("coordinator")
+    finally:
+        sock.close()
+        ctx.term()
+    status = read_status(tmp_path)
+    assert status is not None and status["rounds_completed"] == 3
+    assert status["rejected"].get("malformed", 0) >= 2
+    assert status["rejected"].get("wrong_version", 0) >= 1
+    assert status["rejected"].get("oversize", 0) >= 1

@@ -1,0 +1,203 @@
+"""Wire codec: a round trip per message type, the registry, and rejection of bad frames."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from comm import schema
+from comm.compress import EncodedTensor, Fp32Codec
+from comm.schema import MESSAGE_CLASSES, PROTOCOL_VERSION, ErrorCode, MessageType
+from comm.wire import WireError, from_wire, to_wire
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _payload() -> tuple[EncodedTensor, ...]:
+    codec = Fp32Codec()
+    return (
+        codec.encode("layers.0.w", np.arange(12, dtype=np.float32).reshape(3, 4)),
+        codec.encode("layers.1.b", np.array([-1.5, 2.25], dtype=np.float32)),
+    )
+
+
+SAMPLES: dict[MessageType, object] = {
+    MessageType.JOIN: schema.Join(
+        site_id="eu",
+        model_fingerprint="ab12",
+        global_version=-1,
+        state_hash="00",
+        capabilities={"stages": 2},
+    ),
+    MessageType.WELCOME: schema.Welcome(
+        site_id="eu", session_id="s1", global_version=3, heartbeat_interval_s=1.0, need_init=False
+    ),
+    MessageType.HEARTBEAT: schema.Heartbeat(site_id="eu", global_version=3),
+    MessageType.LEAVE: schema.Leave(site_id="eu", reason="maintenance"),
+    MessageType.INIT_PARAMS: schema.InitParams(
+        site_id="eu", model_fingerprint="ab12", payload=_payload()
+    ),
+    MessageType.ROUND_START: schema.RoundStart(
+        round_id=7,
+        global_version=6,
+        num_inner_steps=100,
+        codec="fp32",
+        deadline_s=30.0,
+        participants=("ap", "eu"),
+        evaluate=True,
+    ),
+    MessageType.UPDATE: schema.Update(
+        site_id="eu",
+        round_id=7,
+        global_version=6,
+        weight=4096.0,
+        train_loss=2.5,
+        compute_seconds=3.0,
+        payload=_payload(),
+    ),
+    MessageType.GLOBAL: schema.Global(
+        round_id=7,
+        base_version=6,
+        global_version=7,
+        is_full=False,
+        state_hash="ff",
+        evaluate=False,
+        payload=_payload(),
+    ),
+    MessageType.EVAL: schema.Eval(site_id="eu", global_version=7, val_loss=2.1, num_tokens=1024),
+    MessageType.ERROR: schema.Error(code=int(ErrorCode.STALE_ROUND), detail="round 3 is not open"),
+    MessageType.SHUTDOWN: schema.Shutdown(reason="done"),
+    MessageType.SYNC_REQUEST: schema.SyncRequest(site_id="eu", global_version=2),
+    MessageType.CHUNK: schema.Chunk(
+        transfer_id="t1", index=0, num_chunks=1, offset=0, total_bytes=5, digest="d", data=b"hello"
+    ),
+}
+
+
+def _same(a: object, b: object) -> bool:
+    assert dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b)
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "payload":
+            assert len(x) == len(y)
+            for ex, ey in zip(x, y, strict=True):
+                assert (ex.name, tuple(ex.shape), ex.codec, ex.meta) == (
+                    ey.name,
+                    tuple(ey.shape),
+                    ey.codec,
+                    ey.meta,
+                )
+                for bx, by in zip(ex.buffers, ey.buffers, strict=True):
+                    assert bytes(np.ascontiguousarray(bx)) == bytes(np.ascontiguousarray(by))
+        elif isinstance(x, bytes | memoryview):
+            assert bytes(x) == bytes(y)
+        else:
+            assert x == y, f.name
+    return True
+
+
+def test_every_message_type_has_a_sample_and_class() -> None:
+    assert set(SAMPLES) == set(MessageType) == set(MESSAGE_CLASSES)
+
+
+@pytest.mark.parametrize("mtype", list(MessageType), ids=lambda t: t.name)
+def test_round_trip_per_type(mtype: MessageType) -> None:
+    msg = SAMPLES[mtype]
+    back = from_wire(to_wire(msg))  # type: ignore[arg-type]
+    assert type(back) is type(msg)
+    assert _same(msg, back)
+
+
+def test_tensor_frames_are_not_copied() -> None:
+    arr = np.arange(1000, dtype=np.float32)
+    enc = EncodedTensor(name="a", shape=(1000,), codec="fp32", buffers=(arr,))
+    msg = schema.InitParams(site_id="x", model_fingerprint="f", payload=(enc,))
+    frames = to_wire(msg)
+    assert np.shares_memory(frames[1], arr)
+
+
+def _header(**over: object) -> bytes:
+    head = {
+        "v": PROTOCOL_VERSION,
+        "t": int(MessageType.HEARTBEAT),
+        "f": {"site_id": "eu", "global_version": 1},
+        "p": [],
+    }
+    head.update(over)
+    return msgpack.packb(head)
+
+
+@pytest.mark.parametrize(
+    ("frames", "code"),
+    [
+        ([], ErrorCode.MALFORMED),
+        ([b"\xc1garbage"], ErrorCode.MALFORMED),
+        ([msgpack.packb([1, 2, 3])], ErrorCode.MALFORMED),
+        ([_header(v=PROTOCOL_VERSION + 1)], ErrorCode.WRONG_VERSION),
+        ([_header(t=999)], ErrorCode.MALFORMED),
+        ([_header(f={"site_id": "eu"})], ErrorCode.MALFORMED),
+        ([_header(f={"site_id": "eu", "global_version": "3"})], ErrorCode.MALFORMED),
+        ([_header(f={"site_id": "eu", "global_version": True})], ErrorCode.MALFORMED),
+        ([_header(f={"site_id": "eu", "global_version": 1, "extra": 1})], ErrorCode.MALFORMED),
+        ([_header(), b"stray frame"], ErrorCode.MALFORMED),
+    ],
+)
+def test_bad_frames_are_rejected_with_a_code(frames: list[bytes], code: ErrorCode) -> None:
+    with pytest.raises(WireError) as info:
+        from_wire(frames)
+    assert info.value.code is code
+
+
+def test_payload_frame_size_must_match_header() -> None:
+    frames = to_wire(SAMPLES[MessageType.UPDATE])  # type: ignore[arg-type]
+    frames[1] = bytes(frames[1])[:-4]
+    with pytest.raises(WireError, match="frame holds"):
+        from_wire(frames)
+
+
+def test_missing_payload_frame_is_rejected() -> None:
+    frames = to_wire(SAMPLES[MessageType.UPDATE])  # type: ignore[arg-type]
+    with pytest.raises(WireError, match="missing frames"):
+        from_wire(frames[:-1])
+
+
+def test_oversize_is_rejected() -> None:
+    frames = to_wire(SAMPLES[MessageType.UPDATE])  # type: ignore[arg-type]
+    with pytest.raises(WireError) as info:
+        from_wire(frames, max_bytes=16)
+    assert info.value.code is ErrorCode.OVERSIZE
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=64), min_size=1, max_size=4))
+def test_fuzz_random_frames_raise_only_wire_errors(frames: list[bytes]) -> None:
+    with contextlib.suppress(WireError):
+        from_wire(frames)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(list(MessageType)),
+    st.dictionaries(
+        st.text(max_size=8),
+        st.one_of(
+            st.integers(min_value=-(2**63), max_value=2**64 - 1),
+            st.text(max_size=8),
+            st.none(),
+            st.floats(),
+        ),
+        max_size=4,
+    ),
+)
+def test_fuzz_wellformed_headers_with_wrong_fields(
+    mtype: MessageType, fields: dict[str, object]
+) -> None:
+    head = msgpack.packb({"v": PROTOCOL_VERSION, "t": int(mtype), "f": fields, "p": []})
+    with contextlib.suppress(WireError):
+        from_wire([head])
