@@ -23,7 +23,7 @@ from typing import Any
 import zmq
 
 from comm.chunking import Reassembler, split_frames
-from comm.schema import Chunk, ErrorCode, Message
+from comm.schema import Chunk, ErrorCode, Heartbeat, Message
 from comm.wire import Frame, WireError, frames_nbytes, from_wire, to_wire
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,9 @@ class ChannelConfig:
     """First reconnect delay after a connection is lost."""
     reconnect_interval_max_s: float = 5.0
     """Reconnect back-off ceiling."""
-    chunk_bytes: int = 1 << 20
-    """Messages larger than this travel as chunks of this size, each with its own digest."""
+    chunk_bytes: int = 256 << 10
+    """Messages larger than this travel as chunks of this size, each with its own digest
+    (small enough that most transfers span several chunks, which is how goodput is measured)."""
     max_transfer_bytes: int = 4 << 30
     """Largest chunked message accepted; bounds the reassembly buffer."""
     linger_s: float = 2.0
@@ -95,6 +96,18 @@ class ChannelStats:
     messages_sent: int = 0
     messages_received: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
+    rtt_s: float = 0.0
+    """EWMA of measured round trips (0: none yet)."""
+    goodput_bps: float = 0.0
+    """EWMA of measured receive goodput of chunked transfers, bits/s (0: none yet)."""
+
+    def rtt_sample(self, seconds: float, alpha: float = 0.2) -> None:
+        self.rtt_s = seconds if self.rtt_s == 0 else (1 - alpha) * self.rtt_s + alpha * seconds
+
+    def goodput_sample(self, bps: float, alpha: float = 0.3) -> None:
+        self.goodput_bps = (
+            bps if self.goodput_bps == 0 else (1 - alpha) * self.goodput_bps + alpha * bps
+        )
 
 
 def _ms(seconds: float) -> int:
@@ -136,6 +149,8 @@ class _Endpoint:
         self._reassembler = Reassembler(max_transfer_bytes=cfg.max_transfer_bytes)
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
+        # First-chunk arrival per transfer: goodput = bytes after the first chunk / time since.
+        self._transfer_start: dict[tuple[bytes, str], tuple[float, int]] = {}
 
     def _send_frames(self, prefix: list[bytes], msg: Message) -> None:
         frames = to_wire(msg)
@@ -163,9 +178,15 @@ class _Endpoint:
         try:
             msg = from_wire(frames, max_bytes=self.cfg.max_message_bytes)
             if isinstance(msg, Chunk):
-                whole = self._reassembler.add(sender, msg, time.monotonic())
+                now = time.monotonic()
+                key = (sender, msg.transfer_id)
+                first = self._transfer_start.setdefault(key, (now, size))
+                whole = self._reassembler.add(sender, msg, now)
                 if whole is None:
                     return None
+                del self._transfer_start[key]
+                if msg.num_chunks > 1 and now > first[0]:
+                    self.stats.goodput_sample(8 * (msg.total_bytes - first[1]) / (now - first[0]))
                 msg = from_wire(whole)
                 if isinstance(msg, Chunk):
                     raise WireError(ErrorCode.MALFORMED, "a chunk inside a chunked transfer")
@@ -337,7 +358,9 @@ class SiteLink:
                     except queue.Empty:
                         break
                 msg = chan.recv(0.005)
-                if msg is not None:
+                if isinstance(msg, Heartbeat):  # the coordinator's echo of one of ours
+                    self.stats.rtt_sample(time.monotonic() - msg.sent_at)
+                elif msg is not None:
                     self._inbox.put(msg)
             while True:  # flush what the owner queued before close()
                 try:

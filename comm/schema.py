@@ -33,6 +33,9 @@ class MessageType(enum.IntEnum):
     SHUTDOWN = 11
     SYNC_REQUEST = 12
     CHUNK = 13
+    STEP_GRAD = 14
+    STEP_MEAN = 15
+    ROUND_CANCEL = 16
 
 
 class ErrorCode(enum.IntEnum):
@@ -92,10 +95,12 @@ class Welcome:
 
 @dataclass(frozen=True, kw_only=True)
 class Heartbeat:
-    """Application-level liveness, both directions."""
+    """Application-level liveness. The coordinator echoes each one back unchanged, so the site
+    measures the round trip from ``sent_at`` (the site's own monotonic clock)."""
 
     site_id: str
     global_version: int
+    sent_at: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,15 +122,36 @@ class InitParams:
 
 @dataclass(frozen=True, kw_only=True)
 class RoundStart:
-    """The coordinator opens a round for one site: train from ``global_version``, then send."""
+    """The coordinator's plan of one round for one site.
+
+    Train ``num_inner_steps`` more inner steps, then send the pseudo-gradient of fragment
+    ``fragment`` (of ``num_fragments``, see ``comm.tensors.fragments``) encoded with ``codec``,
+    relative to a global model that includes version ``fragment_base_version``. With
+    ``overlap`` the site keeps training while the update and the result are in flight; without
+    it the site waits for this round's result before training on.
+    """
 
     round_id: int
     global_version: int
+    fragment_base_version: int
+    fragment: int
+    num_fragments: int
     num_inner_steps: int
+    overlap: bool
     codec: str
     deadline_s: float
     participants: tuple[str, ...]
     evaluate: bool
+    reason: str
+    """Why the scheduler chose this plan (for logs)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundCancel:
+    """Rounds that will never complete (aborted); sites drop their plans for them."""
+
+    round_ids: tuple[int, ...]
+    reason: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,9 +161,16 @@ class Update:
     site_id: str
     round_id: int
     global_version: int
+    fragment: int
     weight: float
     train_loss: float
     compute_seconds: float
+    step_seconds: float
+    """Mean wall seconds per inner step (the scheduler's compute estimate)."""
+    link_rtt_s: float
+    """The site's measured round trip to the coordinator (0 when unknown)."""
+    link_goodput_bps: float
+    """The site's measured goodput from the coordinator, bits/s (0 when unknown)."""
     payload: tuple[EncodedTensor, ...]
 
 
@@ -152,6 +185,10 @@ class Global:
     round_id: int
     base_version: int
     global_version: int
+    fragment: int
+    """Which fragment changed (-1: the whole model, as in a full download)."""
+    merged: tuple[str, ...]
+    """Sites whose updates this round merged (late ones included)."""
     is_full: bool
     state_hash: str
     evaluate: bool
@@ -205,6 +242,26 @@ class Chunk:
     data: bytes | memoryview
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepGrad:
+    """Synchronous data-parallel baseline: one site's gradient of one inner step."""
+
+    site_id: str
+    step: int
+    weight: float
+    loss: float
+    payload: tuple[EncodedTensor, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepMean:
+    """Synchronous data-parallel baseline: the weighted mean gradient of one step, for all."""
+
+    step: int
+    num_sites: int
+    payload: tuple[EncodedTensor, ...]
+
+
 Message = (
     Join
     | Welcome
@@ -219,6 +276,9 @@ Message = (
     | Shutdown
     | SyncRequest
     | Chunk
+    | StepGrad
+    | StepMean
+    | RoundCancel
 )
 
 MESSAGE_CLASSES: dict[MessageType, type[Any]] = {
@@ -235,6 +295,9 @@ MESSAGE_CLASSES: dict[MessageType, type[Any]] = {
     MessageType.SHUTDOWN: Shutdown,
     MessageType.SYNC_REQUEST: SyncRequest,
     MessageType.CHUNK: Chunk,
+    MessageType.STEP_GRAD: StepGrad,
+    MessageType.STEP_MEAN: StepMean,
+    MessageType.ROUND_CANCEL: RoundCancel,
 }
 
 MESSAGE_TYPES: dict[type[Any], MessageType] = {cls: t for t, cls in MESSAGE_CLASSES.items()}

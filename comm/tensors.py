@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from comm.compress import EncodedTensor, FloatArray, PayloadCodec, get_codec
+from comm.compress import EncodedTensor, FloatArray, NonFiniteError, PayloadCodec, get_codec
 from comm.schema import ErrorCode
 from comm.wire import WireError
 
@@ -70,6 +70,8 @@ def decode_tensors(
             raise WireError(ErrorCode.UNKNOWN_CODEC, f"{enc.name!r}: {exc}") from None
         try:
             arr = codec.decode(enc)
+        except NonFiniteError as exc:
+            raise WireError(ErrorCode.NON_FINITE, str(exc)) from None
         except (ValueError, TypeError) as exc:
             raise WireError(ErrorCode.BAD_PAYLOAD, f"{enc.name!r}: {exc}") from None
         if arr.shape != tuple(enc.shape):
@@ -77,4 +79,30 @@ def decode_tensors(
         if not np.isfinite(arr).all():
             raise WireError(ErrorCode.NON_FINITE, f"{enc.name!r} holds NaN or Inf")
         out[enc.name] = arr
+    return out
+
+
+def _layer_key(name: str) -> str:
+    """``layers.3.attn.w`` -> ``layers.3``; names without a numbered prefix are their own key."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return name
+
+
+def fragments(names: Sequence[str], num_fragments: int) -> list[list[str]]:
+    """Split tensor names into ``num_fragments`` groups, strided over layers.
+
+    Tensors of one layer (same numbered prefix) stay together; layer *i* (in order of first
+    appearance) goes to fragment ``i % num_fragments``, so every fragment spans the depth of the
+    model (Streaming DiLoCo). A fragment may be empty when there are fewer layers than fragments.
+    """
+    if num_fragments < 1:
+        raise ValueError(f"num_fragments must be >= 1, got {num_fragments}")
+    keys: dict[str, int] = {}
+    out: list[list[str]] = [[] for _ in range(num_fragments)]
+    for name in names:
+        index = keys.setdefault(_layer_key(name), len(keys))
+        out[index % num_fragments].append(name)
     return out

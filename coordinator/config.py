@@ -36,10 +36,32 @@ class CoordinatorConfig:
     """Outer SGD learning rate."""
     outer_momentum: float = 0.9
     """Outer Nesterov momentum."""
-    uplink_codec: str = "fp32"
-    """Codec the sites use for pseudo-gradients."""
-    downlink_codec: str = "fp32"
-    """Codec for the global delta the coordinator broadcasts."""
+    uplink_codec: str = "auto"
+    """Codec the sites use for pseudo-gradients; ``auto`` lets the scheduler choose per site."""
+    downlink_codec: str = "auto"
+    """Codec of the broadcast global delta (with error feedback); ``auto``: the scheduler's."""
+    codec_ladder: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
+    """Codecs the scheduler may choose, least compressed first."""
+    unmeasured_codec: str = "int8"
+    """The scheduler's choice for a site whose link is not measured yet."""
+    num_fragments: int = 1
+    """Streaming sync: the model is synced in this many fragments, staggered over H steps."""
+    overlap: bool = True
+    """Sites keep training while a sync is in flight (the result is merged when it lands)."""
+    target_utilization: float = 0.95
+    """Compute utilization the scheduler aims for when it sizes codecs and slots."""
+    max_inner_steps: int = 2000
+    """Upper bound on H when the scheduler lengthens slots to fit a slow link."""
+    grace_floor_s: float = 1.0
+    """Shortest wait for stragglers once a round has quorum."""
+    grace_ceiling_s: float = 120.0
+    """Longest wait for stragglers once a round has quorum."""
+    max_staleness_rounds: int = 8
+    """A late update older than this many rounds is refused (counted), not merged."""
+    eval_every_rounds: int = 1
+    """Ask a site for the validation loss of every N-th global version (and the last)."""
+    site_uplink_codecs: dict[str, str] = field(default_factory=dict)
+    """Per-site override of ``uplink_codec``, e.g. ``{ap = "int4"}`` for a thin link."""
     max_update_norm: float = 1e6
     """An update whose L2 norm exceeds this is rejected (a guard against corrupt sites)."""
     site_timeout_s: float = 30.0
@@ -88,9 +110,35 @@ class CoordinatorConfig:
             raise ValueError("coordinator.max_update_norm must be > 0")
         from comm.compress import get_codec
 
+        if self.num_fragments < 1:
+            raise ValueError(f"coordinator.num_fragments must be >= 1, got {self.num_fragments}")
+        if self.num_fragments > self.num_inner_steps:
+            raise ValueError("coordinator.num_fragments must be <= coordinator.num_inner_steps")
+        if not 0 < self.target_utilization < 1:
+            raise ValueError("coordinator.target_utilization must be in (0, 1)")
+        if self.max_inner_steps < self.num_inner_steps:
+            raise ValueError("coordinator.max_inner_steps must be >= coordinator.num_inner_steps")
+        if not 0 <= self.grace_floor_s <= self.grace_ceiling_s:
+            raise ValueError("coordinator.grace_floor_s must be in [0, grace_ceiling_s]")
+        if self.max_staleness_rounds < 0:
+            raise ValueError("coordinator.max_staleness_rounds must be >= 0")
+        if self.eval_every_rounds < 1:
+            raise ValueError("coordinator.eval_every_rounds must be >= 1")
+        if not self.codec_ladder:
+            raise ValueError("coordinator.codec_ladder must name at least one codec")
+        specs = {f"codec_ladder[{i}]": c for i, c in enumerate(self.codec_ladder)}
+        specs["unmeasured_codec"] = self.unmeasured_codec
+        if self.unmeasured_codec not in self.codec_ladder:
+            raise ValueError("coordinator.unmeasured_codec must be one of codec_ladder")
         for name in ("uplink_codec", "downlink_codec"):
+            if getattr(self, name) != "auto":
+                specs[name] = getattr(self, name)
+        specs.update({f"site_uplink_codecs.{k}": v for k, v in self.site_uplink_codecs.items()})
+        for name, spec in specs.items():
+            if not isinstance(spec, str):
+                raise ValueError(f"coordinator.{name} must be a codec name, got {spec!r}")
             try:
-                get_codec(getattr(self, name))
+                get_codec(spec)
             except ValueError as exc:
                 raise ValueError(f"coordinator.{name}: {exc}") from None
 

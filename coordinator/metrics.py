@@ -72,6 +72,11 @@ class CoordinatorMetrics:
         self.train_loss = Gauge(
             "crossdc_train_loss", "Token-weighted mean inner training loss, last round", registry=r
         )
+        self.late_updates = Counter(
+            "crossdc_late_updates_total",
+            "Updates that arrived after their round closed, kept for a later round",
+            registry=r,
+        )
         self.joins = Counter("crossdc_joins_total", "Site joins", registry=r)
         self.site_timeouts = Counter(
             "crossdc_site_timeouts_total", "Sites removed for silence", registry=r

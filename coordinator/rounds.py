@@ -1,12 +1,16 @@
-"""Round decisions: when to open, close or abort a round, as pure functions.
+"""Round decisions: when to open, close or abort rounds, and how long to wait for stragglers.
 
-``decide`` takes ``(now, snapshot, config)`` and returns ``(decision, reason)``; the service
-loop only gathers the snapshot and carries the decision out.
+``decide`` takes ``(now, snapshot, policy)`` and returns ``(decision, reason)``; the service loop
+only gathers the snapshot and carries the decision out. Up to ``policy.max_open`` rounds are open
+at once (two when sync overlaps compute: sites train round r+1 while round r is in flight); they
+close in order. After quorum, a round waits a grace window learned from recent arrival lags
+(``grace_window``), then closes without the stragglers, whose updates are merged later.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -21,7 +25,7 @@ class Action(Enum):
 
 @dataclass(frozen=True)
 class OpenRound:
-    """The round in flight."""
+    """A round in flight."""
 
     round_id: int
     base_version: int
@@ -29,18 +33,24 @@ class OpenRound:
     opened_at: float
     deadline_at: float
     received: frozenset[str]
+    quorum_at: float | None = None
+    """When the quorum's last needed update arrived (None: not yet)."""
+    fragment: int = 0
 
 
 @dataclass(frozen=True)
 class RoundSnapshot:
     """What the decision needs to know, copied out of the service's state."""
 
-    open_round: OpenRound | None
+    open_rounds: tuple[OpenRound, ...]
+    """Oldest first."""
     ready: tuple[str, ...]
-    """Sites joined and in sync with the current global version."""
+    """Sites joined and in sync with the global model."""
     alive: frozenset[str]
     """All sites currently members (timed-out sites already removed)."""
     completed_rounds: int
+    grace_s: float
+    """How long a round with quorum waits for the rest (from ``grace_window``)."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,8 @@ class RoundPolicy:
     min_sites: int
     quorum_fraction: float
     max_rounds: int
+    max_open: int = 1
+    """Rounds open at once: 1 blocks sites on each sync, 2 overlaps sync with compute."""
 
 
 @dataclass(frozen=True)
@@ -61,34 +73,76 @@ def quorum_size(num_participants: int, quorum_fraction: float) -> int:
     return max(1, math.ceil(quorum_fraction * num_participants - 1e-9))
 
 
-def decide(now: float, snap: RoundSnapshot, policy: RoundPolicy) -> tuple[Decision, str]:
-    r = snap.open_round
-    if r is None:
-        if policy.max_rounds and snap.completed_rounds >= policy.max_rounds:
-            return Decision(Action.FINISH), f"completed {snap.completed_rounds} rounds"
-        if len(snap.ready) >= policy.min_sites:
-            return Decision(Action.OPEN, tuple(sorted(snap.ready))), (
-                f"{len(snap.ready)} sites ready (min {policy.min_sites})"
-            )
-        return Decision(Action.WAIT), f"{len(snap.ready)} of {policy.min_sites} sites ready"
+def grace_window(
+    lags_s: Sequence[float], *, floor_s: float, ceiling_s: float, factor: float = 1.5
+) -> tuple[float, str]:
+    """How long to wait after quorum, learned from recent lags (arrival after quorum).
 
+    The 90th percentile of recent lags times ``factor``, clamped to ``[floor_s, ceiling_s]``:
+    a site that is usually a little late is waited for; one that is far behind is not.
+    """
+    if not lags_s:
+        return floor_s, f"no arrival history: floor {floor_s:.2f}s"
+    ordered = sorted(lags_s)
+    p90 = ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+    grace = min(ceiling_s, max(floor_s, factor * p90))
+    return grace, f"p90 lag {p90:.2f}s x {factor} over {len(ordered)} arrivals -> {grace:.2f}s"
+
+
+def _decide_oldest(
+    now: float, r: OpenRound, snap: RoundSnapshot, policy: RoundPolicy
+) -> tuple[Decision, str]:
     received = tuple(sorted(r.received))
     need = quorum_size(len(r.participants), policy.quorum_fraction)
-    if set(r.participants) <= r.received:
-        return Decision(Action.CLOSE, received), "all participants sent updates"
     outstanding = set(r.participants) - r.received
+    if not outstanding:
+        return Decision(
+            Action.CLOSE, received
+        ), f"round {r.round_id}: all participants sent updates"
     if not outstanding & snap.alive:
         if len(received) >= need:
             return Decision(Action.CLOSE, received), (
-                f"remaining participants left: {sorted(outstanding)}; quorum {len(received)}/{need}"
+                f"round {r.round_id}: remaining participants left {sorted(outstanding)}; "
+                f"quorum {len(received)}/{need}"
             )
         return Decision(Action.ABORT), (
-            f"participants left {sorted(outstanding)} and quorum {len(received)}/{need} is lost"
+            f"round {r.round_id}: participants left {sorted(outstanding)}, quorum {len(received)}/{need} lost"
+        )
+    if r.quorum_at is not None and now >= r.quorum_at + snap.grace_s:
+        return Decision(Action.CLOSE, received), (
+            f"round {r.round_id}: quorum {len(received)}/{need} and grace {snap.grace_s:.2f}s "
+            f"passed; late: {sorted(outstanding)}"
         )
     if now >= r.deadline_at:
         if len(received) >= need:
             return Decision(Action.CLOSE, received), (
-                f"deadline passed with quorum {len(received)}/{need}; late: {sorted(outstanding)}"
+                f"round {r.round_id}: deadline with quorum {len(received)}/{need}; late: {sorted(outstanding)}"
             )
-        return Decision(Action.ABORT), f"deadline passed with {len(received)}/{need} updates"
-    return Decision(Action.WAIT), f"{len(received)}/{len(r.participants)} updates in"
+        return Decision(
+            Action.ABORT
+        ), f"round {r.round_id}: deadline with {len(received)}/{need} updates"
+    return Decision(
+        Action.WAIT
+    ), f"round {r.round_id}: {len(received)}/{len(r.participants)} updates in"
+
+
+def decide(now: float, snap: RoundSnapshot, policy: RoundPolicy) -> tuple[Decision, str]:
+    if snap.open_rounds:
+        decision, why = _decide_oldest(now, snap.open_rounds[0], snap, policy)
+        if decision.action is not Action.WAIT:
+            return decision, why
+    else:
+        why = "no round open"
+    planned = snap.completed_rounds + len(snap.open_rounds)
+    if policy.max_rounds and planned >= policy.max_rounds:
+        if not snap.open_rounds:
+            return Decision(Action.FINISH), f"completed {snap.completed_rounds} rounds"
+        return Decision(Action.WAIT), f"{why}; all {policy.max_rounds} rounds planned"
+    if len(snap.open_rounds) >= policy.max_open:
+        return Decision(Action.WAIT), why
+    if len(snap.ready) >= policy.min_sites:
+        return Decision(Action.OPEN, tuple(sorted(snap.ready))), (
+            f"{len(snap.ready)} sites ready (min {policy.min_sites}), "
+            f"{len(snap.open_rounds)} of {policy.max_open} rounds open"
+        )
+    return Decision(Action.WAIT), f"{why}; {len(snap.ready)} of {policy.min_sites} sites ready"

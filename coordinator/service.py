@@ -15,11 +15,13 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+import zmq
 
 from comm.channel import RouterChannel
 from comm.compress import get_codec
@@ -34,18 +36,28 @@ from comm.schema import (
     Join,
     Leave,
     Message,
+    RoundCancel,
     RoundStart,
     Shutdown,
     SyncRequest,
     Update,
     Welcome,
 )
-from comm.tensors import decode_tensors, encode_tensors, spec_of, state_hash
+from comm.tensors import decode_tensors, encode_tensors, fragments, state_hash
 from comm.wire import WireError
 from coordinator.config import CoordinatorConfig
 from coordinator.membership import Member, expired, ready_sites, touch
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.rounds import Action, OpenRound, RoundPolicy, RoundSnapshot, decide
+from coordinator.rounds import (
+    Action,
+    OpenRound,
+    RoundPolicy,
+    RoundSnapshot,
+    decide,
+    grace_window,
+    quorum_size,
+)
+from coordinator.scheduler import RoundPlan, SchedulePolicy, SiteView, plan_round
 from coordinator.state import FileStateStore, GlobalState, StateStore, atomic_write
 from coordinator.strategy import Arrays, DiLoCo, Strategy, global_norm
 
@@ -54,11 +66,22 @@ log = logging.getLogger("crossdc.coordinator")
 
 @dataclass(frozen=True)
 class _Accepted:
+    site_id: str
+    round_id: int
     weight: float
     delta: Arrays
     train_loss: float
     compute_seconds: float
     nbytes: int
+
+
+@dataclass(frozen=True)
+class _Closed:
+    """What is remembered of a closed round, to judge its late updates."""
+
+    participants: frozenset[str]
+    merged: frozenset[str]
+    fragment: int
 
 
 class Coordinator:
@@ -78,23 +101,47 @@ class Coordinator:
         self.strategy: Strategy = strategy or DiLoCo(lr=cfg.outer_lr, momentum=cfg.outer_momentum)
         self.metrics = metrics or CoordinatorMetrics()
         self.clock = clock
-        self.policy = RoundPolicy(cfg.min_sites, cfg.quorum_fraction, cfg.max_rounds)
+        self.policy = RoundPolicy(
+            cfg.min_sites, cfg.quorum_fraction, cfg.max_rounds, max_open=2 if cfg.overlap else 1
+        )
         self.session_id = os.urandom(8).hex()
         self.state: GlobalState | None = None
         self.members: dict[str, Member] = {}
-        self.open_round: OpenRound | None = None
-        self._accepted: dict[str, _Accepted] = {}
-        self._round_bytes_at_open = (0, 0)
+        self.open_rounds: list[OpenRound] = []
+        self._accepted: dict[int, dict[str, _Accepted]] = {}
+        self._late: list[_Accepted] = []
+        self._closed: dict[int, _Closed] = {}
+        self._lags: deque[float] = deque(maxlen=64)
+        self._views: dict[str, SiteView] = {}
+        self._round_plan: dict[int, RoundPlan] = {}
+        self._fragment_names: list[list[str]] = []
+        self._fragment_version: dict[int, int] = {}
+        self._next_fragment = 0
+        self._round_bytes_at_open: dict[int, tuple[int, int]] = {}
         self._init_site: str | None = None
         self._init_fingerprint: str | None = None
         self._finish_started: float | None = None
         self.finished = False
         self.endpoint = ""
         self.chan: RouterChannel | None = None
+        self._ctx: zmq.Context[Any] | None = None
         self._hash_cache: tuple[int, str] | None = None
         self._status_lock = threading.Lock()
         self._status: dict[str, Any] = {}
         self._status_published_at = 0.0
+
+    @property
+    def open_round(self) -> OpenRound | None:
+        """The oldest round in flight."""
+        return self.open_rounds[0] if self.open_rounds else None
+
+    def _set_model(self) -> None:
+        """Fragment layout of the model (a pure function of its tensor names)."""
+        assert self.state is not None
+        self._fragment_names = fragments(list(self.state.params), self.cfg.num_fragments)
+        self._fragment_version = dict.fromkeys(
+            range(self.cfg.num_fragments), self.state.global_version
+        )
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -102,13 +149,17 @@ class Coordinator:
         """Load durable state, bind the socket; return the bound endpoint."""
         self.state = self.store.load()
         if self.state is not None:
+            self._set_model()
             self.metrics.global_version.set(self.state.global_version)
             log.info(
                 "[coordinator] resumed global_version=%d round_counter=%d",
                 self.state.global_version,
                 self.state.round_counter,
             )
-        self.chan = RouterChannel(self.cfg.channel, on_reject=self._on_wire_reject)
+        self._ctx = zmq.Context()
+        self.chan = RouterChannel(
+            self.cfg.channel, context=self._ctx, on_reject=self._on_wire_reject
+        )
         self.endpoint = self.chan.bind(self.cfg.bind)
         if self.cfg.state_dir:
             path = self.cfg.state_path / "endpoint.json"
@@ -123,6 +174,10 @@ class Coordinator:
         if self.chan is not None:
             self.chan.close()
             self.chan = None
+        if self._ctx is not None:
+            # term() waits (up to the linger) until queued messages, e.g. Shutdown, are sent.
+            self._ctx.term()
+            self._ctx = None
 
     def run(self, stop: threading.Event | None = None) -> None:
         """Serve until the federation finishes or ``stop`` is set."""
@@ -167,6 +222,8 @@ class Coordinator:
             round_id=round_id,
             base_version=-1,
             global_version=self.state.global_version,
+            fragment=-1,
+            merged=(),
             is_full=True,
             state_hash=self._hash(),
             evaluate=evaluate,
@@ -189,7 +246,8 @@ class Coordinator:
         if isinstance(msg, Join):
             self._on_join(peer, msg)
         elif isinstance(msg, Heartbeat):
-            self._member_for(peer, msg.site_id)
+            if self._member_for(peer, msg.site_id) is not None:
+                self._send(peer, msg)  # echoed: the site measures its round trip
         elif isinstance(msg, InitParams):
             if self._member_for(peer, msg.site_id) is not None:
                 self._on_init(peer, msg)
@@ -298,6 +356,7 @@ class Coordinator:
             model_fingerprint=msg.model_fingerprint,
         )
         self.store.save(self.state)
+        self._set_model()
         log.info(
             "[coordinator site=%s] initial model: %d tensors, %d parameters",
             msg.site_id,
@@ -312,56 +371,95 @@ class Coordinator:
         self._publish_status()
 
     def _on_update(self, peer: bytes, msg: Update) -> None:
-        r = self.open_round
-        if r is None or msg.round_id != r.round_id:
+        assert self.state is not None
+        self._views[msg.site_id] = SiteView(
+            msg.site_id, msg.step_seconds, msg.link_rtt_s, msg.link_goodput_bps
+        )
+        r = next((o for o in self.open_rounds if o.round_id == msg.round_id), None)
+        closed = self._closed.get(msg.round_id)
+        if r is not None:
+            participants, fragment = frozenset(r.participants), r.fragment
+        elif closed is not None:
+            participants, fragment = closed.participants, closed.fragment
+        else:
             self._reject(
                 peer, ErrorCode.STALE_ROUND, f"round {msg.round_id} is not open", msg.site_id
             )
             return
-        if msg.site_id not in r.participants:
-            self._reject(
-                peer, ErrorCode.UNEXPECTED, f"not a participant of {r.round_id}", msg.site_id
-            )
+        if msg.site_id not in participants:
+            self._reject(peer, ErrorCode.UNEXPECTED, f"not in round {msg.round_id}", msg.site_id)
             return
-        if msg.site_id in r.received:
-            self._reject(peer, ErrorCode.DUPLICATE, f"round {r.round_id}", msg.site_id)
+        seen = (r is not None and msg.site_id in r.received) or (
+            closed is not None and msg.site_id in closed.merged
+        )
+        if seen or any(u.site_id == msg.site_id and u.round_id == msg.round_id for u in self._late):
+            self._reject(peer, ErrorCode.DUPLICATE, f"round {msg.round_id}", msg.site_id)
             return
-        if msg.global_version != r.base_version:
-            self._reject(
-                peer,
-                ErrorCode.STALE_ROUND,
-                f"trained from v{msg.global_version}, round base is v{r.base_version}",
-                msg.site_id,
-            )
+        if msg.fragment != fragment:
+            detail = f"fragment {msg.fragment}, round has {fragment}"
+            self._reject(peer, ErrorCode.BAD_PAYLOAD, detail, msg.site_id)
+            return
+        if r is not None and msg.global_version < r.base_version:
+            detail = f"trained from v{msg.global_version}, round needs v{r.base_version}"
+            self._reject(peer, ErrorCode.STALE_ROUND, detail, msg.site_id)
+            return
+        staleness = self.state.round_counter - msg.round_id
+        if r is None and (
+            staleness > self.cfg.max_staleness_rounds or not closed or not closed.merged
+        ):
+            detail = f"round {msg.round_id} closed {staleness} rounds ago or was aborted"
+            self._reject(peer, ErrorCode.STALE_ROUND, detail, msg.site_id)
             return
         if not (np.isfinite(msg.weight) and msg.weight > 0 and np.isfinite(msg.train_loss)):
             self._reject(peer, ErrorCode.NON_FINITE, f"weight {msg.weight}", msg.site_id)
             return
-        assert self.state is not None
+        names = self._fragment_names[fragment]
         try:
-            delta = decode_tensors(msg.payload, spec_of(self.state.params))
+            delta = decode_tensors(msg.payload, {n: self.state.params[n].shape for n in names})
         except WireError as exc:
             self._reject(peer, exc.code, exc.detail, msg.site_id)
             return
         norm = global_norm(delta)
         if norm > self.cfg.max_update_norm:
-            self._reject(
-                peer,
-                ErrorCode.BAD_PAYLOAD,
-                f"update norm {norm:.3g} > bound {self.cfg.max_update_norm:.3g}",
-                msg.site_id,
-            )
+            detail = f"update norm {norm:.3g} > bound {self.cfg.max_update_norm:.3g}"
+            self._reject(peer, ErrorCode.BAD_PAYLOAD, detail, msg.site_id)
             return
         nbytes = sum(enc.nbytes for enc in msg.payload)
         raw = sum(4 * int(np.prod(enc.shape)) for enc in msg.payload)
-        self._accepted[msg.site_id] = _Accepted(
-            msg.weight, delta, msg.train_loss, msg.compute_seconds, nbytes
+        acc = _Accepted(
+            msg.site_id,
+            msg.round_id,
+            msg.weight,
+            delta,
+            msg.train_loss,
+            msg.compute_seconds,
+            nbytes,
         )
-        self.open_round = replace(r, received=r.received | {msg.site_id})
         self.metrics.updates_accepted.labels(site=msg.site_id).inc()
         self.metrics.update_size.observe(nbytes)
         self.metrics.payload_bytes.labels(direction="in").inc(nbytes)
         self.metrics.payload_raw_bytes.labels(direction="in").inc(raw)
+        if r is None:
+            self._late.append(acc)
+            self.metrics.late_updates.inc()
+            log.info(
+                "[coordinator site=%s round=%d] late update kept for the next sync of fragment %d",
+                msg.site_id,
+                msg.round_id,
+                fragment,
+            )
+            return
+        now = self.clock()
+        self._accepted.setdefault(r.round_id, {})[msg.site_id] = acc
+        received = r.received | {msg.site_id}
+        quorum_at = r.quorum_at
+        if quorum_at is None:
+            if len(received) >= quorum_size(len(r.participants), self.cfg.quorum_fraction):
+                quorum_at = now
+        else:
+            self._lags.append(now - quorum_at)
+        updated = replace(r, received=frozenset(received), quorum_at=quorum_at)
+        self.open_rounds = [updated if o.round_id == r.round_id else o for o in self.open_rounds]
         log.info(
             "[coordinator site=%s round=%d] update accepted weight=%.0f loss=%.4f norm=%.4g",
             msg.site_id,
@@ -417,96 +515,178 @@ class Coordinator:
         if self._finish_started is not None:
             self._maybe_finish(now)
             return
-        snap = RoundSnapshot(
-            open_round=self.open_round,
-            ready=tuple(ready_sites(self.members, self.state.global_version)),
-            alive=frozenset(self.members),
-            completed_rounds=len(self.state.history),
+        for _ in range(4):  # several decisions can follow at once (close r, then open r+2)
+            grace, _why = grace_window(
+                list(self._lags), floor_s=self.cfg.grace_floor_s, ceiling_s=self.cfg.grace_ceiling_s
+            )
+            snap = RoundSnapshot(
+                open_rounds=tuple(self.open_rounds),
+                ready=tuple(ready_sites(self.members, self.state.global_version)),
+                alive=frozenset(self.members),
+                completed_rounds=len(self.state.history),
+                grace_s=grace,
+            )
+            decision, why = decide(now, snap, self.policy)
+            if decision.action is Action.WAIT:
+                return
+            if decision.action is Action.OPEN:
+                self._open(now, decision.participants, why)
+            elif decision.action is Action.CLOSE:
+                self._close(now, self.open_rounds[0], decision.participants, why)
+            elif decision.action is Action.ABORT:
+                self._abort(why)
+            elif decision.action is Action.FINISH:
+                log.info("[coordinator] finishing: %s", why)
+                self._finish_started = now
+                self._maybe_finish(now)
+                return
+
+    def _abort(self, why: str) -> None:
+        """The oldest round cannot complete: cancel every open round (later ones build on it)."""
+        ids = tuple(r.round_id for r in self.open_rounds)
+        log.warning("[coordinator round=%d] aborted: %s; cancelling %s", ids[0], why, ids)
+        self.metrics.rounds_aborted.inc()
+        for r in self.open_rounds:
+            self._closed[r.round_id] = _Closed(frozenset(r.participants), frozenset(), r.fragment)
+            self._accepted.pop(r.round_id, None)
+            self._round_plan.pop(r.round_id, None)
+            self._round_bytes_at_open.pop(r.round_id, None)
+        self.open_rounds = []
+        for m in self.members.values():
+            self._send(m.peer, RoundCancel(round_ids=ids, reason=why))
+
+    def _schedule(self, now: float, participants: tuple[str, ...]) -> tuple[RoundPlan, str]:
+        assert self.state is not None
+        cfg = self.cfg
+        policy = SchedulePolicy(
+            num_inner_steps=cfg.num_inner_steps,
+            num_fragments=cfg.num_fragments,
+            overlap=cfg.overlap,
+            target_utilization=cfg.target_utilization,
+            ladder=cfg.codec_ladder,
+            fixed_uplink=cfg.site_uplink_codecs,
+            default_uplink=None if cfg.uplink_codec == "auto" else cfg.uplink_codec,
+            fixed_downlink=None if cfg.downlink_codec == "auto" else cfg.downlink_codec,
+            unmeasured_codec=cfg.unmeasured_codec,
+            max_inner_steps=cfg.max_inner_steps,
+            model_numel=sum(int(v.size) for v in self.state.params.values()),
         )
-        decision, why = decide(now, snap, self.policy)
-        if decision.action is Action.OPEN:
-            self._open(now, decision.participants, why)
-        elif decision.action is Action.CLOSE:
-            self._close(now, decision.participants, why)
-        elif decision.action is Action.ABORT:
-            assert self.open_round is not None
-            log.warning("[coordinator round=%d] aborted: %s", self.open_round.round_id, why)
-            self.metrics.rounds_aborted.inc()
-            self.open_round = None
-            self._accepted.clear()
-        elif decision.action is Action.FINISH:
-            log.info("[coordinator] finishing: %s", why)
-            self._finish_started = now
-            self._maybe_finish(now)
+        views = [self._views.get(s, SiteView(s)) for s in participants]
+        return plan_round(now, views, policy)
 
     def _open(self, now: float, participants: tuple[str, ...], why: str) -> None:
         assert self.state is not None and self.chan is not None
         round_id = self.state.round_counter + 1
         self.state = replace(self.state, round_counter=round_id)
         self.store.save_counter(self.state)  # durable before announced: ids are never reused
-        self.open_round = OpenRound(
-            round_id=round_id,
-            base_version=self.state.global_version,
-            participants=participants,
-            opened_at=now,
-            deadline_at=now + self.cfg.round_deadline_s,
-            received=frozenset(),
+        plan, plan_why = self._schedule(now, participants)
+        fragment = self._next_fragment
+        self._next_fragment = (fragment + 1) % self.cfg.num_fragments
+        # The update must build on the latest result for its fragment, even one still in flight.
+        base = max(
+            [self._fragment_version[fragment]]
+            + [r.round_id for r in self.open_rounds if r.fragment == fragment]
         )
-        self._accepted.clear()
-        self._round_bytes_at_open = (self.chan.stats.bytes_received, self.chan.stats.bytes_sent)
-        evaluate_base = self.state.global_version not in self.state.val_losses
-        log.info("[coordinator round=%d] open: %s; participants=%s", round_id, why, participants)
+        self.open_rounds.append(
+            OpenRound(
+                round_id=round_id,
+                base_version=base,
+                participants=participants,
+                opened_at=now,
+                deadline_at=now + self.cfg.round_deadline_s,
+                received=frozenset(),
+                fragment=fragment,
+            )
+        )
+        self._round_plan[round_id] = plan
+        self._round_bytes_at_open[round_id] = (
+            self.chan.stats.bytes_received,
+            self.chan.stats.bytes_sent,
+        )
+        evaluate_base = (
+            not self.state.history and self.state.global_version not in self.state.val_losses
+        )
+        log.info(
+            "[coordinator round=%d] open: %s; fragment %d/%d on v%d; plan: %s",
+            round_id,
+            why,
+            fragment,
+            self.cfg.num_fragments,
+            base,
+            plan_why,
+        )
         for i, site_id in enumerate(participants):
             self._send(
                 self.members[site_id].peer,
                 RoundStart(
                     round_id=round_id,
                     global_version=self.state.global_version,
-                    num_inner_steps=self.cfg.num_inner_steps,
-                    codec=self.cfg.uplink_codec,
+                    fragment_base_version=base,
+                    fragment=fragment,
+                    num_fragments=self.cfg.num_fragments,
+                    num_inner_steps=plan.num_inner_steps,
+                    overlap=plan.overlap,
+                    codec=plan.uplink[site_id],
                     deadline_s=self.cfg.round_deadline_s,
                     participants=participants,
-                    evaluate=evaluate_base and i == 0,
+                    evaluate=evaluate_base and i == 0 and len(self.open_rounds) == 1,
+                    reason=plan_why,
                 ),
             )
         self.cfg.faults.point("open", round_id)
 
-    def _close(self, now: float, merged: tuple[str, ...], why: str) -> None:
-        assert self.state is not None and self.open_round is not None and self.chan is not None
-        r = self.open_round
+    def _close(self, now: float, r: OpenRound, merged: tuple[str, ...], why: str) -> None:
+        assert self.state is not None and self.chan is not None
         st = self.state
-        updates = [(s, self._accepted[s].weight, self._accepted[s].delta) for s in merged]
-        exact_prev = {k: st.params[k] + st.residual[k] for k in st.params}
-        result = self.strategy.outer_step(exact_prev, st.momentum, updates)
-        codec = get_codec(self.cfg.downlink_codec)
-        delta = {k: result.params[k] - st.params[k] for k in st.params}
-        encoded = encode_tensors(delta, codec)
+        names = self._fragment_names[r.fragment]
+        accepted = self._accepted.pop(r.round_id, {})
+        fresh = [accepted[s] for s in merged]
+        late = [u for u in self._late if self._closed[u.round_id].fragment == r.fragment]
+        self._late = [u for u in self._late if u not in late]
+        frags = self.cfg.num_fragments
+        # A late update is merged once, down-weighted by how many syncs of its fragment it missed.
+        updates = [(u.site_id, u.weight, u.delta) for u in fresh]
+        for u in late:
+            staleness = max(1, (r.round_id - u.round_id) // frags)
+            updates.append((f"{u.site_id}@{u.round_id}", u.weight / (1 + staleness), u.delta))
+        exact_prev = {k: st.params[k] + st.residual[k] for k in names}
+        result = self.strategy.outer_step(exact_prev, {k: st.momentum[k] for k in names}, updates)
+        plan = self._round_plan.pop(r.round_id)
+        delta = {k: result.params[k] - st.params[k] for k in names}
+        encoded = encode_tensors(delta, get_codec(plan.downlink))
         decoded = decode_tensors(encoded)
-        new_params = {k: st.params[k] + decoded[k] for k in st.params}
-        residual = {k: result.params[k] - new_params[k] for k in st.params}
-        total_weight = sum(self._accepted[s].weight for s in merged)
-        train_loss = sum(self._accepted[s].weight * self._accepted[s].train_loss for s in merged)
-        bytes_in = self.chan.stats.bytes_received - self._round_bytes_at_open[0]
+        new_params, residual, momentum = dict(st.params), dict(st.residual), dict(st.momentum)
+        for k in names:
+            new_params[k] = st.params[k] + decoded[k]
+            residual[k] = result.params[k] - new_params[k]
+            momentum[k] = result.momentum[k]
+        total_weight = sum(u.weight for u in fresh) or 1.0
+        opened_in, opened_out = self._round_bytes_at_open.pop(r.round_id)
         entry: dict[str, Any] = {
             "round_id": r.round_id,
             "global_version": r.round_id,
-            "base_version": r.base_version,
+            "base_version": st.global_version,
+            "fragment": r.fragment,
+            "num_fragments": frags,
+            "num_inner_steps": plan.num_inner_steps,
             "participants": list(r.participants),
             "merged": list(merged),
-            "train_loss": train_loss / total_weight,
-            "tokens": total_weight,
+            "late_merged": [[u.site_id, u.round_id] for u in late],
+            "train_loss": sum(u.weight * u.train_loss for u in fresh) / total_weight,
+            "tokens": sum(u.weight for u in fresh),
             "outer_grad_norm": result.outer_grad_norm,
-            "uplink_codec": self.cfg.uplink_codec,
-            "downlink_codec": self.cfg.downlink_codec,
-            "update_bytes": sum(self._accepted[s].nbytes for s in merged),
-            "compute_seconds_max": max(self._accepted[s].compute_seconds for s in merged),
+            "uplink_codecs": {s: plan.uplink[s] for s in merged},
+            "downlink_codec": plan.downlink,
+            "update_bytes": sum(u.nbytes for u in fresh + late),
+            "compute_seconds_max": max((u.compute_seconds for u in fresh), default=0.0),
             "duration_s": now - r.opened_at,
             "finished_unix": time.time(),
+            "wire_bytes_in": self.chan.stats.bytes_received - opened_in,
         }
         new_state = replace(
             st,
             params=new_params,
-            momentum=result.momentum,
+            momentum=momentum,
             residual=residual,
             global_version=r.round_id,
             history=(*st.history, entry),
@@ -514,31 +694,41 @@ class Coordinator:
         self.store.save(new_state)  # durable before announced
         self.cfg.faults.point("close", r.round_id)
         self.state = new_state
-        self.open_round = None
-        self._accepted.clear()
+        self.open_rounds = [o for o in self.open_rounds if o.round_id != r.round_id]
+        self._closed[r.round_id] = _Closed(frozenset(r.participants), frozenset(merged), r.fragment)
+        horizon = r.round_id - self.cfg.max_staleness_rounds - 1
+        for old in [k for k in self._closed if k < horizon]:
+            del self._closed[old]
+        self._fragment_version[r.fragment] = r.round_id
         digest = self._hash()
         in_sync = sorted(
-            s for s, m in self.members.items() if m.in_sync and m.global_version == r.base_version
+            s
+            for s, m in self.members.items()
+            if m.in_sync and m.global_version == st.global_version
         )
-        evaluator = in_sync[0] if in_sync else None
+        last = bool(self.cfg.max_rounds) and len(new_state.history) >= self.cfg.max_rounds
+        wants_eval = r.round_id % self.cfg.eval_every_rounds == 0 or last
+        evaluator = in_sync[0] if in_sync and wants_eval else None
+        merged_all = tuple(merged) + tuple(f"{u.site_id}@{u.round_id}" for u in late)
         out_before = self.chan.stats.bytes_sent
         for site_id, m in sorted(self.members.items()):
             if site_id in in_sync:
                 msg: Global = Global(
                     round_id=r.round_id,
-                    base_version=r.base_version,
+                    base_version=st.global_version,
                     global_version=r.round_id,
+                    fragment=r.fragment,
+                    merged=merged_all,
                     is_full=False,
                     state_hash=digest,
                     evaluate=site_id == evaluator,
                     payload=encoded,
                 )
             else:
-                msg = self._full_global(r.round_id, evaluate=evaluator is None and not in_sync)
+                msg = self._full_global(r.round_id, evaluate=wants_eval and evaluator is None)
             ok = self._send(m.peer, msg)
             self.members[site_id] = replace(m, global_version=r.round_id, in_sync=ok)
-        entry["wire_bytes_in"] = bytes_in
-        entry["wire_bytes_out"] = self.chan.stats.bytes_sent - self._round_bytes_at_open[1]
+        entry["wire_bytes_out"] = self.chan.stats.bytes_sent - opened_out
         entry["broadcast_bytes"] = self.chan.stats.bytes_sent - out_before
         payload_bytes = sum(enc.nbytes for enc in encoded)
         self.metrics.payload_bytes.labels(direction="out").inc(payload_bytes * len(in_sync))
@@ -552,10 +742,11 @@ class Coordinator:
         self.metrics.train_loss.set(entry["train_loss"])
         self.metrics.global_version.set(r.round_id)
         log.info(
-            "[coordinator round=%d] closed: %s; merged=%s train_loss=%.4f outer_norm=%.4g %.1fs",
+            "[coordinator round=%d] closed: %s; merged=%s late=%d loss=%.4f outer_norm=%.4g %.1fs",
             r.round_id,
             why,
             merged,
+            len(late),
             entry["train_loss"],
             result.outer_grad_norm,
             entry["duration_s"],
@@ -587,6 +778,7 @@ class Coordinator:
             "rounds_completed": len(st.history) if st else 0,
             "members": sorted(self.members),
             "open_round": self.open_round.round_id if self.open_round else None,
+            "open_rounds": [r.round_id for r in self.open_rounds],
             "val_losses": {str(k): v for k, v in sorted(st.val_losses.items())} if st else {},
             "history": list(st.history) if st else [],
             "wire_bytes_in": chan.stats.bytes_received if chan else 0,

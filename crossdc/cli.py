@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_status)
 
     b = sub.add_parser("bench", help="benchmarks (print JSON with --json)")
-    b.add_argument("suite", choices=["codecs", "pipeline", "wan", "demo"])
+    b.add_argument("suite", choices=["codecs", "convergence", "ddp", "pipeline", "wan"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
     return p

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from comm.configio import dump_toml
+from comm.wanem import PRESETS, LinkEmulator, LinkProfile, parse_profile
 
 SITE_NAMES = ("eu", "us", "ap", "sa", "af", "me", "oc", "na")
 
@@ -31,14 +33,46 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=8, help="outer rounds to train (default 8)")
     p.add_argument("--inner-steps", type=int, default=50, help="H: inner steps per round")
     p.add_argument("--batch-size", type=int, default=8, help="inner batch size per site")
-    p.add_argument("--uplink-codec", default="fp32", help="codec for site updates")
-    p.add_argument("--downlink-codec", default="fp32", help="codec for the global delta")
+    p.add_argument(
+        "--uplink-codec", default="auto", help="codec for site updates (auto: the scheduler's)"
+    )
+    p.add_argument(
+        "--downlink-codec",
+        default="auto",
+        help="codec for the global delta (auto: the scheduler's)",
+    )
+    p.add_argument("--fragments", type=int, default=1, help="streaming sync fragments")
+    p.add_argument(
+        "--no-overlap", action="store_true", help="block each site on every sync (no overlap)"
+    )
+    p.add_argument(
+        "--eval-every", type=int, default=1, help="validation loss every N rounds (and the last)"
+    )
     p.add_argument("--stages", type=int, default=1, help="pipeline stages per site")
     p.add_argument("--workdir", default="", help="where configs, state and logs go")
     p.add_argument("--report", default="", help="write a JSON report here")
     p.add_argument("--metrics-port", type=int, default=0, help="coordinator /metrics port")
+    p.add_argument(
+        "--link",
+        action="append",
+        default=[],
+        metavar="SITE=PROFILE",
+        help="WAN link of a site, e.g. ap=20mbit,150ms (default: eu/us/ap presets, others lan)",
+    )
+    p.add_argument("--no-wan", action="store_true", help="connect sites directly, no WAN emulator")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--timeout", type=float, default=1800.0, help="give up after this many s")
+
+
+def link_profiles(args: argparse.Namespace, site_ids: list[str]) -> dict[str, LinkProfile]:
+    """Each site's emulated WAN link: presets by site name, overridden by ``--link``."""
+    profiles = {s: PRESETS.get(s, PRESETS["lan"]) for s in site_ids}
+    for item in args.link:
+        site, sep, spec = item.partition("=")
+        if not sep or site not in profiles:
+            raise ValueError(f"--link {item!r}: expected SITE=PROFILE with SITE in {site_ids}")
+        profiles[site] = parse_profile(spec)
+    return profiles
 
 
 @dataclass
@@ -46,6 +80,7 @@ class DemoRun:
     workdir: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     logs: list[Any] = field(default_factory=list)
+    links: dict[str, LinkEmulator] = field(default_factory=dict)
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 (closed in close())
@@ -67,9 +102,15 @@ class DemoRun:
                 proc.wait()
         for log in self.logs:
             log.close()
+        for link in self.links.values():
+            link.close()
 
 
-def write_configs(args: argparse.Namespace, workdir: Path) -> tuple[Path, list[tuple[str, Path]]]:
+def site_ids(num_sites: int) -> list[str]:
+    return [SITE_NAMES[i] if i < len(SITE_NAMES) else f"site{i}" for i in range(num_sites)]
+
+
+def write_coordinator_config(args: argparse.Namespace, workdir: Path) -> Path:
     coord_dir = workdir / "coordinator"
     coordinator = {
         "coordinator": {
@@ -81,19 +122,28 @@ def write_configs(args: argparse.Namespace, workdir: Path) -> tuple[Path, list[t
             "max_rounds": args.rounds,
             "uplink_codec": args.uplink_codec,
             "downlink_codec": args.downlink_codec,
+            "num_fragments": args.fragments,
+            "overlap": not args.no_overlap,
+            "eval_every_rounds": args.eval_every,
             "round_deadline_s": 600.0,
             "site_timeout_s": 60.0,
         }
     }
     coord_cfg = workdir / "coordinator.toml"
     coord_cfg.write_text(dump_toml(coordinator))
+    return coord_cfg
+
+
+def write_site_configs(
+    args: argparse.Namespace, workdir: Path, endpoints: dict[str, str]
+) -> list[tuple[str, Path]]:
+    """One config per site; ``endpoints`` is where each reaches the coordinator."""
     sites = []
-    for i in range(args.sites):
-        site_id = SITE_NAMES[i] if i < len(SITE_NAMES) else f"site{i}"
+    for i, site_id in enumerate(site_ids(args.sites)):
         doc = {
             "site": {
                 "site_id": site_id,
-                "coordinator_endpoint_file": str(coord_dir / "endpoint.json"),
+                "coordinator": endpoints[site_id],
                 "state_dir": str(workdir / f"site-{site_id}"),
                 "num_threads": 1,
                 "device": "cpu",
@@ -108,7 +158,19 @@ def write_configs(args: argparse.Namespace, workdir: Path) -> tuple[Path, list[t
         path = workdir / f"site-{site_id}.toml"
         path.write_text(dump_toml(doc))
         sites.append((site_id, path))
-    return coord_cfg, sites
+    return sites
+
+
+def _wait_endpoint(path: Path, coord: subprocess.Popen[bytes], timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if coord.poll() is not None:
+            raise RuntimeError(f"coordinator exited with {coord.returncode} before listening")
+        status = _read_status(path)
+        if status is not None:
+            return str(status["endpoint"])
+        time.sleep(0.05)
+    raise RuntimeError(f"coordinator did not write {path} within {timeout_s:.0f}s")
 
 
 def _read_status(path: Path) -> dict[str, Any] | None:
@@ -128,12 +190,19 @@ def _fmt_bytes(n: float) -> str:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    logging.getLogger("comm.wanem").setLevel(logging.WARNING)
     if args.sites < 1 or args.rounds < 1 or args.inner_steps < 1:
         print("crossdc demo: --sites, --rounds and --inner-steps must be >= 1", file=sys.stderr)
         return 2
     workdir = Path(args.workdir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    coord_cfg, sites = write_configs(args, workdir)
+    ids = site_ids(args.sites)
+    try:
+        profiles = {} if args.no_wan else link_profiles(args, ids)
+    except ValueError as exc:
+        print(f"crossdc demo: {exc}", file=sys.stderr)
+        return 2
+    coord_cfg = write_coordinator_config(args, workdir)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     python = [sys.executable, "-m", "crossdc"]
     run = DemoRun(workdir)
@@ -145,10 +214,23 @@ def run_demo(args: argparse.Namespace) -> int:
             f"crossdc demo: {args.sites} sites x {args.rounds} rounds x {args.inner_steps} "
             f"inner steps; logs and state in {workdir}"
         )
+        for site_id, prof in profiles.items():
+            print(f"  link {site_id}: {prof.to_spec()}")
         print(f"{'round':>5} {'val_loss':>9} {'train_loss':>10} {'round_s':>8} {'wan_bytes':>12}")
     status: dict[str, Any] | None = None
     try:
         run.spawn("coordinator", [*python, "coordinator", "--config", str(coord_cfg)], env)
+        endpoint = _wait_endpoint(
+            workdir / "coordinator" / "endpoint.json", run.procs["coordinator"], 120
+        )
+        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+        endpoints = {s: endpoint for s in ids}
+        for site_id, prof in profiles.items():
+            link = LinkEmulator(host, int(port), profile=prof, name=f"link-{site_id}")
+            link.start()
+            run.links[site_id] = link
+            endpoints[site_id] = f"tcp://127.0.0.1:{link.port}"
+        sites = write_site_configs(args, workdir, endpoints)
         for site_id, path in sites:
             run.spawn(f"site-{site_id}", [*python, "agent", "--config", str(path)], env)
         shown = 0
@@ -176,6 +258,7 @@ def run_demo(args: argparse.Namespace) -> int:
         status = _read_status(status_path) or status
         if status is not None and not quiet:
             _print_rounds(status, shown)
+        link_bytes = {s: link.bytes_up + link.bytes_down for s, link in run.links.items()}
     finally:
         run.close()
     wall = time.monotonic() - started
@@ -186,6 +269,13 @@ def run_demo(args: argparse.Namespace) -> int:
         )
         return 1
     report = build_report(args, status, wall)
+    sites_status = {s: _read_status(workdir / f"site-{s}" / "status.json") or {} for s in ids}
+    report["site_compute_utilization"] = {
+        s: st.get("compute_utilization", 0.0) for s, st in sites_status.items()
+    }
+    report["compute_utilization"] = sum(report["site_compute_utilization"].values()) / len(ids)
+    report["links"] = {s: p.to_spec() for s, p in profiles.items()}
+    report["link_bytes"] = link_bytes
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
     if quiet:
@@ -245,5 +335,6 @@ def _print_summary(r: dict[str, Any]) -> None:
         f"\ndone: {r['rounds_completed']} rounds, {r['sites']} sites, "
         f"{r['num_parameters']:,} parameters\n"
         f"  validation loss {v0:.4f} -> {v1:.4f} ({drop})\n"
-        f"  WAN bytes {_fmt_bytes(r['wan_bytes_total'])} in {r['wall_seconds']:.1f}s wall"
+        f"  WAN bytes {_fmt_bytes(r['wan_bytes_total'])} in {r['wall_seconds']:.1f}s wall\n"
+        f"  compute utilization {r['compute_utilization'] * 100:.1f}% (mean over sites)"
     )

@@ -15,6 +15,7 @@ import logging
 import os
 import tempfile
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,8 @@ import numpy as np
 import torch
 
 from comm.channel import SiteLink
-from comm.compress import get_codec
+from comm.compress import NonFiniteError, get_codec
+from comm.feedback import ErrorFeedback
 from comm.observe import ObserveServer
 from comm.schema import (
     ERROR_MEANINGS,
@@ -37,13 +39,14 @@ from comm.schema import (
     Join,
     Leave,
     Message,
+    RoundCancel,
     RoundStart,
     Shutdown,
     SyncRequest,
     Update,
     Welcome,
 )
-from comm.tensors import decode_tensors, encode_tensors, spec_of, state_hash
+from comm.tensors import decode_tensors, encode_tensors, fragments, spec_of, state_hash
 from comm.wire import WireError
 from site_agent.config import SiteConfig
 from site_agent.data import BatchSampler, ByteCorpus, eval_batches, stdlib_split
@@ -149,7 +152,14 @@ def read_endpoint_file(path: str, timeout_s: float) -> str:
 
 
 class SiteAgent:
-    """One site. ``start``, ``run`` (returns an exit code), ``close``."""
+    """One site. ``start``, ``run`` (returns an exit code), ``close``.
+
+    The loop trains one slot of inner steps per planned round, then sends the pseudo-gradient of
+    the round's fragment. With ``overlap`` it starts the next slot at once and merges the global
+    fragment whenever it lands (between inner steps), keeping the local progress made since the
+    send: θ_local[f] ← θ_local[f] + (θ_global_new[f] − θ_local_at_send[f]). It blocks on the WAN
+    only when the plan says so: no overlap, or a fragment's previous result not yet applied.
+    """
 
     def __init__(
         self,
@@ -169,19 +179,27 @@ class SiteAgent:
             k: v.copy() for k, v in trainer.parameters_numpy().items()
         }
         self.global_version = -1
-        self.tokens_since_sync = 0
         self.session_id = ""
         self.link: SiteLink | None = None
         self.http: ObserveServer | None = None
-        self._pending_round: RoundStart | None = None
+        self.feedback = ErrorFeedback()
+        self._pending: deque[RoundStart] = deque()
+        self._cancelled: set[int] = set()
+        self._awaiting_result: int | None = None
+        # Per fragment: the local values at our last send (the reference for merging its result)
+        # and the tokens trained since that fragment was last sent.
+        self._sent_local: dict[int, dict[str, np.ndarray]] = {}
+        self._tokens: dict[int, int] = {}
+        self._layout: tuple[int, list[list[str]]] = (0, [])
         self._last_join = 0.0
-        self._started = time.monotonic()
         self._first_round_at: float | None = None
         self._compute_s = 0.0
         self._stall_s = 0.0
+        self._eval_s = 0.0
         self._bytes_seen = (0, 0)
         self._last_val: float | None = None
         self._rounds_sent = 0
+        self._last_send_at: float | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -199,7 +217,9 @@ class SiteAgent:
             self.cfg.channel,
             identity=self.site_id,
             endpoint=endpoint,
-            heartbeat=lambda: Heartbeat(site_id=self.site_id, global_version=self.global_version),
+            heartbeat=lambda: Heartbeat(
+                site_id=self.site_id, global_version=self.global_version, sent_at=time.monotonic()
+            ),
             on_reject=lambda _p, code, _d: self.metrics.rejected(code.name.lower()),
         )
         self.link.start()
@@ -234,7 +254,10 @@ class SiteAgent:
         self.trainer.load_state_dict(ckpt["trainer"])
         self.global_params = {k: v.numpy().copy() for k, v in ckpt["global_params"].items()}
         self.global_version = int(ckpt["global_version"])
-        self.tokens_since_sync = int(ckpt["tokens_since_sync"])
+        self.feedback.load_state_dict({k: v.numpy() for k, v in ckpt["feedback"].items()})
+        # Progress not yet synced when the process stopped is not trusted: restart from the
+        # global model (the optimizer state and data cursor are kept).
+        self.trainer.load_parameters(self.global_params)
         log.info("[site=%s] resumed from checkpoint at v%d", self.site_id, self.global_version)
 
     def save_checkpoint(self) -> None:
@@ -242,11 +265,11 @@ class SiteAgent:
             "global_version": self.global_version,
             "global_params": {k: torch.from_numpy(v.copy()) for k, v in self.global_params.items()},
             "trainer": self.trainer.state_dict(),
-            "tokens_since_sync": self.tokens_since_sync,
+            "feedback": {k: torch.from_numpy(v) for k, v in self.feedback.state_dict().items()},
         }
         _atomic_torch_save(ckpt, self.checkpoint_path)
 
-    # ---- the loop ----------------------------------------------------------------------------
+    # ---- messages ----------------------------------------------------------------------------
 
     def _send(self, msg: Message) -> None:
         assert self.link is not None
@@ -264,33 +287,37 @@ class SiteAgent:
                     "stages": self.cfg.stages,
                     "replicas": self.cfg.replicas,
                     "device": resolve_device(self.cfg.device),
-                    "codecs": ["fp32"],
                 },
             )
         )
 
-    def run(self) -> int:
-        """Serve rounds until the coordinator says Shutdown; return the process exit code."""
-        assert self.link is not None, "start() first"
-        self._join()
-        while True:
-            t0 = time.monotonic()
-            msg = self.link.recv(0.5)
-            if self._first_round_at is not None:
-                self._stall_s += time.monotonic() - t0
-                self.metrics.stalled(time.monotonic() - t0)
-            self._publish_link_metrics()
-            if msg is None:
-                continue
+    def _drain(self) -> int | None:
+        """Handle every queued message without waiting; an exit code ends the run."""
+        assert self.link is not None
+        while (msg := self.link.recv(0.0)) is not None:
             code = self._dispatch(msg)
             if code is not None:
                 return code
+        self._publish_link_metrics()
+        return None
+
+    def _wait(self, timeout_s: float) -> int | None:
+        """Block for the next message (time counted as stalled on sync once rounds run)."""
+        assert self.link is not None
+        t0 = time.monotonic()
+        msg = self.link.recv(timeout_s)
+        waited = time.monotonic() - t0
+        if self._first_round_at is not None:
+            self._stall_s += waited
+            self.metrics.stalled(waited)
+        self._publish_link_metrics()
+        return None if msg is None else self._dispatch(msg)
 
     def _dispatch(self, msg: Message) -> int | None:
         if isinstance(msg, Welcome):
             self.session_id = msg.session_id
             log.info(
-                "[site=%s] welcomed by session %s (global v%d)",
+                "[site=%s] welcomed by session %s (v%d)",
                 self.site_id,
                 msg.session_id,
                 msg.global_version,
@@ -304,26 +331,22 @@ class SiteAgent:
                     )
                 )
                 self.global_version = 0
+                self._evaluate()  # θ_0's loss, measured before any round can wait on it
         elif isinstance(msg, Global):
             self._on_global(msg)
         elif isinstance(msg, RoundStart):
-            if msg.global_version != self.global_version:
-                log.warning(
-                    "[site=%s round=%d] round base v%d but I hold v%d: asking for the model",
-                    self.site_id,
-                    msg.round_id,
-                    msg.global_version,
-                    self.global_version,
-                )
-                self._pending_round = msg
-                self._send(SyncRequest(site_id=self.site_id, global_version=self.global_version))
-            else:
-                self._run_round(msg)
+            self._pending.append(msg)
+        elif isinstance(msg, RoundCancel):
+            self._cancelled.update(msg.round_ids)
+            log.warning(
+                "[site=%s] rounds %s cancelled: %s", self.site_id, msg.round_ids, msg.reason
+            )
         elif isinstance(msg, Error):
             return self._on_error(msg)
         elif isinstance(msg, Shutdown):
             log.info("[site=%s] shutdown: %s", self.site_id, msg.reason)
             self.save_checkpoint()
+            self._write_site_status()
             return EXIT_OK
         else:
             log.warning("[site=%s] ignoring unexpected %s", self.site_id, type(msg).__name__)
@@ -339,6 +362,8 @@ class SiteAgent:
         if code is ErrorCode.NOT_JOINED:
             if time.monotonic() - self._last_join > 1.0:
                 log.info("[site=%s] coordinator does not know us: joining again", self.site_id)
+                self._pending.clear()
+                self._awaiting_result = None
                 self._join()
             return None
         if code is ErrorCode.MODEL_MISMATCH:
@@ -352,11 +377,18 @@ class SiteAgent:
         )
         return None
 
+    def _fragment_names(self, num_fragments: int) -> list[list[str]]:
+        if self._layout[0] != num_fragments:
+            self._layout = (num_fragments, fragments(list(self.global_params), num_fragments))
+        return self._layout[1]
+
     def _on_global(self, msg: Global) -> None:
+        spec = spec_of(self.global_params)
         try:
             if msg.is_full:
-                decoded = decode_tensors(msg.payload, spec_of(self.global_params))
+                decoded = decode_tensors(msg.payload, spec)
                 new = {k: np.array(v, dtype=np.float32) for k, v in decoded.items()}
+                names = list(new)
             else:
                 if msg.base_version != self.global_version:
                     log.warning(
@@ -369,8 +401,11 @@ class SiteAgent:
                         SyncRequest(site_id=self.site_id, global_version=self.global_version)
                     )
                     return
-                delta = decode_tensors(msg.payload, spec_of(self.global_params))
-                new = {k: self.global_params[k] + delta[k] for k in self.global_params}
+                names = [enc.name for enc in msg.payload]
+                delta = decode_tensors(msg.payload, {k: spec[k] for k in names if k in spec})
+                new = dict(self.global_params)
+                for k in names:
+                    new[k] = self.global_params[k] + delta[k]
         except WireError as exc:
             self.metrics.rejected(exc.code.name.lower())
             log.warning("[site=%s] bad global model: %s", self.site_id, exc)
@@ -388,27 +423,38 @@ class SiteAgent:
             )
             self._send(SyncRequest(site_id=self.site_id, global_version=self.global_version))
             return
+        if msg.is_full:
+            # A full download replaces everything: local progress and in-flight sends are void.
+            local = {k: v.copy() for k, v in new.items()}
+            self._sent_local.clear()
+        else:
+            local = self.trainer.parameters_numpy()
+            sent = self._sent_local.pop(msg.fragment, None)
+            for k in names:
+                ref = sent[k] if sent is not None and k in sent else self.global_params[k]
+                local[k] = local[k] + (new[k] - ref)
         self.global_params = new
         self.global_version = msg.global_version
-        self.trainer.load_parameters(new)
-        self.tokens_since_sync = 0
+        self.trainer.load_parameters(local)
         self.save_checkpoint()
         self.metrics.global_version(self.global_version)
         log.info(
             "[site=%s] now at v%d (%s)",
             self.site_id,
             self.global_version,
-            "full" if msg.is_full else "delta",
+            "full" if msg.is_full else f"fragment {msg.fragment}",
         )
         if msg.evaluate:
             self._evaluate()
-        pending = self._pending_round
-        if pending is not None and pending.global_version == self.global_version:
-            self._pending_round = None
-            self._run_round(pending)
 
     def _evaluate(self) -> None:
+        """Validation loss of the global model (not of the local replica)."""
+        t0 = time.monotonic()
+        local = self.trainer.parameters_numpy()
+        self.trainer.load_parameters(self.global_params)
         loss = self.trainer.evaluate(self.val_batches)
+        self.trainer.load_parameters(local)
+        self._eval_s += time.monotonic() - t0
         self._last_val = loss
         self.metrics.val_loss(loss)
         tokens = sum(int(y.numel()) for _, y in self.val_batches)
@@ -422,21 +468,82 @@ class SiteAgent:
         )
         log.info("[site=%s] val_loss=%.4f at v%d", self.site_id, loss, self.global_version)
 
-    def _run_round(self, rs: RoundStart) -> None:
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Serve rounds until the coordinator says Shutdown; return the process exit code."""
+        assert self.link is not None, "start() first"
+        self._join()
+        while True:
+            code = self._drain()
+            if code is not None:
+                return code
+            while self._pending and self._pending[0].round_id in self._cancelled:
+                self._pending.popleft()
+            waiting = (
+                self._awaiting_result is not None and self.global_version < self._awaiting_result
+            )
+            if not self._pending or waiting:
+                code = self._wait(0.5)
+                if code is not None:
+                    return code
+                continue
+            self._awaiting_result = None
+            code = self._round(self._pending[0])
+            if code is not None:
+                return code
+
+    def _round(self, rs: RoundStart) -> int | None:
         if self._first_round_at is None:
             self._first_round_at = time.monotonic()
-        if rs.evaluate:
+        if rs.evaluate and self.global_version == rs.global_version:
             self._evaluate()
-        stats = self.trainer.train_steps(rs.num_inner_steps)
-        self._compute_s += stats.compute_seconds
-        self.tokens_since_sync += stats.tokens
+        stats, code = self._train_slot(rs.num_inner_steps)
+        if code is not None:
+            return code
+        for f in range(rs.num_fragments):
+            self._tokens[f] = self._tokens.get(f, 0) + stats.tokens
+        # The plan: this fragment's previous result must be applied before we send on top of it.
+        while self.global_version < rs.fragment_base_version and rs.round_id not in self._cancelled:
+            code = self._wait(0.5)
+            if code is not None:
+                return code
+        self._pending.popleft()
+        if rs.round_id in self._cancelled:
+            return None  # the progress stays local and goes out with the next update
+        self._send_update(rs, stats)
+        if not rs.overlap:
+            self._awaiting_result = rs.round_id
+        return None
+
+    def _train_slot(self, num_steps: int) -> tuple[TrainStats, int | None]:
+        """Train ``num_steps`` inner steps, applying results that land in between."""
+        steps = tokens = 0
+        loss_sum = seconds = last = 0.0
+        while steps < num_steps:
+            n = min(self.cfg.steps_per_poll, num_steps - steps)
+            s = self.trainer.train_steps(n)
+            steps += s.steps
+            tokens += s.tokens
+            loss_sum += s.loss_mean * s.steps
+            seconds += s.compute_seconds
+            last = s.loss_last
+            code = self._drain()
+            if code is not None:
+                return TrainStats(steps, tokens, loss_sum / max(1, steps), last, seconds), code
+        self._compute_s += seconds
+        stats = TrainStats(steps, tokens, loss_sum / max(1, steps), last, seconds)
         self.metrics.inner(stats.steps, stats.tokens, stats.compute_seconds, stats.loss_mean)
+        return stats, None
+
+    def _send_update(self, rs: RoundStart, stats: TrainStats) -> None:
+        names = self._fragment_names(rs.num_fragments)[rs.fragment]
         local = self.trainer.parameters_numpy()
-        delta = {k: self.global_params[k] - local[k] for k in self.global_params}
-        if not all(np.isfinite(v).all() for v in delta.values()) or not np.isfinite(
-            stats.loss_mean
+        delta = {k: self.global_params[k] - local[k] for k in names}
+        if not np.isfinite(stats.loss_mean) or not all(
+            np.isfinite(v).all() for v in delta.values()
         ):
-            # Never send a corrupt update: drop this round's local progress and start over.
+            # Never send a corrupt update: drop the local progress and start over from global.
             self.metrics.rejected("non_finite_local")
             log.error(
                 "[site=%s round=%d] local training diverged (NaN/Inf): resetting",
@@ -444,28 +551,57 @@ class SiteAgent:
                 rs.round_id,
             )
             self.trainer.load_parameters(self.global_params)
-            self.tokens_since_sync = 0
+            self._sent_local.clear()
             return
-        payload = encode_tensors(delta, get_codec(rs.codec))
+        try:
+            codec = get_codec(rs.codec)
+            snapshot = {k: r for k, r in self.feedback.state_dict().items() if k in delta}
+            payload = tuple(self.feedback.compress(k, v, codec) for k, v in delta.items())
+        except NonFiniteError as exc:
+            self.metrics.rejected("non_finite_local")
+            log.error("[site=%s round=%d] not sending: %s", self.site_id, rs.round_id, exc)
+            self.feedback.load_state_dict({**self.feedback.state_dict(), **snapshot})
+            return
+        except ValueError as exc:
+            log.error(
+                "[site=%s round=%d] cannot encode with %r: %s",
+                self.site_id,
+                rs.round_id,
+                rs.codec,
+                exc,
+            )
+            return
+        assert self.link is not None
+        self._sent_local[rs.fragment] = {k: local[k] for k in names}
+        weight = float(self._tokens.pop(rs.fragment, 0) or stats.tokens)
         self._send(
             Update(
                 site_id=self.site_id,
                 round_id=rs.round_id,
                 global_version=self.global_version,
-                weight=float(self.tokens_since_sync),
+                fragment=rs.fragment,
+                weight=weight,
                 train_loss=stats.loss_mean,
                 compute_seconds=stats.compute_seconds,
+                step_seconds=stats.compute_seconds / max(1, stats.steps),
+                link_rtt_s=self.link.stats.rtt_s,
+                link_goodput_bps=self.link.stats.goodput_bps,
                 payload=payload,
             )
         )
         self._rounds_sent += 1
         self.metrics.round_sent()
-        wall = time.monotonic() - self._first_round_at
-        self.metrics.utilization(self._compute_s / wall if wall > 0 else 0.0)
+        self.metrics.ef_norm(self.feedback.residual_norm())
+        self._last_send_at = time.monotonic()
+        self.metrics.utilization(self.status()["compute_utilization"])
+        self._write_site_status()
         log.info(
-            "[site=%s round=%d] sent update: %d steps loss=%.4f %.1fs compute",
+            "[site=%s round=%d] sent fragment %d/%d (%s): %d steps loss=%.4f %.1fs compute",
             self.site_id,
             rs.round_id,
+            rs.fragment,
+            rs.num_fragments,
+            rs.codec,
             stats.steps,
             stats.loss_mean,
             stats.compute_seconds,
@@ -477,12 +613,15 @@ class SiteAgent:
         sent, received = self.link.stats.bytes_sent, self.link.stats.bytes_received
         self.metrics.wire(sent - self._bytes_seen[0], received - self._bytes_seen[1])
         self._bytes_seen = (sent, received)
+        self.metrics.link(self.link.stats.rtt_s, self.link.stats.goodput_bps)
 
     def leave(self, reason: str) -> None:
         self._send(Leave(site_id=self.site_id, reason=reason))
 
     def status(self) -> dict[str, Any]:
-        wall = time.monotonic() - self._first_round_at if self._first_round_at else 0.0
+        # Utilization counts the training period: the first round's start to the last send.
+        end = self._last_send_at or time.monotonic()
+        wall = end - self._first_round_at if self._first_round_at else 0.0
         return {
             "site_id": self.site_id,
             "session_id": self.session_id,
@@ -490,9 +629,20 @@ class SiteAgent:
             "rounds_sent": self._rounds_sent,
             "compute_seconds": self._compute_s,
             "stall_seconds": self._stall_s,
+            "eval_seconds": self._eval_s,
+            "wall_seconds": wall,
             "compute_utilization": self._compute_s / wall if wall else 0.0,
             "val_loss": self._last_val,
+            "link_rtt_s": self.link.stats.rtt_s if self.link else 0.0,
+            "link_goodput_bps": self.link.stats.goodput_bps if self.link else 0.0,
         }
+
+    def _write_site_status(self) -> None:
+        body = json.dumps(self.status(), sort_keys=True).encode()
+        path = self.cfg.state_path / "status.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(body)
+        os.replace(tmp, path)
 
 
 def build_agent(cfg: SiteConfig) -> SiteAgent:

@@ -71,6 +71,8 @@ class SiteConfig:
     eval_batches: int = 8
     """Validation batches per evaluation."""
     eval_batch_size: int = 16
+    steps_per_poll: int = 4
+    """Inner steps between two looks at the coordinator link (where results are merged)."""
     stages: int = 1
     """Pipeline stages inside the site."""
     replicas: int = 1
@@ -99,6 +101,8 @@ class SiteConfig:
             raise ValueError(f"site.device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.num_threads < 0:
             raise ValueError("site.num_threads must be >= 0")
+        if self.steps_per_poll < 1:
+            raise ValueError("site.steps_per_poll must be >= 1")
         if self.eval_batches < 1 or self.eval_batch_size < 1:
             raise ValueError("site.eval_batches and site.eval_batch_size must be >= 1")
         if self.stages < 1 or self.replicas < 1:

@@ -65,6 +65,18 @@ class SiteMetrics:
             ["site", "reason"],
             registry=r,
         )
+        self._link_rtt = Gauge(
+            "crossdc_site_link_rtt_seconds",
+            "Measured round trip to the coordinator",
+            lab,
+            registry=r,
+        )
+        self._link_goodput = Gauge(
+            "crossdc_site_link_goodput_bits_per_second",
+            "Measured goodput of transfers from the coordinator",
+            lab,
+            registry=r,
+        )
         self._ef_norm = Gauge(
             "crossdc_site_error_feedback_norm", "L2 norm of the uplink residual", lab, registry=r
         )
@@ -98,6 +110,10 @@ class SiteMetrics:
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(site=self.site_id, reason=reason).inc()
+
+    def link(self, rtt_s: float, goodput_bps: float) -> None:
+        self._link_rtt.labels(site=self.site_id).set(rtt_s)
+        self._link_goodput.labels(site=self.site_id).set(goodput_bps)
 
     def ef_norm(self, value: float) -> None:
         self._ef_norm.labels(site=self.site_id).set(value)

@@ -84,6 +84,9 @@ def harness() -> Iterator[Harness]:
         num_inner_steps=3,
         outer_lr=0.5,
         outer_momentum=0.9,
+        uplink_codec="fp32",
+        downlink_codec="fp32",
+        overlap=False,
     )
     coord = Coordinator(cfg, store=MemoryStateStore())
     coord.start()
@@ -121,9 +124,13 @@ def update(
         site_id=site,
         round_id=round_id,
         global_version=0,
+        fragment=0,
         weight=weight,
         train_loss=2.0,
         compute_seconds=1.0,
+        step_seconds=0.3,
+        link_rtt_s=0.1,
+        link_goodput_bps=1e8,
         payload=payload,
     )
 
@@ -166,7 +173,11 @@ def test_join_init_round_and_outer_step(harness: Harness) -> None:
 
 
 def _bad_updates(rid: int) -> list[tuple[str, Update, ErrorCode]]:
-    nan = {"w": np.full((2, 3), np.nan, np.float32), "b": np.zeros(3, np.float32)}
+    # Built by hand: the codec itself refuses to encode NaN, a corrupt peer need not.
+    nan = tuple(
+        EncodedTensor(name=k, shape=v.shape, codec="fp32", buffers=(v.reshape(-1),))
+        for k, v in {"w": np.full((2, 3), np.nan, np.float32), "b": np.zeros(3, np.float32)}.items()
+    )
     wrong_shape = {"w": np.zeros((3, 2), np.float32), "b": np.zeros(3, np.float32)}
     missing = {"w": np.zeros((2, 3), np.float32)}
     ok = {"w": np.zeros((2, 3), np.float32), "b": np.zeros(3, np.float32)}

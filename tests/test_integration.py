@@ -12,6 +12,7 @@ import msgpack
 import pytest
 import zmq
 
+from comm.channel import ChannelConfig
 from comm.schema import PROTOCOL_VERSION, MessageType
 from tests.conftest import Procs, read_status, wait_for, write_coordinator_config, write_site_config
 
@@ -61,12 +62,14 @@ def test_coordinator_sigkill_resumes_without_reusing_round_ids(
 ) -> None:
     # A restarted coordinator must come back on the same address the sites know.
     bind = f"tcp://127.0.0.1:{_free_port()}"
-    _start_federation(procs, tmp_path, max_rounds=5, bind=bind, faults={"kill_after_open_round": 3})
+    _start_federation(
+        procs, tmp_path, max_rounds=5, bind=bind, overlap=False, faults={"kill_after_open_round": 3}
+    )
     assert procs.procs["coordinator"].wait(timeout=240) == -signal.SIGKILL, procs.log("coordinator")
     meta = json.loads((tmp_path / "coordinator" / "meta.json").read_text())
     assert (meta["global_version"], meta["round_counter"]) == (2, 3)
     # Restart on the same state dir without the fault: it resumes from its last durable round.
-    cfg = write_coordinator_config(tmp_path, max_rounds=5, bind=bind)
+    cfg = write_coordinator_config(tmp_path, max_rounds=5, bind=bind, overlap=False)
     procs.start("coordinator", "coordinator", "--config", str(cfg))
     assert procs.procs["coordinator"].wait(timeout=240) == 0, procs.log("coordinator")
     status = read_status(tmp_path)
@@ -105,12 +108,15 @@ def test_garbage_frames_are_rejected_while_training_continues(procs: Procs, tmp_
         good_head = {
             "v": PROTOCOL_VERSION,
             "t": int(MessageType.HEARTBEAT),
-            "f": {"site_id": "x", "global_version": 0},
+            "f": {"site_id": "x", "global_version": 0, "sent_at": 0.0},
             "p": [],
         }
         sock.send_multipart([b"\x00not msgpack at all"])
         sock.send_multipart([msgpack.packb({**good_head, "v": 99})])
-        sock.send_multipart([msgpack.packb(good_head), b"x" * (2 << 20)])  # oversize
+        # Over the application bound (counted and rejected), under libzmq's hard MAXMSGSIZE
+        # (beyond which libzmq drops the connection itself).
+        oversize = ChannelConfig().max_message_bytes + 1024
+        sock.send_multipart([msgpack.packb(good_head), b"x" * oversize])
         sock.send_multipart([msgpack.packb({**good_head, "t": 250})])
         sock.send_multipart([msgpack.packb(good_head)])  # valid but never joined
         wait_for(
@@ -129,3 +135,37 @@ def test_garbage_frames_are_rejected_while_training_continues(procs: Procs, tmp_
     assert status["rejected"].get("malformed", 0) >= 2
     assert status["rejected"].get("wrong_version", 0) >= 1
     assert status["rejected"].get("oversize", 0) >= 1
+
+
+def test_lossy_codecs_both_ways_keep_sites_on_the_coordinator_state_hash(
+    procs: Procs, tmp_path: Path
+) -> None:
+    import torch
+
+    from comm.tensors import state_hash
+    from coordinator.state import FileStateStore
+
+    _start_federation(
+        procs,
+        tmp_path,
+        max_rounds=3,
+        uplink_codec="int4",
+        downlink_codec="int8",
+        site_uplink_codecs={"us": "topk:0.1"},
+    )
+    assert procs.procs["coordinator"].wait(timeout=240) == 0, procs.log("coordinator")
+    state = FileStateStore(tmp_path / "coordinator").load()
+    assert state is not None and state.global_version == 3
+    # The downlink residual is carried, not lost: params + residual is the exact outer result.
+    assert any(float(abs(r).max()) > 0 for r in state.residual.values())
+    expected = state_hash(state.params)
+    for site in ("eu", "us"):
+        assert procs.procs[f"site-{site}"].wait(timeout=60) == 0, procs.log(f"site-{site}")
+        ckpt = torch.load(tmp_path / f"site-{site}" / "checkpoint.pt", weights_only=True)
+        assert ckpt["global_version"] == 3
+        assert state_hash({k: v.numpy() for k, v in ckpt["global_params"].items()}) == expected
+        assert ckpt["feedback"], "the uplink residual is kept in the site checkpoint"
+    status = read_status(tmp_path)
+    assert status is not None
+    assert [h["uplink_codecs"] for h in status["history"]] == [{"eu": "int4", "us": "topk:0.1"}] * 3
+    assert "hash_mismatch" not in procs.log("site-eu") + procs.log("site-us")

@@ -38,7 +38,7 @@ SAMPLES: dict[MessageType, object] = {
     MessageType.WELCOME: schema.Welcome(
         site_id="eu", session_id="s1", global_version=3, heartbeat_interval_s=1.0, need_init=False
     ),
-    MessageType.HEARTBEAT: schema.Heartbeat(site_id="eu", global_version=3),
+    MessageType.HEARTBEAT: schema.Heartbeat(site_id="eu", global_version=3, sent_at=12.5),
     MessageType.LEAVE: schema.Leave(site_id="eu", reason="maintenance"),
     MessageType.INIT_PARAMS: schema.InitParams(
         site_id="eu", model_fingerprint="ab12", payload=_payload()
@@ -46,25 +46,37 @@ SAMPLES: dict[MessageType, object] = {
     MessageType.ROUND_START: schema.RoundStart(
         round_id=7,
         global_version=6,
+        fragment_base_version=5,
+        fragment=1,
+        num_fragments=2,
         num_inner_steps=100,
+        overlap=True,
         codec="fp32",
         deadline_s=30.0,
         participants=("ap", "eu"),
         evaluate=True,
+        reason="fits",
     ),
+    MessageType.ROUND_CANCEL: schema.RoundCancel(round_ids=(7, 8), reason="aborted"),
     MessageType.UPDATE: schema.Update(
         site_id="eu",
         round_id=7,
         global_version=6,
+        fragment=0,
         weight=4096.0,
         train_loss=2.5,
         compute_seconds=3.0,
+        step_seconds=0.03,
+        link_rtt_s=0.16,
+        link_goodput_bps=2e7,
         payload=_payload(),
     ),
     MessageType.GLOBAL: schema.Global(
         round_id=7,
         base_version=6,
         global_version=7,
+        fragment=0,
+        merged=("eu",),
         is_full=False,
         state_hash="ff",
         evaluate=False,
@@ -74,6 +86,10 @@ SAMPLES: dict[MessageType, object] = {
     MessageType.ERROR: schema.Error(code=int(ErrorCode.STALE_ROUND), detail="round 3 is not open"),
     MessageType.SHUTDOWN: schema.Shutdown(reason="done"),
     MessageType.SYNC_REQUEST: schema.SyncRequest(site_id="eu", global_version=2),
+    MessageType.STEP_GRAD: schema.StepGrad(
+        site_id="eu", step=3, weight=512.0, loss=2.5, payload=_payload()
+    ),
+    MessageType.STEP_MEAN: schema.StepMean(step=3, num_sites=2, payload=_payload()),
     MessageType.CHUNK: schema.Chunk(
         transfer_id="t1", index=0, num_chunks=1, offset=0, total_bytes=5, digest="d", data=b"hello"
     ),
@@ -126,7 +142,7 @@ def _header(**over: object) -> bytes:
     head = {
         "v": PROTOCOL_VERSION,
         "t": int(MessageType.HEARTBEAT),
-        "f": {"site_id": "eu", "global_version": 1},
+        "f": {"site_id": "eu", "global_version": 1, "sent_at": 1.0},
         "p": [],
     }
     head.update(over)
@@ -142,9 +158,18 @@ def _header(**over: object) -> bytes:
         ([_header(v=PROTOCOL_VERSION + 1)], ErrorCode.WRONG_VERSION),
         ([_header(t=999)], ErrorCode.MALFORMED),
         ([_header(f={"site_id": "eu"})], ErrorCode.MALFORMED),
-        ([_header(f={"site_id": "eu", "global_version": "3"})], ErrorCode.MALFORMED),
-        ([_header(f={"site_id": "eu", "global_version": True})], ErrorCode.MALFORMED),
-        ([_header(f={"site_id": "eu", "global_version": 1, "extra": 1})], ErrorCode.MALFORMED),
+        (
+            [_header(f={"site_id": "eu", "global_version": "3", "sent_at": 1.0})],
+            ErrorCode.MALFORMED,
+        ),
+        (
+            [_header(f={"site_id": "eu", "global_version": True, "sent_at": 1.0})],
+            ErrorCode.MALFORMED,
+        ),
+        (
+            [_header(f={"site_id": "eu", "global_version": 1, "sent_at": 1.0, "extra": 1})],
+            ErrorCode.MALFORMED,
+        ),
         ([_header(), b"stray frame"], ErrorCode.MALFORMED),
     ],
 )

@@ -1,0 +1,481 @@
+"""Secure aggregation by pairwise masking: the coordinator learns the sum, not one site's update.
+
+Bonawitz et al. (CCS 2017) without the secret sharing. Every pair of sites (i, j) in an attempt's
+masking set agrees on a key through X25519 and HKDF-SHA256; a ChaCha20 keystream under that key
+(per tensor name) is the pair's mask vector. Site i encodes its values in fixed point, adds the
+masks shared with every j sorting after it, subtracts those with every j sorting before it, all
+modulo 2^k, and sends the result. Summed over the whole masking set, every mask appears once with
+each sign and cancels: the coordinator gets the exact fixed-point sum, and any proper subset of
+the masked vectors is uniformly random to it.
+
+Fixed point (:class:`SecAggConfig`): a value v becomes ``rint(v * 2^frac_bits)`` in two's
+complement modulo 2^k (k = ``word_bits``, 32 or 64). The sum of up to ``max_sites`` values each
+bounded by ``clip_bound`` in magnitude (and 1, for the weight) cannot wrap because the config
+requires ``max_sites * (max(clip_bound, 1) * 2^frac_bits + 1) <= 2^(k-1) - 1``; a site refuses
+(ValueError) to mask any value beyond ``clip_bound``. Rounding makes each encoded value off by at
+most 2^-(frac_bits+1); the decoded sum is the exact sum of the encoded values.
+
+Weights: a site masks ``w * x`` together with ``w`` itself (the reserved tensor
+:data:`WEIGHT_KEY`), ``w`` in [0, 1] (tokens divided by a public cap, or 1 for a plain mean). The
+coordinator recovers ``sum(w x)`` and ``sum(w)`` and divides (:func:`unmask_mean`); single weights
+stay hidden too.
+
+Dropouts: if a site of the masking set never delivers, its masks do not cancel and the sum is
+garbage. The rule is a re-run: the coordinator announces the survivors as the next attempt's
+masking set and every survivor masks again with only survivors (:func:`decide_attempt`). Each
+attempt derives fresh masks (the key derivation binds session, round, attempt and the set), a
+site masks each (round, attempt) at most once, a re-run's set must be a strict subset of the
+previous one and attempts are capped, so a round either completes or is abandoned; it never hangs.
+The coordinator must unmask one attempt per round and discard the vectors of abandoned attempts:
+see docs/security.md for what a coordinator that keeps them (or lies about dropouts) can learn.
+
+Pair keys mix a per-session X25519 key (fresh each time an agent starts, so a restarted site never
+reuses masks) with, when given, the sites' static CURVE keys from their CA-signed certificates, so
+a coordinator relaying session keys cannot substitute its own and learn the masks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import zmq.utils.z85 as z85
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+WEIGHT_KEY = "__secagg_weight__"
+"""Reserved tensor name carrying a site's weight inside its masked vectors."""
+
+_HKDF_SALT = b"crossdc-secagg-v1"
+
+MaskedArrays = dict[str, npt.NDArray[np.unsignedinteger[Any]]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecAggConfig:
+    """Fixed-point encoding and protocol limits; the coordinator and all sites must agree."""
+
+    clip_bound: float
+    """Largest magnitude of any weighted value ``w * x`` a site may mask (e.g. the DP clip norm,
+    which bounds every coordinate of an L2-clipped update)."""
+    frac_bits: int = 32
+    """Fractional bits of the fixed-point encoding: resolution 2^-frac_bits."""
+    word_bits: int = 64
+    """k: arithmetic modulo 2^k on uint64 (64) or uint32 (32, half the bytes, less headroom)."""
+    max_sites: int = 256
+    """Most sites in one masking set; with ``clip_bound`` it sizes the overflow headroom."""
+    min_sites: int = 2
+    """Fewest sites a site will mask with (fewer would show one update as the sum)."""
+    max_attempts: int = 3
+    """Attempts per round: the first plus at most ``max_attempts - 1`` re-runs after dropouts."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.clip_bound) and self.clip_bound > 0):
+            raise ValueError(f"secagg.clip_bound must be a positive number, got {self.clip_bound}")
+        if self.word_bits not in (32, 64):
+            raise ValueError(f"secagg.word_bits must be 32 or 64, got {self.word_bits}")
+        if not 0 <= self.frac_bits < self.word_bits - 1:
+            raise ValueError(
+                f"secagg.frac_bits must be in [0, {self.word_bits - 1}), got {self.frac_bits}"
+            )
+        if self.min_sites < 2:
+            raise ValueError(f"secagg.min_sites must be >= 2, got {self.min_sites}")
+        if self.max_sites < self.min_sites:
+            raise ValueError("secagg.max_sites must be >= secagg.min_sites")
+        if self.max_attempts < 1:
+            raise ValueError(f"secagg.max_attempts must be >= 1, got {self.max_attempts}")
+        if self.max_sites * self.max_encoded > 2 ** (self.word_bits - 1) - 1:
+            raise ValueError(
+                f"secagg.clip_bound={self.clip_bound} with frac_bits={self.frac_bits} and "
+                f"max_sites={self.max_sites} could overflow {self.word_bits}-bit sums: lower "
+                "clip_bound, frac_bits or max_sites, or use word_bits = 64"
+            )
+
+    @property
+    def max_encoded(self) -> int:
+        """Largest magnitude of one encoded value (values, and weights up to 1)."""
+        return math.floor(max(self.clip_bound, 1.0) * 2.0**self.frac_bits) + 1
+
+    @property
+    def dtype(self) -> np.dtype[np.unsignedinteger[Any]]:
+        return np.dtype(np.uint64 if self.word_bits == 64 else np.uint32)
+
+    @property
+    def signed_dtype(self) -> np.dtype[np.signedinteger[Any]]:
+        return np.dtype(np.int64 if self.word_bits == 64 else np.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixed point
+
+
+def encode_fixed(
+    name: str, values: npt.ArrayLike, config: SecAggConfig
+) -> npt.NDArray[np.unsignedinteger[Any]]:
+    """``rint(v * 2^frac_bits)`` modulo 2^k; ValueError if non-finite or beyond ``clip_bound``."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size:
+        if not np.isfinite(x).all():
+            raise ValueError(f"secagg: tensor {name!r} holds NaN or Inf")
+        peak = float(np.abs(x).max())
+        if peak > config.clip_bound:
+            raise ValueError(
+                f"secagg: tensor {name!r} has |value| {peak:.6g} > clip_bound {config.clip_bound}"
+                " (clip the update first)"
+            )
+    # ldexp by a power of two is exact; rint is exact below 2^53; the int64 -> uint cast is
+    # reduction modulo 2^k (two's complement).
+    fixed = np.asarray(np.rint(np.ldexp(x, config.frac_bits))).astype(np.int64)
+    return fixed.astype(config.dtype)
+
+
+def to_signed(
+    sums: npt.NDArray[np.unsignedinteger[Any]], config: SecAggConfig
+) -> npt.NDArray[np.int64]:
+    """Residues modulo 2^k as the signed integers they encode."""
+    return np.asarray(sums, order="C").view(config.signed_dtype).astype(np.int64)
+
+
+def decode_fixed(
+    sums: npt.NDArray[np.unsignedinteger[Any]], config: SecAggConfig
+) -> npt.NDArray[np.float64]:
+    return np.ldexp(to_signed(sums, config).astype(np.float64), -config.frac_bits)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys
+
+
+def x25519_public_bytes(key: X25519PrivateKey) -> bytes:
+    return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def x25519_from_curve_secret(secret_z85: bytes) -> X25519PrivateKey:
+    """A site's CURVE secret key (Z85) as the X25519 key it is (CURVE is Curve25519)."""
+    return X25519PrivateKey.from_private_bytes(z85.decode(secret_z85))
+
+
+def curve_public_raw(public: bytes) -> bytes:
+    """A CURVE public key (raw or Z85, e.g. from a certificate) as 32 raw X25519 bytes."""
+    raw = z85.decode(public) if len(public) == 40 else bytes(public)
+    if len(raw) != 32:
+        raise ValueError(f"an X25519 public key has 32 bytes, got {len(raw)}")
+    return raw
+
+
+@dataclass(frozen=True, kw_only=True)
+class Peer:
+    """A site's keys as announced for masking."""
+
+    session_public: bytes
+    """Raw 32-byte X25519 public key of the site's current session key."""
+    static_public: bytes | None = None
+    """The site's CURVE public key from its CA-verified certificate (raw or Z85)."""
+
+
+def _ordered(site_ids: Collection[str]) -> list[str]:
+    return sorted(site_ids)
+
+
+def _pair_key(
+    *,
+    session_id: str,
+    round_id: int,
+    attempt: int,
+    members: list[str],
+    lo: str,
+    hi: str,
+    peers: Mapping[str, Peer],
+    shared: bytes,
+) -> bytes:
+    info = json.dumps(
+        {
+            "session": session_id,
+            "round": round_id,
+            "attempt": attempt,
+            "members": members,
+            "pair": [lo, hi],
+            "keys": [peers[lo].session_public.hex(), peers[hi].session_public.hex()],
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    ).encode()
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=_HKDF_SALT, info=info).derive(shared)
+
+
+def mask_stream(
+    pair_key: bytes, name: str, size: int, config: SecAggConfig
+) -> npt.NDArray[np.unsignedinteger[Any]]:
+    """The pair's mask for one tensor: ``size`` uniform words of a ChaCha20 keystream."""
+    tensor_key = hmac.new(pair_key, b"tensor\0" + name.encode(), hashlib.sha256).digest()
+    # The key is unique per (pair, session, round, attempt, members, tensor): a zero nonce is safe.
+    enc = Cipher(algorithms.ChaCha20(tensor_key, bytes(16)), mode=None).encryptor()
+    stream = enc.update(bytes(size * config.dtype.itemsize))
+    return np.frombuffer(stream, dtype=config.dtype).copy()
+
+
+# ---------------------------------------------------------------------------------------------
+# The site's side
+
+
+class SecAggSession:
+    """One site's masking state for the lifetime of its session key (one agent process).
+
+    ``session_key`` is generated fresh unless given; announce :attr:`session_public` to the
+    coordinator, which relays every participant's :class:`Peer` in its round plan. With
+    ``static_key`` (the site's CURVE secret, :func:`x25519_from_curve_secret`), every participant
+    must come with its certified ``static_public`` too, and pair keys depend on both.
+    """
+
+    def __init__(
+        self,
+        *,
+        site_id: str,
+        session_id: str,
+        config: SecAggConfig,
+        session_key: X25519PrivateKey | None = None,
+        static_key: X25519PrivateKey | None = None,
+    ) -> None:
+        self.site_id = site_id
+        self.session_id = session_id
+        self.config = config
+        self._session_key = session_key or X25519PrivateKey.generate()
+        self._static_key = static_key
+        self.session_public = x25519_public_bytes(self._session_key)
+        self.static_public = x25519_public_bytes(static_key) if static_key is not None else None
+        self._last: tuple[int, int] | None = None
+        self._last_members: dict[str, Peer] = {}
+
+    def peer(self) -> Peer:
+        """This site's own entry for a round plan."""
+        return Peer(session_public=self.session_public, static_public=self.static_public)
+
+    def _check_plan(self, round_id: int, attempt: int, participants: Mapping[str, Peer]) -> None:
+        cfg = self.config
+        if self.site_id not in participants:
+            raise ValueError(f"secagg: site {self.site_id!r} is not in the masking set")
+        if not cfg.min_sites <= len(participants) <= cfg.max_sites:
+            raise ValueError(
+                f"secagg: masking set of {len(participants)} sites is outside "
+                f"[{cfg.min_sites}, {cfg.max_sites}]"
+            )
+        if not 0 <= attempt < cfg.max_attempts:
+            raise ValueError(f"secagg: attempt {attempt} is outside [0, {cfg.max_attempts})")
+        me = participants[self.site_id]
+        if me.session_public != self.session_public or (
+            self.static_public is not None
+            and (
+                me.static_public is None or curve_public_raw(me.static_public) != self.static_public
+            )
+        ):
+            raise ValueError("secagg: the plan lists other keys for this site")
+        if self._static_key is not None:
+            missing = [s for s, p in participants.items() if p.static_public is None]
+            if missing:
+                raise ValueError(f"secagg: no certified static key for {missing}")
+        if self._last is not None and (round_id, attempt) <= self._last:
+            raise ValueError(
+                f"secagg: already masked round {self._last[0]} attempt {self._last[1]}; "
+                f"refusing round {round_id} attempt {attempt} (masks are never reused)"
+            )
+        if attempt > 0:
+            # A re-run masks with survivors of the previous attempt only, under the same keys.
+            prev = self._last_members if self._last == (round_id, attempt - 1) else None
+            if prev is None:
+                raise ValueError(
+                    f"secagg: attempt {attempt} of round {round_id} does not follow "
+                    "an attempt this site masked"
+                )
+            if not (set(participants) < set(prev)) or any(
+                prev[s] != p for s, p in participants.items()
+            ):
+                raise ValueError("secagg: a re-run's set must be survivors of the previous one")
+
+    def mask(
+        self,
+        arrays: Mapping[str, npt.ArrayLike],
+        *,
+        round_id: int,
+        participants: Mapping[str, Peer],
+        attempt: int = 0,
+        weight: float = 1.0,
+    ) -> MaskedArrays:
+        """Masked fixed-point ``weight * x`` per tensor, plus the masked weight.
+
+        ``participants`` is the attempt's whole masking set, this site included, as announced by
+        the coordinator. Raises ValueError for an out-of-range value or weight, or a plan this
+        site must refuse (see the module docstring); nothing is recorded then.
+        """
+        cfg = self.config
+        if WEIGHT_KEY in arrays:
+            raise ValueError(f"secagg: tensor name {WEIGHT_KEY!r} is reserved")
+        if not (math.isfinite(weight) and 0.0 <= weight <= 1.0):
+            raise ValueError(f"secagg: weight must be in [0, 1], got {weight}")
+        self._check_plan(round_id, attempt, participants)
+        out: MaskedArrays = {
+            name: encode_fixed(name, np.asarray(x, dtype=np.float64) * weight, cfg)
+            for name, x in arrays.items()
+        }
+        out[WEIGHT_KEY] = encode_fixed(WEIGHT_KEY, np.array([weight]), cfg)
+        members = _ordered(participants)
+        for other in members:
+            if other == self.site_id:
+                continue
+            pair_key = self._pair_key(round_id, attempt, members, other, participants)
+            add = self.site_id < other
+            for name, enc in out.items():
+                m = mask_stream(pair_key, name, enc.size, cfg).reshape(enc.shape)
+                # uint arithmetic wraps: this is addition modulo 2^k.
+                if add:
+                    np.add(enc, m, out=enc)
+                else:
+                    np.subtract(enc, m, out=enc)
+        self._last = (round_id, attempt)
+        self._last_members = dict(participants)
+        return out
+
+    def _pair_key(
+        self,
+        round_id: int,
+        attempt: int,
+        members: list[str],
+        other: str,
+        participants: Mapping[str, Peer],
+    ) -> bytes:
+        peer = participants[other]
+        shared = self._session_key.exchange(X25519PublicKey.from_public_bytes(peer.session_public))
+        if self._static_key is not None:
+            assert peer.static_public is not None  # checked in _check_plan
+            static = X25519PublicKey.from_public_bytes(curve_public_raw(peer.static_public))
+            shared += self._static_key.exchange(static)
+        lo, hi = sorted((self.site_id, other))
+        return _pair_key(
+            session_id=self.session_id,
+            round_id=round_id,
+            attempt=attempt,
+            members=members,
+            lo=lo,
+            hi=hi,
+            peers=participants,
+            shared=shared,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The coordinator's side: pure functions
+
+
+@dataclass(frozen=True, kw_only=True)
+class MaskingPlan:
+    """One attempt of a round: who masks with whom, with which keys."""
+
+    round_id: int
+    attempt: int
+    participants: Mapping[str, Peer]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttemptDecision:
+    """``unmask`` the attempt, ``rerun`` with ``plan`` (the survivors), or ``abandon`` the round."""
+
+    action: Literal["unmask", "rerun", "abandon"]
+    plan: MaskingPlan | None
+
+
+def decide_attempt(
+    plan: MaskingPlan, received: Collection[str], config: SecAggConfig
+) -> tuple[AttemptDecision, str]:
+    """What to do when an attempt's deadline passes (or every vector is in).
+
+    ``received`` names the sites whose masked vectors for this attempt arrived; vectors from
+    sites outside the plan must have been rejected already and are ignored here.
+    """
+    survivors = {s: p for s, p in plan.participants.items() if s in received}
+    dropped = sorted(set(plan.participants) - set(survivors))
+    if not dropped:
+        return AttemptDecision(action="unmask", plan=plan), "every masked vector arrived"
+    if len(survivors) < config.min_sites:
+        return AttemptDecision(action="abandon", plan=None), (
+            f"only {len(survivors)} of {len(plan.participants)} sites delivered "
+            f"(dropped {dropped}); fewer than min_sites={config.min_sites}"
+        )
+    if plan.attempt + 1 >= config.max_attempts:
+        return AttemptDecision(action="abandon", plan=None), (
+            f"dropped {dropped} in the last allowed attempt ({config.max_attempts})"
+        )
+    rerun = MaskingPlan(round_id=plan.round_id, attempt=plan.attempt + 1, participants=survivors)
+    return AttemptDecision(action="rerun", plan=rerun), (
+        f"dropped {dropped}: re-run with {len(survivors)} survivors"
+    )
+
+
+def unmask_sum_fixed(
+    masked: Mapping[str, Mapping[str, npt.NDArray[np.unsignedinteger[Any]]]],
+    plan: MaskingPlan,
+    config: SecAggConfig,
+) -> dict[str, npt.NDArray[np.int64]]:
+    """The exact fixed-point sums (signed integers) of one attempt's masked vectors.
+
+    ``masked`` maps each site of ``plan`` to its vectors; anything but exactly the plan's sites
+    with identical names, shapes and dtype is a ValueError (the masks would not cancel).
+    """
+    if set(masked) != set(plan.participants):
+        raise ValueError(
+            f"secagg: vectors from {sorted(masked)} do not match the masking set "
+            f"{sorted(plan.participants)} of round {plan.round_id} attempt {plan.attempt}"
+        )
+    if len(masked) > config.max_sites:
+        raise ValueError(f"secagg: {len(masked)} sites exceed max_sites={config.max_sites}")
+    sites = sorted(masked)
+    first = masked[sites[0]]
+    if WEIGHT_KEY not in first:
+        raise ValueError(f"secagg: vectors lack the weight entry {WEIGHT_KEY!r}")
+    layout = {name: arr.shape for name, arr in first.items()}
+    totals = {name: np.zeros(shape, dtype=config.dtype) for name, shape in layout.items()}
+    for site in sites:
+        vectors = masked[site]
+        if {n: a.shape for n, a in vectors.items()} != layout:
+            raise ValueError(f"secagg: site {site!r} sent other tensor names or shapes")
+        for name, arr in vectors.items():
+            if arr.dtype != config.dtype:
+                raise ValueError(
+                    f"secagg: site {site!r} tensor {name!r} is {arr.dtype}, not {config.dtype}"
+                )
+            np.add(totals[name], arr, out=totals[name])
+    return {name: to_signed(total, config) for name, total in totals.items()}
+
+
+def unmask_sum(
+    masked: Mapping[str, Mapping[str, npt.NDArray[np.unsignedinteger[Any]]]],
+    plan: MaskingPlan,
+    config: SecAggConfig,
+    *,
+    dtype: type[np.floating[Any]] = np.float32,
+) -> dict[str, npt.NDArray[np.floating[Any]]]:
+    """The decoded sums ``sum_s w_s x_s`` per tensor, and ``sum_s w_s`` under :data:`WEIGHT_KEY`."""
+    return {
+        name: np.ldexp(total.astype(np.float64), -config.frac_bits).astype(dtype)
+        for name, total in unmask_sum_fixed(masked, plan, config).items()
+    }
+
+
+def unmask_mean(
+    masked: Mapping[str, Mapping[str, npt.NDArray[np.unsignedinteger[Any]]]],
+    plan: MaskingPlan,
+    config: SecAggConfig,
+) -> tuple[dict[str, npt.NDArray[np.float32]], float]:
+    """The weighted mean ``sum(w x) / sum(w)`` per tensor and the total weight ``sum(w)``."""
+    sums = unmask_sum(masked, plan, config, dtype=np.float64)
+    total_weight = float(sums.pop(WEIGHT_KEY)[0])
+    if total_weight <= 0:
+        raise ValueError("secagg: the total weight is 0: no site contributed")
+    return {n: (s / total_weight).astype(np.float32) for n, s in sums.items()}, total_weight

@@ -1,0 +1,134 @@
+"""The WAN scheduler: a pure function from measured links to a round plan.
+
+``plan_round(now, sites, policy)`` chooses, per site, the codec of its pseudo-gradient, and for
+the round the downlink codec, the inner steps per sync slot and the fragment count, so that a
+sync fits inside the compute it overlaps (DESIGN.md §4). Codecs are tried from least to most
+compressed (the ladder); a site gets the first one whose sync fits its budget. When none fits,
+the slot is lengthened (more inner steps, up to a bound). The reason says which constraint bound.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from comm.compress import get_codec
+
+
+@dataclass(frozen=True)
+class SiteView:
+    """What the coordinator knows of one site's link and speed (0 = not measured yet)."""
+
+    site_id: str
+    step_seconds: float = 0.0
+    rtt_s: float = 0.0
+    goodput_bps: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulePolicy:
+    num_inner_steps: int
+    """H: inner steps between two syncs of the same fragment."""
+    num_fragments: int = 1
+    overlap: bool = True
+    target_utilization: float = 0.95
+    ladder: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
+    """Codecs from least to most compressed."""
+    fixed_uplink: Mapping[str, str] = field(default_factory=dict)
+    """Sites whose uplink codec is fixed by configuration."""
+    default_uplink: str | None = None
+    """Fixed uplink codec for every site (None: the scheduler chooses)."""
+    fixed_downlink: str | None = None
+    """Fixed downlink codec (None: the scheduler chooses)."""
+    unmeasured_codec: str = "int8"
+    """What a site gets before its link has been measured."""
+    max_inner_steps: int = 2000
+    model_numel: int = 0
+    margin: float = 0.8
+    """Fraction of the compute budget a sync may use (headroom for jitter and stragglers)."""
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    num_inner_steps: int
+    """Inner steps of this round's slot (H / fragments)."""
+    num_fragments: int
+    overlap: bool
+    uplink: dict[str, str]
+    downlink: str
+
+
+def _bytes(codec: str, numel: int) -> int:
+    return get_codec(codec).encoded_size(numel)
+
+
+def _sync_seconds(view: SiteView, up: str, down: str, numel: int) -> float:
+    bits = 8 * (_bytes(up, numel) + _bytes(down, numel))
+    return view.rtt_s + bits / view.goodput_bps
+
+
+def plan_round(
+    now: float, sites: Sequence[SiteView], policy: SchedulePolicy
+) -> tuple[RoundPlan, str]:
+    """The plan for the next round and why."""
+    del now  # the plan depends on measurements only; kept for the decision signature
+    frags = policy.num_fragments
+    slot = max(1, policy.num_inner_steps // frags)
+    numel = max(1, math.ceil(policy.model_numel / frags))
+    reasons: list[str] = []
+    uplink: dict[str, str] = {}
+    levels: dict[str, int] = {}
+    ladder = policy.ladder
+    for v in sorted(sites, key=lambda s: s.site_id):
+        fixed = policy.fixed_uplink.get(v.site_id, policy.default_uplink)
+        if fixed is not None:
+            uplink[v.site_id] = fixed
+            levels[v.site_id] = ladder.index(fixed) if fixed in ladder else 0
+            reasons.append(f"{v.site_id}: {fixed} (configured)")
+            continue
+        if not (v.step_seconds > 0 and v.goodput_bps > 0):
+            uplink[v.site_id] = policy.unmeasured_codec
+            levels[v.site_id] = ladder.index(policy.unmeasured_codec)
+            reasons.append(f"{v.site_id}: {policy.unmeasured_codec} (link not measured yet)")
+            continue
+        compute_s = slot * v.step_seconds
+        if policy.overlap:
+            budget = policy.margin * compute_s
+        else:
+            budget = compute_s * (1 - policy.target_utilization) / policy.target_utilization
+        level, codec, need = 0, ladder[0], 0.0
+        for level, codec in enumerate(ladder):  # noqa: B007 (level is used after the loop)
+            need = _sync_seconds(v, codec, codec, numel)
+            if need <= budget:
+                break
+        uplink[v.site_id] = codec
+        levels[v.site_id] = level
+        reasons.append(f"{v.site_id}: {codec} (sync {need:.2f}s vs budget {budget:.2f}s)")
+        if need > budget:
+            # Even the most compressed codec does not fit: lengthen the slot for everyone.
+            per_step = v.step_seconds * (policy.margin if policy.overlap else 1.0)
+            wanted = math.ceil(need / per_step)
+            if not policy.overlap:
+                wanted = math.ceil(
+                    wanted * policy.target_utilization / (1 - policy.target_utilization)
+                )
+            new_slot = min(policy.max_inner_steps // frags, max(slot, wanted))
+            if new_slot > slot:
+                reasons.append(f"slot {slot}->{new_slot} steps so {v.site_id}'s sync fits")
+                slot = new_slot
+    if policy.fixed_downlink is not None:
+        downlink = policy.fixed_downlink
+    elif levels:
+        downlink = ladder[max(levels.values())]
+    else:
+        downlink = policy.unmeasured_codec
+    reasons.append(f"downlink {downlink}")
+    plan = RoundPlan(
+        num_inner_steps=slot,
+        num_fragments=frags,
+        overlap=policy.overlap,
+        uplink=uplink,
+        downlink=downlink,
+    )
+    return plan, "; ".join(reasons)

@@ -1,0 +1,515 @@
+"""A site of the synchronous data-parallel baseline: one gradient all-reduce over the WAN per step.
+
+The counterpart of ``coordinator.ddp``. Every inner step the site computes the gradient of its
+own batch without stepping (:meth:`DDPTrainer.compute_gradient`), sends it (``StepGrad``, fp32,
+weight = tokens in the batch), waits for the coordinator's token-weighted mean (``StepMean``) and
+takes the AdamW step on it (:meth:`DDPTrainer.apply_gradient`: the same clipping and learning-rate
+schedule as :class:`~site_agent.trainer.LocalTrainer`, which it wraps). All sites start from the
+same parameters (same model config and seed) and apply the same bytes, so they stay bit-identical;
+the final :func:`~comm.tensors.state_hash` is written to ``ddp-result.json`` in the state dir with
+the site's compute and wall seconds (``compute_utilization``).
+
+Data, model and sampler are built exactly as for the DiLoCo site (``load_site_data``,
+``build_local_trainer``), so both train on the same batches of the same model. The coordinator
+link runs on its own thread (``comm.channel.SiteLink``); training runs on the caller's.
+
+Run it as ``python -m site_agent.ddp --config FILE``, FILE holding the DiLoCo agent's ``[site]``
+table (single-process sites only: ``stages = replicas = 1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from comm.channel import SiteLink
+from comm.compress import NonFiniteError, get_codec
+from comm.configio import ConfigError
+from comm.schema import (
+    ERROR_MEANINGS,
+    Error,
+    ErrorCode,
+    Eval,
+    Heartbeat,
+    Join,
+    Leave,
+    Message,
+    RoundStart,
+    Shutdown,
+    StepGrad,
+    StepMean,
+    Welcome,
+)
+from comm.tensors import decode_tensors, encode_tensors, spec_of, state_hash
+from comm.wire import WireError
+from site_agent.agent import (
+    EXIT_FATAL,
+    EXIT_OK,
+    build_local_trainer,
+    load_site_data,
+    read_endpoint_file,
+    resolve_device,
+)
+from site_agent.config import SiteConfig, load_site_config
+from site_agent.data import eval_batches
+from site_agent.model import lm_loss, model_fingerprint
+from site_agent.trainer import LocalTrainer, learning_rate
+
+log = logging.getLogger("crossdc.site.ddp")
+
+EXIT_BAD_CONFIG = 2
+RESULT_FILE = "ddp-result.json"
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepGradient:
+    """The gradient of one batch at the current parameters, and what it was computed on."""
+
+    grads: dict[str, np.ndarray]
+    """float32 CPU arrays by parameter name (``state_dict`` names)."""
+    tokens: int
+    loss: float
+
+
+class DDPTrainer:
+    """A :class:`LocalTrainer` driven one gradient at a time: compute, then apply a given one.
+
+    It uses the wrapped trainer's model, sampler, AdamW, clipping and step counter, so a
+    gradient applied here is stepped exactly as ``LocalTrainer.train_steps`` would step its own.
+    """
+
+    def __init__(self, local: LocalTrainer) -> None:
+        self.local = local
+        names = [name for name, _ in local.model.named_parameters()]
+        if names != list(local.model.state_dict()):
+            raise ValueError("the model's state must consist of its parameters only")
+        self._params: dict[str, nn.Parameter] = dict(local.model.named_parameters())
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (drives the learning-rate schedule)."""
+        return self.local.step
+
+    def compute_gradient(self, batch: Batch | None = None) -> StepGradient:
+        """Forward and backward on ``batch`` (the sampler's next one by default); no step."""
+        x, y = self.local.sampler.next_batch() if batch is None else batch
+        model = self.local.model
+        model.train()
+        device = self.local.device
+        loss = lm_loss(model(x.to(device)), y.to(device))
+        self.local.optimizer.zero_grad(set_to_none=True)
+        torch.autograd.backward(loss)
+        grads: dict[str, np.ndarray] = {}
+        for name, p in self._params.items():
+            g = torch.zeros_like(p) if p.grad is None else p.grad
+            grads[name] = g.detach().to("cpu", torch.float32, copy=True).numpy()
+        self.local.optimizer.zero_grad(set_to_none=True)
+        return StepGradient(grads=grads, tokens=int(y.numel()), loss=float(loss.detach()))
+
+    def apply_gradient(self, grad: Mapping[str, np.ndarray]) -> None:
+        """Set every parameter's ``.grad`` to ``grad``, clip, and take one AdamW step.
+
+        Names and shapes must match the parameters exactly; nothing changes otherwise.
+        """
+        if set(grad) != set(self._params):
+            missing = sorted(set(self._params) - set(grad))[:3]
+            extra = sorted(set(grad) - set(self._params))[:3]
+            raise ValueError(f"gradient names differ: missing {missing} extra {extra}")
+        for name, p in self._params.items():
+            if tuple(np.shape(grad[name])) != tuple(p.shape):
+                raise ValueError(
+                    f"gradient {name!r} has shape {np.shape(grad[name])}, expected {tuple(p.shape)}"
+                )
+        cfg = self.local.optim_cfg
+        for name, p in self._params.items():
+            # torch.tensor copies: the caller's arrays (maybe read-only) are never touched.
+            p.grad = torch.tensor(grad[name], dtype=p.dtype, device=p.device)
+        if cfg.grad_clip > 0:
+            nn.utils.clip_grad_norm_(self._params.values(), cfg.grad_clip)
+        lr = learning_rate(cfg, self.local.step)
+        for group in self.local.optimizer.param_groups:
+            group["lr"] = lr
+        self.local.optimizer.step()
+        self.local.optimizer.zero_grad(set_to_none=True)
+        self.local.step += 1
+
+    def evaluate(self, batches: Sequence[Batch]) -> float:
+        return self.local.evaluate(batches)
+
+    def parameters_numpy(self) -> dict[str, np.ndarray]:
+        return self.local.parameters_numpy()
+
+
+def _atomic_write_json(path: Path, doc: Mapping[str, Any]) -> None:
+    body = json.dumps(doc, indent=1, sort_keys=True).encode()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(body)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class _Stop(Exception):
+    """Ends ``run`` with an exit code (Shutdown, or a state the site cannot continue from)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+class DDPSite:
+    """One site of the baseline. ``start``, ``run`` (returns an exit code), ``close``."""
+
+    def __init__(
+        self,
+        cfg: SiteConfig,
+        *,
+        trainer: DDPTrainer,
+        val_batches: Sequence[Batch],
+    ) -> None:
+        self.cfg = cfg
+        self.site_id = cfg.site_id
+        self.trainer = trainer
+        self.val_batches = list(val_batches)
+        self.fingerprint = model_fingerprint(cfg.model)
+        params = trainer.parameters_numpy()
+        self.spec = spec_of(params)
+        self.initial_hash = state_hash(params)
+        self.link: SiteLink | None = None
+        self.session_id = ""
+        self.steps_done = 0
+        """Mean gradients applied; equals the coordinator's step counter while in sync."""
+        self.tokens = 0
+        self.compute_seconds = 0.0
+        """Gradient computation plus optimizer steps: the work DDP cannot overlap with the WAN."""
+        self.errors: Counter[str] = Counter()
+        """Rejections: ``remote_<code>`` from the coordinator, others found locally."""
+        self.val_losses: dict[int, float] = {}
+        self.shutdown_reason = ""
+        self.stop_requested = threading.Event()
+        """Set from any thread (a signal handler) to leave and end ``run`` at its next receive."""
+        self._run_started: float | None = None
+        self._last_step_at: float | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def state_path(self) -> Path:
+        return self.cfg.state_path
+
+    @property
+    def wall_seconds(self) -> float:
+        """From the run's first RoundStart to the last applied step."""
+        if self._run_started is None or self._last_step_at is None:
+            return 0.0
+        return self._last_step_at - self._run_started
+
+    @property
+    def compute_utilization(self) -> float:
+        wall = self.wall_seconds
+        return self.compute_seconds / wall if wall > 0 else 0.0
+
+    def start(self) -> None:
+        self.state_path.mkdir(parents=True, exist_ok=True)
+        endpoint = self.cfg.coordinator or read_endpoint_file(
+            self.cfg.coordinator_endpoint_file, timeout_s=120
+        )
+        self.link = SiteLink(
+            self.cfg.channel,
+            identity=self.site_id,
+            endpoint=endpoint,
+            heartbeat=lambda: Heartbeat(
+                site_id=self.site_id, global_version=self.steps_done, sent_at=time.monotonic()
+            ),
+            on_reject=lambda _p, code, _d: self.errors.update([code.name.lower()]),
+        )
+        self.link.start()
+        log.info("[site=%s] ddp: connecting to %s", self.site_id, endpoint)
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+
+    def __enter__(self) -> DDPSite:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def _send(self, msg: Message) -> None:
+        assert self.link is not None
+        self.link.send(msg)
+
+    def _recv(self, timeout_s: float) -> Message | None:
+        assert self.link is not None
+        if self.stop_requested.is_set():
+            log.info("[site=%s step=%d] stopping on request", self.site_id, self.steps_done)
+            self.leave("stopped")
+            raise _Stop(EXIT_OK)
+        return self.link.recv(timeout_s)
+
+    def _join(self) -> None:
+        self._send(
+            Join(
+                site_id=self.site_id,
+                model_fingerprint=self.fingerprint,
+                global_version=self.steps_done,
+                state_hash=self.initial_hash,
+                capabilities={
+                    "mode": "ddp",
+                    "device": resolve_device(self.cfg.device),
+                    "param_spec": [[name, list(shape)] for name, shape in self.spec.items()],
+                },
+            )
+        )
+
+    def run(self) -> int:
+        """Serve the run until the coordinator says Shutdown; return the process exit code."""
+        assert self.link is not None, "start() first"
+        self._join()
+        try:
+            while True:
+                msg = self._recv(0.5)
+                if msg is None:
+                    continue
+                if isinstance(msg, RoundStart):
+                    self._run_segment(msg)
+                elif isinstance(msg, Welcome):
+                    self.session_id = msg.session_id
+                    log.info("[site=%s] welcomed by session %s", self.site_id, msg.session_id)
+                else:
+                    self._on_other(msg)
+        except _Stop as stop:
+            return stop.code
+
+    def _on_other(self, msg: Message) -> None:
+        """Messages that may arrive at any point: Error, Shutdown; anything else is ignored."""
+        if isinstance(msg, Shutdown):
+            self.shutdown_reason = msg.reason
+            log.info("[site=%s] shutdown: %s", self.site_id, msg.reason)
+            self._write_result()
+            self._send(Leave(site_id=self.site_id, reason="shutdown"))
+            raise _Stop(EXIT_OK)
+        if isinstance(msg, Error):
+            self._on_error(msg)
+            return
+        log.warning(
+            "[site=%s step=%d] ignoring unexpected %s",
+            self.site_id,
+            self.steps_done,
+            type(msg).__name__,
+        )
+
+    def _on_error(self, msg: Error) -> None:
+        try:
+            code = ErrorCode(msg.code)
+        except ValueError:
+            self.errors["remote_unknown"] += 1
+            log.warning("[site=%s] coordinator error %d: %s", self.site_id, msg.code, msg.detail)
+            return
+        if code is ErrorCode.NOT_JOINED and not self.session_id:
+            return  # a heartbeat that overtook our Join; the Welcome is on its way
+        self.errors[f"remote_{code.name.lower()}"] += 1
+        log.warning("[site=%s] coordinator rejected: %s", self.site_id, msg.detail)
+        if not self.session_id:
+            # Before the Welcome, an Error is the answer to our Join: we are not admitted.
+            log.error("[site=%s] not admitted to the run: giving up", self.site_id)
+            raise _Stop(EXIT_FATAL)
+        if code is ErrorCode.NOT_JOINED:
+            # A site that is not (or no longer) a participant cannot catch up: the run keeps no
+            # parameters to send it.
+            log.error("[site=%s] %s: giving up", self.site_id, ERROR_MEANINGS[code])
+            raise _Stop(EXIT_FATAL)
+
+    def _run_segment(self, rs: RoundStart) -> None:
+        if rs.global_version != self.steps_done:
+            log.error(
+                "[site=%s segment=%d] starts at step %d but I am at %d: out of sync",
+                self.site_id,
+                rs.round_id,
+                rs.global_version,
+                self.steps_done,
+            )
+            raise _Stop(EXIT_FATAL)
+        if self._run_started is None:
+            self._run_started = time.monotonic()
+            self._last_step_at = self._run_started
+        if rs.evaluate:
+            self._evaluate()
+        for _ in range(rs.num_inner_steps):
+            self._one_step()
+
+    def _one_step(self) -> None:
+        step = self.steps_done
+        t0 = time.perf_counter()
+        g = self.trainer.compute_gradient()
+        self.compute_seconds += time.perf_counter() - t0
+        try:
+            payload = encode_tensors(g.grads, get_codec("fp32"))
+        except NonFiniteError as exc:
+            # The run cannot skip a step for one site: every site must apply the same means.
+            self.errors["non_finite_local"] += 1
+            log.error("[site=%s step=%d] gradient is not finite: %s", self.site_id, step, exc)
+            raise _Stop(EXIT_FATAL) from None
+        self._send(
+            StepGrad(
+                site_id=self.site_id,
+                step=step,
+                weight=float(g.tokens),
+                loss=g.loss,
+                payload=payload,
+            )
+        )
+        mean = self._wait_mean(step)
+        t0 = time.perf_counter()
+        self.trainer.apply_gradient(mean)
+        self.compute_seconds += time.perf_counter() - t0
+        self.tokens += g.tokens
+        self.steps_done = step + 1
+        self._last_step_at = time.monotonic()
+        log.debug("[site=%s step=%d] applied; loss=%.4f", self.site_id, step, g.loss)
+
+    def _wait_mean(self, step: int) -> dict[str, np.ndarray]:
+        while True:
+            msg = self._recv(0.5)
+            if msg is None:
+                continue
+            if isinstance(msg, StepMean):
+                if msg.step != step:
+                    self.errors["stale_mean"] += 1
+                    log.warning(
+                        "[site=%s step=%d] ignoring the mean of step %d",
+                        self.site_id,
+                        step,
+                        msg.step,
+                    )
+                    continue
+                try:
+                    return dict(decode_tensors(msg.payload, self.spec))
+                except WireError as exc:
+                    self.errors[exc.code.name.lower()] += 1
+                    log.error("[site=%s step=%d] bad mean gradient: %s", self.site_id, step, exc)
+                    raise _Stop(EXIT_FATAL) from None
+            self._on_other(msg)
+
+    def _evaluate(self) -> None:
+        if not self.val_batches:
+            return
+        loss = self.trainer.evaluate(self.val_batches)
+        self.val_losses[self.steps_done] = loss
+        tokens = sum(int(y.numel()) for _, y in self.val_batches)
+        self._send(
+            Eval(
+                site_id=self.site_id,
+                global_version=self.steps_done,
+                val_loss=loss,
+                num_tokens=tokens,
+            )
+        )
+        log.info("[site=%s step=%d] val_loss=%.4f", self.site_id, self.steps_done, loss)
+
+    def leave(self, reason: str) -> None:
+        self._send(Leave(site_id=self.site_id, reason=reason))
+
+    # ---- results -----------------------------------------------------------------------------
+
+    def result(self) -> dict[str, Any]:
+        """What the site did, with its final state hash (equal on every site of a run)."""
+        link = self.link
+        return {
+            "site_id": self.site_id,
+            "steps": self.steps_done,
+            "tokens": self.tokens,
+            "compute_seconds": self.compute_seconds,
+            "wall_seconds": self.wall_seconds,
+            "compute_utilization": self.compute_utilization,
+            "state_hash": state_hash(self.trainer.parameters_numpy()),
+            "val_losses": {str(k): v for k, v in sorted(self.val_losses.items())},
+            "errors": dict(self.errors),
+            "wire_bytes_sent": link.stats.bytes_sent if link else 0,
+            "wire_bytes_received": link.stats.bytes_received if link else 0,
+            "link_rtt_s": link.stats.rtt_s if link else 0.0,
+            "shutdown_reason": self.shutdown_reason,
+        }
+
+    def _write_result(self) -> None:
+        _atomic_write_json(self.state_path / RESULT_FILE, self.result())
+
+
+def build_ddp_site(cfg: SiteConfig) -> DDPSite:
+    """Assemble a baseline site from its config exactly like the DiLoCo site (data, model)."""
+    if cfg.stages != 1 or cfg.replicas != 1:
+        raise ValueError(
+            f"site.stages={cfg.stages} site.replicas={cfg.replicas}: "
+            "the data-parallel baseline runs single-process sites (1 and 1)"
+        )
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    data = load_site_data(cfg)
+    trainer = DDPTrainer(build_local_trainer(cfg, data))
+    val = eval_batches(
+        data.val, cfg.eval_batches, cfg.eval_batch_size, cfg.model.context_len, seed=0
+    )
+    return DDPSite(cfg, trainer=trainer, val_batches=val)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m site_agent.ddp --config FILE``: one baseline site; 0 after a clean Shutdown."""
+    p = argparse.ArgumentParser(prog="python -m site_agent.ddp", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="TOML file with a [site] table")
+    p.add_argument("--log-level", default=os.environ.get("CROSSDC_LOG_LEVEL", "info"))
+    args = p.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        cfg = load_site_config(args.config)
+        site = build_ddp_site(cfg)
+    except (ConfigError, ValueError) as exc:
+        print(f"site_agent.ddp: bad config: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("[site=%s] signal %d: stopping", site.site_id, signum)
+        site.stop_requested.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    site.start()
+    try:
+        return site.run()
+    finally:
+        site.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

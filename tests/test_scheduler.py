@@ -1,0 +1,73 @@
+"""The WAN scheduler's decisions on table-driven inputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.scheduler import SchedulePolicy, SiteView, plan_round
+
+pytestmark = pytest.mark.timeout(30)
+
+NUMEL = 1_000_000  # 4 MB in fp32
+
+
+def policy(**over: object) -> SchedulePolicy:
+    base: dict[str, object] = {"num_inner_steps": 100, "model_numel": NUMEL}
+    base.update(over)
+    return SchedulePolicy(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("view", "codec"),
+    [
+        # 100 steps x 0.1 s = 10 s of compute; with margin 0.5 a sync may take 5 s.
+        (SiteView("lan", 0.1, 0.001, 10e9), "fp32"),  # 64 Mbit at 10 Gbit/s: 0.01 s
+        (SiteView("eu", 0.1, 0.04, 200e6), "fp32"),  # 64 Mbit at 200 Mbit/s + RTT: 0.36 s
+        (SiteView("slow", 0.1, 0.3, 10e6), "fp16"),  # fp32 6.7 s, fp16 3.5 s
+        (SiteView("thin", 0.1, 0.3, 3e6), "int4"),  # fp16 11 s, int8 5.7 s, int4 3.1 s
+    ],
+)
+def test_least_compression_that_fits(view: SiteView, codec: str) -> None:
+    plan, reason = plan_round(0.0, [view], policy(margin=0.5))
+    assert plan.uplink[view.site_id] == codec, reason
+    assert view.site_id in reason
+
+
+def test_unmeasured_site_gets_the_safe_default() -> None:
+    plan, reason = plan_round(0.0, [SiteView("new")], policy())
+    assert plan.uplink["new"] == "int8"
+    assert "not measured" in reason
+
+
+def test_configured_codec_wins() -> None:
+    plan, reason = plan_round(
+        0.0, [SiteView("eu", 0.1, 0.04, 200e6)], policy(fixed_uplink={"eu": "int4"})
+    )
+    assert plan.uplink["eu"] == "int4" and "configured" in reason
+
+
+def test_downlink_follows_the_slowest_site() -> None:
+    views = [SiteView("eu", 0.1, 0.04, 200e6), SiteView("thin", 0.1, 0.3, 3e6)]
+    plan, _ = plan_round(0.0, views, policy(margin=0.5))
+    assert plan.downlink == plan.uplink["thin"] != plan.uplink["eu"]
+
+
+def test_slot_is_lengthened_when_nothing_fits() -> None:
+    # 1 Mbit/s: even int4 (2 x 0.53 MB = 8.5 Mbit) takes 8.5 s > 0.8 x 10 s.
+    plan, reason = plan_round(0.0, [SiteView("dial", 0.1, 0.5, 1e6)], policy())
+    assert plan.uplink["dial"] == "int4"
+    assert plan.num_inner_steps > 100 and "slot" in reason
+
+
+def test_fragments_shrink_the_payload_and_the_slot() -> None:
+    plan, _ = plan_round(0.0, [SiteView("eu", 0.1, 0.04, 200e6)], policy(num_fragments=4))
+    assert plan.num_inner_steps == 25 and plan.num_fragments == 4
+
+
+def test_blocking_mode_budget_follows_target_utilization() -> None:
+    # Without overlap a 0.95 target leaves 10 s x 0.05/0.95 = 0.53 s for the sync.
+    view = SiteView("eu", 0.1, 0.04, 200e6)
+    plan, reason = plan_round(0.0, [view], policy(overlap=False))
+    assert plan.uplink["eu"] == "fp32", reason  # 0.36 s fits
+    plan, reason = plan_round(0.0, [SiteView("us", 0.1, 0.16, 50e6)], policy(overlap=False))
+    assert plan.uplink["us"] in ("int8", "int4"), reason
