@@ -346,7 +346,7 @@ class SiteLink:
         try:
             chan.connect(self.endpoint)
             ready.set()
-            next_beat = time.monotonic()
+            next_beat = time.monotonic() + self.cfg.heartbeat_interval_s
             while not self._stop.is_set():
                 now = time.monotonic()
                 if self._heartbeat is not None and now >= next_beat:

@@ -708,7 +708,9 @@ class Coordinator:
         )
         last = bool(self.cfg.max_rounds) and len(new_state.history) >= self.cfg.max_rounds
         wants_eval = r.round_id % self.cfg.eval_every_rounds == 0 or last
-        evaluator = in_sync[0] if in_sync and wants_eval else None
+        # Ask a site that was on time: evaluating costs the evaluator some compute.
+        candidates = [s for s in in_sync if s in merged] or in_sync
+        evaluator = candidates[0] if candidates and wants_eval else None
         merged_all = tuple(merged) + tuple(f"{u.site_id}@{u.round_id}" for u in late)
         out_before = self.chan.stats.bytes_sent
         for site_id, m in sorted(self.members.items()):

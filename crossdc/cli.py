@@ -99,6 +99,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         agent.leave("stopped by signal")
         return 0
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # close() is bounded by the socket linger
         agent.close()
 
 

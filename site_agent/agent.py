@@ -17,7 +17,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -478,7 +478,13 @@ class SiteAgent:
             code = self._drain()
             if code is not None:
                 return code
-            while self._pending and self._pending[0].round_id in self._cancelled:
+            # Drop plans that can no longer be met on time: cancelled rounds, and rounds that
+            # already closed without us (the global moved past them). Progress is not lost: it
+            # goes out with the next update.
+            while self._pending and (
+                self._pending[0].round_id in self._cancelled
+                or self._pending[0].round_id <= self.global_version
+            ):
                 self._pending.popleft()
             waiting = (
                 self._awaiting_result is not None and self.global_version < self._awaiting_result
@@ -523,6 +529,12 @@ class SiteAgent:
         while steps < num_steps:
             n = min(self.cfg.steps_per_poll, num_steps - steps)
             s = self.trainer.train_steps(n)
+            if self.cfg.fault_slow_step_s:
+                # A deliberately slow accelerator: its extra time counts as compute.
+                time.sleep(self.cfg.fault_slow_step_s * s.steps)
+                s = replace(
+                    s, compute_seconds=s.compute_seconds + self.cfg.fault_slow_step_s * s.steps
+                )
             steps += s.steps
             tokens += s.tokens
             loss_sum += s.loss_mean * s.steps

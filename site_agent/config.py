@@ -73,6 +73,8 @@ class SiteConfig:
     eval_batch_size: int = 16
     steps_per_poll: int = 4
     """Inner steps between two looks at the coordinator link (where results are merged)."""
+    fault_slow_step_s: float = 0.0
+    """Fault drill: extra seconds per inner step, making this site a straggler on purpose."""
     stages: int = 1
     """Pipeline stages inside the site."""
     replicas: int = 1
@@ -101,6 +103,8 @@ class SiteConfig:
             raise ValueError(f"site.device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.num_threads < 0:
             raise ValueError("site.num_threads must be >= 0")
+        if self.fault_slow_step_s < 0:
+            raise ValueError("site.fault_slow_step_s must be >= 0")
         if self.steps_per_poll < 1:
             raise ValueError("site.steps_per_poll must be >= 1")
         if self.eval_batches < 1 or self.eval_batch_size < 1:

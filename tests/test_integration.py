@@ -169,3 +169,45 @@ def test_lossy_codecs_both_ways_keep_sites_on_the_coordinator_state_hash(
     assert status is not None
     assert [h["uplink_codecs"] for h in status["history"]] == [{"eu": "int4", "us": "topk:0.1"}] * 3
     assert "hash_mismatch" not in procs.log("site-eu") + procs.log("site-us")
+
+
+def test_slow_site_does_not_hold_rounds_and_its_late_updates_merge_once(
+    procs: Procs, tmp_path: Path
+) -> None:
+    # Quorum 2 of 3 and a grace window of at most 1 s; the round deadline (600 s) is far beyond
+    # this test's timeout, so rounds that close without "ap" were closed by the grace rule.
+    cfg = write_coordinator_config(
+        tmp_path,
+        min_sites=3,
+        max_rounds=8,
+        quorum_fraction=0.6,
+        grace_floor_s=0.2,
+        grace_ceiling_s=1.0,
+        round_deadline_s=600.0,
+        overlap=False,
+        uplink_codec="fp32",
+        downlink_codec="fp32",
+    )
+    procs.start("coordinator", "coordinator", "--config", str(cfg))
+    for i, site in enumerate(["eu", "us", "ap"]):
+        extra = {"fault_slow_step_s": 0.04} if site == "ap" else {}
+        procs.start(
+            f"site-{site}",
+            "agent",
+            "--config",
+            str(write_site_config(tmp_path, site, i, 3, **extra)),
+        )
+    assert procs.procs["coordinator"].wait(timeout=240) == 0, procs.log("coordinator")
+    status = read_status(tmp_path)
+    assert status is not None and status["rounds_completed"] == 8
+    history = status["history"]
+    without_ap = [h["round_id"] for h in history if "ap" not in h["merged"]]
+    assert without_ap, "the slow site held every round"
+    late = [(s, r) for h in history for s, r in h["late_merged"]]
+    assert any(s == "ap" for s, _ in late), history
+    fresh = [(s, h["round_id"]) for h in history for s in h["merged"]]
+    applied = fresh + late
+    assert len(applied) == len(set(applied)), "an update was applied twice"
+    # A late update is merged into a later round than its own.
+    for h in history:
+        assert all(r < h["round_id"] for _, r in h["late_merged"])
