@@ -24,11 +24,36 @@ import zmq
 
 from comm.chunking import Reassembler, split_frames
 from comm.schema import Chunk, ErrorCode, Heartbeat, Message
-from comm.wire import Frame, WireError, frames_nbytes, from_wire, to_wire
+from comm.wire import Frame, WireError, frames_nbytes, from_wire_envelope, to_wire
 
 log = logging.getLogger(__name__)
 
 RejectHook = Callable[[bytes, ErrorCode, str], None]
+
+# ZAP metadata a CURVE connection carries once the coordinator's handler accepted it.
+USER_ID = "User-Id"
+SERIAL_PROPERTY = "X-Cert-Serial"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerIdentity:
+    """Who sent a frame, as the ZAP handler certified at the connection's handshake."""
+
+    site_id: str
+    serial: str
+
+
+def peer_of(frame: zmq.Frame) -> PeerIdentity | None:
+    """The certified identity carried by a frame received with ``copy=False``; None when the
+    connection was not authenticated by a ZAP handler (no CURVE, or another handler)."""
+    try:
+        site_id = frame.get(USER_ID)
+        serial = frame.get(SERIAL_PROPERTY)
+    except zmq.ZMQError:
+        return None
+    if not isinstance(site_id, str) or not isinstance(serial, str) or not site_id:
+        return None
+    return PeerIdentity(site_id=site_id, serial=serial)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,19 +176,47 @@ class _Endpoint:
         self._poller.register(sock, zmq.POLLIN)
         # First-chunk arrival per transfer: goodput = bytes after the first chunk / time since.
         self._transfer_start: dict[tuple[bytes, str], tuple[float, int]] = {}
+        # Replay protection: our session and sequence on every frame list we send; per sender,
+        # the sessions seen and the last sequence of the current one.
+        self.session = os.urandom(8).hex()
+        self._seq = 0
+        self._peer_session: dict[bytes, tuple[str, int]] = {}
+        self._old_sessions: dict[bytes, set[str]] = {}
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
 
     def _send_frames(self, prefix: list[bytes], msg: Message) -> None:
-        frames = to_wire(msg)
+        frames = to_wire(msg, session=self.session, seq=self._next_seq())
         if frames_nbytes(frames) <= self.cfg.chunk_bytes:
             self._sock.send_multipart([*prefix, *frames], copy=False)
             self.stats.bytes_sent += frames_nbytes(frames)
             self.stats.messages_sent += 1
             return
+        # The inner message keeps its sequence number; every chunk gets its own as well.
         for chunk in split_frames(frames, self.cfg.chunk_bytes):
-            parts = to_wire(chunk)
+            parts = to_wire(chunk, session=self.session, seq=self._next_seq())
             self._sock.send_multipart([*prefix, *parts], copy=False)
             self.stats.bytes_sent += frames_nbytes(parts)
         self.stats.messages_sent += 1
+
+    def _check_replay(self, sender: bytes, session: str, seq: int, inner: bool) -> None:
+        current = self._peer_session.get(sender)
+        if current is not None and current[0] == session:
+            if seq <= current[1] and not inner:
+                raise WireError(
+                    ErrorCode.REPLAY, f"session {session} sequence {seq} <= {current[1]}"
+                )
+            if inner:
+                return  # a reassembled message: its chunks were checked one by one
+            self._peer_session[sender] = (session, seq)
+            return
+        if session in self._old_sessions.get(sender, set()):
+            raise WireError(ErrorCode.REPLAY, f"session {session} of this peer has ended")
+        if current is not None:
+            self._old_sessions.setdefault(sender, set()).add(current[0])
+        self._peer_session[sender] = (session, seq)
 
     def _reject(self, sender: bytes, code: ErrorCode, detail: str) -> None:
         self.stats.rejected[code.name.lower()] += 1
@@ -176,7 +229,8 @@ class _Endpoint:
         size = frames_nbytes(frames)
         self.stats.bytes_received += size
         try:
-            msg = from_wire(frames, max_bytes=self.cfg.max_message_bytes)
+            msg, env = from_wire_envelope(frames, max_bytes=self.cfg.max_message_bytes)
+            self._check_replay(sender, env.session, env.seq, inner=False)
             if isinstance(msg, Chunk):
                 now = time.monotonic()
                 key = (sender, msg.transfer_id)
@@ -187,7 +241,8 @@ class _Endpoint:
                 del self._transfer_start[key]
                 if msg.num_chunks > 1 and now > first[0]:
                     self.stats.goodput_sample(8 * (msg.total_bytes - first[1]) / (now - first[0]))
-                msg = from_wire(whole)
+                msg, env = from_wire_envelope(whole)
+                self._check_replay(sender, env.session, env.seq, inner=True)
                 if isinstance(msg, Chunk):
                     raise WireError(ErrorCode.MALFORMED, "a chunk inside a chunked transfer")
         except WireError as exc:
@@ -219,6 +274,8 @@ class RouterChannel(_Endpoint):
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         _apply_profile(sock, cfg, server=True)
         super().__init__(sock, cfg, on_reject)
+        self.identities: dict[bytes, PeerIdentity] = {}
+        """The ZAP-certified identity of each sender (CURVE mode only)."""
 
     def bind(self, endpoint: str) -> str:
         """Bind (``tcp://127.0.0.1:0`` picks a port) and return the endpoint actually bound."""
@@ -248,6 +305,22 @@ class RouterChannel(_Endpoint):
                 return None
             frames = self._sock.recv_multipart(copy=False)
             sender = frames[0].bytes
+            if len(frames) < 2:
+                self._reject(sender, ErrorCode.MALFORMED, "no frames after the routing id")
+                continue
+            if self.cfg.curve is not None:
+                peer = peer_of(frames[1])
+                if peer is None:
+                    self._reject(sender, ErrorCode.UNAUTHENTICATED, "no certified identity")
+                    continue
+                # Routing ids are "<site_id>/<random>": a certified site may not take over
+                # another site's routing id (ROUTER_HANDOVER would let it).
+                if sender.split(b"/", 1)[0] != peer.site_id.encode():
+                    self._reject(
+                        sender, ErrorCode.UNAUTHENTICATED, f"routing id is not {peer.site_id}'s"
+                    )
+                    continue
+                self.identities[sender] = peer
             msg = self._parse(sender, [f.buffer for f in frames[1:]])
             if msg is not None:
                 return sender, msg
@@ -257,6 +330,7 @@ class RouterChannel(_Endpoint):
     def forget(self, peer: bytes) -> None:
         """Drop partial transfers of a peer that left."""
         self._reassembler.drop_sender(peer)
+        self.identities.pop(peer, None)
 
 
 class DealerChannel(_Endpoint):
@@ -273,7 +347,7 @@ class DealerChannel(_Endpoint):
         ctx = context or zmq.Context.instance()
         sock = ctx.socket(zmq.DEALER)
         # A stable routing id per process lets the coordinator address us across reconnects.
-        routing_id = f"{identity}/{os.urandom(4).hex()}".encode()
+        routing_id = f"{identity}/{os.urandom(16).hex()}".encode()
         sock.setsockopt(zmq.ROUTING_ID, routing_id)
         _apply_profile(sock, cfg, server=False)
         super().__init__(sock, cfg, on_reject)

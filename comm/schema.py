@@ -14,7 +14,7 @@ from typing import Any
 
 from comm.compress import EncodedTensor
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class MessageType(enum.IntEnum):
@@ -53,6 +53,9 @@ class ErrorCode(enum.IntEnum):
     BAD_DIGEST = 10
     UNEXPECTED = 11
     UNKNOWN_CODEC = 12
+    UNAUTHENTICATED = 13
+    REPLAY = 14
+    BAD_SIGNATURE = 15
 
 
 ERROR_MEANINGS: dict[ErrorCode, str] = {
@@ -68,6 +71,9 @@ ERROR_MEANINGS: dict[ErrorCode, str] = {
     ErrorCode.BAD_DIGEST: "a chunk's digest does not match its bytes",
     ErrorCode.UNEXPECTED: "the message is valid but not expected in this state",
     ErrorCode.UNKNOWN_CODEC: "the payload names a codec this build does not know",
+    ErrorCode.UNAUTHENTICATED: "the sender's certificate does not allow this message",
+    ErrorCode.REPLAY: "the (session, sequence) of this message was already seen",
+    ErrorCode.BAD_SIGNATURE: "a signature does not verify",
 }
 
 
@@ -191,6 +197,9 @@ class Global:
     """Sites whose updates this round merged (late ones included)."""
     is_full: bool
     state_hash: str
+    signature: bytes
+    """The coordinator's Ed25519 signature over (versions, fragment, state hash); empty in
+    insecure mode. A site verifies it before loading the model."""
     evaluate: bool
     """The receiving site should report the validation loss of the new model."""
     payload: tuple[EncodedTensor, ...]

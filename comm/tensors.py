@@ -106,3 +106,11 @@ def fragments(names: Sequence[str], num_fragments: int) -> list[list[str]]:
         index = keys.setdefault(_layer_key(name), len(keys))
         out[index % num_fragments].append(name)
     return out
+
+
+def global_signed_bytes(
+    global_version: int, base_version: int, fragment: int, digest: str
+) -> bytes:
+    """What the coordinator signs for a Global message: the versions, the fragment and the
+    state hash (which covers every parameter value after applying)."""
+    return f"global:{global_version}:{base_version}:{fragment}:{digest}".encode()

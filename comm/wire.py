@@ -1,6 +1,7 @@
 """The frame codec: messages of ``comm.schema`` to ZeroMQ frames and back, never pickle.
 
-Frame 0 is a msgpack header ``{"v": version, "t": type, "f": fields, "p": payload index}``.
+Frame 0 is a msgpack header ``{"v": version, "t": type, "s": session, "q": sequence,
+"f": fields, "p": payload index}``; (session, sequence) lets a receiver reject replays.
 Every ``bytes`` field and every buffer of every encoded tensor follows as its own frame, so large
 tensors travel without a copy (numpy arrays expose their memory to ZeroMQ directly). ``from_wire``
 validates everything against the message's dataclass before building it and raises
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -84,12 +86,12 @@ class _MessageCodec:
             kind = hints[f.name]
             if f.name == "payload":
                 self.has_payload = True
-            elif kind == bytes | memoryview:
+            elif kind == bytes | memoryview or kind is bytes:
                 self.bytes_fields.append(f.name)
             else:
                 self.value_fields[f.name] = kind
 
-    def to_wire(self, msg: Message) -> list[Frame]:
+    def to_wire(self, msg: Message, session: str, seq: int) -> list[Frame]:
         fields = {name: getattr(msg, name) for name in self.value_fields}
         frames: list[Frame] = [getattr(msg, name) for name in self.bytes_fields]
         index: list[dict[str, Any]] = []
@@ -108,7 +110,14 @@ class _MessageCodec:
                 )
                 frames.extend(bufs)
         header = msgpack.packb(
-            {"v": PROTOCOL_VERSION, "t": int(MESSAGE_TYPES[self.cls]), "f": fields, "p": index},
+            {
+                "v": PROTOCOL_VERSION,
+                "t": int(MESSAGE_TYPES[self.cls]),
+                "s": session,
+                "q": seq,
+                "f": fields,
+                "p": index,
+            },
             use_bin_type=True,
         )
         return [header, *frames]
@@ -200,9 +209,17 @@ def _check_registry() -> None:
 _check_registry()
 
 
-def to_wire(msg: Message) -> list[Frame]:
+@dataclass(frozen=True)
+class Envelope:
+    """Who sent a message in which order: the sender's session and its sequence number."""
+
+    session: str
+    seq: int
+
+
+def to_wire(msg: Message, *, session: str = "", seq: int = 0) -> list[Frame]:
     """Frames for ``msg``: a header and then its data frames, tensor buffers not copied."""
-    return _CODECS[int(MESSAGE_TYPES[type(msg)])].to_wire(msg)
+    return _CODECS[int(MESSAGE_TYPES[type(msg)])].to_wire(msg, session, seq)
 
 
 def frames_nbytes(frames: Sequence[Frame]) -> int:
@@ -212,6 +229,13 @@ def frames_nbytes(frames: Sequence[Frame]) -> int:
 
 def from_wire(frames: Sequence[Frame], *, max_bytes: int | None = None) -> Message:
     """Parse frames into a message; :class:`WireError` names what is wrong."""
+    return from_wire_envelope(frames, max_bytes=max_bytes)[0]
+
+
+def from_wire_envelope(
+    frames: Sequence[Frame], *, max_bytes: int | None = None
+) -> tuple[Message, Envelope]:
+    """Parse frames into a message and its envelope; :class:`WireError` names what is wrong."""
     if not frames:
         raise WireError(ErrorCode.MALFORMED, "no frames")
     if max_bytes is not None:
@@ -225,14 +249,21 @@ def from_wire(frames: Sequence[Frame], *, max_bytes: int | None = None) -> Messa
         header = msgpack.unpackb(head, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise WireError(ErrorCode.MALFORMED, f"header is not msgpack: {exc}") from None
-    if not isinstance(header, dict) or not {"v", "t", "f", "p"} <= set(header):
-        raise WireError(ErrorCode.MALFORMED, "header lacks v/t/f/p")
+    if not isinstance(header, dict) or "v" not in header:
+        raise WireError(ErrorCode.MALFORMED, "header is not a map with a version")
     if header["v"] != PROTOCOL_VERSION:
         raise WireError(
             ErrorCode.WRONG_VERSION,
             f"protocol version {header['v']!r}, expected {PROTOCOL_VERSION}",
         )
+    if set(header) != {"v", "t", "s", "q", "f", "p"}:
+        raise WireError(ErrorCode.MALFORMED, f"header keys {sorted(map(str, header))}")
+    session, seq = header["s"], header["q"]
+    if not isinstance(session, str) or len(session) > 64:
+        raise WireError(ErrorCode.MALFORMED, "header session must be a short string")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise WireError(ErrorCode.MALFORMED, "header sequence must be an int >= 0")
     codec = _CODECS.get(header["t"]) if isinstance(header["t"], int) else None
     if codec is None:
         raise WireError(ErrorCode.MALFORMED, f"unknown message type {header['t']!r}")
-    return codec.from_wire(header["f"], header["p"], frames[1:])
+    return codec.from_wire(header["f"], header["p"], frames[1:]), Envelope(session, seq)

@@ -27,7 +27,19 @@ from typing import Any
 
 import zmq
 
+from comm.channel import SERIAL_PROPERTY, USER_ID, PeerIdentity, peer_of
 from comm.keys import AuthError, CertificateRegistry, key_fingerprint
+
+__all__ = [
+    "DOMAIN",
+    "USER_ID",
+    "SERIAL_PROPERTY",
+    "PeerIdentity",
+    "ZapHandler",
+    "ZapReply",
+    "decide",
+    "peer_of",
+]
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +47,6 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_VERSION = b"1.0"
 DOMAIN = b"crossdc"
 """The ZAP domain ``comm.channel`` sets on CURVE sockets."""
-USER_ID = "User-Id"
-SERIAL_PROPERTY = "X-Cert-Serial"
 
 RejectCallback = Callable[[str, str], None]
 """``on_reject(reason, detail)``: reason is an :data:`comm.keys.AuthReason` or ``bad_request``."""
@@ -111,27 +121,6 @@ def decide(
         serial=cert.serial,
         detail=f"peer={peer} key={key_fingerprint(key)} site={cert.site_id}",
     )
-
-
-@dataclass(frozen=True, kw_only=True)
-class PeerIdentity:
-    """Who sent a frame, as the ZAP handler certified at the connection's handshake."""
-
-    site_id: str
-    serial: str
-
-
-def peer_of(frame: zmq.Frame) -> PeerIdentity | None:
-    """The certified identity carried by a frame received with ``copy=False``; None when the
-    connection was not authenticated by :class:`ZapHandler` (no CURVE, or another handler)."""
-    try:
-        site_id = frame.get(USER_ID)
-        serial = frame.get(SERIAL_PROPERTY)
-    except zmq.ZMQError:
-        return None
-    if not isinstance(site_id, str) or not isinstance(serial, str) or not site_id:
-        return None
-    return PeerIdentity(site_id=site_id, serial=serial)
 
 
 class ZapHandler:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from comm.channel import ChannelConfig
 from comm.configio import load_section
+from comm.keys import SecurityConfig
 from coordinator.faults import FaultPlan
 
 
@@ -72,6 +73,8 @@ class CoordinatorConfig:
     """How many durable global checkpoints to keep on disk."""
     channel: ChannelConfig = field(default_factory=ChannelConfig)
     """WAN socket profile."""
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    """Keys: the federation kit (``crossdc keys init``); ``insecure = true`` for loopback only."""
     faults: FaultPlan = field(default_factory=FaultPlan)
     """Deterministic crash points for fault drills; all off by default."""
 
@@ -141,6 +144,8 @@ class CoordinatorConfig:
                 get_codec(spec)
             except ValueError as exc:
                 raise ValueError(f"coordinator.{name}: {exc}") from None
+
+        self.security.require()
 
     @property
     def state_path(self) -> Path:

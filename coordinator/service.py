@@ -25,6 +25,13 @@ import zmq
 
 from comm.channel import RouterChannel
 from comm.compress import get_codec
+from comm.keys import (
+    AuthError,
+    CertificateRegistry,
+    CoordinatorKit,
+    load_coordinator_kit,
+    sign_blob,
+)
 from comm.schema import (
     ERROR_MEANINGS,
     Error,
@@ -43,8 +50,15 @@ from comm.schema import (
     Update,
     Welcome,
 )
-from comm.tensors import decode_tensors, encode_tensors, fragments, state_hash
+from comm.tensors import (
+    decode_tensors,
+    encode_tensors,
+    fragments,
+    global_signed_bytes,
+    state_hash,
+)
 from comm.wire import WireError
+from comm.zap import ZapHandler
 from coordinator.config import CoordinatorConfig
 from coordinator.membership import Member, expired, ready_sites, touch
 from coordinator.metrics import CoordinatorMetrics
@@ -97,7 +111,16 @@ class Coordinator:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
-        self.store: StateStore = store or FileStateStore(cfg.state_dir, keep=cfg.keep_checkpoints)
+        self.kit: CoordinatorKit | None = (
+            load_coordinator_kit(cfg.security.kit_dir) if cfg.security.kit_dir else None
+        )
+        self.store: StateStore = store or FileStateStore(
+            cfg.state_dir,
+            keep=cfg.keep_checkpoints,
+            signing_key=self.kit.signing_key if self.kit else None,
+        )
+        self.registry: CertificateRegistry | None = None
+        self._zap: ZapHandler | None = None
         self.strategy: Strategy = strategy or DiLoCo(lr=cfg.outer_lr, momentum=cfg.outer_momentum)
         self.metrics = metrics or CoordinatorMetrics()
         self.clock = clock
@@ -157,9 +180,18 @@ class Coordinator:
                 self.state.round_counter,
             )
         self._ctx = zmq.Context()
-        self.chan = RouterChannel(
-            self.cfg.channel, context=self._ctx, on_reject=self._on_wire_reject
-        )
+        channel_cfg = self.cfg.channel
+        if self.kit is not None:
+            self.registry = CertificateRegistry.from_kit(self.kit.kit_dir)
+            self._zap = ZapHandler(self._ctx, self.registry, on_reject=self._on_auth_reject)
+            self._zap.start()  # before the bind: no handshake may race the handler
+            channel_cfg = replace(channel_cfg, curve=self.kit.curve)
+        else:
+            log.warning(
+                "[coordinator] INSECURE MODE: no encryption, no authentication. "
+                "For loopback experiments only; never expose this endpoint."
+            )
+        self.chan = RouterChannel(channel_cfg, context=self._ctx, on_reject=self._on_wire_reject)
         self.endpoint = self.chan.bind(self.cfg.bind)
         if self.cfg.state_dir:
             path = self.cfg.state_path / "endpoint.json"
@@ -174,6 +206,9 @@ class Coordinator:
         if self.chan is not None:
             self.chan.close()
             self.chan = None
+        if self._zap is not None:
+            self._zap.close()
+            self._zap = None
         if self._ctx is not None:
             # term() waits (up to the linger) until queued messages, e.g. Shutdown, are sent.
             self._ctx.term()
@@ -198,9 +233,16 @@ class Coordinator:
     def _on_wire_reject(self, peer: bytes, code: ErrorCode, detail: str) -> None:
         self.metrics.rejected.labels(reason=code.name.lower()).inc()
 
-    def _reject(self, peer: bytes, code: ErrorCode, detail: str, who: str = "?") -> None:
-        self.metrics.rejected.labels(reason=code.name.lower()).inc()
-        log.warning("[coordinator site=%s] rejected: %s: %s", who, code.name.lower(), detail)
+    def _on_auth_reject(self, reason: str, detail: str) -> None:
+        """A connection refused at the CURVE handshake (ZAP handler thread)."""
+        self.metrics.rejected.labels(reason=reason).inc()
+
+    def _reject(
+        self, peer: bytes, code: ErrorCode, detail: str, who: str = "?", reason: str = ""
+    ) -> None:
+        reason = reason or code.name.lower()
+        self.metrics.rejected.labels(reason=reason).inc()
+        log.warning("[coordinator site=%s] rejected: %s: %s", who, reason, detail)
         self._send(peer, Error(code=int(code), detail=f"{ERROR_MEANINGS[code]}: {detail}"))
 
     def _send(self, peer: bytes, msg: Message) -> bool:
@@ -216,6 +258,12 @@ class Coordinator:
             self._hash_cache = (self.state.global_version, state_hash(self.state.params))
         return self._hash_cache[1]
 
+    def _sign(self, version: int, base: int, fragment: int, digest: str) -> bytes:
+        if self.kit is None:
+            return b""
+        data = global_signed_bytes(version, base, fragment, digest)
+        return sign_blob(self.kit.signing_key, data, context="global")
+
     def _full_global(self, round_id: int, evaluate: bool = False) -> Global:
         assert self.state is not None
         return Global(
@@ -226,11 +274,34 @@ class Coordinator:
             merged=(),
             is_full=True,
             state_hash=self._hash(),
+            signature=self._sign(self.state.global_version, -1, -1, self._hash()),
             evaluate=evaluate,
             payload=encode_tensors(self.state.params, get_codec("fp32")),
         )
 
+    def _authentic(self, peer: bytes, site_id: str) -> bool:
+        """CURVE mode: the connection's certificate must be valid now and name ``site_id``."""
+        if self.registry is None:
+            return True
+        assert self.chan is not None
+        identity = self.chan.identities.get(peer)
+        try:
+            if identity is None:
+                raise AuthError("unknown_key", "no certified identity on this connection")
+            self.registry.check_peer(
+                user_id=identity.site_id,
+                serial=identity.serial,
+                claimed_site_id=site_id,
+                now=time.time(),
+            )
+        except AuthError as exc:
+            self._reject(peer, ErrorCode.UNAUTHENTICATED, exc.detail, site_id, reason=exc.reason)
+            return False
+        return True
+
     def _member_for(self, peer: bytes, site_id: str) -> Member | None:
+        if not self._authentic(peer, site_id):
+            return None
         m = self.members.get(site_id)
         if m is None or m.peer != peer:
             self._reject(peer, ErrorCode.NOT_JOINED, f"site {site_id!r} must join", site_id)
@@ -270,6 +341,8 @@ class Coordinator:
             self._reject(peer, ErrorCode.UNEXPECTED, f"{type(msg).__name__} is not for me")
 
     def _on_join(self, peer: bytes, msg: Join) -> None:
+        if not self._authentic(peer, msg.site_id):
+            return
         fingerprint = self.state.model_fingerprint if self.state else self._init_fingerprint
         if fingerprint is not None and msg.model_fingerprint != fingerprint:
             self._reject(
@@ -723,6 +796,7 @@ class Coordinator:
                     merged=merged_all,
                     is_full=False,
                     state_hash=digest,
+                    signature=self._sign(r.round_id, st.global_version, r.fragment, digest),
                     evaluate=site_id == evaluator,
                     payload=encoded,
                 )

@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from comm.keys import AuthError, sign_blob, verify_blob
 from coordinator.strategy import Arrays
 
 _META = "meta.json"
@@ -108,9 +110,17 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
 class FileStateStore:
     """State in a directory: ``global-vNNNNNNNN.npz`` files plus ``meta.json``."""
 
-    def __init__(self, directory: str | Path, *, keep: int = 2) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        keep: int = 2,
+        signing_key: Ed25519PrivateKey | None = None,
+    ) -> None:
         self.dir = Path(directory)
         self.keep = keep
+        self.signing_key = signing_key
+        """With a key, every checkpoint is signed and verified before it is loaded."""
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def _npz_name(self, version: int) -> str:
@@ -122,7 +132,20 @@ class FileStateStore:
             return None
         meta = json.loads(meta_path.read_text())
         arrays: dict[str, Arrays] = {"p": {}, "m": {}, "r": {}}
-        with np.load(self.dir / meta["file"], allow_pickle=False) as npz:
+        npz_path = self.dir / meta["file"]
+        if self.signing_key is not None:
+            sig_path = npz_path.with_name(npz_path.name + ".sig")
+            try:
+                verify_blob(
+                    self.signing_key.public_key(),
+                    npz_path.read_bytes(),
+                    sig_path.read_bytes() if sig_path.exists() else b"",
+                )
+            except AuthError as exc:
+                raise ValueError(
+                    f"checkpoint {npz_path} failed its signature check: {exc}"
+                ) from None
+        with np.load(npz_path, allow_pickle=False) as npz:
             for key in npz.files:
                 kind, name = key.split("/", 1)
                 arrays[kind][name] = np.array(npz[key], dtype=np.float32)
@@ -153,13 +176,16 @@ class FileStateStore:
         arrays: dict[str, Any] = {f"p/{k}": v for k, v in state.params.items()}
         arrays.update({f"m/{k}": v for k, v in state.momentum.items()})
         arrays.update({f"r/{k}": v for k, v in state.residual.items()})
-        atomic_write(
-            self.dir / self._npz_name(state.global_version), lambda fh: np.savez(fh, **arrays)
-        )
+        npz_path = self.dir / self._npz_name(state.global_version)
+        atomic_write(npz_path, lambda fh: np.savez(fh, **arrays))
+        if self.signing_key is not None:
+            signature = sign_blob(self.signing_key, npz_path.read_bytes())
+            atomic_write(npz_path.with_name(npz_path.name + ".sig"), lambda fh: fh.write(signature))
         self._write_meta(state)
         kept = sorted(self.dir.glob("global-v*.npz"))
         for old in kept[: max(0, len(kept) - self.keep)]:
             old.unlink()
+            old.with_name(old.name + ".sig").unlink(missing_ok=True)
 
     def save_counter(self, state: GlobalState) -> None:
         self._write_meta(state)

@@ -37,6 +37,46 @@ def _stop_on_signals(stop: threading.Event) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+def _insecure_override(args: argparse.Namespace) -> dict[str, Any]:
+    """``--insecure`` replaces the security table: no kit, no CURVE."""
+    return {"security": {"insecure": True}} if args.insecure else {}
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from comm.keys import AuthError, init_kit, issue_site, revoke_site
+
+    try:
+        if args.keys_command == "init":
+            path = init_kit(args.kit_dir)
+            out: dict[str, Any] = {"kit_dir": str(path)}
+        elif args.keys_command == "issue":
+            issued = issue_site(
+                args.kit,
+                args.site,
+                args.days,
+                out_dir=args.out,
+                coordinator_endpoint=args.endpoint,
+            )
+            cert = issued.certificate
+            out = {
+                "site_id": cert.site_id,
+                "serial": cert.serial,
+                "not_after": cert.not_after,
+                "site_kit_dir": str(issued.site_kit_dir),
+            }
+        else:
+            out = {"site_id": args.site, "revoked_serials": revoke_site(args.kit, args.site)}
+    except (ValueError, OSError, AuthError) as exc:
+        print(f"crossdc keys {args.keys_command}: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    if args.json:
+        print(json.dumps(out, indent=1, sort_keys=True))
+    else:
+        for key, value in out.items():
+            print(f"{key}: {value}")
+    return 0
+
+
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from comm.configio import ConfigError
     from comm.observe import ObserveServer
@@ -44,7 +84,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from coordinator.service import Coordinator
 
     try:
-        cfg = load_coordinator_config(args.config)
+        cfg = load_coordinator_config(args.config, **_insecure_override(args))
     except ConfigError as exc:
         print(f"crossdc coordinator: bad config: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -76,7 +116,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from site_agent.config import load_site_config
 
     try:
-        cfg = load_site_config(args.config)
+        cfg = load_site_config(args.config, **_insecure_override(args))
     except ConfigError as exc:
         print(f"crossdc agent: bad config: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -141,10 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("coordinator", help="run the coordinator service")
     c.add_argument("--config", required=True, help="TOML file with a [coordinator] table")
+    c.add_argument("--insecure", action="store_true", help="no CURVE, no certificates (loopback)")
     c.set_defaults(func=cmd_coordinator)
 
     a = sub.add_parser("agent", help="run a site agent")
     a.add_argument("--config", required=True, help="TOML file with a [site] table")
+    a.add_argument("--insecure", action="store_true", help="no CURVE, no certificates (loopback)")
     a.set_defaults(func=cmd_agent)
 
     d = sub.add_parser("demo", help="a coordinator and N sites on this machine")
@@ -152,6 +194,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_arguments(d)
     d.set_defaults(func=cmd_demo)
+
+    k = sub.add_parser("keys", help="federation keys: CA, coordinator and site kits")
+    ksub = k.add_subparsers(dest="keys_command", required=True)
+    ki = ksub.add_parser("init", help="create a federation kit (CA and coordinator keys)")
+    ki.add_argument("kit_dir")
+    ki.add_argument("--json", action="store_true")
+    ks = ksub.add_parser("issue", help="issue a site its keys, certificate and startup kit")
+    ks.add_argument("--kit", required=True)
+    ks.add_argument("--site", required=True)
+    ks.add_argument("--days", type=float, default=90.0)
+    ks.add_argument("--out", default=None, help="where the site's startup kit goes")
+    ks.add_argument("--endpoint", default="tcp://COORDINATOR_HOST:7710")
+    ks.add_argument("--json", action="store_true")
+    kr = ksub.add_parser("revoke", help="revoke every certificate of a site")
+    kr.add_argument("--kit", required=True)
+    kr.add_argument("--site", required=True)
+    kr.add_argument("--json", action="store_true")
+    k.set_defaults(func=cmd_keys)
 
     s = sub.add_parser("status", help="show a running role's /status")
     s.add_argument("--url", default="http://127.0.0.1:9710")

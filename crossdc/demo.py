@@ -60,6 +60,11 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         help="WAN link of a site, e.g. ap=20mbit,150ms (default: eu/us/ap presets, others lan)",
     )
     p.add_argument("--no-wan", action="store_true", help="connect sites directly, no WAN emulator")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no CURVE and no certificates (default: a fresh federation kit in the work dir)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--timeout", type=float, default=1800.0, help="give up after this many s")
 
@@ -106,6 +111,21 @@ class DemoRun:
             link.close()
 
 
+def _security(args: argparse.Namespace, workdir: Path, site_id: str | None) -> dict[str, Any]:
+    if args.insecure:
+        return {"insecure": True}
+    return {"kit_dir": str(workdir / ("kit" if site_id is None else f"kit-{site_id}"))}
+
+
+def make_kits(workdir: Path, sites: list[str]) -> None:
+    """A fresh federation kit for the demo: a CA, coordinator keys, one startup kit per site."""
+    from comm.keys import init_kit, issue_site
+
+    init_kit(workdir / "kit")
+    for site_id in sites:
+        issue_site(workdir / "kit", site_id, days=1, out_dir=workdir / f"kit-{site_id}")
+
+
 def site_ids(num_sites: int) -> list[str]:
     return [SITE_NAMES[i] if i < len(SITE_NAMES) else f"site{i}" for i in range(num_sites)]
 
@@ -127,6 +147,7 @@ def write_coordinator_config(args: argparse.Namespace, workdir: Path) -> Path:
             "eval_every_rounds": args.eval_every,
             "round_deadline_s": 600.0,
             "site_timeout_s": 60.0,
+            "security": _security(args, workdir, None),
         }
     }
     coord_cfg = workdir / "coordinator.toml"
@@ -153,6 +174,7 @@ def write_site_configs(
                 "data": {"source": "stdlib", "shard_index": i, "num_shards": args.sites},
                 "model": DEMO_MODEL,
                 "optim": {"batch_size": args.batch_size},
+                "security": _security(args, workdir, site_id),
             }
         }
         path = workdir / f"site-{site_id}.toml"
@@ -202,6 +224,8 @@ def run_demo(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"crossdc demo: {exc}", file=sys.stderr)
         return 2
+    if not args.insecure and not (workdir / "kit").exists():
+        make_kits(workdir, ids)
     coord_cfg = write_coordinator_config(args, workdir)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     python = [sys.executable, "-m", "crossdc"]

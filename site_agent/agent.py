@@ -18,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from dataclasses import replace as dc_replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,6 +28,7 @@ import torch
 from comm.channel import SiteLink
 from comm.compress import NonFiniteError, get_codec
 from comm.feedback import ErrorFeedback
+from comm.keys import AuthError, SiteKit, load_site_kit, verify_blob
 from comm.observe import ObserveServer
 from comm.schema import (
     ERROR_MEANINGS,
@@ -46,7 +48,14 @@ from comm.schema import (
     Update,
     Welcome,
 )
-from comm.tensors import decode_tensors, encode_tensors, fragments, spec_of, state_hash
+from comm.tensors import (
+    decode_tensors,
+    encode_tensors,
+    fragments,
+    global_signed_bytes,
+    spec_of,
+    state_hash,
+)
 from comm.wire import WireError
 from site_agent.config import SiteConfig
 from site_agent.data import BatchSampler, ByteCorpus, eval_batches, stdlib_split
@@ -183,6 +192,11 @@ class SiteAgent:
         self.link: SiteLink | None = None
         self.http: ObserveServer | None = None
         self.feedback = ErrorFeedback()
+        self.kit: SiteKit | None = (
+            load_site_kit(cfg.security.kit_dir, site_id=cfg.site_id)
+            if cfg.security.kit_dir
+            else None
+        )
         self._pending: deque[RoundStart] = deque()
         self._cancelled: set[int] = set()
         self._awaiting_result: int | None = None
@@ -213,8 +227,17 @@ class SiteAgent:
         endpoint = self.cfg.coordinator or read_endpoint_file(
             self.cfg.coordinator_endpoint_file, timeout_s=120
         )
+        channel_cfg = self.cfg.channel
+        if self.kit is not None:
+            channel_cfg = dc_replace(channel_cfg, curve=self.kit.curve)
+        else:
+            log.warning(
+                "[site=%s] INSECURE MODE: no encryption, no authentication. "
+                "For loopback experiments only.",
+                self.site_id,
+            )
         self.link = SiteLink(
-            self.cfg.channel,
+            channel_cfg,
             identity=self.site_id,
             endpoint=endpoint,
             heartbeat=lambda: Heartbeat(
@@ -382,7 +405,25 @@ class SiteAgent:
             self._layout = (num_fragments, fragments(list(self.global_params), num_fragments))
         return self._layout[1]
 
+    def _signature_ok(self, msg: Global) -> bool:
+        if self.kit is None:
+            return True
+        data = global_signed_bytes(
+            msg.global_version, msg.base_version, msg.fragment, msg.state_hash
+        )
+        try:
+            verify_blob(
+                self.kit.coordinator_sign_public, data, bytes(msg.signature), context="global"
+            )
+        except AuthError as exc:
+            self.metrics.rejected("bad_signature")
+            log.error("[site=%s] global v%d not loaded: %s", self.site_id, msg.global_version, exc)
+            return False
+        return True
+
     def _on_global(self, msg: Global) -> None:
+        if not self._signature_ok(msg):
+            return
         spec = spec_of(self.global_params)
         try:
             if msg.is_full:

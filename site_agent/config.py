@@ -7,6 +7,7 @@ from pathlib import Path
 
 from comm.channel import ChannelConfig
 from comm.configio import load_section
+from comm.keys import SecurityConfig
 from site_agent.model import ModelConfig
 from site_agent.trainer import InnerOptimConfig
 
@@ -83,6 +84,8 @@ class SiteConfig:
     """Pipeline schedule: ``gpipe`` or ``1f1b``."""
     microbatches: int = 4
     """Micro-batches per pipeline step."""
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    """The site's startup kit (``crossdc keys issue``); ``insecure = true`` for loopback only."""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: InnerOptimConfig = field(default_factory=InnerOptimConfig)
@@ -119,6 +122,8 @@ class SiteConfig:
             raise ValueError(f"site.schedule must be gpipe or 1f1b, got {self.schedule!r}")
         if self.microbatches < 1:
             raise ValueError("site.microbatches must be >= 1")
+
+        self.security.require()
 
     @property
     def state_path(self) -> Path:

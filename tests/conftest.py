@@ -82,6 +82,7 @@ def write_coordinator_config(workdir: Path, **over: Any) -> Path:
         "round_deadline_s": 120.0,
         "site_timeout_s": 60.0,
         "final_eval_wait_s": 60.0,
+        "security": {"insecure": True},
     }
     table.update(over)
     path = workdir / "coordinator.toml"
@@ -106,6 +107,7 @@ def write_site_config(workdir: Path, site_id: str, index: int, num_sites: int, *
         },
         "model": TINY_MODEL,
         "optim": {"batch_size": 8, "warmup_steps": 5},
+        "security": {"insecure": True},
     }
     table.update(over)
     path = workdir / f"site-{site_id}.toml"

@@ -18,7 +18,12 @@ pytestmark = pytest.mark.timeout(60)
 def test_build_nested_and_explicit_wins() -> None:
     cfg = build(
         SiteConfig,
-        {"site_id": "eu", "coordinator": "tcp://h:1", "model": {"d_model": 64, "num_heads": 4}},
+        {
+            "site_id": "eu",
+            "coordinator": "tcp://h:1",
+            "model": {"d_model": 64, "num_heads": 4},
+            "security": {"insecure": True},
+        },
         prefix="site",
         seed=7,
     )
@@ -41,13 +46,25 @@ def test_bad_coordinator_config_names_the_field(table: dict[str, object], needle
         build(CoordinatorConfig, table, prefix="coordinator")
 
 
+def test_secure_by_default_refuses_a_config_without_keys() -> None:
+    with pytest.raises(ConfigError, match="security.kit_dir is required"):
+        build(CoordinatorConfig, {}, prefix="coordinator")
+    with pytest.raises(ConfigError, match="security.kit_dir is required"):
+        build(SiteConfig, {"site_id": "eu", "coordinator": "tcp://h:1"}, prefix="site")
+
+
 def test_site_config_errors() -> None:
     with pytest.raises(ConfigError, match="site.coordinator"):
         build(SiteConfig, {"site_id": "eu"}, prefix="site")
     with pytest.raises(ConfigError, match="model.d_model"):
         build(
             SiteConfig,
-            {"site_id": "eu", "coordinator": "tcp://h:1", "model": {"d_model": 30, "num_heads": 4}},
+            {
+                "site_id": "eu",
+                "coordinator": "tcp://h:1",
+                "model": {"d_model": 30, "num_heads": 4},
+                "security": {"insecure": True},
+            },
             prefix="site",
         )
 
@@ -69,6 +86,7 @@ def test_dump_toml_round_trips(tmp_path: Path) -> None:
             "bind": "tcp://127.0.0.1:0",
             "outer_lr": 0.5,
             "channel": {"chunk_bytes": 65536},
+            "security": {"insecure": True},
         }
     }
     path = tmp_path / "c.toml"
@@ -86,7 +104,7 @@ def test_unknown_table_is_an_error(tmp_path: Path) -> None:
 
 def test_cli_bad_config_prints_one_line_and_exits_2(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
-    path.write_text("[coordinator]\nmin_sites = -1\n")
+    path.write_text("[coordinator]\nmin_sites = -1\n[coordinator.security]\ninsecure = true\n")
     proc = subprocess.run(
         [sys.executable, "-m", "crossdc", "coordinator", "--config", str(path)],
         capture_output=True,

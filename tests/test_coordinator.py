@@ -17,6 +17,7 @@ import zmq
 
 from comm.channel import ChannelConfig, DealerChannel
 from comm.compress import EncodedTensor, Fp32Codec
+from comm.keys import SecurityConfig
 from comm.observe import ObserveServer
 from comm.schema import (
     Error,
@@ -87,6 +88,7 @@ def harness() -> Iterator[Harness]:
         uplink_codec="fp32",
         downlink_codec="fp32",
         overlap=False,
+        security=SecurityConfig(insecure=True),
     )
     coord = Coordinator(cfg, store=MemoryStateStore())
     coord.start()

@@ -23,6 +23,7 @@ import torch
 from comm.channel import ChannelConfig
 from comm.compress import EncodedTensor
 from comm.configio import dump_toml
+from comm.keys import SecurityConfig
 from comm.schema import Message, StepGrad
 from comm.tensors import state_hash
 from coordinator.ddp import Action, DDPConfig, DDPCoordinator, Snapshot, decide
@@ -92,6 +93,7 @@ class Federation:
             model=MODEL,
             optim=OPTIM,
             channel=CHANNEL,
+            security=SecurityConfig(insecure=True),
         )
 
     def add(self, site: DDPSite) -> None:
@@ -371,6 +373,7 @@ def _site_toml(tmp: Path, site_id: str, index: int) -> Path:
         "data": {"source": "stdlib", "shard_index": index, "num_shards": 2, "max_bytes": 500_000},
         "model": TINY_MODEL,
         "optim": {"batch_size": 4, "warmup_steps": 2},
+        "security": {"insecure": True},
     }
     path.write_text(dump_toml({"site": table}))
     return path

@@ -108,6 +108,8 @@ def test_garbage_frames_are_rejected_while_training_continues(procs: Procs, tmp_
         good_head = {
             "v": PROTOCOL_VERSION,
             "t": int(MessageType.HEARTBEAT),
+            "s": "attacker",
+            "q": 1,
             "f": {"site_id": "x", "global_version": 0, "sent_at": 0.0},
             "p": [],
         }

@@ -79,6 +79,7 @@ SAMPLES: dict[MessageType, object] = {
         merged=("eu",),
         is_full=False,
         state_hash="ff",
+        signature=b"\x01" * 64,
         evaluate=False,
         payload=_payload(),
     ),
@@ -142,6 +143,8 @@ def _header(**over: object) -> bytes:
     head = {
         "v": PROTOCOL_VERSION,
         "t": int(MessageType.HEARTBEAT),
+        "s": "session",
+        "q": 1,
         "f": {"site_id": "eu", "global_version": 1, "sent_at": 1.0},
         "p": [],
     }
@@ -223,6 +226,8 @@ def test_fuzz_random_frames_raise_only_wire_errors(frames: list[bytes]) -> None:
 def test_fuzz_wellformed_headers_with_wrong_fields(
     mtype: MessageType, fields: dict[str, object]
 ) -> None:
-    head = msgpack.packb({"v": PROTOCOL_VERSION, "t": int(mtype), "f": fields, "p": []})
+    head = msgpack.packb(
+        {"v": PROTOCOL_VERSION, "t": int(mtype), "s": "", "q": 0, "f": fields, "p": []}
+    )
     with contextlib.suppress(WireError):
         from_wire([head])

@@ -73,7 +73,7 @@ def run_ddp(
     logging.getLogger("comm.wanem").setLevel(logging.WARNING)
     ids = site_ids(sites)
     demo_args = argparse.Namespace(
-        sites=sites, stages=1, batch_size=batch_size, link=list(links or [])
+        sites=sites, stages=1, batch_size=batch_size, link=list(links or []), insecure=True
     )
     profiles = link_profiles(demo_args, ids) if wan else {}
     with tempfile.TemporaryDirectory(prefix="crossdc-ddp-") as tmp:
