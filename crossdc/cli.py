@@ -112,14 +112,26 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 def cmd_agent(args: argparse.Namespace) -> int:
     from comm.configio import ConfigError
-    from site_agent.agent import build_agent
+    from site_agent.agent import build_agent, run_pipeline_site, torchrun_argv, under_torchrun
     from site_agent.config import load_site_config
 
     try:
-        cfg = load_site_config(args.config, **_insecure_override(args))
+        cfg = load_site_config(
+            args.config, **_insecure_override(args), stages=args.stages, replicas=args.replicas
+        )
     except ConfigError as exc:
         print(f"crossdc agent: bad config: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    pipelined = cfg.stages * cfg.replicas > 1
+    if pipelined and not under_torchrun():
+        # The site spans several processes: become torchrun, which starts them all.
+        argv = ["agent", "--config", args.config, f"--stages={cfg.stages}"]
+        argv += [f"--replicas={cfg.replicas}"] + (["--insecure"] if args.insecure else [])
+        command = torchrun_argv(cfg, argv)
+        logging.getLogger("crossdc").info("[site=%s] launching %s", cfg.site_id, " ".join(command))
+        os.execv(command[0], command)
+    if pipelined:
+        return run_pipeline_site(cfg)
     try:
         agent = build_agent(cfg)
     except ValueError as exc:
@@ -187,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("agent", help="run a site agent")
     a.add_argument("--config", required=True, help="TOML file with a [site] table")
     a.add_argument("--insecure", action="store_true", help="no CURVE, no certificates (loopback)")
+    a.add_argument("--stages", type=int, default=None, help="pipeline stages (overrides config)")
+    a.add_argument("--replicas", type=int, default=None, help="data-parallel replicas (overrides)")
     a.set_defaults(func=cmd_agent)
 
     d = sub.add_parser("demo", help="a coordinator and N sites on this machine")

@@ -708,3 +708,79 @@ def build_agent(cfg: SiteConfig) -> SiteAgent:
         data.val, cfg.eval_batches, cfg.eval_batch_size, cfg.model.context_len, seed=0
     )
     return SiteAgent(cfg, trainer=trainer, val_batches=val)
+
+
+def under_torchrun() -> bool:
+    """True in a process torchrun started (it sets RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def torchrun_argv(cfg: SiteConfig, agent_argv: list[str]) -> list[str]:
+    """The torchrun command that runs this site as ``stages x replicas`` processes."""
+    import sys
+
+    world = cfg.stages * cfg.replicas
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        "-m",
+        "crossdc",
+        *agent_argv,
+    ]
+
+
+def run_pipeline_site(cfg: SiteConfig) -> int:
+    """Entry point of every rank of a pipelined site (launched by torchrun).
+
+    Rank 0 is the site leader: it runs the agent, whose trainer drives the other ranks through
+    torch.distributed. Only rank 0 ever opens a WAN socket; the workers run ``worker_loop``.
+    """
+    import torch.distributed as dist
+
+    from site_agent.pipeline.runtime import (
+        PipelineConfig,
+        PipelineJob,
+        PipelineTrainer,
+        init_from_torchrun_env,
+        worker_loop,
+    )
+
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    env = init_from_torchrun_env()
+    if env.world_size != cfg.stages * cfg.replicas:
+        raise ValueError(
+            f"torchrun started {env.world_size} processes but site.stages x site.replicas = "
+            f"{cfg.stages * cfg.replicas}"
+        )
+    data = load_site_data(cfg)
+    job = PipelineJob(
+        model=cfg.model,
+        optim=cfg.optim,
+        pipeline=PipelineConfig(
+            num_stages=cfg.stages,
+            num_replicas=cfg.replicas,
+            num_microbatches=cfg.microbatches,
+            schedule=cfg.schedule,
+        ),
+        model_seed=cfg.seed,
+        data_seed=cfg.seed * 1000 + cfg.data.shard_index + 1,
+        site_id=cfg.site_id,
+    )
+    try:
+        if env.rank != 0:
+            worker_loop(job, data.train, device=env.device)
+            return EXIT_OK
+        val = eval_batches(data.val, cfg.eval_batches, cfg.eval_batch_size, cfg.model.context_len)
+        with PipelineTrainer.start(job, data.train, device=env.device) as trainer:
+            agent = SiteAgent(cfg, trainer=trainer, val_batches=val)
+            agent.start()
+            try:
+                return agent.run()
+            finally:
+                agent.close()
+    finally:
+        dist.destroy_process_group()
