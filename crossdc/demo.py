@@ -65,6 +65,13 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no CURVE and no certificates (default: a fresh federation kit in the work dir)",
     )
+    p.add_argument(
+        "--dp-noise",
+        type=float,
+        default=0.0,
+        help="differential privacy: Gaussian noise multiplier z on site updates (0: off)",
+    )
+    p.add_argument("--dp-clip", type=float, default=1.0, help="differential privacy: clip norm C")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--timeout", type=float, default=1800.0, help="give up after this many s")
 
@@ -115,6 +122,13 @@ def _security(args: argparse.Namespace, workdir: Path, site_id: str | None) -> d
     if args.insecure:
         return {"insecure": True}
     return {"kit_dir": str(workdir / ("kit" if site_id is None else f"kit-{site_id}"))}
+
+
+def _privacy(args: argparse.Namespace) -> dict[str, Any]:
+    noise = getattr(args, "dp_noise", 0.0)
+    if not noise:
+        return {}
+    return {"privacy": {"clip_norm": args.dp_clip, "noise_multiplier": noise}}
 
 
 def make_kits(workdir: Path, sites: list[str]) -> None:
@@ -175,6 +189,7 @@ def write_site_configs(
                 "model": DEMO_MODEL,
                 "optim": {"batch_size": args.batch_size},
                 "security": _security(args, workdir, site_id),
+                **_privacy(args),
             }
         }
         path = workdir / f"site-{site_id}.toml"
@@ -294,6 +309,7 @@ def run_demo(args: argparse.Namespace) -> int:
         return 1
     report = build_report(args, status, wall)
     sites_status = {s: _read_status(workdir / f"site-{s}" / "status.json") or {} for s in ids}
+    report["dp_epsilon"] = {s: st.get("dp_epsilon") for s, st in sites_status.items()}
     report["site_compute_utilization"] = {
         s: st.get("compute_utilization", 0.0) for s, st in sites_status.items()
     }

@@ -61,6 +61,7 @@ from site_agent.config import SiteConfig
 from site_agent.data import BatchSampler, ByteCorpus, eval_batches, stdlib_split
 from site_agent.metrics import SiteMetrics
 from site_agent.model import build_model, model_fingerprint
+from site_agent.privacy import PrivacyAccountant, new_noise_generator, privatize
 from site_agent.trainer import LocalTrainer, TrainStats
 
 log = logging.getLogger("crossdc.site")
@@ -197,6 +198,8 @@ class SiteAgent:
             if cfg.security.kit_dir
             else None
         )
+        self.accountant = PrivacyAccountant(cfg.privacy) if cfg.privacy is not None else None
+        self._noise = new_noise_generator()
         self._pending: deque[RoundStart] = deque()
         self._cancelled: set[int] = set()
         self._awaiting_result: int | None = None
@@ -606,6 +609,21 @@ class SiteAgent:
             self.trainer.load_parameters(self.global_params)
             self._sent_local.clear()
             return
+        if self.cfg.privacy is not None and self.accountant is not None:
+            # Clip and noise the pseudo-gradient before anything leaves the site; the noise is
+            # fresh each round, and the accountant tracks the (epsilon, delta) spent.
+            delta, norm = privatize(delta, self.cfg.privacy, self._noise)
+            self.accountant.step()
+            self.metrics.dp_epsilon(self.accountant.epsilon())
+            log.info(
+                "[site=%s round=%d] DP: norm %.3g clipped to %.3g, epsilon spent %.3f (delta %g)",
+                self.site_id,
+                rs.round_id,
+                norm,
+                self.cfg.privacy.clip_norm,
+                self.accountant.epsilon(),
+                self.cfg.privacy.delta,
+            )
         try:
             codec = get_codec(rs.codec)
             snapshot = {k: r for k, r in self.feedback.state_dict().items() if k in delta}
@@ -686,6 +704,7 @@ class SiteAgent:
             "wall_seconds": wall,
             "compute_utilization": self._compute_s / wall if wall else 0.0,
             "val_loss": self._last_val,
+            "dp_epsilon": self.accountant.epsilon() if self.accountant else None,
             "link_rtt_s": self.link.stats.rtt_s if self.link else 0.0,
             "link_goodput_bps": self.link.stats.goodput_bps if self.link else 0.0,
         }

@@ -9,6 +9,7 @@ from comm.channel import ChannelConfig
 from comm.configio import load_section
 from comm.keys import SecurityConfig
 from site_agent.model import ModelConfig
+from site_agent.privacy import DPConfig
 from site_agent.trainer import InnerOptimConfig
 
 
@@ -86,6 +87,8 @@ class SiteConfig:
     """Micro-batches per pipeline step."""
     security: SecurityConfig = field(default_factory=SecurityConfig)
     """The site's startup kit (``crossdc keys issue``); ``insecure = true`` for loopback only."""
+    privacy: DPConfig | None = None
+    """Differential privacy of this site's updates (clip + Gaussian noise); off when absent."""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: InnerOptimConfig = field(default_factory=InnerOptimConfig)

@@ -77,6 +77,12 @@ class SiteMetrics:
             lab,
             registry=r,
         )
+        self._dp_epsilon = Gauge(
+            "crossdc_site_dp_epsilon",
+            "Differential-privacy epsilon spent so far (at the configured delta)",
+            lab,
+            registry=r,
+        )
         self._ef_norm = Gauge(
             "crossdc_site_error_feedback_norm", "L2 norm of the uplink residual", lab, registry=r
         )
@@ -114,6 +120,9 @@ class SiteMetrics:
     def link(self, rtt_s: float, goodput_bps: float) -> None:
         self._link_rtt.labels(site=self.site_id).set(rtt_s)
         self._link_goodput.labels(site=self.site_id).set(goodput_bps)
+
+    def dp_epsilon(self, value: float) -> None:
+        self._dp_epsilon.labels(site=self.site_id).set(value)
 
     def ef_norm(self, value: float) -> None:
         self._ef_norm.labels(site=self.site_id).set(value)

@@ -213,3 +213,32 @@ def test_slow_site_does_not_hold_rounds_and_its_late_updates_merge_once(
     # A late update is merged into a later round than its own.
     for h in history:
         assert all(r < h["round_id"] for _, r in h["late_merged"])
+
+
+def test_differential_privacy_reports_epsilon_and_still_learns(
+    procs: Procs, tmp_path: Path
+) -> None:
+    cfg = write_coordinator_config(
+        tmp_path, max_rounds=3, uplink_codec="fp32", downlink_codec="fp32"
+    )
+    procs.start("coordinator", "coordinator", "--config", str(cfg))
+    # Noise std is z*C per coordinate: a tiny z keeps this small model learning (a real
+    # deployment needs many sites for a useful epsilon; this test checks the mechanism).
+    privacy = {"clip_norm": 2.0, "noise_multiplier": 0.002, "delta": 1e-5}
+    for i, site in enumerate(["eu", "us"]):
+        path = write_site_config(tmp_path, site, i, 2, privacy=privacy)
+        procs.start(f"site-{site}", "agent", "--config", str(path))
+    assert procs.procs["coordinator"].wait(timeout=240) == 0, procs.log("coordinator")
+    status = read_status(tmp_path)
+    assert status is not None
+    vals = {int(k): v for k, v in status["val_losses"].items()}
+    assert vals[3] < vals[0]
+    from site_agent.privacy import gaussian_epsilon
+
+    for site in ("eu", "us"):
+        assert procs.procs[f"site-{site}"].wait(timeout=60) == 0
+        site_status = json.loads((tmp_path / f"site-{site}" / "status.json").read_text())
+        assert site_status["dp_epsilon"] == pytest.approx(
+            gaussian_epsilon(0.002, 3, 1e-5), rel=1e-9
+        )
+        assert "clipped to 2" in procs.log(f"site-{site}")
