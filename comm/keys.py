@@ -930,6 +930,11 @@ class CertificateRegistry:
         assert failure is not None
         raise failure
 
+    def certificate(self, serial: str) -> Certificate | None:
+        """The (unverified) certificate with this serial, if the kit holds one."""
+        self._maybe_reload()
+        return self._snap.by_serial.get(serial)
+
     def check_peer(self, *, user_id: str, serial: str, claimed_site_id: str, now: float) -> None:
         """Per-message check on the coordinator: the ZAP-certified identity of the connection
         (``User-Id`` and ``X-Cert-Serial`` of the received frame) must still hold a valid

@@ -36,6 +36,7 @@ class MessageType(enum.IntEnum):
     STEP_GRAD = 14
     STEP_MEAN = 15
     ROUND_CANCEL = 16
+    CHUNK_ACK = 17
 
 
 class ErrorCode(enum.IntEnum):
@@ -150,6 +151,10 @@ class RoundStart:
     evaluate: bool
     reason: str
     """Why the scheduler chose this plan (for logs)."""
+    secagg: dict[str, Any] = field(default_factory=dict)
+    """Secure aggregation of this round, empty when off: ``attempt`` and ``peers`` (site id ->
+    [session public key hex, certified CURVE public key or ""]). A re-run repeats the round id
+    with a higher attempt and only the survivors; the site re-masks the update it already made."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,6 +257,20 @@ class Chunk:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ChunkAck:
+    """The receiver's acknowledgement and credit for one chunked transfer (``comm.transfer``).
+
+    ``next_index``: every chunk below it has arrived, that one has not (``num_chunks`` once the
+    transfer is complete). ``credit_bytes``: the sender may have sent the bytes from the start of
+    chunk ``next_index`` up to ``credit_bytes`` further (0 once complete).
+    """
+
+    transfer_id: str
+    next_index: int
+    credit_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class StepGrad:
     """Synchronous data-parallel baseline: one site's gradient of one inner step."""
 
@@ -288,6 +307,7 @@ Message = (
     | StepGrad
     | StepMean
     | RoundCancel
+    | ChunkAck
 )
 
 MESSAGE_CLASSES: dict[MessageType, type[Any]] = {
@@ -307,6 +327,7 @@ MESSAGE_CLASSES: dict[MessageType, type[Any]] = {
     MessageType.STEP_GRAD: StepGrad,
     MessageType.STEP_MEAN: StepMean,
     MessageType.ROUND_CANCEL: RoundCancel,
+    MessageType.CHUNK_ACK: ChunkAck,
 }
 
 MESSAGE_TYPES: dict[type[Any], MessageType] = {cls: t for t, cls in MESSAGE_CLASSES.items()}

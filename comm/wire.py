@@ -29,7 +29,7 @@ Frame = Any
 _MAX_HEADER_BYTES = 1 << 20
 _MAX_PAYLOAD_TENSORS = 1 << 16
 _ALLOWED_DTYPES = frozenset(
-    {"uint8", "int8", "uint16", "int16", "uint32", "int32", "float16", "float32"}
+    {"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "float16", "float32"}
 )
 
 

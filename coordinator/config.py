@@ -8,6 +8,7 @@ from pathlib import Path
 from comm.channel import ChannelConfig
 from comm.configio import load_section
 from comm.keys import SecurityConfig
+from comm.secagg import SecAggConfig
 from coordinator.faults import FaultPlan
 
 
@@ -75,6 +76,8 @@ class CoordinatorConfig:
     """WAN socket profile."""
     security: SecurityConfig = field(default_factory=SecurityConfig)
     """Keys: the federation kit (``crossdc keys init``); ``insecure = true`` for loopback only."""
+    secure_aggregation: SecAggConfig | None = None
+    """Pairwise-masked updates: the coordinator learns only the sum (sites must agree)."""
     faults: FaultPlan = field(default_factory=FaultPlan)
     """Deterministic crash points for fault drills; all off by default."""
 

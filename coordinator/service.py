@@ -50,6 +50,7 @@ from comm.schema import (
     Update,
     Welcome,
 )
+from comm.secagg import WEIGHT_KEY, MaskingPlan, Peer, decide_attempt, unmask_mean
 from comm.tensors import (
     decode_tensors,
     encode_tensors,
@@ -141,6 +142,11 @@ class Coordinator:
         self._fragment_version: dict[int, int] = {}
         self._next_fragment = 0
         self._round_bytes_at_open: dict[int, tuple[int, int]] = {}
+        # Secure aggregation: each site's announced masking keys, each round's masking plan
+        # (its current attempt), and the masked vectors of that attempt.
+        self._secagg_peers: dict[str, Peer] = {}
+        self._masking: dict[int, MaskingPlan] = {}
+        self._masked: dict[int, dict[str, dict[str, np.ndarray]]] = {}
         self._init_site: str | None = None
         self._init_fingerprint: str | None = None
         self._finish_started: float | None = None
@@ -362,6 +368,7 @@ class Coordinator:
             and msg.global_version == self.state.global_version
             and msg.state_hash == self._hash()
         )
+        self._record_secagg_peer(peer, msg)
         self.members[msg.site_id] = Member(
             site_id=msg.site_id,
             peer=peer,
@@ -395,6 +402,24 @@ class Coordinator:
         )
         if self.state is not None and not in_sync:
             self._send_full(msg.site_id)
+
+    def _record_secagg_peer(self, peer: bytes, msg: Join) -> None:
+        """A joining site's masking keys: its session key, and its certified CURVE key."""
+        announced = msg.capabilities.get("secagg_session_public")
+        if self.cfg.secure_aggregation is None or not isinstance(announced, str):
+            self._secagg_peers.pop(msg.site_id, None)
+            return
+        static = None
+        if self.registry is not None and self.chan is not None:
+            identity = self.chan.identities.get(peer)
+            cert = self.registry.certificate(identity.serial) if identity else None
+            static = cert.curve_public if cert is not None else None
+        try:
+            self._secagg_peers[msg.site_id] = Peer(
+                session_public=bytes.fromhex(announced), static_public=static
+            )
+        except ValueError:
+            self._secagg_peers.pop(msg.site_id, None)
 
     def _send_full(self, site_id: str) -> None:
         assert self.state is not None
@@ -487,6 +512,13 @@ class Coordinator:
             self._reject(peer, ErrorCode.NON_FINITE, f"weight {msg.weight}", msg.site_id)
             return
         names = self._fragment_names[fragment]
+        if self.cfg.secure_aggregation is not None:
+            if r is None:
+                detail = f"round {msg.round_id} is closed; masked updates cannot be merged late"
+                self._reject(peer, ErrorCode.STALE_ROUND, detail, msg.site_id)
+                return
+            self._on_masked_update(peer, msg, r, names)
+            return
         try:
             delta = decode_tensors(msg.payload, {n: self.state.params[n].shape for n in names})
         except WireError as exc:
@@ -542,8 +574,128 @@ class Coordinator:
             norm,
         )
 
+    def _on_masked_update(self, peer: bytes, msg: Update, r: OpenRound, names: list[str]) -> None:
+        """A masked update: checked for shape and attempt only (its values are hidden)."""
+        assert self.state is not None and self.cfg.secure_aggregation is not None
+        plan = self._masking[r.round_id]
+        expected = {n: tuple(self.state.params[n].shape) for n in names}
+        expected[WEIGHT_KEY] = (1,)
+        dtype = self.cfg.secure_aggregation.dtype
+        got = {enc.name: enc for enc in msg.payload}
+        problem = ""
+        if set(got) != set(expected):
+            problem = f"masked tensors {sorted(got)[:3]}... do not match the fragment"
+        elif any(
+            e.meta.get("attempt") != plan.attempt or e.codec != "secagg" for e in got.values()
+        ):
+            problem = f"not masked for attempt {plan.attempt}"
+        elif msg.site_id not in plan.participants:
+            problem = f"not in the masking set of attempt {plan.attempt}"
+        else:
+            for name, enc in got.items():
+                if len(enc.buffers) != 1 or enc.buffers[0].dtype != dtype:
+                    problem = f"{name!r} is not one {dtype} buffer"
+                elif tuple(enc.shape) != expected[name] or enc.buffers[0].size != int(
+                    np.prod(expected[name])
+                ):
+                    problem = f"{name!r} has shape {enc.shape}, expected {expected[name]}"
+                if problem:
+                    break
+        if problem:
+            self._reject(peer, ErrorCode.BAD_PAYLOAD, problem, msg.site_id)
+            return
+        self._masked.setdefault(r.round_id, {})[msg.site_id] = {
+            name: np.asarray(enc.buffers[0]).reshape(expected[name]) for name, enc in got.items()
+        }
+        self._accepted.setdefault(r.round_id, {})[msg.site_id] = _Accepted(
+            msg.site_id,
+            r.round_id,
+            msg.weight,
+            {},
+            msg.train_loss,
+            msg.compute_seconds,
+            sum(enc.nbytes for enc in msg.payload),
+        )
+        now = self.clock()
+        received = r.received | {msg.site_id}
+        quorum_at = r.quorum_at
+        if quorum_at is None and len(received) >= quorum_size(
+            len(r.participants), self.cfg.quorum_fraction
+        ):
+            quorum_at = now
+        updated = replace(r, received=frozenset(received), quorum_at=quorum_at)
+        self.open_rounds = [updated if o.round_id == r.round_id else o for o in self.open_rounds]
+        self.metrics.updates_accepted.labels(site=msg.site_id).inc()
+        log.info(
+            "[coordinator site=%s round=%d] masked update accepted (attempt %d)",
+            msg.site_id,
+            r.round_id,
+            plan.attempt,
+        )
+
+    def _secagg_plan_message(self, plan: MaskingPlan) -> dict[str, Any]:
+        return {
+            "attempt": plan.attempt,
+            "peers": {
+                s: [p.session_public.hex(), p.static_public.decode() if p.static_public else ""]
+                for s, p in sorted(plan.participants.items())
+            },
+        }
+
+    def _rerun_or_abandon(self, now: float, r: OpenRound, received: tuple[str, ...]) -> bool:
+        """Secure aggregation with missing vectors: re-run with the survivors, or abandon.
+
+        Returns True when the round goes on (re-run) and False when it was abandoned."""
+        assert self.cfg.secure_aggregation is not None and self.state is not None
+        plan = self._masking[r.round_id]
+        decision, why = decide_attempt(plan, received, self.cfg.secure_aggregation)
+        if decision.action != "rerun" or decision.plan is None:
+            self._abort(f"secure aggregation: {why}")
+            return False
+        rerun = decision.plan
+        self._masking[r.round_id] = rerun
+        self._masked.pop(r.round_id, None)
+        self._accepted.pop(r.round_id, None)
+        survivors = tuple(sorted(rerun.participants))
+        self.open_rounds = [
+            replace(
+                o,
+                participants=survivors,
+                received=frozenset(),
+                quorum_at=None,
+                deadline_at=now + self.cfg.round_deadline_s,
+            )
+            if o.round_id == r.round_id
+            else o
+            for o in self.open_rounds
+        ]
+        log.warning("[coordinator round=%d] secure aggregation: %s", r.round_id, why)
+        prev = self._round_plan[r.round_id]
+        for site_id in survivors:
+            self._send(
+                self.members[site_id].peer,
+                RoundStart(
+                    round_id=r.round_id,
+                    global_version=self.state.global_version,
+                    fragment_base_version=r.base_version,
+                    fragment=r.fragment,
+                    num_fragments=self.cfg.num_fragments,
+                    num_inner_steps=0,
+                    overlap=prev.overlap,
+                    codec="secagg",
+                    deadline_s=self.cfg.round_deadline_s,
+                    participants=survivors,
+                    evaluate=False,
+                    reason=why,
+                    secagg=self._secagg_plan_message(rerun),
+                ),
+            )
+        return True
+
     def _on_eval(self, msg: Eval) -> None:
-        assert self.state is not None
+        if self.state is None:
+            self.metrics.rejected.labels(reason="unexpected").inc()
+            return
         if not np.isfinite(msg.val_loss):
             self.metrics.rejected.labels(reason="non_finite").inc()
             return
@@ -605,8 +757,19 @@ class Coordinator:
             if decision.action is Action.OPEN:
                 self._open(now, decision.participants, why)
             elif decision.action is Action.CLOSE:
-                self._close(now, self.open_rounds[0], decision.participants, why)
+                r = self.open_rounds[0]
+                complete = set(decision.participants) == set(r.participants)
+                if self.cfg.secure_aggregation is not None and not complete:
+                    self._rerun_or_abandon(now, r, decision.participants)
+                    continue
+                self._close(now, r, decision.participants, why)
             elif decision.action is Action.ABORT:
+                if self.cfg.secure_aggregation is not None:
+                    # Masked vectors without their whole set are useless: re-run or abandon.
+                    r = self.open_rounds[0]
+                    if self._rerun_or_abandon(now, r, tuple(sorted(r.received))):
+                        continue
+                    return
                 self._abort(why)
             elif decision.action is Action.FINISH:
                 log.info("[coordinator] finishing: %s", why)
@@ -622,6 +785,8 @@ class Coordinator:
         for r in self.open_rounds:
             self._closed[r.round_id] = _Closed(frozenset(r.participants), frozenset(), r.fragment)
             self._accepted.pop(r.round_id, None)
+            self._masking.pop(r.round_id, None)
+            self._masked.pop(r.round_id, None)
             self._round_plan.pop(r.round_id, None)
             self._round_bytes_at_open.pop(r.round_id, None)
         self.open_rounds = []
@@ -672,6 +837,18 @@ class Coordinator:
             )
         )
         self._round_plan[round_id] = plan
+        secagg: dict[str, Any] = {}
+        if self.cfg.secure_aggregation is not None:
+            missing = [s for s in participants if s not in self._secagg_peers]
+            if missing:
+                log.warning("[coordinator round=%d] no masking keys from %s", round_id, missing)
+            masking = MaskingPlan(
+                round_id=round_id,
+                attempt=0,
+                participants={s: self._secagg_peers[s] for s in participants if s not in missing},
+            )
+            self._masking[round_id] = masking
+            secagg = self._secagg_plan_message(masking)
         self._round_bytes_at_open[round_id] = (
             self.chan.stats.bytes_received,
             self.chan.stats.bytes_sent,
@@ -704,6 +881,7 @@ class Coordinator:
                     participants=participants,
                     evaluate=evaluate_base and i == 0 and len(self.open_rounds) == 1,
                     reason=plan_why,
+                    secagg=secagg,
                 ),
             )
         self.cfg.faults.point("open", round_id)
@@ -722,6 +900,12 @@ class Coordinator:
         for u in late:
             staleness = max(1, (r.round_id - u.round_id) // frags)
             updates.append((f"{u.site_id}@{u.round_id}", u.weight / (1 + staleness), u.delta))
+        if self.cfg.secure_aggregation is not None:
+            # Only the sum is ever seen: the weighted mean stands for the sites' updates.
+            masked = self._masked.pop(r.round_id)
+            masking = self._masking.pop(r.round_id)
+            mean, total = unmask_mean(masked, masking, self.cfg.secure_aggregation)
+            updates = [("secure-aggregate", total, mean)]
         exact_prev = {k: st.params[k] + st.residual[k] for k in names}
         result = self.strategy.outer_step(exact_prev, {k: st.momentum[k] for k in names}, updates)
         plan = self._round_plan.pop(r.round_id)

@@ -233,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_status)
 
     b = sub.add_parser("bench", help="benchmarks (print JSON with --json)")
-    b.add_argument("suite", choices=["codecs", "convergence", "ddp", "pipeline", "wan"])
+    b.add_argument(
+        "suite", choices=["codecs", "convergence", "ddp", "pipeline", "wan", "wan_goodput"]
+    )
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
     return p

@@ -24,9 +24,10 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from comm.channel import SiteLink
-from comm.compress import NonFiniteError, get_codec
+from comm.compress import EncodedTensor, NonFiniteError, get_codec
 from comm.feedback import ErrorFeedback
 from comm.keys import AuthError, SiteKit, load_site_kit, verify_blob
 from comm.observe import ObserveServer
@@ -48,6 +49,7 @@ from comm.schema import (
     Update,
     Welcome,
 )
+from comm.secagg import Peer, SecAggSession, x25519_from_curve_secret, x25519_public_bytes
 from comm.tensors import (
     decode_tensors,
     encode_tensors,
@@ -199,6 +201,12 @@ class SiteAgent:
             else None
         )
         self.accountant = PrivacyAccountant(cfg.privacy) if cfg.privacy is not None else None
+        # Secure aggregation: one X25519 key per process, announced at join; the masking session
+        # is bound to the coordinator's session (every site derives pair keys from the same id).
+        self._secagg_key = X25519PrivateKey.generate() if cfg.secure_aggregation else None
+        self.secagg: SecAggSession | None = None
+        # Secure aggregation: the unmasked update of each round, kept for a re-run.
+        self._unmasked: dict[int, tuple[int, dict[str, np.ndarray], float, TrainStats]] = {}
         self._noise = new_noise_generator()
         self._pending: deque[RoundStart] = deque()
         self._cancelled: set[int] = set()
@@ -313,6 +321,11 @@ class SiteAgent:
                     "stages": self.cfg.stages,
                     "replicas": self.cfg.replicas,
                     "device": resolve_device(self.cfg.device),
+                    **(
+                        {"secagg_session_public": x25519_public_bytes(self._secagg_key).hex()}
+                        if self._secagg_key is not None
+                        else {}
+                    ),
                 },
             )
         )
@@ -342,6 +355,16 @@ class SiteAgent:
     def _dispatch(self, msg: Message) -> int | None:
         if isinstance(msg, Welcome):
             self.session_id = msg.session_id
+            if self.cfg.secure_aggregation is not None and self._secagg_key is not None:
+                self.secagg = SecAggSession(
+                    site_id=self.site_id,
+                    session_id=msg.session_id,
+                    config=self.cfg.secure_aggregation,
+                    session_key=self._secagg_key,
+                    static_key=x25519_from_curve_secret(self.kit.curve.secret)
+                    if self.kit
+                    else None,
+                )
             log.info(
                 "[site=%s] welcomed by session %s (v%d)",
                 self.site_id,
@@ -361,7 +384,10 @@ class SiteAgent:
         elif isinstance(msg, Global):
             self._on_global(msg)
         elif isinstance(msg, RoundStart):
-            self._pending.append(msg)
+            if msg.secagg.get("attempt", 0) > 0:
+                self._remask(msg)  # a re-run after a dropout: no training, mask again
+            else:
+                self._pending.append(msg)
         elif isinstance(msg, RoundCancel):
             self._cancelled.update(msg.round_ids)
             log.warning(
@@ -609,6 +635,12 @@ class SiteAgent:
             self.trainer.load_parameters(self.global_params)
             self._sent_local.clear()
             return
+        if self.cfg.secure_aggregation is not None:
+            # Masked sums are plain means: every site's weight is the same (and hidden).
+            self._tokens.pop(rs.fragment, None)
+            self._sent_local[rs.fragment] = {k: local[k] for k in names}
+            self._send_masked(rs, delta, stats)
+            return
         if self.cfg.privacy is not None and self.accountant is not None:
             # Clip and noise the pseudo-gradient before anything leaves the site; the noise is
             # fresh each round, and the accountant tracks the (epsilon, delta) spent.
@@ -676,6 +708,103 @@ class SiteAgent:
             stats.steps,
             stats.loss_mean,
             stats.compute_seconds,
+        )
+
+    def _send_masked(self, rs: RoundStart, delta: dict[str, np.ndarray], stats: TrainStats) -> None:
+        """Secure aggregation: clip to the fixed-point range, mask, send; keep for a re-run."""
+        assert self.cfg.secure_aggregation is not None
+        bound = self.cfg.secure_aggregation.clip_bound
+        if self.cfg.privacy is not None and self.accountant is not None:
+            delta, _norm = privatize(delta, self.cfg.privacy, self._noise)
+            self.accountant.step()
+            self.metrics.dp_epsilon(self.accountant.epsilon())
+        clipped = sum(int((np.abs(v) > bound).sum()) for v in delta.values())
+        if clipped:
+            log.warning(
+                "[site=%s round=%d] %d values clipped to +-%g for masking",
+                self.site_id,
+                rs.round_id,
+                clipped,
+                bound,
+            )
+        delta = {k: np.clip(v, -bound, bound) for k, v in delta.items()}
+        self._unmasked = {rs.round_id: (rs.fragment, delta, 1.0, stats)}
+        self._mask_and_send(rs, delta, stats)
+
+    def _remask(self, rs: RoundStart) -> None:
+        kept = self._unmasked.get(rs.round_id)
+        if kept is None:
+            log.warning(
+                "[site=%s round=%d] re-run for an update I do not hold", self.site_id, rs.round_id
+            )
+            return
+        log.info(
+            "[site=%s round=%d] secure aggregation re-run, attempt %d",
+            self.site_id,
+            rs.round_id,
+            rs.secagg["attempt"],
+        )
+        self._mask_and_send(rs, kept[1], kept[3])
+
+    def _mask_and_send(
+        self, rs: RoundStart, delta: dict[str, np.ndarray], stats: TrainStats
+    ) -> None:
+        assert self.secagg is not None and self.link is not None
+        attempt = int(rs.secagg.get("attempt", 0))
+        try:
+            peers = {
+                site: Peer(
+                    session_public=bytes.fromhex(keys[0]),
+                    static_public=keys[1].encode() if keys[1] else None,
+                )
+                for site, keys in rs.secagg["peers"].items()
+            }
+            masked = self.secagg.mask(
+                delta, round_id=rs.round_id, participants=peers, attempt=attempt
+            )
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            self.metrics.rejected("secagg_plan")
+            log.error("[site=%s round=%d] not masking: %s", self.site_id, rs.round_id, exc)
+            return
+        if rs.round_id == self.cfg.fault_exit_before_send_round and attempt == 0:
+            log.error(
+                "[site=%s round=%d] fault drill: exiting after masking", self.site_id, rs.round_id
+            )
+            logging.shutdown()
+            os._exit(17)
+        payload = tuple(
+            EncodedTensor(
+                name=name,
+                shape=tuple(arr.shape),
+                codec="secagg",
+                meta={"attempt": attempt},
+                buffers=(arr.reshape(-1),),
+            )
+            for name, arr in masked.items()
+        )
+        self._send(
+            Update(
+                site_id=self.site_id,
+                round_id=rs.round_id,
+                global_version=self.global_version,
+                fragment=rs.fragment,
+                weight=float(stats.tokens),
+                train_loss=stats.loss_mean,
+                compute_seconds=stats.compute_seconds,
+                step_seconds=stats.compute_seconds / max(1, stats.steps),
+                link_rtt_s=self.link.stats.rtt_s,
+                link_goodput_bps=self.link.stats.goodput_bps,
+                payload=payload,
+            )
+        )
+        self._rounds_sent += 1
+        self._last_send_at = time.monotonic()
+        log.info(
+            "[site=%s round=%d] sent masked fragment %d (attempt %d)",
+            self.site_id,
+            rs.round_id,
+            rs.fragment,
+            attempt,
         )
 
     def _publish_link_metrics(self) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from comm.channel import ChannelConfig
 from comm.configio import load_section
 from comm.keys import SecurityConfig
+from comm.secagg import SecAggConfig
 from site_agent.model import ModelConfig
 from site_agent.privacy import DPConfig
 from site_agent.trainer import InnerOptimConfig
@@ -77,6 +78,9 @@ class SiteConfig:
     """Inner steps between two looks at the coordinator link (where results are merged)."""
     fault_slow_step_s: float = 0.0
     """Fault drill: extra seconds per inner step, making this site a straggler on purpose."""
+    fault_exit_before_send_round: int = 0
+    """Fault drill: the process exits right before sending its update of this round (after
+    masking it, under secure aggregation); 0 disables."""
     stages: int = 1
     """Pipeline stages inside the site."""
     replicas: int = 1
@@ -87,6 +91,8 @@ class SiteConfig:
     """Micro-batches per pipeline step."""
     security: SecurityConfig = field(default_factory=SecurityConfig)
     """The site's startup kit (``crossdc keys issue``); ``insecure = true`` for loopback only."""
+    secure_aggregation: SecAggConfig | None = None
+    """Mask updates pairwise so the coordinator learns only their sum (as the coordinator's)."""
     privacy: DPConfig | None = None
     """Differential privacy of this site's updates (clip + Gaussian noise); off when absent."""
     data: DataConfig = field(default_factory=DataConfig)

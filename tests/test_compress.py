@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from comm import compress
 from comm.compress import (
     CODEC_IDS,
     EncodedTensor,
@@ -340,16 +341,20 @@ def test_chunked_encoding_rejects_bad_chunks() -> None:
         join_chunks(get_codec("int8"), "w", (999,), parts)
 
 
-def test_tiling_does_not_change_bytes() -> None:
-    # Larger than one internal tile, with a partial last block: chunks of one block each
-    # reproduce the whole-tensor bytes.
-    x = _sample((1 << 18) + 4096 + 17, seed=5)
-    for spec in ("int8", "int4"):
+def test_tiling_does_not_change_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Encode and decode with tiny internal tiles (many tiles, a partial last one, a partial
+    # last block) and with the default ones: identical bytes and values.
+    x = _sample(40_000 + 17, seed=5)
+    for spec in ("int8", "int4", "int4:block=32", "topk:0.01"):
         codec = get_codec(spec)
         whole = codec.encode("w", x)
-        joined = join_chunks(codec, "w", x.shape, encode_chunks(codec, "w", x, 1 << 16))
+        decoded = codec.decode(whole)
+        with monkeypatch.context() as m:
+            m.setattr(compress, "_TILE_ELEMS", 1 << 10)
+            tiled = codec.encode("w", x)
+            assert np.array_equal(codec.decode(whole), decoded)
         assert all(
-            a.tobytes() == b.tobytes() for a, b in zip(joined.buffers, whole.buffers, strict=True)
+            a.tobytes() == b.tobytes() for a, b in zip(tiled.buffers, whole.buffers, strict=True)
         )
 
 

@@ -58,6 +58,7 @@ SAMPLES: dict[MessageType, object] = {
         reason="fits",
     ),
     MessageType.ROUND_CANCEL: schema.RoundCancel(round_ids=(7, 8), reason="aborted"),
+    MessageType.CHUNK_ACK: schema.ChunkAck(transfer_id="ab12", next_index=3, credit_bytes=8 << 20),
     MessageType.UPDATE: schema.Update(
         site_id="eu",
         round_id=7,

@@ -1,0 +1,136 @@
+"""``crossdc bench wan``: crossdc against synchronous data parallelism over the demo's WAN.
+
+Four measurements, each on real processes and real sockets:
+
+1. ``goodput_ratio``: payload goodput of a 64 MiB flow-controlled transfer over a veth shaped to
+   100 Mbit/s with tc HTB between two network namespaces, divided by the link rate
+   (``crossdc.bench.wan_goodput``; raw TCP reaches about 0.95 there).
+2. crossdc: the demo federation (3 sites behind the eu/us/ap WAN emulator profiles, overlapped
+   sync, the scheduler) for ``rounds`` rounds of ``inner_steps``: its compute utilization
+   (fraction of each site's training period spent in inner steps, mean over sites), its WAN
+   bytes per inner step and its final validation loss.
+3. The synchronous data-parallel baseline over the same emulated links for a few steps: its
+   compute utilization, WAN bytes per step and wall seconds per step.
+4. The baseline on loopback for as many steps as crossdc's inner steps (equal tokens: every step
+   uses every site's batch), for its validation loss curve; its math does not depend on links,
+   so its time to a loss on the WAN is that step count times the measured WAN step time.
+
+Derived: ``bytes_ratio_vs_ddp`` (baseline / crossdc WAN bytes per inner step; crossdc's counted
+as its sync traffic, every update and broadcast, without the one-time model download when a site
+joins, which the baseline does not perform since its sites start from the same seed; the total
+including it is reported too), ``val_loss_gap``
+((crossdc − baseline) / baseline at equal tokens) and ``time_to_target_ratio`` (baseline WAN
+time / crossdc time to reach the worse of the two final losses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from crossdc.bench.ddp import run_ddp
+from crossdc.bench.wan_goodput import run as run_goodput
+
+
+def run_crossdc(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    argv = [
+        sys.executable,
+        "-m",
+        "crossdc",
+        "demo",
+        "--json",
+        f"--sites={args.sites}",
+        f"--rounds={args.rounds}",
+        f"--inner-steps={args.inner_steps}",
+        f"--uplink-codec={args.codec}",
+        f"--downlink-codec={args.codec}",
+        f"--eval-every={args.rounds}",
+        f"--workdir={workdir}",
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"crossdc demo failed: {proc.stderr.strip()[-2000:]}")
+    report: dict[str, Any] = json.loads(proc.stdout)
+    status = json.loads((workdir / "coordinator" / "status.json").read_text())
+    history = status["history"]
+    started = history[0]["finished_unix"] - history[0]["duration_s"]
+    report["train_seconds"] = history[-1]["finished_unix"] - started
+    # Sync traffic: every update and every broadcast, not the one-time model download at join.
+    report["sync_bytes"] = sum(h["update_bytes"] + h["broadcast_bytes"] for h in history)
+    return report
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"config": vars(args).copy()}
+    goodput = run_goodput(size_mib=64, rate_mbit=100) if not args.skip_goodput else {}
+    out["goodput_ratio"] = goodput.get("goodput_ratio")
+    out["tcp_goodput_ratio"] = goodput.get("tcp_goodput_ratio")
+    if goodput.get("skipped"):
+        out["goodput_skipped"] = goodput["skipped"]
+    with tempfile.TemporaryDirectory(prefix="crossdc-wan-") as tmp:
+        ours = run_crossdc(args, Path(tmp) / "crossdc")
+    inner_steps = args.rounds * args.inner_steps
+    ours_bytes_per_step = ours["sync_bytes"] / inner_steps
+    ddp_wan = run_ddp(sites=args.sites, steps=args.ddp_wan_steps, eval_every=0, wan=True)
+    ddp_eq = run_ddp(sites=args.sites, steps=inner_steps, eval_every=args.ddp_eval_every, wan=False)
+    ddp_losses = {int(k): v for k, v in ddp_eq["val_loss_by_step"].items()}
+    ddp_final = ddp_losses[inner_steps]
+    ours_final = ours["val_loss_final"]
+    target = max(ours_final, ddp_final)
+    ddp_steps_to_target = min(s for s, v in ddp_losses.items() if v <= target)
+    ddp_step_s = ddp_wan["run_seconds"] / ddp_wan["steps"]
+    out.update(
+        {
+            "compute_utilization": ours["compute_utilization"],
+            "site_compute_utilization": ours["site_compute_utilization"],
+            "ddp_compute_utilization": ddp_wan["compute_utilization"],
+            "crossdc_wan_bytes_per_inner_step": ours_bytes_per_step,
+            "crossdc_wan_bytes_total": ours["wan_bytes_total"],
+            "crossdc_wan_bytes_total_per_inner_step": ours["wan_bytes_total"] / inner_steps,
+            "ddp_wan_bytes_per_inner_step": ddp_wan["wan_bytes_per_inner_step"],
+            "bytes_ratio_vs_ddp": ddp_wan["wan_bytes_per_inner_step"] / ours_bytes_per_step,
+            "inner_steps": inner_steps,
+            "val_loss_crossdc": ours_final,
+            "val_loss_ddp_equal_tokens": ddp_final,
+            "val_loss_gap": (ours_final - ddp_final) / ddp_final,
+            "target_val_loss": target,
+            "crossdc_seconds_to_target": ours["train_seconds"],
+            "ddp_step_seconds_wan": ddp_step_s,
+            "ddp_steps_to_target": ddp_steps_to_target,
+            "ddp_seconds_to_target": ddp_steps_to_target * ddp_step_s,
+            "time_to_target_ratio": ddp_steps_to_target * ddp_step_s / ours["train_seconds"],
+            "links": ours.get("links"),
+        }
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="crossdc bench wan", description=__doc__.splitlines()[0])
+    p.add_argument("--sites", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--inner-steps", type=int, default=150)
+    p.add_argument("--codec", default="int4", help="crossdc's codec, both directions")
+    p.add_argument("--ddp-wan-steps", type=int, default=20)
+    p.add_argument("--ddp-eval-every", type=int, default=50)
+    p.add_argument("--skip-goodput", action="store_true")
+    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    out = run(args)
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        for key, value in out.items():
+            if key != "config":
+                print(f"{key:>34}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
