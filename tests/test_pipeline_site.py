@@ -14,7 +14,10 @@ pytestmark = pytest.mark.timeout(300)
 def _federation(procs: Procs, root: Path, stages: int) -> dict[int, float]:
     root.mkdir()
     procs.workdir = root
-    cfg = write_coordinator_config(root, max_rounds=2, uplink_codec="fp32", downlink_codec="fp32")
+    # Blocking sync: with overlap the step at which a result is merged depends on timing.
+    cfg = write_coordinator_config(
+        root, max_rounds=2, uplink_codec="fp32", downlink_codec="fp32", overlap=False
+    )
     procs.start(f"coordinator-{stages}", "coordinator", "--config", str(cfg))
     for i, site in enumerate(["eu", "us"]):
         path = write_site_config(root, site, i, 2, stages=stages, microbatches=2)
