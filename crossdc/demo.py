@@ -42,6 +42,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         help="codec for the global delta (auto: the scheduler's)",
     )
     p.add_argument("--fragments", type=int, default=1, help="streaming sync fragments")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum")
     p.add_argument(
         "--no-overlap", action="store_true", help="block each site on every sync (no overlap)"
     )
@@ -72,6 +74,11 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         help="differential privacy: Gaussian noise multiplier z on site updates (0: off)",
     )
     p.add_argument("--dp-clip", type=float, default=1.0, help="differential privacy: clip norm C")
+    p.add_argument(
+        "--secure-aggregation",
+        action="store_true",
+        help="pairwise-masked updates: the coordinator learns only their sum",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--timeout", type=float, default=1800.0, help="give up after this many s")
 
@@ -124,6 +131,12 @@ def _security(args: argparse.Namespace, workdir: Path, site_id: str | None) -> d
     return {"kit_dir": str(workdir / ("kit" if site_id is None else f"kit-{site_id}"))}
 
 
+def _secagg(args: argparse.Namespace) -> dict[str, Any]:
+    if not getattr(args, "secure_aggregation", False):
+        return {}
+    return {"secure_aggregation": {"clip_bound": 64.0}}
+
+
 def _privacy(args: argparse.Namespace) -> dict[str, Any]:
     noise = getattr(args, "dp_noise", 0.0)
     if not noise:
@@ -157,11 +170,14 @@ def write_coordinator_config(args: argparse.Namespace, workdir: Path) -> Path:
             "uplink_codec": args.uplink_codec,
             "downlink_codec": args.downlink_codec,
             "num_fragments": args.fragments,
+            "outer_lr": args.outer_lr,
+            "outer_momentum": args.outer_momentum,
             "overlap": not args.no_overlap,
             "eval_every_rounds": args.eval_every,
             "round_deadline_s": 600.0,
             "site_timeout_s": 60.0,
             "security": _security(args, workdir, None),
+            **_secagg(args),
         }
     }
     coord_cfg = workdir / "coordinator.toml"
@@ -190,6 +206,7 @@ def write_site_configs(
                 "optim": {"batch_size": args.batch_size},
                 "security": _security(args, workdir, site_id),
                 **_privacy(args),
+                **_secagg(args),
             }
         }
         path = workdir / f"site-{site_id}.toml"

@@ -677,6 +677,25 @@ class SiteAgent:
         assert self.link is not None
         self._sent_local[rs.fragment] = {k: local[k] for k in names}
         weight = float(self._tokens.pop(rs.fragment, 0) or stats.tokens)
+        self._send_update_message(rs, stats, payload, weight)
+        self.metrics.ef_norm(self.feedback.residual_norm())
+        log.info(
+            "[site=%s round=%d] sent fragment %d/%d (%s): %d steps loss=%.4f %.1fs compute",
+            self.site_id,
+            rs.round_id,
+            rs.fragment,
+            rs.num_fragments,
+            rs.codec,
+            stats.steps,
+            stats.loss_mean,
+            stats.compute_seconds,
+        )
+
+    def _send_update_message(
+        self, rs: RoundStart, stats: TrainStats, payload: tuple[EncodedTensor, ...], weight: float
+    ) -> None:
+        """Send one round's update with this site's measurements, and account for it."""
+        assert self.link is not None
         self._send(
             Update(
                 site_id=self.site_id,
@@ -694,21 +713,9 @@ class SiteAgent:
         )
         self._rounds_sent += 1
         self.metrics.round_sent()
-        self.metrics.ef_norm(self.feedback.residual_norm())
         self._last_send_at = time.monotonic()
         self.metrics.utilization(self.status()["compute_utilization"])
         self._write_site_status()
-        log.info(
-            "[site=%s round=%d] sent fragment %d/%d (%s): %d steps loss=%.4f %.1fs compute",
-            self.site_id,
-            rs.round_id,
-            rs.fragment,
-            rs.num_fragments,
-            rs.codec,
-            stats.steps,
-            stats.loss_mean,
-            stats.compute_seconds,
-        )
 
     def _send_masked(self, rs: RoundStart, delta: dict[str, np.ndarray], stats: TrainStats) -> None:
         """Secure aggregation: clip to the fixed-point range, mask, send; keep for a re-run."""
@@ -782,23 +789,7 @@ class SiteAgent:
             )
             for name, arr in masked.items()
         )
-        self._send(
-            Update(
-                site_id=self.site_id,
-                round_id=rs.round_id,
-                global_version=self.global_version,
-                fragment=rs.fragment,
-                weight=float(stats.tokens),
-                train_loss=stats.loss_mean,
-                compute_seconds=stats.compute_seconds,
-                step_seconds=stats.compute_seconds / max(1, stats.steps),
-                link_rtt_s=self.link.stats.rtt_s,
-                link_goodput_bps=self.link.stats.goodput_bps,
-                payload=payload,
-            )
-        )
-        self._rounds_sent += 1
-        self._last_send_at = time.monotonic()
+        self._send_update_message(rs, stats, payload, float(stats.tokens))
         log.info(
             "[site=%s round=%d] sent masked fragment %d (attempt %d)",
             self.site_id,
