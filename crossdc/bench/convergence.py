@@ -1,7 +1,7 @@
 """``crossdc bench convergence``: validation loss after equal rounds, per codec, against fp32.
 
-Runs the demo federation (real processes, the embedded default corpus) once per codec, the codec
-applied to both directions (site updates with the sites' error feedback, the global delta with the
+Runs the demo federation (real processes, the embedded default corpus, blocking sync so that runs
+are deterministic) once per codec, the codec applied to both directions (site updates with the sites' error feedback, the global delta with the
 coordinator's), with identical seeds, and reports each codec's final validation loss, its relative
 gap to fp32, and the WAN bytes it took.
 """
@@ -38,6 +38,9 @@ def run_one(codec: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
         codec,
         "--workdir",
         str(workdir / codec.replace(":", "_")),
+        # Blocking sync: with overlap the inner step at which a result is merged depends on
+        # timing, a noise larger than the differences between codecs.
+        "--no-overlap",
     ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:

@@ -8,7 +8,9 @@ each measured step:
 - ``step_seconds``: the pipeline's op window, from the earliest rank's step start to the last op's
   end (the gradient all-reduce and optimizer step after it are not part of a schedule; the whole
   step is ``step_seconds_with_update``);
-- ``bubble_measured``: ``1 - busy / (stages * step_seconds)``, busy = compute seconds of every op;
+- ``bubble_measured``: ``1 - busy / (stages * step_seconds)``, busy = the cost of every op: its
+  compute plus the executor work right after it (posting its send with the next receive), time
+  the stage is occupied rather than waiting for a neighbour;
 - ``bottleneck_measured``: the slowest stage's mean forward + backward seconds per micro-batch;
 - ``bubble_simulated``: ``simulate`` on the same schedule fed the measured per-stage forward and
   backward means and the measured transfer: the median delay from an op's end to the start of
@@ -84,13 +86,15 @@ def analyze(
         start = min(t.start_s for t in traces)
         end = max(r.end_s for t in traces for r in t.ops)
         window = end - start
-        busy = math.fsum(t.busy_s for t in traces)
+        busy = math.fsum(math.fsum(_op_costs(t)) for t in traces)
         windows.append(window)
         totals.append(max(t.end_s for t in traces) - start)
         bubbles.append(1.0 - busy / (num_stages * window))
         for t in traces:
-            forward[t.stage].append(t.mean_compute_s("F"))
-            backward[t.stage].append(t.mean_compute_s("B"))
+            costs = _op_costs(t)
+            for kind, out in (("F", forward), ("B", backward)):
+                mine = [c for c, r in zip(costs, t.ops, strict=True) if r.op.kind == kind]
+                out[t.stage].append(math.fsum(mine) / len(mine) if mine else 0.0)
         delays.extend(_input_delays(traces))
     fwd = [statistics.fmean(v) for v in forward]
     bwd = [statistics.fmean(v) for v in backward]
@@ -120,6 +124,17 @@ def analyze(
     }
 
 
+def _op_costs(trace: StepTrace) -> list[float]:
+    """Each op's cost on its stage: its compute plus the executor work that follows it (posting
+    its send together with the next op's receive), which keeps the stage busy, not idle."""
+    ops = trace.ops
+    costs = []
+    for i, r in enumerate(ops):
+        follow = ops[i + 1].wait_start_s if i + 1 < len(ops) else r.end_s
+        costs.append(r.compute_s + max(0.0, follow - r.end_s))
+    return costs
+
+
 def _replay_bubble(traces: Sequence[StepTrace], transfer_s: float) -> float:
     """The simulator's timing model applied to each op's own measured compute time.
 
@@ -129,6 +144,7 @@ def _replay_bubble(traces: Sequence[StepTrace], transfer_s: float) -> float:
     cannot carry, not idle time the executor added.
     """
     num_stages = len(traces)
+    costs = {t.stage: _op_costs(t) for t in traces}
     ends: dict[tuple[int, Op], float] = {}
     free_at = [0.0] * num_stages
     position = [0] * num_stages
@@ -147,8 +163,9 @@ def _replay_bubble(traces: Sequence[StepTrace], transfer_s: float) -> float:
                 if (producer, record.op) not in ends:
                     continue
                 ready = max(ready, ends[(producer, record.op)] + transfer_s)
-            ends[(s, record.op)] = free_at[s] = ready + record.compute_s
-            busy += record.compute_s
+            cost = costs[s][position[s]]
+            ends[(s, record.op)] = free_at[s] = ready + cost
+            busy += cost
             position[s] += 1
             progress = True
     assert all(position[t.stage] == len(t.ops) for t in traces), "the traces ran to the end"
@@ -156,10 +173,14 @@ def _replay_bubble(traces: Sequence[StepTrace], transfer_s: float) -> float:
 
 
 def _input_delays(traces: Sequence[StepTrace]) -> list[float]:
-    """Producer end to consumer compute start, for every op that was already waiting for its
-    input when the producing op on the neighbouring stage ended: the transfer as the executor
-    experiences it (posting, copy and wake-up included)."""
-    ends = {(t.stage, r.op): r.end_s for t in traces for r in t.ops}
+    """Producer send posted to consumer compute start, for every op that was already waiting for
+    its input then: the transfer as the executor experiences it (copy and wake-up included)."""
+    # An output is on its way once its op ended and its send was posted (with the next op).
+    ends = {
+        (t.stage, r.op): r.start_s + cost
+        for t in traces
+        for r, cost in zip(t.ops, _op_costs(t), strict=True)
+    }
     delays = []
     for t in traces:
         for r in t.ops:
