@@ -245,6 +245,8 @@ def _fmt_bytes(n: float) -> str:
 
 def run_demo(args: argparse.Namespace) -> int:
     logging.getLogger("comm.wanem").setLevel(logging.WARNING)
+    # SIGTERM unwinds like Ctrl-C, so the roles this launcher started are stopped with it.
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(143))
     if args.sites < 1 or args.rounds < 1 or args.inner_steps < 1:
         print("crossdc demo: --sites, --rounds and --inner-steps must be >= 1", file=sys.stderr)
         return 2
