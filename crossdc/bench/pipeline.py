@@ -126,12 +126,16 @@ def analyze(
 
 def _op_costs(trace: StepTrace) -> list[float]:
     """Each op's cost on its stage: its compute plus the executor work that follows it (posting
-    its send together with the next op's receive), which keeps the stage busy, not idle."""
+    its send together with the next op's receive) and, for the first op, the step's setup before
+    it: time the stage is occupied, not waiting for a neighbour."""
     ops = trace.ops
     costs = []
     for i, r in enumerate(ops):
         follow = ops[i + 1].wait_start_s if i + 1 < len(ops) else r.end_s
         costs.append(r.compute_s + max(0.0, follow - r.end_s))
+    if ops:
+        # The step's own setup before its first op (e.g. drawing the micro-batches) is work too.
+        costs[0] += max(0.0, ops[0].wait_start_s - trace.start_s)
     return costs
 
 
