@@ -64,7 +64,7 @@ from comm.schema import (
 )
 from comm.tensors import decode_tensors, encode_tensors
 from comm.wire import WireError
-from coordinator.state import atomic_write
+from coordinator.state import StatusBoard, atomic_write
 from coordinator.strategy import Arrays, weighted_mean
 
 log = logging.getLogger("crossdc.ddp")
@@ -236,9 +236,9 @@ class DDPCoordinator:
         self._step_opened_at = 0.0
         self._step_bytes_at_open = (0, 0)
         self._final_eval_asked_at: float | None = None
-        self._status_lock = threading.Lock()
-        self._status: dict[str, Any] = {}
-        self._status_published_at = 0.0
+        self._status = StatusBoard(
+            self.cfg.state_path / "status.json" if self.cfg.state_dir else None, self.clock
+        )
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -447,7 +447,7 @@ class DDPCoordinator:
         if self.finished:
             return
         now = self.clock()
-        if now - self._status_published_at > 1.0:
+        if now - self._status.published_at > 1.0:
             self._publish_status()
         action, why = decide(now, self.snapshot(now), self.cfg)
         if action is Action.START:
@@ -586,17 +586,11 @@ class DDPCoordinator:
             "wire_bytes_out": chan.stats.bytes_sent if chan else 0,
             "rejected": dict(self.rejected + (chan.stats.rejected if chan else Counter())),
         }
-        with self._status_lock:
-            self._status = status
-        self._status_published_at = self.clock()
-        if self.cfg.state_dir:
-            body = json.dumps(status, indent=1, sort_keys=True).encode()
-            atomic_write(self.cfg.state_path / "status.json", lambda fh: fh.write(body))
+        self._status.publish(status)
 
     def status(self) -> dict[str, Any]:
         """The latest published status (safe to call from another thread)."""
-        with self._status_lock:
-            return dict(self._status)
+        return self._status.get()
 
 
 # ---- the process --------------------------------------------------------------------------------

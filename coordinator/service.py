@@ -73,7 +73,7 @@ from coordinator.rounds import (
     quorum_size,
 )
 from coordinator.scheduler import RoundPlan, SchedulePolicy, SiteView, plan_round
-from coordinator.state import FileStateStore, GlobalState, StateStore, atomic_write
+from coordinator.state import FileStateStore, GlobalState, StateStore, StatusBoard, atomic_write
 from coordinator.strategy import Arrays, DiLoCo, Strategy, global_norm
 
 log = logging.getLogger("crossdc.coordinator")
@@ -155,9 +155,9 @@ class Coordinator:
         self.chan: RouterChannel | None = None
         self._ctx: zmq.Context[Any] | None = None
         self._hash_cache: tuple[int, str] | None = None
-        self._status_lock = threading.Lock()
-        self._status: dict[str, Any] = {}
-        self._status_published_at = 0.0
+        self._status = StatusBoard(
+            self.cfg.state_path / "status.json" if self.cfg.state_dir else None, self.clock
+        )
 
     @property
     def open_round(self) -> OpenRound | None:
@@ -724,7 +724,7 @@ class Coordinator:
 
     def tick(self) -> None:
         now = self.clock()
-        if now - self._status_published_at > 1.0:
+        if now - self._status.published_at > 1.0:
             self._publish_status()
         gone, reason = expired(now, self.members, self.cfg.site_timeout_s)
         for site_id in gone:
@@ -1046,14 +1046,8 @@ class Coordinator:
             "rejected": dict(chan.stats.rejected) if chan else {},
             "num_parameters": int(sum(v.size for v in st.params.values())) if st else 0,
         }
-        with self._status_lock:
-            self._status = status
-        self._status_published_at = self.clock()
-        if self.cfg.state_dir:
-            body = json.dumps(status, indent=1, sort_keys=True).encode()
-            atomic_write(self.cfg.state_path / "status.json", lambda fh: fh.write(body))
+        self._status.publish(status)
 
     def status(self) -> dict[str, Any]:
         """The latest published status (safe to call from another thread)."""
-        with self._status_lock:
-            return dict(self._status)
+        return self._status.get()

@@ -13,6 +13,7 @@ import copy
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -189,3 +190,30 @@ class FileStateStore:
 
     def save_counter(self, state: GlobalState) -> None:
         self._write_meta(state)
+
+
+class StatusBoard:
+    """A role's latest status: read from other threads (HTTP /status), mirrored to a file.
+
+    ``publish`` replaces the status and, with a path, writes it atomically as JSON, so a local
+    launcher can follow a role without a port.
+    """
+
+    def __init__(self, path: Path | None, clock: Callable[[], float]) -> None:
+        self.path = path
+        self.clock = clock
+        self.published_at = float("-inf")
+        self._lock = threading.Lock()
+        self._status: dict[str, Any] = {}
+
+    def publish(self, status: dict[str, Any]) -> None:
+        with self._lock:
+            self._status = status
+        self.published_at = self.clock()
+        if self.path is not None:
+            body = json.dumps(status, indent=1, sort_keys=True).encode()
+            atomic_write(self.path, lambda fh: fh.write(body))
+
+    def get(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._status)
