@@ -88,7 +88,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"crossdc coordinator: bad config: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    coord = Coordinator(cfg)
+    try:
+        coord = Coordinator(cfg)  # loads the key kit and the durable state's store
+    except (ValueError, OSError) as exc:  # AuthError is a ValueError
+        print(f"crossdc coordinator: cannot start: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
     stop = threading.Event()
     _stop_on_signals(stop)
     coord.start()
@@ -133,9 +137,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
     if pipelined:
         return run_pipeline_site(cfg)
     try:
-        agent = build_agent(cfg)
-    except ValueError as exc:
-        print(f"crossdc agent: {exc}", file=sys.stderr)
+        agent = build_agent(cfg)  # loads data, the model and the site's key kit
+    except (ValueError, OSError) as exc:  # AuthError (an expired certificate) is a ValueError
+        print(f"crossdc agent: cannot start: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     stop = threading.Event()
 

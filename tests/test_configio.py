@@ -124,3 +124,20 @@ def test_shipped_example_configs_load() -> None:
     assert load_coordinator_config(root / "coordinator.toml").min_sites >= 1
     for path in sorted(root.glob("site-*.toml")):
         assert load_site_config(path).site_id
+
+
+def test_cli_missing_key_kit_prints_one_line_and_exits_2(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    missing = tmp_path / "no-kit"
+    path.write_text(
+        f'[coordinator]\nstate_dir = "{tmp_path}/state"\n[coordinator.security]\nkit_dir = "{missing}"\n'
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "crossdc", "coordinator", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(missing) in lines[0]
