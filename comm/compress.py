@@ -321,7 +321,17 @@ def _meta_int(meta: dict[str, Any], key: str, family: str) -> int:
 
 class _ElementwiseCodec(_Codec):
     wire_dtype: ClassVar[np.dtype[Any]]
+    limit: ClassVar[float]
+    """Largest finite magnitude the wire dtype holds; beyond it values saturate."""
     chunk_multiple: ClassVar[int] = 1
+
+    def encode(self, name: str, x: TensorLike) -> EncodedTensor:
+        """A cast copy into the wire dtype (so the send never aliases the input)."""
+        t, shape = _flat_f32(name, x)
+        t = _range_checked(name, t, self.limit)
+        out = _new(t.numel(), self.wire_dtype, t.device)
+        out.copy_(t)
+        return EncodedTensor(name=name, shape=shape, codec=self.spec, buffers=(_to_numpy(out),))
 
     @property
     def spec(self) -> str:
@@ -340,13 +350,7 @@ class Fp32Codec(_ElementwiseCodec):
     name: ClassVar[str] = "fp32"
     codec_id: ClassVar[int] = 1
     wire_dtype: ClassVar[np.dtype[Any]] = np.dtype(np.float32)
-
-    def encode(self, name: str, x: TensorLike) -> EncodedTensor:
-        t, shape = _flat_f32(name, x)
-        t = _range_checked(name, t, math.inf)
-        out = _new(t.numel(), self.wire_dtype, t.device)
-        out.copy_(t)
-        return EncodedTensor(name=name, shape=shape, codec=self.spec, buffers=(_to_numpy(out),))
+    limit: ClassVar[float] = math.inf
 
     def _decode_arrays(
         self, enc: EncodedTensor, numel: int, arrays: list[npt.NDArray[Any]]
@@ -364,13 +368,7 @@ class Fp16Codec(_ElementwiseCodec):
     name: ClassVar[str] = "fp16"
     codec_id: ClassVar[int] = 2
     wire_dtype: ClassVar[np.dtype[Any]] = np.dtype(np.float16)
-
-    def encode(self, name: str, x: TensorLike) -> EncodedTensor:
-        t, shape = _flat_f32(name, x)
-        t = _range_checked(name, t, FP16_MAX)
-        out = _new(t.numel(), self.wire_dtype, t.device)
-        out.copy_(t)
-        return EncodedTensor(name=name, shape=shape, codec=self.spec, buffers=(_to_numpy(out),))
+    limit: ClassVar[float] = FP16_MAX
 
     def _decode_arrays(
         self, enc: EncodedTensor, numel: int, arrays: list[npt.NDArray[Any]]
@@ -389,6 +387,7 @@ class Bf16Codec(_ElementwiseCodec):
     name: ClassVar[str] = "bf16"
     codec_id: ClassVar[int] = 3
     wire_dtype: ClassVar[np.dtype[Any]] = np.dtype(np.uint16)
+    limit: ClassVar[float] = BF16_MAX
 
     def encode(self, name: str, x: TensorLike) -> EncodedTensor:
         t, shape = _flat_f32(name, x)
