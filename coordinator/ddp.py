@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import enum
-import json
 import logging
 import os
 import signal
@@ -64,7 +63,7 @@ from comm.schema import (
 )
 from comm.tensors import decode_tensors, encode_tensors
 from comm.wire import WireError
-from coordinator.state import StatusBoard, atomic_write
+from coordinator.state import StatusBoard, write_endpoint
 from coordinator.strategy import Arrays, weighted_mean
 
 log = logging.getLogger("crossdc.ddp")
@@ -247,9 +246,7 @@ class DDPCoordinator:
         self.chan = RouterChannel(self.cfg.channel)
         self.endpoint = self.chan.bind(self.cfg.bind)
         if self.cfg.state_dir:
-            self.cfg.state_path.mkdir(parents=True, exist_ok=True)
-            body = json.dumps({"endpoint": self.endpoint, "session_id": self.session_id}).encode()
-            atomic_write(self.cfg.state_path / "endpoint.json", lambda fh: fh.write(body))
+            write_endpoint(self.cfg.state_path, self.endpoint, self.session_id)
         log.info("[ddp] listening on %s session=%s", self.endpoint, self.session_id)
         self._publish_status()
         return self.endpoint

@@ -10,7 +10,6 @@ decision is a pure function; durable writes happen before anything is announced:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -73,7 +72,13 @@ from coordinator.rounds import (
     quorum_size,
 )
 from coordinator.scheduler import RoundPlan, SchedulePolicy, SiteView, plan_round
-from coordinator.state import FileStateStore, GlobalState, StateStore, StatusBoard, atomic_write
+from coordinator.state import (
+    FileStateStore,
+    GlobalState,
+    StateStore,
+    StatusBoard,
+    write_endpoint,
+)
 from coordinator.strategy import Arrays, DiLoCo, Strategy, global_norm
 
 log = logging.getLogger("crossdc.coordinator")
@@ -200,10 +205,7 @@ class Coordinator:
         self.chan = RouterChannel(channel_cfg, context=self._ctx, on_reject=self._on_wire_reject)
         self.endpoint = self.chan.bind(self.cfg.bind)
         if self.cfg.state_dir:
-            path = self.cfg.state_path / "endpoint.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            body = json.dumps({"endpoint": self.endpoint, "session_id": self.session_id}).encode()
-            atomic_write(path, lambda fh: fh.write(body))
+            write_endpoint(self.cfg.state_path, self.endpoint, self.session_id)
         log.info("[coordinator] listening on %s session=%s", self.endpoint, self.session_id)
         self._publish_status()
         return self.endpoint

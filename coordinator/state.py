@@ -192,6 +192,13 @@ class FileStateStore:
         self._write_meta(state)
 
 
+def write_endpoint(state_dir: Path, endpoint: str, session_id: str) -> None:
+    """``endpoint.json``: where a local coordinator listens, for launchers and sites to read."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    body = json.dumps({"endpoint": endpoint, "session_id": session_id}).encode()
+    atomic_write(state_dir / "endpoint.json", lambda fh: fh.write(body))
+
+
 class StatusBoard:
     """A role's latest status: read from other threads (HTTP /status), mirrored to a file.
 
