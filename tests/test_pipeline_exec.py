@@ -83,6 +83,7 @@ def _job(
     schedule: str = "1f1b",
     microbatches: int = 4,
     boundaries: tuple[int, ...] | None = None,
+    p2p: str = "auto",
 ) -> PipelineJob:
     return PipelineJob(
         model=TINY,
@@ -94,6 +95,7 @@ def _job(
             schedule=schedule,
             boundaries=boundaries,
             profile_steps=1,
+            p2p=p2p,
         ),
     )
 
@@ -267,17 +269,20 @@ def _start_error(rank: int, world: int, job: PipelineJob, corpus: ByteCorpus) ->
 
 # -- tests -----------------------------------------------------------------------------------
 
+# gloo runs the preposted exchange under "auto"; "grouped" (what NCCL uses) is run here too.
 LAYOUTS = [
-    pytest.param(2, 1, "gpipe", None, id="pp2-gpipe"),
-    pytest.param(2, 1, "1f1b", None, id="pp2-1f1b"),
-    pytest.param(4, 1, "gpipe", (0, 1, 3, 5), id="pp4-gpipe"),
-    pytest.param(4, 1, "1f1b", None, id="pp4-1f1b"),
-    pytest.param(2, 2, "1f1b", None, id="dp2-pp2-1f1b"),
-    pytest.param(2, 2, "gpipe", (0, 4), id="dp2-pp2-gpipe"),
+    pytest.param(2, 1, "gpipe", None, "auto", id="pp2-gpipe"),
+    pytest.param(2, 1, "1f1b", None, "auto", id="pp2-1f1b"),
+    pytest.param(4, 1, "gpipe", (0, 1, 3, 5), "auto", id="pp4-gpipe"),
+    pytest.param(4, 1, "1f1b", None, "auto", id="pp4-1f1b"),
+    pytest.param(2, 2, "1f1b", None, "auto", id="dp2-pp2-1f1b"),
+    pytest.param(2, 2, "gpipe", (0, 4), "auto", id="dp2-pp2-gpipe"),
+    pytest.param(4, 1, "1f1b", None, "grouped", id="pp4-1f1b-grouped"),
+    pytest.param(2, 2, "gpipe", (0, 4), "grouped", id="dp2-pp2-gpipe-grouped"),
 ]
 
 
-@pytest.mark.parametrize(("stages", "replicas", "schedule", "boundaries"), LAYOUTS)
+@pytest.mark.parametrize(("stages", "replicas", "schedule", "boundaries", "p2p"), LAYOUTS)
 def test_one_step_matches_single_process(
     group: LocalProcessGroup,
     corpus: ByteCorpus,
@@ -285,8 +290,9 @@ def test_one_step_matches_single_process(
     replicas: int,
     schedule: str,
     boundaries: tuple[int, ...] | None,
+    p2p: str,
 ) -> None:
-    job = _job(stages, replicas, schedule, boundaries=boundaries)
+    job = _job(stages, replicas, schedule, boundaries=boundaries, p2p=p2p)
     evals = eval_batches(corpus, num_batches=2, batch_size=3, context_len=TINY.context_len)
     result = group.run(_one_step, job, corpus, evals, world_size=stages * replicas)[0]
 
@@ -486,6 +492,8 @@ def test_config_validation() -> None:
         PipelineConfig(schedule="zigzag")
     with pytest.raises(ValueError, match="num_microbatches"):
         PipelineConfig(num_microbatches=0)
+    with pytest.raises(ValueError, match="pipeline.p2p must be one of auto, grouped, preposted"):
+        PipelineConfig(p2p="eager")
     with pytest.raises(ValueError, match="boundaries"):
         PipelineConfig(num_stages=2, boundaries=(0,))
     with pytest.raises(ValueError, match="boundaries"):

@@ -254,7 +254,7 @@ def run(
     model: ModelConfig = BENCH_MODEL,
     microbatch_size: int = 16,
     warmup_steps: int = 2,
-    measure_steps: int = 5,
+    measure_steps: int = 10,
     timeout_s: float = 600.0,
 ) -> dict[str, Any]:
     """Run every (schedule, stages, microbatches) case; one spawned site per stage count."""
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", default="4,8", help="comma-separated counts")
     parser.add_argument("--microbatch-size", type=int, default=16, help="sequences per micro-batch")
     parser.add_argument("--warmup-steps", type=int, default=2)
-    parser.add_argument("--measure-steps", type=int, default=5)
+    parser.add_argument("--measure-steps", type=int, default=10)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     report = run(

@@ -21,7 +21,11 @@ the next op's receive in one ``batch_isend_irecv``: on NCCL, where the sends and
 two ranks are serialised on one stream, a stage sending an activation downstream while its neighbour
 sends a gradient upstream would otherwise wait on each other (the 1F1B steady state does exactly
 that); grouped, the two pairs match. Given that, a stage waits only for what the simulator's model
-says it waits for, and a schedule the simulator runs to the end runs here too.
+says it waits for, and a schedule the simulator runs to the end runs here too. On gloo (CPU), where
+every send and receive is its own work and sends never wait on receives, the executor goes further:
+once an op's input has arrived it posts the next op's receive before computing, and it posts each
+output's send as soon as it is computed, so a transfer runs during the neighbour's compute instead
+of after it (with few cores, the copy would otherwise show up as idle time at every hand-off).
 
 Every op records when it began waiting for its input, when its compute started and when it ended
 (``time.perf_counter``, comparable across processes of one host), so a step's measured bubble and
@@ -46,6 +50,10 @@ from site_agent.trainer import InnerOptimConfig, learning_rate
 
 # Same constant as torch.nn.utils.clip_grad_norm_, so clipping matches the single-process trainer.
 _CLIP_EPS = 1e-6
+
+
+P2P_MODES = ("auto", "grouped", "preposted")
+"""Ways stages exchange tensors; see ``StageExecutor`` and the module docstring."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,8 +217,12 @@ class StageExecutor:
         pp_group: dist.ProcessGroup | None,
         activation_dtype: torch.dtype = torch.float32,
         sync_timing: bool = False,
+        p2p: str = "auto",
     ) -> None:
         check_schedule(schedule, layout.num_stages, num_microbatches)
+        if p2p not in P2P_MODES:
+            raise ValueError(f"p2p must be one of {', '.join(P2P_MODES)}, got {p2p!r}")
+        self.p2p = p2p
         self.module = module
         self.stage = stage
         self.replica = replica
@@ -260,10 +272,18 @@ class StageExecutor:
         stored: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         records: list[OpRecord] = []
-        outbox = _Outbox()
-        for op in self.ops:
+        peers = [self._peer(op) for op in self.ops]
+        mailbox: _Mailbox
+        p2p = self.p2p
+        if p2p == "auto":
+            p2p = "preposted" if dist.get_backend() == "gloo" else "grouped"
+        if p2p == "preposted":
+            mailbox = _PrepostedMailbox(peers, activation_shape, self.activation_dtype, self.device)
+        else:
+            mailbox = _GroupedMailbox(peers, activation_shape, self.activation_dtype, self.device)
+        for k, op in enumerate(self.ops):
             wait_start = time.perf_counter()
-            received = self._exchange(op, outbox, activation_shape)
+            received = mailbox.receive(k)
             start = self._now()
             i = op.microbatch
             if op.kind == "F":
@@ -282,7 +302,7 @@ class StageExecutor:
                 else:
                     stored[i] = (x, out)
                     assert self.next_rank is not None
-                    outbox.put(out.detach(), self.next_rank)
+                    mailbox.send(out.detach(), self.next_rank)
             else:
                 x, out = stored.pop(i)
                 if self.is_last:
@@ -292,10 +312,10 @@ class StageExecutor:
                     torch.autograd.backward(out, grad_tensors=received)
                 if not self.is_first:
                     assert x.grad is not None and self.prev_rank is not None
-                    outbox.put(x.grad, self.prev_rank)
+                    mailbox.send(x.grad, self.prev_rank)
             end = self._now()
             records.append(OpRecord(op=op, wait_start_s=wait_start, start_s=start, end_s=end))
-        outbox.flush()
+        mailbox.flush()
         assert not stored, "every F has had its B"
         ops_end = time.perf_counter()
 
@@ -316,17 +336,10 @@ class StageExecutor:
         )
         return loss_sum if self.is_last else None
 
-    def _exchange(
-        self, op: Op, outbox: _Outbox, activation_shape: tuple[int, ...]
-    ) -> torch.Tensor | None:
-        """Post the previous op's send with this op's receive; wait for the receive only."""
-        peer = self.prev_rank if op.kind == "F" else self.next_rank
-        if peer is None:
-            outbox.post(recv=None)
-            return None
-        buf = torch.empty(activation_shape, dtype=self.activation_dtype, device=self.device)
-        outbox.post(recv=(buf, peer))
-        return buf
+    def _peer(self, op: Op) -> int | None:
+        """The rank op's input comes from: the previous stage for F, the next for B; None at the
+        ends (stage 0's F takes tokens, the last stage's B starts from its loss)."""
+        return self.prev_rank if op.kind == "F" else self.next_rank
 
     def _now(self) -> float:
         if self.sync_timing:
@@ -413,19 +426,56 @@ class StageExecutor:
         return total if self.is_last else None
 
 
-class _Outbox:
-    """At most one outgoing tensor, posted with the next receive (see the module docstring)."""
+class _Mailbox:
+    """The point-to-point traffic of one step: op k's input (``receive(k)``) and each op's output
+    (``send``); ``flush`` waits until every send has left."""
 
-    def __init__(self) -> None:
-        self._next: tuple[torch.Tensor, int] | None = None
+    def __init__(
+        self,
+        peers: Sequence[int | None],
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self._peers = list(peers)
+        self._shape = shape
+        self._dtype = dtype
+        self._device = device
         # Posted sends and the tensors they read: kept alive until the step's end.
         self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []
 
-    def put(self, tensor: torch.Tensor, dst: int) -> None:
+    def _buffer(self) -> torch.Tensor:
+        return torch.empty(self._shape, dtype=self._dtype, device=self._device)
+
+    def receive(self, k: int) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        for work, _ in self._in_flight:
+            work.wait()
+        self._in_flight.clear()
+
+
+class _GroupedMailbox(_Mailbox):
+    """At most one outgoing tensor, posted with the next receive in one ``batch_isend_irecv``
+    (see the module docstring): what NCCL needs to avoid serialised-stream deadlocks."""
+
+    _next: tuple[torch.Tensor, int] | None = None
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
         assert self._next is None, "one op produces at most one outgoing tensor"
         self._next = (tensor, dst)
 
-    def post(self, *, recv: tuple[torch.Tensor, int] | None) -> None:
+    def receive(self, k: int) -> torch.Tensor | None:
+        peer = self._peers[k]
+        buf = None if peer is None else self._buffer()
+        self._post(None if buf is None or peer is None else (buf, peer))
+        return buf
+
+    def _post(self, recv: tuple[torch.Tensor, int] | None) -> None:
         p2p: list[dist.P2POp] = []
         send_tensor = None
         if self._next is not None:
@@ -438,7 +488,7 @@ class _Outbox:
             return
         works = dist.batch_isend_irecv(p2p)
         if recv is not None and len(works) == len(p2p):
-            # One work per op (gloo): wait for the receive, let the send run on.
+            # One work per op: wait for the receive, let the send run on.
             works[-1].wait()
             works = works[:-1]
         elif recv is not None:
@@ -451,10 +501,55 @@ class _Outbox:
             self._in_flight.append((work, send_tensor))
 
     def flush(self) -> None:
-        self.post(recv=None)
-        for work, _ in self._in_flight:
-            work.wait()
-        self._in_flight.clear()
+        self._post(None)
+        super().flush()
+
+
+class _PrepostedMailbox(_Mailbox):
+    """Receives posted one op ahead and sends posted at once (gloo, see the module docstring).
+
+    At most one receive is outstanding besides the one being waited for, and it is posted only
+    after the previous receive from any peer completed, so receives from one peer are matched in
+    schedule order.
+    """
+
+    def __init__(
+        self,
+        peers: Sequence[int | None],
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__(peers, shape, dtype, device)
+        self._posted: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+
+    def _post(self, k: int) -> None:
+        if k >= len(self._peers) or k in self._posted:
+            return
+        peer = self._peers[k]
+        if peer is None:
+            return
+        buf = self._buffer()
+        work = dist.irecv(buf, src=peer)
+        assert work is not None
+        self._posted[k] = (work, buf)
+
+    def receive(self, k: int) -> torch.Tensor | None:
+        self._post(k)
+        entry = self._posted.pop(k, None)
+        if entry is not None:
+            entry[0].wait()
+        self._post(k + 1)
+        return None if entry is None else entry[1]
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        work = dist.isend(tensor, dst=dst)
+        assert work is not None
+        self._in_flight.append((work, tensor))
+
+    def flush(self) -> None:
+        assert not self._posted, "every posted receive was consumed"
+        super().flush()
 
 
 def _split_like(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:

@@ -58,6 +58,7 @@ import torch.multiprocessing as mp
 from site_agent.data import BatchSampler, ByteCorpus
 from site_agent.model import ModelConfig, build_model, param_spec
 from site_agent.pipeline.executor import (
+    P2P_MODES,
     PipelineLayout,
     StageExecutor,
     StepTrace,
@@ -104,6 +105,10 @@ class PipelineConfig:
     """Cost of sending one activation between stages, as the partitioner sees it."""
     sync_timing: bool = False
     """On CUDA, synchronize around every op so per-op timestamps are kernel time (slower)."""
+    p2p: str = "auto"
+    """How stages exchange tensors: ``grouped`` (each send posted with the next receive in one
+    batch, as NCCL needs), ``preposted`` (receives posted one op ahead, sends at once; gloo) or
+    ``auto`` (preposted on gloo, grouped otherwise)."""
 
     def __post_init__(self) -> None:
         for name in ("num_stages", "num_replicas", "num_microbatches", "profile_steps"):
@@ -113,6 +118,10 @@ class PipelineConfig:
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"pipeline.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
+            )
+        if self.p2p not in P2P_MODES:
+            raise ValueError(
+                f"pipeline.p2p must be one of {', '.join(P2P_MODES)}, got {self.p2p!r}"
             )
         if self.boundaries is not None:
             b = tuple(self.boundaries)
@@ -579,6 +588,7 @@ def _setup_rank(job: PipelineJob, corpus: ByteCorpus, device: torch.device | Non
         dp_group=dp_groups[stage] if dp_groups else None,
         pp_group=pp_groups[replica] if pp_groups else None,
         sync_timing=pipe.sync_timing,
+        p2p=pipe.p2p,
     )
     sampler = None
     if stage in (0, layout.num_stages - 1):
