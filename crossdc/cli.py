@@ -238,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (print JSON with --json)")
     b.add_argument(
-        "suite", choices=["codecs", "convergence", "ddp", "pipeline", "wan", "wan_goodput"]
+        "suite",
+        choices=["codecs", "convergence", "ddp", "equal_tokens", "pipeline", "wan", "wan_goodput"],
     )
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)

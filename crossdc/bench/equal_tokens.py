@@ -1,0 +1,188 @@
+"""``crossdc bench equal_tokens``: DiLoCo against synchronous data parallelism at equal tokens.
+
+The learning dynamics only, in one process on one thread, without sockets or timing: the demo's
+model, the sites' stdlib shards and samplers (seeded as the sites seed them), the sites' own
+``LocalTrainer`` (AdamW, warm-up, clipping), the codecs with the sites' and the coordinator's error
+feedback, the coordinator's token-weighted mean and Nesterov outer step, and for the baseline the
+DDP site's ``DDPTrainer`` applying the mean gradient of every site's batch. The same arithmetic as
+``crossdc demo --no-overlap`` and ``crossdc bench ddp``, without their processes, so a setting
+(inner steps per round, outer learning rate and momentum, codec, batch, run length) can be
+compared at equal tokens in minutes.
+
+Prints the validation-loss curves of both, their final values, ``val_loss_gap`` ((DiLoCo −
+baseline) / baseline) and DiLoCo's encoded bytes per inner step (every site's update and every
+site's copy of the broadcast, as ``bench wan`` counts them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from comm.compress import decode_tensor, get_codec
+from comm.feedback import ErrorFeedback
+from coordinator.strategy import nesterov_step, weighted_mean
+from crossdc.demo import DEMO_MODEL
+from site_agent.data import BatchSampler, ByteCorpus, eval_batches, stdlib_split
+from site_agent.ddp import DDPTrainer
+from site_agent.model import ModelConfig, build_model
+from site_agent.trainer import InnerOptimConfig, LocalTrainer
+
+Arrays = dict[str, np.ndarray]
+
+
+def _trainer(
+    shard: list[str], index: int, model: ModelConfig, optim: InnerOptimConfig, seed: int
+) -> LocalTrainer:
+    sampler = BatchSampler(
+        ByteCorpus.from_stdlib_modules(shard, None),
+        batch_size=optim.batch_size,
+        context_len=model.context_len,
+        seed=seed * 1000 + index + 1,  # as build_local_trainer seeds a site's sampler
+    )
+    return LocalTrainer(model=build_model(model, seed), sampler=sampler, optim_cfg=optim)
+
+
+def run_ddp(
+    trainers: list[LocalTrainer], steps: int, evals: list[Any], eval_every: int
+) -> dict[int, float]:
+    """Every step: each site's batch's gradient at the shared parameters, their token-weighted
+    mean, one AdamW step; the first trainer's model stands for every site's."""
+    ddp = DDPTrainer(trainers[0])
+    curve: dict[int, float] = {}
+    for step in range(1, steps + 1):
+        grads = [ddp.compute_gradient(t.sampler.next_batch()) for t in trainers]
+        ddp.apply_gradient(weighted_mean([(float(g.tokens), g.grads) for g in grads]))
+        if step % eval_every == 0 or step == steps:
+            curve[step] = trainers[0].evaluate(evals)
+    return curve
+
+
+def run_diloco(
+    trainers: list[LocalTrainer],
+    steps: int,
+    evals: list[Any],
+    *,
+    inner_steps: int,
+    outer_lr: float,
+    outer_momentum: float,
+    uplink: str,
+    downlink: str,
+) -> tuple[dict[int, float], int]:
+    """Blocking DiLoCo rounds; returns the curve (after each round) and the bytes encoded."""
+    up, down = get_codec(uplink), get_codec(downlink)
+    site_fb = [ErrorFeedback() for _ in trainers]
+    coord_fb = ErrorFeedback()
+    params: Arrays = trainers[0].parameters_numpy()
+    momentum: Arrays = {k: np.zeros_like(v) for k, v in params.items()}
+    curve: dict[int, float] = {}
+    done = wire_bytes = 0
+    while done < steps:
+        h = min(inner_steps, steps - done)
+        updates = []
+        for trainer, fb in zip(trainers, site_fb, strict=True):
+            trainer.load_parameters(params)
+            trainer.train_steps(h)
+            local = trainer.parameters_numpy()
+            decoded: Arrays = {}
+            for name, value in params.items():
+                enc = fb.compress(name, value - local[name], up)
+                wire_bytes += enc.nbytes
+                decoded[name] = decode_tensor(enc).reshape(value.shape)
+            updates.append((float(h), decoded))
+        target, momentum = nesterov_step(
+            params, weighted_mean(updates), momentum, lr=outer_lr, momentum=outer_momentum
+        )
+        for name, value in params.items():
+            enc = coord_fb.compress(name, target[name] - value, down)
+            wire_bytes += enc.nbytes * len(trainers)
+            params[name] = value + decode_tensor(enc).reshape(value.shape)
+        done += h
+        trainers[0].load_parameters(params)
+        curve[done] = trainers[0].evaluate(evals)
+    return curve, wire_bytes
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if min(args.sites, args.steps, args.inner_steps, args.batch_size, args.eval_every) < 1:
+        raise ValueError("--sites, --steps, --inner-steps, --batch-size, --eval-every must be >= 1")
+    torch.set_num_threads(1)
+    model = ModelConfig(**DEMO_MODEL)
+    optim = InnerOptimConfig(lr=args.lr, batch_size=args.batch_size)
+    shards, heldout = stdlib_split(args.sites)
+    evals = eval_batches(
+        ByteCorpus.from_stdlib_modules(heldout, 4 << 20), 8, 16, model.context_len, seed=0
+    )
+
+    def trainers() -> list[LocalTrainer]:
+        return [_trainer(s, i, model, optim, args.seed) for i, s in enumerate(shards)]
+
+    start = time.perf_counter()
+    ddp_curve = run_ddp(trainers(), args.steps, evals, args.eval_every)
+    ddp_s = time.perf_counter() - start
+    start = time.perf_counter()
+    dl_curve, wire_bytes = run_diloco(
+        trainers(),
+        args.steps,
+        evals,
+        inner_steps=args.inner_steps,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+        uplink=args.uplink_codec or args.codec,
+        downlink=args.downlink_codec or args.codec,
+    )
+    dl_s = time.perf_counter() - start
+    ddp_final, dl_final = ddp_curve[args.steps], dl_curve[args.steps]
+    return {
+        "config": vars(args).copy(),
+        "ddp_val_loss_by_step": ddp_curve,
+        "diloco_val_loss_by_step": dl_curve,
+        "val_loss_ddp": ddp_final,
+        "val_loss_diloco": dl_final,
+        "val_loss_gap": (dl_final - ddp_final) / ddp_final,
+        "diloco_wire_bytes_per_inner_step": wire_bytes / args.steps,
+        "ddp_seconds": ddp_s,
+        "diloco_seconds": dl_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="crossdc bench equal_tokens", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--sites", type=int, default=3)
+    p.add_argument("--steps", type=int, default=600, help="inner steps of every site (= DDP steps)")
+    p.add_argument("--inner-steps", type=int, default=150, help="H: inner steps per round")
+    p.add_argument("--batch-size", type=int, default=8, help="per-site batch (the demo's)")
+    p.add_argument("--lr", type=float, default=InnerOptimConfig.lr, help="inner AdamW lr")
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--codec", default="fp32", help="both directions unless overridden")
+    p.add_argument("--uplink-codec", default=None)
+    p.add_argument("--downlink-codec", default=None)
+    p.add_argument("--eval-every", type=int, default=150, help="baseline evaluation period")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        out = run(args)
+    except ValueError as exc:
+        print(f"crossdc bench equal_tokens: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        for key, value in out.items():
+            if key != "config":
+                print(f"{key:>34}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""The in-process equal-token study: its DiLoCo reduces to the baseline where the math says so,
+and its byte count is the codecs' encoded sizes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from comm.compress import get_codec
+from crossdc.bench import equal_tokens
+from crossdc.demo import DEMO_MODEL
+from site_agent.model import ModelConfig, build_model
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:  # type: ignore[type-arg]
+    assert equal_tokens.main([*argv, "--json", "--batch-size", "2"]) == 0
+    out: dict = json.loads(capsys.readouterr().out)  # type: ignore[type-arg]
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_one_site_one_step_rounds_plain_averaging_is_the_baseline(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # One site, H = 1, outer lr 1 and no momentum, fp32: each round's global model is the site's
+    # model after one AdamW step, which is what the baseline computes.
+    out = _run(
+        capsys,
+        *("--sites", "1", "--steps", "3", "--inner-steps", "1", "--eval-every", "1"),
+        *("--outer-lr", "1", "--outer-momentum", "0", "--codec", "fp32"),
+    )
+    ddp = out["ddp_val_loss_by_step"]
+    diloco = out["diloco_val_loss_by_step"]
+    assert list(ddp) == list(diloco) == ["1", "2", "3"]
+    for step in ddp:
+        assert diloco[step] == pytest.approx(ddp[step], rel=1e-5)
+    assert ddp["3"] < ddp["1"]  # it trains
+    assert out["val_loss_gap"] == pytest.approx(0.0, abs=1e-5)
+
+
+@pytest.mark.timeout(240)
+def test_momentum_changes_the_outcome_and_bytes_are_the_encoded_sizes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = _run(
+        capsys,
+        *("--sites", "2", "--steps", "4", "--inner-steps", "2", "--codec", "int8"),
+    )
+    assert out["val_loss_gap"] != 0.0
+    codec = get_codec("int8")
+    sizes = sum(
+        codec.encoded_size(t.numel())
+        for t in build_model(ModelConfig(**DEMO_MODEL), 0).state_dict().values()
+    )
+    rounds, sites = 2, 2
+    assert out["diloco_wire_bytes_per_inner_step"] == rounds * sites * 2 * sizes / 4
+
+
+def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert equal_tokens.main(["--sites", "0"]) == 2
+    assert "--sites" in capsys.readouterr().err
