@@ -518,6 +518,16 @@ def test_deadlocking_schedule_is_rejected() -> None:
         check_schedule([[f0, b0, f1, b1], [f1, f0, b0, b1]], 2, 2)
 
 
+def test_neighbours_must_agree_on_microbatch_order() -> None:
+    """Runs to the end, but stage 1 would send B(1)'s gradient where stage 0 receives B(0)'s."""
+    f0, f1, b0, b1 = Op("F", 0), Op("F", 1), Op("B", 0), Op("B", 1)
+    simulate([[f0, f1, b0, b1], [f0, f1, b1, b0]], 1.0, 1.0, 0.0)  # no deadlock
+    with pytest.raises(ValueError, match=r"stages 0 and 1 run B ops in different micro-batch"):
+        check_schedule([[f0, f1, b0, b1], [f0, f1, b1, b0]], 2, 2)
+    with pytest.raises(ValueError, match=r"stages 0 and 1 run F ops in different micro-batch"):
+        check_schedule([[f0, f1, b1, b0], [f1, f0, b1, b0]], 2, 2)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_bench_analysis_reads_a_simulated_timeline_back(schedule: str) -> None:
     """Traces shaped like the simulator's own timeline give back its bubble and transfer."""

@@ -126,8 +126,8 @@ def analyze(
 
 def _op_costs(trace: StepTrace) -> list[float]:
     """Each op's cost on its stage: its compute plus the executor work that follows it (posting
-    its send together with the next op's receive) and, for the first op, the step's setup before
-    it: time the stage is occupied, not waiting for a neighbour."""
+    its send, and with the grouped exchange the next op's receive) and, for the first op, the
+    step's setup before it: time the stage is occupied, not waiting for a neighbour."""
     ops = trace.ops
     costs = []
     for i, r in enumerate(ops):
@@ -179,7 +179,7 @@ def _replay_bubble(traces: Sequence[StepTrace], transfer_s: float) -> float:
 def _input_delays(traces: Sequence[StepTrace]) -> list[float]:
     """Producer send posted to consumer compute start, for every op that was already waiting for
     its input then: the transfer as the executor experiences it (copy and wake-up included)."""
-    # An output is on its way once its op ended and its send was posted (with the next op).
+    # An output is on its way once its op ended and its send was posted.
     ends = {
         (t.stage, r.op): r.start_s + cost
         for t in traces

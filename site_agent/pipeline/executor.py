@@ -150,11 +150,13 @@ class OpRecord:
 
     op: Op
     wait_start_s: float
-    """The op began: its receive (if any) was posted."""
+    """The op began waiting for its input (grouped: its receive was posted now; preposted: it had
+    been posted when the previous op started)."""
     start_s: float
     """Its input had arrived and its compute started."""
     end_s: float
-    """Its compute ended (its send is posted with the next op)."""
+    """Its compute ended (grouped: its send is posted with the next op's receive; preposted: it was
+    posted just before this)."""
 
     @property
     def compute_s(self) -> float:
@@ -188,10 +190,25 @@ class StepTrace:
 
 
 def check_schedule(schedule: Schedule, num_stages: int, num_microbatches: int) -> None:
-    """Raise ``ValueError`` unless ``schedule`` is valid per stage and runs to the end as a whole."""
+    """Raise ``ValueError`` unless ``schedule`` is valid per stage and runs to the end as a whole.
+
+    Neighbouring stages must also run each kind of op in the same micro-batch order: messages
+    between two ranks are matched in the order they were posted, and every tensor has the same
+    shape, so a different order would pair one micro-batch's activation (or gradient) with
+    another's without any error.
+    """
     validate_schedule(schedule, num_stages, num_microbatches)
     # Unit op times: only the dependency structure matters for deadlock.
     simulate(schedule, 1.0, 1.0, 0.0)
+    for s in range(num_stages - 1):
+        for kind in ("F", "B"):
+            here = [op.microbatch for op in schedule[s] if op.kind == kind]
+            there = [op.microbatch for op in schedule[s + 1] if op.kind == kind]
+            if here != there:
+                raise ValueError(
+                    f"stages {s} and {s + 1} run {kind} ops in different micro-batch orders "
+                    f"({here} vs {there}); messages between them would be paired wrongly"
+                )
 
 
 class StageExecutor:
@@ -285,6 +302,7 @@ class StageExecutor:
             wait_start = time.perf_counter()
             received = mailbox.receive(k)
             start = self._now()
+            mailbox.prepost(k + 1)
             i = op.microbatch
             if op.kind == "F":
                 if self.is_first:
@@ -450,6 +468,9 @@ class _Mailbox:
     def receive(self, k: int) -> torch.Tensor | None:
         raise NotImplementedError
 
+    def prepost(self, k: int) -> None:
+        """Op k's input may be received from now on (called once op k - 1's has arrived)."""
+
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         raise NotImplementedError
 
@@ -508,9 +529,8 @@ class _GroupedMailbox(_Mailbox):
 class _PrepostedMailbox(_Mailbox):
     """Receives posted one op ahead and sends posted at once (gloo, see the module docstring).
 
-    At most one receive is outstanding besides the one being waited for, and it is posted only
-    after the previous receive from any peer completed, so receives from one peer are matched in
-    schedule order.
+    Op k + 1's receive is posted only after op k's input arrived, so at most one receive is
+    outstanding and receives from one peer are matched in schedule order.
     """
 
     def __init__(
@@ -523,7 +543,7 @@ class _PrepostedMailbox(_Mailbox):
         super().__init__(peers, shape, dtype, device)
         self._posted: dict[int, tuple[dist.Work, torch.Tensor]] = {}
 
-    def _post(self, k: int) -> None:
+    def prepost(self, k: int) -> None:
         if k >= len(self._peers) or k in self._posted:
             return
         peer = self._peers[k]
@@ -535,12 +555,12 @@ class _PrepostedMailbox(_Mailbox):
         self._posted[k] = (work, buf)
 
     def receive(self, k: int) -> torch.Tensor | None:
-        self._post(k)
+        self.prepost(k)
         entry = self._posted.pop(k, None)
-        if entry is not None:
-            entry[0].wait()
-        self._post(k + 1)
-        return None if entry is None else entry[1]
+        if entry is None:
+            return None
+        entry[0].wait()
+        return entry[1]
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         work = dist.isend(tensor, dst=dst)
