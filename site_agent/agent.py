@@ -60,7 +60,7 @@ from comm.tensors import (
 )
 from comm.wire import WireError
 from site_agent.config import SiteConfig
-from site_agent.data import BatchSampler, ByteCorpus, eval_batches, stdlib_split
+from site_agent.data import BatchSampler, ByteCorpus, eval_batches, sampler_seed, stdlib_split
 from site_agent.metrics import SiteMetrics
 from site_agent.model import build_model, model_fingerprint
 from site_agent.privacy import PrivacyAccountant, new_noise_generator, privatize
@@ -124,7 +124,7 @@ def load_site_data(cfg: SiteConfig) -> SiteData:
 def build_local_trainer(cfg: SiteConfig, data: SiteData) -> LocalTrainer:
     device = resolve_device(cfg.device)
     model = build_model(cfg.model, cfg.seed, device=device)
-    site_seed = cfg.seed * 1000 + cfg.data.shard_index + 1
+    site_seed = sampler_seed(cfg.seed, cfg.data.shard_index)
     sampler = BatchSampler(
         data.train,
         batch_size=cfg.optim.batch_size,
@@ -906,7 +906,7 @@ def run_pipeline_site(cfg: SiteConfig) -> int:
             schedule=cfg.schedule,
         ),
         model_seed=cfg.seed,
-        data_seed=cfg.seed * 1000 + cfg.data.shard_index + 1,
+        data_seed=sampler_seed(cfg.seed, cfg.data.shard_index),
         site_id=cfg.site_id,
     )
     try:

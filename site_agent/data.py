@@ -214,6 +214,12 @@ def _check_fits(corpus: ByteCorpus, context_len: int) -> None:
         )
 
 
+def sampler_seed(seed: int, shard_index: int) -> int:
+    """The batch sampler seed of the site training on shard ``shard_index`` of a run seeded
+    ``seed``: distinct per shard, and never the model's own seed."""
+    return seed * 1000 + shard_index + 1
+
+
 class BatchSampler:
     """Random windows of ``context_len + 1`` bytes as ``(x, y)`` int64 tensors ``[B, T]``.
 

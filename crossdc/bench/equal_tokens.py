@@ -1,10 +1,10 @@
 """``crossdc bench equal_tokens``: DiLoCo against synchronous data parallelism at equal tokens.
 
 The learning dynamics only, in one process on one thread, without sockets or timing: the demo's
-model, the sites' stdlib shards and samplers (seeded as the sites seed them), the sites' own
-``LocalTrainer`` (AdamW, warm-up, clipping), the codecs with the sites' and the coordinator's error
-feedback, the coordinator's token-weighted mean and Nesterov outer step, and for the baseline the
-DDP site's ``DDPTrainer`` applying the mean gradient of every site's batch. The same arithmetic as
+model, the sites' stdlib shards and samplers (seeded by ``sampler_seed``, as sites seed theirs),
+the sites' own ``LocalTrainer`` (AdamW, warm-up, clipping), the codecs with the sites' and the
+coordinator's error feedback, the coordinator's token-weighted mean and Nesterov outer step, and
+for the baseline the DDP site's ``DDPTrainer`` applying the mean gradient of every site's batch. The same arithmetic as
 ``crossdc demo --no-overlap`` and ``crossdc bench ddp``, without their processes, so a setting
 (inner steps per round, outer learning rate and momentum, codec, batch, run length) can be
 compared at equal tokens in minutes.
@@ -17,7 +17,6 @@ site's copy of the broadcast, as ``bench wan`` counts them).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
@@ -28,8 +27,9 @@ import torch
 from comm.compress import decode_tensor, get_codec
 from comm.feedback import ErrorFeedback
 from coordinator.strategy import nesterov_step, weighted_mean
+from crossdc.bench import print_report
 from crossdc.demo import DEMO_MODEL
-from site_agent.data import BatchSampler, ByteCorpus, eval_batches, stdlib_split
+from site_agent.data import BatchSampler, ByteCorpus, eval_batches, sampler_seed, stdlib_split
 from site_agent.ddp import DDPTrainer
 from site_agent.model import ModelConfig, build_model
 from site_agent.trainer import InnerOptimConfig, LocalTrainer
@@ -44,7 +44,7 @@ def _trainer(
         ByteCorpus.from_stdlib_modules(shard, None),
         batch_size=optim.batch_size,
         context_len=model.context_len,
-        seed=seed * 1000 + index + 1,  # as build_local_trainer seeds a site's sampler
+        seed=sampler_seed(seed, index),
     )
     return LocalTrainer(model=build_model(model, seed), sampler=sampler, optim_cfg=optim)
 
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--uplink-codec", default=None)
     p.add_argument("--downlink-codec", default=None)
     p.add_argument("--eval-every", type=int, default=150, help="baseline evaluation period")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="model and sampler seed")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -175,12 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"crossdc bench equal_tokens: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(out, indent=1))
-    else:
-        for key, value in out.items():
-            if key != "config":
-                print(f"{key:>34}: {value}")
+    print_report(out, as_json=args.json)
     return 0
 
 

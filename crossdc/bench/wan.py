@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from crossdc.bench import print_report
 from crossdc.bench.ddp import run_ddp
 from crossdc.bench.wan_goodput import run as run_goodput
 
@@ -123,12 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     out = run(args)
-    if args.json:
-        print(json.dumps(out, indent=1))
-    else:
-        for key, value in out.items():
-            if key != "config":
-                print(f"{key:>34}: {value}")
+    print_report(out, as_json=args.json)
     return 0
 
 
