@@ -492,8 +492,11 @@ class _GroupedMailbox(_Mailbox):
 
     def receive(self, k: int) -> torch.Tensor | None:
         peer = self._peers[k]
-        buf = None if peer is None else self._buffer()
-        self._post(None if buf is None or peer is None else (buf, peer))
+        if peer is None:
+            self._post(None)
+            return None
+        buf = self._buffer()
+        self._post((buf, peer))
         return buf
 
     def _post(self, recv: tuple[torch.Tensor, int] | None) -> None:
