@@ -26,7 +26,7 @@ import torch
 
 from comm.compress import decode_tensor, get_codec
 from comm.feedback import ErrorFeedback
-from coordinator.strategy import nesterov_step, weighted_mean
+from coordinator.strategy import DiLoCo, weighted_mean
 from crossdc.bench import print_report
 from crossdc.demo import DEMO_MODEL
 from site_agent.data import BatchSampler, ByteCorpus, eval_batches, sampler_seed, stdlib_split
@@ -79,14 +79,15 @@ def run_diloco(
     up, down = get_codec(uplink), get_codec(downlink)
     site_fb = [ErrorFeedback() for _ in trainers]
     coord_fb = ErrorFeedback()
+    outer = DiLoCo(lr=outer_lr, momentum=outer_momentum)
     params: Arrays = trainers[0].parameters_numpy()
     momentum: Arrays = {k: np.zeros_like(v) for k, v in params.items()}
     curve: dict[int, float] = {}
     done = wire_bytes = 0
     while done < steps:
         h = min(inner_steps, steps - done)
-        updates = []
-        for trainer, fb in zip(trainers, site_fb, strict=True):
+        updates: list[tuple[str, float, Arrays]] = []
+        for i, (trainer, fb) in enumerate(zip(trainers, site_fb, strict=True)):
             trainer.load_parameters(params)
             trainer.train_steps(h)
             local = trainer.parameters_numpy()
@@ -95,10 +96,9 @@ def run_diloco(
                 enc = fb.compress(name, value - local[name], up)
                 wire_bytes += enc.nbytes
                 decoded[name] = decode_tensor(enc).reshape(value.shape)
-            updates.append((float(h), decoded))
-        target, momentum = nesterov_step(
-            params, weighted_mean(updates), momentum, lr=outer_lr, momentum=outer_momentum
-        )
+            updates.append((f"site{i}", float(h), decoded))
+        result = outer.outer_step(params, momentum, updates)
+        target, momentum = result.params, result.momentum
         for name, value in params.items():
             enc = coord_fb.compress(name, target[name] - value, down)
             wire_bytes += enc.nbytes * len(trainers)
