@@ -38,6 +38,9 @@ class CoordinatorConfig:
     """Outer SGD learning rate."""
     outer_momentum: float = 0.9
     """Outer Nesterov momentum."""
+    outer_warmup_steps: int = 150
+    """Rounds whose model has at most this many inner steps behind it merge by a plain mean (outer
+    lr 1, no momentum); Nesterov from then on. 0: Nesterov from the first round."""
     uplink_codec: str = "auto"
     """Codec the sites use for pseudo-gradients; ``auto`` lets the scheduler choose per site."""
     downlink_codec: str = "auto"
@@ -104,6 +107,10 @@ class CoordinatorConfig:
             raise ValueError("coordinator.max_rounds must be >= 0")
         if not self.outer_lr > 0:
             raise ValueError(f"coordinator.outer_lr must be > 0, got {self.outer_lr}")
+        if self.outer_warmup_steps < 0:
+            raise ValueError(
+                f"coordinator.outer_warmup_steps must be >= 0, got {self.outer_warmup_steps}"
+            )
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(
                 f"coordinator.outer_momentum must be in [0, 1), got {self.outer_momentum}"

@@ -127,7 +127,9 @@ class Coordinator:
         )
         self.registry: CertificateRegistry | None = None
         self._zap: ZapHandler | None = None
-        self.strategy: Strategy = strategy or DiLoCo(lr=cfg.outer_lr, momentum=cfg.outer_momentum)
+        self.strategy: Strategy = strategy or DiLoCo(
+            lr=cfg.outer_lr, momentum=cfg.outer_momentum, warmup_steps=cfg.outer_warmup_steps
+        )
         self.metrics = metrics or CoordinatorMetrics()
         self.clock = clock
         self.policy = RoundPolicy(
@@ -909,8 +911,12 @@ class Coordinator:
             mean, total = unmask_mean(masked, masking, self.cfg.secure_aggregation)
             updates = [("secure-aggregate", total, mean)]
         exact_prev = {k: st.params[k] + st.residual[k] for k in names}
-        result = self.strategy.outer_step(exact_prev, {k: st.momentum[k] for k in names}, updates)
         plan = self._round_plan.pop(r.round_id)
+        # Inner steps behind the model this round produces: every completed slot and this one.
+        inner_steps = sum(int(h["num_inner_steps"]) for h in st.history) + plan.num_inner_steps
+        result = self.strategy.outer_step(
+            exact_prev, {k: st.momentum[k] for k in names}, updates, inner_steps=inner_steps
+        )
         delta = {k: result.params[k] - st.params[k] for k in names}
         encoded = encode_tensors(delta, get_codec(plan.downlink))
         decoded = decode_tensors(encoded)
@@ -928,6 +934,8 @@ class Coordinator:
             "fragment": r.fragment,
             "num_fragments": frags,
             "num_inner_steps": plan.num_inner_steps,
+            "inner_steps_total": inner_steps,
+            "outer_rule": result.rule,
             "participants": list(r.participants),
             "merged": list(merged),
             "late_merged": [[u.site_id, u.round_id] for u in late],
@@ -1004,13 +1012,15 @@ class Coordinator:
         self.metrics.train_loss.set(entry["train_loss"])
         self.metrics.global_version.set(r.round_id)
         log.info(
-            "[coordinator round=%d] closed: %s; merged=%s late=%d loss=%.4f outer_norm=%.4g %.1fs",
+            "[coordinator round=%d] closed: %s; merged=%s late=%d loss=%.4f outer_norm=%.4g "
+            "outer=%s %.1fs",
             r.round_id,
             why,
             merged,
             len(late),
             entry["train_loss"],
             result.outer_grad_norm,
+            result.rule,
             entry["duration_s"],
         )
         self._publish_status()

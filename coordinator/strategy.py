@@ -65,6 +65,8 @@ class OuterResult:
     params: Arrays
     momentum: Arrays
     outer_grad_norm: float
+    rule: str = ""
+    """How the step was taken, for logs and round history."""
 
 
 class Strategy(Protocol):
@@ -75,25 +77,50 @@ class Strategy(Protocol):
         params: Mapping[str, np.ndarray],
         momentum: Mapping[str, np.ndarray],
         updates: Sequence[tuple[str, float, Mapping[str, np.ndarray]]],
-    ) -> OuterResult: ...
+        *,
+        inner_steps: int | None = None,
+    ) -> OuterResult:
+        """``inner_steps``: inner steps behind the model this step produces (None: unknown)."""
+        ...
 
 
 @dataclass(frozen=True)
 class DiLoCo:
-    """Token-weighted mean of pseudo-gradients, then outer SGD with Nesterov momentum."""
+    """Token-weighted mean of pseudo-gradients, then outer SGD with Nesterov momentum.
+
+    Outer warm-up: a step whose model has at most ``warmup_steps`` inner steps behind it is the
+    plain mean (lr 1, no momentum; the buffer restarts from that mean). Early in training the
+    sites' models are far apart on a curved loss, and Nesterov's amplification of the mean (lr
+    (1 + μ) on the first step, up to lr / (1 − μ) later) overshoots; plain averaging does not.
+    """
 
     lr: float = 0.7
     momentum: float = 0.9
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0:
+            raise ValueError(f"outer warmup_steps must be >= 0, got {self.warmup_steps}")
+
+    def in_warmup(self, inner_steps: int | None) -> bool:
+        """Whether the step producing a model with ``inner_steps`` behind it is a plain mean."""
+        return inner_steps is not None and inner_steps <= self.warmup_steps
 
     def outer_step(
         self,
         params: Mapping[str, np.ndarray],
         momentum: Mapping[str, np.ndarray],
         updates: Sequence[tuple[str, float, Mapping[str, np.ndarray]]],
+        *,
+        inner_steps: int | None = None,
     ) -> OuterResult:
         ordered = sorted(updates, key=lambda u: u[0])  # site order fixes float summation order
         grad = weighted_mean([(w, t) for _, w, t in ordered])
-        new_params, new_buf = nesterov_step(
-            params, grad, momentum, lr=self.lr, momentum=self.momentum
-        )
-        return OuterResult(new_params, new_buf, global_norm(grad))
+        if self.in_warmup(inner_steps):
+            lr, mu = 1.0, 0.0
+            rule = f"mean (outer warm-up: {inner_steps} <= {self.warmup_steps} inner steps)"
+        else:
+            lr, mu = self.lr, self.momentum
+            rule = f"nesterov lr={lr:g} momentum={mu:g}"
+        new_params, new_buf = nesterov_step(params, grad, momentum, lr=lr, momentum=mu)
+        return OuterResult(new_params, new_buf, global_norm(grad), rule)

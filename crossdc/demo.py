@@ -21,6 +21,7 @@ from typing import Any
 
 from comm.configio import dump_toml
 from comm.wanem import PRESETS, LinkEmulator, LinkProfile, parse_profile
+from coordinator.config import CoordinatorConfig
 
 SITE_NAMES = ("eu", "us", "ap", "sa", "af", "me", "oc", "na")
 
@@ -44,6 +45,12 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fragments", type=int, default=1, help="streaming sync fragments")
     p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum")
+    p.add_argument(
+        "--outer-warmup-steps",
+        type=int,
+        default=CoordinatorConfig.outer_warmup_steps,
+        help="rounds ending at or before this many inner steps merge by a plain mean",
+    )
     p.add_argument(
         "--no-overlap", action="store_true", help="block each site on every sync (no overlap)"
     )
@@ -172,6 +179,7 @@ def write_coordinator_config(args: argparse.Namespace, workdir: Path) -> Path:
             "num_fragments": args.fragments,
             "outer_lr": args.outer_lr,
             "outer_momentum": args.outer_momentum,
+            "outer_warmup_steps": args.outer_warmup_steps,
             "overlap": not args.no_overlap,
             "eval_every_rounds": args.eval_every,
             "round_deadline_s": 600.0,
@@ -249,6 +257,9 @@ def run_demo(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(143))
     if args.sites < 1 or args.rounds < 1 or args.inner_steps < 1:
         print("crossdc demo: --sites, --rounds and --inner-steps must be >= 1", file=sys.stderr)
+        return 2
+    if args.outer_warmup_steps < 0:
+        print("crossdc demo: --outer-warmup-steps must be >= 0", file=sys.stderr)
         return 2
     workdir = Path(args.workdir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     workdir.mkdir(parents=True, exist_ok=True)

@@ -20,15 +20,25 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:  # type: ignor
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "outer",
+    [
+        ("--outer-lr", "1", "--outer-momentum", "0", "--outer-warmup-steps", "0"),
+        ("--outer-warmup-steps", "3"),
+    ],
+    ids=["plain-outer-sgd", "outer-warmup"],
+)
 def test_one_site_one_step_rounds_plain_averaging_is_the_baseline(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], outer: tuple[str, ...]
 ) -> None:
-    # One site, H = 1, outer lr 1 and no momentum, fp32: each round's global model is the site's
-    # model after one AdamW step, which is what the baseline computes.
+    # One site, H = 1, fp32, a plain mean as the outer step (outer lr 1 and no momentum, or every
+    # round within the outer warm-up): each round's global model is the site's model after one
+    # AdamW step, which is what the baseline computes.
     out = _run(
         capsys,
         *("--sites", "1", "--steps", "3", "--inner-steps", "1", "--eval-every", "1"),
-        *("--outer-lr", "1", "--outer-momentum", "0", "--codec", "fp32"),
+        *outer,
+        *("--codec", "fp32"),
     )
     ddp = out["ddp_val_loss_by_step"]
     diloco = out["diloco_val_loss_by_step"]
@@ -46,6 +56,7 @@ def test_momentum_changes_the_outcome_and_bytes_are_the_encoded_sizes(
     out = _run(
         capsys,
         *("--sites", "2", "--steps", "4", "--inner-steps", "2", "--codec", "int8"),
+        *("--outer-warmup-steps", "0"),
     )
     assert out["val_loss_gap"] != 0.0
     codec = get_codec("int8")
@@ -60,3 +71,5 @@ def test_momentum_changes_the_outcome_and_bytes_are_the_encoded_sizes(
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert equal_tokens.main(["--sites", "0"]) == 2
     assert "--sites" in capsys.readouterr().err
+    assert equal_tokens.main(["--outer-warmup-steps", "-1"]) == 2
+    assert "--outer-warmup-steps must be >= 0" in capsys.readouterr().err

@@ -85,6 +85,7 @@ def harness() -> Iterator[Harness]:
         num_inner_steps=3,
         outer_lr=0.5,
         outer_momentum=0.9,
+        outer_warmup_steps=3,
         uplink_codec="fp32",
         downlink_codec="fp32",
         overlap=False,
@@ -168,10 +169,24 @@ def test_join_init_round_and_outer_step(harness: Harness) -> None:
     delta = {e.name: Fp32Codec().decode(e) for e in g_eu.payload}
     new = {k: PARAMS[k] + delta[k] for k in PARAMS}
     assert state_hash(new) == g_eu.state_hash
-    # g = (100*0.2 + 300*0.6)/400 = 0.5; first Nesterov step: θ − lr (g + μ g) = θ − 0.5 * 1.9 * 0.5
-    np.testing.assert_allclose(new["w"], PARAMS["w"] - 0.475, rtol=1e-6)
+    # g = (100*0.2 + 300*0.6)/400 = 0.5. The model has 3 inner steps behind it, within the outer
+    # warm-up (3): the plain mean, whatever the outer lr.
+    np.testing.assert_allclose(new["w"], PARAMS["w"] - 0.5, rtol=1e-6)
     assert h.coord.state is not None and h.coord.state.global_version == rs.round_id
+    assert h.coord.state.history[-1]["inner_steps_total"] == 3
+    assert h.coord.state.history[-1]["outer_rule"].startswith("mean (outer warm-up")
     assert h.coord.metrics.registry.get_sample_value("crossdc_rounds_total") == 1.0
+    # Round 2 (6 inner steps): Nesterov, its buffer restarted from round 1's mean:
+    # b = 0.9 * 0.5 + 0.5 = 0.95, θ − lr (g + μ b) = θ − 0.5 * (0.5 + 0.855) = θ − 0.6775.
+    rs2: RoundStart = h.expect(eu, RoundStart)
+    h.expect(us, RoundStart)
+    eu.send(replace(update("eu", rs2.round_id, d_eu, weight=100.0), global_version=rs.round_id))
+    us.send(replace(update("us", rs2.round_id, d_us, weight=300.0), global_version=rs.round_id))
+    g2: Global = h.expect(eu, Global)
+    delta2 = {e.name: Fp32Codec().decode(e) for e in g2.payload}
+    np.testing.assert_allclose(new["w"] + delta2["w"], new["w"] - 0.6775, rtol=1e-6)
+    assert h.coord.state.history[-1]["inner_steps_total"] == 6
+    assert h.coord.state.history[-1]["outer_rule"] == "nesterov lr=0.5 momentum=0.9"
 
 
 def _bad_updates(rid: int) -> list[tuple[str, Update, ErrorCode]]:

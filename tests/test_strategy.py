@@ -74,3 +74,24 @@ def test_diloco_outer_step_is_deterministic_and_order_free() -> None:
     )
     np.testing.assert_allclose(one.params["w"], params["w"] - ups[0][2]["w"], rtol=1e-6)
     assert one.outer_grad_norm == pytest.approx(float(np.linalg.norm(ups[0][2]["w"])), rel=1e-5)
+
+
+def test_diloco_outer_warmup_is_the_plain_mean_then_nesterov() -> None:
+    rng = np.random.default_rng(2)
+    params = {"w": rng.standard_normal(50).astype(np.float32)}
+    mom = {"w": rng.standard_normal(50).astype(np.float32)}
+    ups = [(s, 1.0, {"w": rng.standard_normal(50).astype(np.float32)}) for s in ("a", "b")]
+    mean = (ups[0][2]["w"] + ups[1][2]["w"]) / 2
+    s = DiLoCo(lr=0.7, momentum=0.9, warmup_steps=100)
+    for steps in (1, 100):  # up to and including the warm-up's last step
+        warm = s.outer_step(params, mom, ups, inner_steps=steps)
+        np.testing.assert_allclose(warm.params["w"], params["w"] - mean, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(warm.momentum["w"], mean, rtol=1e-6, atol=1e-7)
+    nesterov = DiLoCo(lr=0.7, momentum=0.9).outer_step(params, mom, ups)
+    for steps in (101, None):  # past the warm-up, or progress unknown: Nesterov
+        after = s.outer_step(params, mom, ups, inner_steps=steps)
+        assert after.params["w"].tobytes() == nesterov.params["w"].tobytes()
+        assert after.momentum["w"].tobytes() == nesterov.momentum["w"].tobytes()
+    assert not np.allclose(nesterov.params["w"], params["w"] - mean)
+    with pytest.raises(ValueError, match="warmup_steps must be >= 0"):
+        DiLoCo(warmup_steps=-1)

@@ -26,6 +26,7 @@ import torch
 
 from comm.compress import decode_tensor, get_codec
 from comm.feedback import ErrorFeedback
+from coordinator.config import CoordinatorConfig
 from coordinator.strategy import DiLoCo, weighted_mean
 from crossdc.bench import print_report
 from crossdc.demo import DEMO_MODEL
@@ -72,6 +73,7 @@ def run_diloco(
     inner_steps: int,
     outer_lr: float,
     outer_momentum: float,
+    outer_warmup_steps: int = 0,
     uplink: str,
     downlink: str,
 ) -> tuple[dict[int, float], int]:
@@ -79,7 +81,7 @@ def run_diloco(
     up, down = get_codec(uplink), get_codec(downlink)
     site_fb = [ErrorFeedback() for _ in trainers]
     coord_fb = ErrorFeedback()
-    outer = DiLoCo(lr=outer_lr, momentum=outer_momentum)
+    outer = DiLoCo(lr=outer_lr, momentum=outer_momentum, warmup_steps=outer_warmup_steps)
     params: Arrays = trainers[0].parameters_numpy()
     momentum: Arrays = {k: np.zeros_like(v) for k, v in params.items()}
     curve: dict[int, float] = {}
@@ -97,7 +99,7 @@ def run_diloco(
                 wire_bytes += enc.nbytes
                 decoded[name] = decode_tensor(enc).reshape(value.shape)
             updates.append((f"site{i}", float(h), decoded))
-        result = outer.outer_step(params, momentum, updates)
+        result = outer.outer_step(params, momentum, updates, inner_steps=done + h)
         target, momentum = result.params, result.momentum
         for name, value in params.items():
             enc = coord_fb.compress(name, target[name] - value, down)
@@ -112,6 +114,8 @@ def run_diloco(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if min(args.sites, args.steps, args.inner_steps, args.batch_size, args.eval_every) < 1:
         raise ValueError("--sites, --steps, --inner-steps, --batch-size, --eval-every must be >= 1")
+    if args.outer_warmup_steps < 0:
+        raise ValueError("--outer-warmup-steps must be >= 0")
     torch.set_num_threads(1)
     model = ModelConfig(**DEMO_MODEL)
     optim = InnerOptimConfig(lr=args.lr, batch_size=args.batch_size)
@@ -134,6 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         inner_steps=args.inner_steps,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
+        outer_warmup_steps=args.outer_warmup_steps,
         uplink=args.uplink_codec or args.codec,
         downlink=args.downlink_codec or args.codec,
     )
@@ -163,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=InnerOptimConfig.lr, help="inner AdamW lr")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument(
+        "--outer-warmup-steps",
+        type=int,
+        default=CoordinatorConfig.outer_warmup_steps,
+        help="rounds ending at or before this many inner steps merge by a plain mean",
+    )
     p.add_argument("--codec", default="fp32", help="both directions unless overridden")
     p.add_argument("--uplink-codec", default=None)
     p.add_argument("--downlink-codec", default=None)
