@@ -50,6 +50,24 @@ def test_one_site_one_step_rounds_plain_averaging_is_the_baseline(
 
 
 @pytest.mark.timeout(240)
+def test_overlapped_merge_keeps_the_progress_made_since_the_send(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # One site, plain means: the global model is the site's model at the send, so the merge one
+    # step into the next slot adds nothing and the site trains as the baseline does.
+    argv = ("--steps", "4", "--inner-steps", "2", "--eval-every", "2", "--codec", "fp32")
+    out = _run(capsys, "--sites", "1", *argv, "--outer-warmup-steps", "4", "--overlap-steps", "1")
+    assert list(out["diloco_val_loss_by_step"]) == ["2", "4"]
+    for step, loss in out["ddp_val_loss_by_step"].items():
+        assert out["diloco_val_loss_by_step"][step] == pytest.approx(loss, rel=1e-5)
+    # Two sites: merging one step late is not the blocking result.
+    blocking = _run(capsys, "--sites", "2", *argv)
+    overlapped = _run(capsys, "--sites", "2", *argv, "--overlap-steps", "1")
+    assert blocking["diloco_val_loss_by_step"]["2"] == overlapped["diloco_val_loss_by_step"]["2"]
+    assert blocking["diloco_val_loss_by_step"]["4"] != overlapped["diloco_val_loss_by_step"]["4"]
+
+
+@pytest.mark.timeout(240)
 def test_momentum_changes_the_outcome_and_bytes_are_the_encoded_sizes(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -72,4 +90,4 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert equal_tokens.main(["--sites", "0"]) == 2
     assert "--sites" in capsys.readouterr().err
     assert equal_tokens.main(["--outer-warmup-steps", "-1"]) == 2
-    assert "--outer-warmup-steps must be >= 0" in capsys.readouterr().err
+    assert "--outer-warmup-steps and --overlap-steps must be >= 0" in capsys.readouterr().err

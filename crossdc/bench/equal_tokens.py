@@ -3,11 +3,12 @@
 The learning dynamics only, in one process on one thread, without sockets or timing: the demo's
 model, the sites' stdlib shards and samplers (seeded by ``sampler_seed``, as sites seed theirs),
 the sites' own ``LocalTrainer`` (AdamW, warm-up, clipping), the codecs with the sites' and the
-coordinator's error feedback, the coordinator's token-weighted mean and Nesterov outer step, and
-for the baseline the DDP site's ``DDPTrainer`` applying the mean gradient of every site's batch. The same arithmetic as
-``crossdc demo --no-overlap`` and ``crossdc bench ddp``, without their processes, so a setting
-(inner steps per round, outer learning rate and momentum, codec, batch, run length) can be
-compared at equal tokens in minutes.
+coordinator's error feedback, the coordinator's token-weighted mean and outer step (with its
+warm-up), and for the baseline the DDP site's ``DDPTrainer`` applying the mean gradient of every
+site's batch. The same arithmetic as ``crossdc demo --no-overlap`` and ``crossdc bench ddp``
+without their processes; with ``--overlap-steps d``, the demo's overlapped merge with every sync
+taking d inner steps. A setting (inner steps per round, outer learning rate, momentum and warm-up,
+overlap, codec, batch, run length) can so be compared at equal tokens in minutes.
 
 Prints the validation-loss curves of both, their final values, ``val_loss_gap`` ((DiLoCo −
 baseline) / baseline) and DiLoCo's encoded bytes per inner step (every site's update and every
@@ -74,25 +75,43 @@ def run_diloco(
     outer_lr: float,
     outer_momentum: float,
     outer_warmup_steps: int = 0,
+    overlap_steps: int = 0,
     uplink: str,
     downlink: str,
 ) -> tuple[dict[int, float], int]:
-    """Blocking DiLoCo rounds; returns the curve (after each round) and the bytes encoded."""
+    """DiLoCo rounds; returns the curve (the global model after each round) and the bytes encoded.
+
+    ``overlap_steps`` = 0: blocking, every site starts each round from the global model. d > 0:
+    overlapped as the site agent does it, with the sync taking d inner steps: a site keeps
+    training from its own parameters, and after d steps of the next slot merges the global
+    result, keeping its progress since the send (θ ← θ + θ_global_new − θ_at_send).
+    """
     up, down = get_codec(uplink), get_codec(downlink)
     site_fb = [ErrorFeedback() for _ in trainers]
     coord_fb = ErrorFeedback()
     outer = DiLoCo(lr=outer_lr, momentum=outer_momentum, warmup_steps=outer_warmup_steps)
     params: Arrays = trainers[0].parameters_numpy()
     momentum: Arrays = {k: np.zeros_like(v) for k, v in params.items()}
+    at_send: list[Arrays | None] = [None for _ in trainers]
     curve: dict[int, float] = {}
     done = wire_bytes = 0
     while done < steps:
         h = min(inner_steps, steps - done)
         updates: list[tuple[str, float, Arrays]] = []
         for i, (trainer, fb) in enumerate(zip(trainers, site_fb, strict=True)):
-            trainer.load_parameters(params)
-            trainer.train_steps(h)
+            sent = at_send[i]
+            if overlap_steps == 0 or sent is None:
+                trainer.load_parameters(params)
+                trainer.train_steps(h)
+            else:
+                before = min(overlap_steps, h)
+                trainer.train_steps(before)
+                cur = trainer.parameters_numpy()
+                trainer.load_parameters({k: cur[k] + (params[k] - sent[k]) for k in params})
+                if h > before:
+                    trainer.train_steps(h - before)
             local = trainer.parameters_numpy()
+            at_send[i] = local
             decoded: Arrays = {}
             for name, value in params.items():
                 enc = fb.compress(name, value - local[name], up)
@@ -106,16 +125,18 @@ def run_diloco(
             wire_bytes += enc.nbytes * len(trainers)
             params[name] = value + decode_tensor(enc).reshape(value.shape)
         done += h
+        site0 = trainers[0].parameters_numpy()
         trainers[0].load_parameters(params)
         curve[done] = trainers[0].evaluate(evals)
+        trainers[0].load_parameters(site0)
     return curve, wire_bytes
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if min(args.sites, args.steps, args.inner_steps, args.batch_size, args.eval_every) < 1:
         raise ValueError("--sites, --steps, --inner-steps, --batch-size, --eval-every must be >= 1")
-    if args.outer_warmup_steps < 0:
-        raise ValueError("--outer-warmup-steps must be >= 0")
+    if args.outer_warmup_steps < 0 or args.overlap_steps < 0:
+        raise ValueError("--outer-warmup-steps and --overlap-steps must be >= 0")
     torch.set_num_threads(1)
     model = ModelConfig(**DEMO_MODEL)
     optim = InnerOptimConfig(lr=args.lr, batch_size=args.batch_size)
@@ -139,6 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
         outer_warmup_steps=args.outer_warmup_steps,
+        overlap_steps=args.overlap_steps,
         uplink=args.uplink_codec or args.codec,
         downlink=args.downlink_codec or args.codec,
     )
@@ -173,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=CoordinatorConfig.outer_warmup_steps,
         help="rounds ending at or before this many inner steps merge by a plain mean",
+    )
+    p.add_argument(
+        "--overlap-steps",
+        type=int,
+        default=0,
+        help="0: blocking sync; d > 0: overlapped, each result merged d inner steps after the send",
     )
     p.add_argument("--codec", default="fp32", help="both directions unless overridden")
     p.add_argument("--uplink-codec", default=None)
