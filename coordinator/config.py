@@ -41,6 +41,9 @@ class CoordinatorConfig:
     outer_warmup_steps: int = 150
     """Rounds whose model has at most this many inner steps behind it merge by a plain mean (outer
     lr 1, no momentum); Nesterov from then on. 0: Nesterov from the first round."""
+    outer_final_mean: bool = True
+    """With ``max_rounds`` set, each fragment's last round merges by the plain mean too: the kept
+    model is the sites' average, not Nesterov's look-ahead past it."""
     uplink_codec: str = "auto"
     """Codec the sites use for pseudo-gradients; ``auto`` lets the scheduler choose per site."""
     downlink_codec: str = "auto"

@@ -914,8 +914,14 @@ class Coordinator:
         plan = self._round_plan.pop(r.round_id)
         # Inner steps behind the model this round produces: every completed slot and this one.
         inner_steps = sum(int(h["num_inner_steps"]) for h in st.history) + plan.num_inner_steps
+        # The last round of this fragment: no round will start from what it produces.
+        final = bool(self.cfg.max_rounds) and len(st.history) + frags >= self.cfg.max_rounds
         result = self.strategy.outer_step(
-            exact_prev, {k: st.momentum[k] for k in names}, updates, inner_steps=inner_steps
+            exact_prev,
+            {k: st.momentum[k] for k in names},
+            updates,
+            inner_steps=inner_steps,
+            final=final and self.cfg.outer_final_mean,
         )
         delta = {k: result.params[k] - st.params[k] for k in names}
         encoded = encode_tensors(delta, get_codec(plan.downlink))

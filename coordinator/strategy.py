@@ -79,8 +79,10 @@ class Strategy(Protocol):
         updates: Sequence[tuple[str, float, Mapping[str, np.ndarray]]],
         *,
         inner_steps: int | None = None,
+        final: bool = False,
     ) -> OuterResult:
-        """``inner_steps``: inner steps behind the model this step produces (None: unknown)."""
+        """``inner_steps``: inner steps behind the model this step produces (None: unknown);
+        ``final``: no round will start from this model (the run's last step of these tensors)."""
         ...
 
 
@@ -92,6 +94,8 @@ class DiLoCo:
     plain mean (lr 1, no momentum; the buffer restarts from that mean). Early in training the
     sites' models are far apart on a curved loss, and Nesterov's amplification of the mean (lr
     (1 + μ) on the first step, up to lr / (1 − μ) later) overshoots; plain averaging does not.
+    A ``final`` step is the plain mean too: the look-ahead of momentum helps the round that
+    starts from it, not a model that is kept.
     """
 
     lr: float = 0.7
@@ -113,12 +117,16 @@ class DiLoCo:
         updates: Sequence[tuple[str, float, Mapping[str, np.ndarray]]],
         *,
         inner_steps: int | None = None,
+        final: bool = False,
     ) -> OuterResult:
         ordered = sorted(updates, key=lambda u: u[0])  # site order fixes float summation order
         grad = weighted_mean([(w, t) for _, w, t in ordered])
         if self.in_warmup(inner_steps):
             lr, mu = 1.0, 0.0
             rule = f"mean (outer warm-up: {inner_steps} <= {self.warmup_steps} inner steps)"
+        elif final:
+            lr, mu = 1.0, 0.0
+            rule = "mean (final round)"
         else:
             lr, mu = self.lr, self.momentum
             rule = f"nesterov lr={lr:g} momentum={mu:g}"

@@ -52,6 +52,12 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         help="rounds ending at or before this many inner steps merge by a plain mean",
     )
     p.add_argument(
+        "--outer-final-mean",
+        action=argparse.BooleanOptionalAction,
+        default=CoordinatorConfig.outer_final_mean,
+        help="the last round merges by a plain mean (the kept model is the sites' average)",
+    )
+    p.add_argument(
         "--no-overlap", action="store_true", help="block each site on every sync (no overlap)"
     )
     p.add_argument(
@@ -180,6 +186,7 @@ def write_coordinator_config(args: argparse.Namespace, workdir: Path) -> Path:
             "outer_lr": args.outer_lr,
             "outer_momentum": args.outer_momentum,
             "outer_warmup_steps": args.outer_warmup_steps,
+            "outer_final_mean": args.outer_final_mean,
             "overlap": not args.no_overlap,
             "eval_every_rounds": args.eval_every,
             "round_deadline_s": 600.0,

@@ -6,6 +6,7 @@ Error naming the problem, a counter, and no change of state), and the /metrics e
 
 from __future__ import annotations
 
+import contextlib
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -75,23 +76,24 @@ class Harness:
         raise AssertionError("condition never held")
 
 
-@pytest.fixture
-def harness() -> Iterator[Harness]:
-    cfg = CoordinatorConfig(
-        bind="tcp://127.0.0.1:0",
-        state_dir="",
-        metrics_port=0,
-        min_sites=2,
-        num_inner_steps=3,
-        outer_lr=0.5,
-        outer_momentum=0.9,
-        outer_warmup_steps=3,
-        uplink_codec="fp32",
-        downlink_codec="fp32",
-        overlap=False,
-        security=SecurityConfig(insecure=True),
-    )
-    coord = Coordinator(cfg, store=MemoryStateStore())
+@contextlib.contextmanager
+def running(**overrides: Any) -> Iterator[Harness]:
+    """A started coordinator on a free port with the test defaults, and a ZeroMQ context."""
+    defaults: dict[str, Any] = {
+        "bind": "tcp://127.0.0.1:0",
+        "state_dir": "",
+        "metrics_port": 0,
+        "min_sites": 2,
+        "num_inner_steps": 3,
+        "outer_lr": 0.5,
+        "outer_momentum": 0.9,
+        "outer_warmup_steps": 3,
+        "uplink_codec": "fp32",
+        "downlink_codec": "fp32",
+        "overlap": False,
+        "security": SecurityConfig(insecure=True),
+    }
+    coord = Coordinator(CoordinatorConfig(**{**defaults, **overrides}), store=MemoryStateStore())
     coord.start()
     ctx = zmq.Context()
     try:
@@ -99,6 +101,12 @@ def harness() -> Iterator[Harness]:
     finally:
         coord.close()
         ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def harness() -> Iterator[Harness]:
+    with running() as h:
+        yield h
 
 
 def rejected(coord: Coordinator, reason: str) -> float:
@@ -187,6 +195,31 @@ def test_join_init_round_and_outer_step(harness: Harness) -> None:
     np.testing.assert_allclose(new["w"] + delta2["w"], new["w"] - 0.6775, rtol=1e-6)
     assert h.coord.state.history[-1]["inner_steps_total"] == 6
     assert h.coord.state.history[-1]["outer_rule"] == "nesterov lr=0.5 momentum=0.9"
+
+
+def test_last_round_merges_by_the_plain_mean() -> None:
+    # max_rounds = 2, no warm-up: round 1 is a Nesterov step, round 2 (the last) the plain mean.
+    d_eu = {"w": np.full((2, 3), 0.2, np.float32), "b": np.zeros(3, np.float32)}
+    d_us = {"w": np.full((2, 3), 0.6, np.float32), "b": np.ones(3, np.float32)}
+    with running(max_rounds=2, outer_warmup_steps=0) as h:
+        eu, us, rs = start_round(h)
+        eu.send(update("eu", rs.round_id, d_eu, weight=100.0))
+        us.send(update("us", rs.round_id, d_us, weight=300.0))
+        g1: Global = h.expect(eu, Global)
+        delta1 = {e.name: Fp32Codec().decode(e) for e in g1.payload}
+        np.testing.assert_allclose(delta1["w"], np.full((2, 3), -0.475, np.float32), rtol=1e-6)
+        rs2: RoundStart = h.expect(eu, RoundStart)
+        h.expect(us, RoundStart)
+        eu.send(replace(update("eu", rs2.round_id, d_eu, weight=100.0), global_version=rs.round_id))
+        us.send(replace(update("us", rs2.round_id, d_us, weight=300.0), global_version=rs.round_id))
+        g2: Global = h.expect(eu, Global)
+        delta2 = {e.name: Fp32Codec().decode(e) for e in g2.payload}
+        np.testing.assert_allclose(delta2["w"], np.full((2, 3), -0.5, np.float32), rtol=1e-6)
+        assert h.coord.state is not None
+        assert [e["outer_rule"] for e in h.coord.state.history] == [
+            "nesterov lr=0.5 momentum=0.9",
+            "mean (final round)",
+        ]
 
 
 def _bad_updates(rid: int) -> list[tuple[str, Update, ErrorCode]]:

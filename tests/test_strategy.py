@@ -93,5 +93,10 @@ def test_diloco_outer_warmup_is_the_plain_mean_then_nesterov() -> None:
         assert after.params["w"].tobytes() == nesterov.params["w"].tobytes()
         assert after.momentum["w"].tobytes() == nesterov.momentum["w"].tobytes()
     assert not np.allclose(nesterov.params["w"], params["w"] - mean)
+    # A final step (no round starts from it) is the plain mean as well.
+    final = s.outer_step(params, mom, ups, inner_steps=101, final=True)
+    np.testing.assert_allclose(final.params["w"], params["w"] - mean, rtol=1e-6, atol=1e-6)
+    assert final.rule == "mean (final round)"
+    assert warm.rule.startswith("mean (outer warm-up") and after.rule.startswith("nesterov")
     with pytest.raises(ValueError, match="warmup_steps must be >= 0"):
         DiLoCo(warmup_steps=-1)

@@ -75,6 +75,7 @@ def run_diloco(
     outer_lr: float,
     outer_momentum: float,
     outer_warmup_steps: int = 0,
+    outer_final_mean: bool = False,
     overlap_steps: int = 0,
     uplink: str,
     downlink: str,
@@ -118,7 +119,13 @@ def run_diloco(
                 wire_bytes += enc.nbytes
                 decoded[name] = decode_tensor(enc).reshape(value.shape)
             updates.append((f"site{i}", float(h), decoded))
-        result = outer.outer_step(params, momentum, updates, inner_steps=done + h)
+        result = outer.outer_step(
+            params,
+            momentum,
+            updates,
+            inner_steps=done + h,
+            final=outer_final_mean and done + h == steps,
+        )
         target, momentum = result.params, result.momentum
         for name, value in params.items():
             enc = coord_fb.compress(name, target[name] - value, down)
@@ -160,6 +167,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
         outer_warmup_steps=args.outer_warmup_steps,
+        outer_final_mean=args.outer_final_mean,
         overlap_steps=args.overlap_steps,
         uplink=args.uplink_codec or args.codec,
         downlink=args.downlink_codec or args.codec,
@@ -195,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=CoordinatorConfig.outer_warmup_steps,
         help="rounds ending at or before this many inner steps merge by a plain mean",
+    )
+    p.add_argument(
+        "--outer-final-mean",
+        action=argparse.BooleanOptionalAction,
+        default=CoordinatorConfig.outer_final_mean,
+        help="the last round merges by a plain mean",
     )
     p.add_argument(
         "--overlap-steps",
