@@ -214,6 +214,10 @@ class SiteAgent:
         # Per fragment: the local values at our last send (the reference for merging its result)
         # and the tokens trained since that fragment was last sent.
         self._sent_local: dict[int, dict[str, np.ndarray]] = {}
+        # Inner steps taken so far, and that count when each in-flight fragment was sent: the
+        # difference at the merge is how stale an overlapped result is.
+        self._steps_done = 0
+        self._sent_at_step: dict[int, int] = {}
         self._tokens: dict[int, int] = {}
         self._layout: tuple[int, list[list[str]]] = (0, [])
         self._last_join = 0.0
@@ -497,9 +501,16 @@ class SiteAgent:
             # A full download replaces everything: local progress and in-flight sends are void.
             local = {k: v.copy() for k, v in new.items()}
             self._sent_local.clear()
+            self._sent_at_step.clear()
+            merge_delay = ""
         else:
             local = self.trainer.parameters_numpy()
             sent = self._sent_local.pop(msg.fragment, None)
+            sent_at = self._sent_at_step.pop(msg.fragment, None)
+            merge_delay = ""
+            if sent_at is not None:
+                self.metrics.merge_delay(self._steps_done - sent_at)
+                merge_delay = f", {self._steps_done - sent_at} inner steps after the send"
             for k in names:
                 ref = sent[k] if sent is not None and k in sent else self.global_params[k]
                 local[k] = local[k] + (new[k] - ref)
@@ -509,10 +520,11 @@ class SiteAgent:
         self.save_checkpoint()
         self.metrics.global_version(self.global_version)
         log.info(
-            "[site=%s] now at v%d (%s)",
+            "[site=%s] now at v%d (%s%s)",
             self.site_id,
             self.global_version,
             "full" if msg.is_full else f"fragment {msg.fragment}",
+            merge_delay,
         )
         if msg.evaluate:
             self._evaluate()
@@ -606,6 +618,7 @@ class SiteAgent:
                     s, compute_seconds=s.compute_seconds + self.cfg.fault_slow_step_s * s.steps
                 )
             steps += s.steps
+            self._steps_done += s.steps
             tokens += s.tokens
             loss_sum += s.loss_mean * s.steps
             seconds += s.compute_seconds
@@ -634,11 +647,13 @@ class SiteAgent:
             )
             self.trainer.load_parameters(self.global_params)
             self._sent_local.clear()
+            self._sent_at_step.clear()
             return
         if self.cfg.secure_aggregation is not None:
             # Masked sums are plain means: every site's weight is the same (and hidden).
             self._tokens.pop(rs.fragment, None)
             self._sent_local[rs.fragment] = {k: local[k] for k in names}
+            self._sent_at_step[rs.fragment] = self._steps_done
             self._send_masked(rs, delta, stats)
             return
         if self.cfg.privacy is not None and self.accountant is not None:
@@ -676,6 +691,7 @@ class SiteAgent:
             return
         assert self.link is not None
         self._sent_local[rs.fragment] = {k: local[k] for k in names}
+        self._sent_at_step[rs.fragment] = self._steps_done
         weight = float(self._tokens.pop(rs.fragment, 0) or stats.tokens)
         self._send_update_message(rs, stats, payload, weight)
         self.metrics.ef_norm(self.feedback.residual_norm())

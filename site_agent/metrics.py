@@ -86,6 +86,12 @@ class SiteMetrics:
         self._ef_norm = Gauge(
             "crossdc_site_error_feedback_norm", "L2 norm of the uplink residual", lab, registry=r
         )
+        self._merge_delay = Gauge(
+            "crossdc_site_merge_delay_steps",
+            "Inner steps between sending a fragment's update and merging its result, last merge",
+            lab,
+            registry=r,
+        )
 
     def inner(self, steps: int, tokens: int, seconds: float, loss: float) -> None:
         s = self.site_id
@@ -126,3 +132,6 @@ class SiteMetrics:
 
     def ef_norm(self, value: float) -> None:
         self._ef_norm.labels(site=self.site_id).set(value)
+
+    def merge_delay(self, steps: int) -> None:
+        self._merge_delay.labels(site=self.site_id).set(steps)

@@ -584,6 +584,7 @@ def _populate(coord: CoordinatorMetrics, site: SiteMetrics) -> None:
     site.link(rtt_s=0.08, goodput_bps=1e8)
     site.dp_epsilon(1.2)
     site.ef_norm(0.3)
+    site.merge_delay(6)
 
 
 def _tick(coord: CoordinatorMetrics, site: SiteMetrics, stop: threading.Event) -> None:

@@ -4,6 +4,7 @@ and keeps training while garbage is thrown at the coordinator's socket."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 from pathlib import Path
@@ -43,6 +44,14 @@ def test_two_sites_learn_and_stop_cleanly(procs: Procs, tmp_path: Path) -> None:
     ids = [h["round_id"] for h in status["history"]]
     assert ids == sorted(set(ids))
     assert all(h["merged"] == ["eu", "us"] for h in status["history"])
+    # Overlapped: each result merges while the next slot trains, at most one slot (20 steps) late,
+    # since a site sends nothing on top of an unmerged fragment.
+    for name in ("site-eu", "site-us"):
+        delays = [
+            int(d)
+            for d in re.findall(r"now at v\d+ \(fragment 0, (\d+) inner steps", procs.log(name))
+        ]
+        assert len(delays) == 3 and all(0 <= d <= 20 for d in delays), delays
     # Every site ends on the coordinator's global version (their checkpoints say so).
     import torch
 
