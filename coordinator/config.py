@@ -39,11 +39,12 @@ class CoordinatorConfig:
     outer_momentum: float = 0.9
     """Outer Nesterov momentum."""
     outer_warmup_steps: int = 150
-    """Rounds whose model has at most this many inner steps behind it merge by a plain mean (outer
-    lr 1, no momentum); Nesterov from then on. 0: Nesterov from the first round."""
+    """Rounds whose model has at most this many inner steps behind it (the slots of the completed
+    rounds and its own) merge by a plain mean (outer lr 1, no momentum); Nesterov from then on.
+    0: Nesterov from the first round."""
     outer_final_mean: bool = True
-    """With ``max_rounds`` set, each fragment's last round merges by the plain mean too: the kept
-    model is the sites' average, not Nesterov's look-ahead past it."""
+    """With ``max_rounds`` set and one fragment, the last round merges by the plain mean too: the
+    kept model is the sites' average, not Nesterov's look-ahead past it."""
     uplink_codec: str = "auto"
     """Codec the sites use for pseudo-gradients; ``auto`` lets the scheduler choose per site."""
     downlink_codec: str = "auto"

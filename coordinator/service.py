@@ -890,6 +890,10 @@ class Coordinator:
             )
         self.cfg.faults.point("open", round_id)
 
+    def _is_last(self, completed_rounds: int) -> bool:
+        """Whether ``completed_rounds`` reaches ``max_rounds`` (never when it is 0)."""
+        return bool(self.cfg.max_rounds) and completed_rounds >= self.cfg.max_rounds
+
     def _close(self, now: float, r: OpenRound, merged: tuple[str, ...], why: str) -> None:
         assert self.state is not None and self.chan is not None
         st = self.state
@@ -914,8 +918,9 @@ class Coordinator:
         plan = self._round_plan.pop(r.round_id)
         # Inner steps behind the model this round produces: every completed slot and this one.
         inner_steps = sum(int(h["num_inner_steps"]) for h in st.history) + plan.num_inner_steps
-        # The last round of this fragment: no round will start from what it produces.
-        final = bool(self.cfg.max_rounds) and len(st.history) + frags >= self.cfg.max_rounds
+        # The run's last round: no round will start from what it produces. Only with one
+        # fragment: with several, aborts shift which round is a fragment's last.
+        final = frags == 1 and self._is_last(len(st.history) + 1)
         result = self.strategy.outer_step(
             exact_prev,
             {k: st.momentum[k] for k in names},
@@ -979,7 +984,7 @@ class Coordinator:
             for s, m in self.members.items()
             if m.in_sync and m.global_version == st.global_version
         )
-        last = bool(self.cfg.max_rounds) and len(new_state.history) >= self.cfg.max_rounds
+        last = self._is_last(len(new_state.history))
         wants_eval = r.round_id % self.cfg.eval_every_rounds == 0 or last
         # Ask a site that was on time: evaluating costs the evaluator some compute.
         candidates = [s for s in in_sync if s in merged] or in_sync

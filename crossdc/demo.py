@@ -29,6 +29,22 @@ SITE_NAMES = ("eu", "us", "ap", "sa", "af", "me", "oc", "na")
 DEMO_MODEL = {"context_len": 128, "num_layers": 4, "d_model": 128, "num_heads": 4}
 
 
+def add_outer_rule_arguments(p: argparse.ArgumentParser) -> None:
+    """--outer-warmup-steps and --outer-final-mean, defaulting to the coordinator's."""
+    p.add_argument(
+        "--outer-warmup-steps",
+        type=int,
+        default=CoordinatorConfig.outer_warmup_steps,
+        help="rounds ending at or before this many inner steps merge by a plain mean",
+    )
+    p.add_argument(
+        "--outer-final-mean",
+        action=argparse.BooleanOptionalAction,
+        default=CoordinatorConfig.outer_final_mean,
+        help="the last round merges by a plain mean (the kept model is the sites' average)",
+    )
+
+
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sites", type=int, default=3, help="number of site agents (default 3)")
     p.add_argument("--rounds", type=int, default=8, help="outer rounds to train (default 8)")
@@ -45,18 +61,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fragments", type=int, default=1, help="streaming sync fragments")
     p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum")
-    p.add_argument(
-        "--outer-warmup-steps",
-        type=int,
-        default=CoordinatorConfig.outer_warmup_steps,
-        help="rounds ending at or before this many inner steps merge by a plain mean",
-    )
-    p.add_argument(
-        "--outer-final-mean",
-        action=argparse.BooleanOptionalAction,
-        default=CoordinatorConfig.outer_final_mean,
-        help="the last round merges by a plain mean (the kept model is the sites' average)",
-    )
+    add_outer_rule_arguments(p)
     p.add_argument(
         "--no-overlap", action="store_true", help="block each site on every sync (no overlap)"
     )

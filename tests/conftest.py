@@ -79,6 +79,8 @@ def write_coordinator_config(workdir: Path, **over: Any) -> Path:
         "min_sites": 2,
         "num_inner_steps": 20,
         "max_rounds": 3,
+        # Round 1 a plain mean, round 2 a Nesterov step, round 3 (the last) a plain mean.
+        "outer_warmup_steps": 20,
         "round_deadline_s": 120.0,
         "site_timeout_s": 60.0,
         "final_eval_wait_s": 60.0,

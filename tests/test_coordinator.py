@@ -163,18 +163,31 @@ def start_round(h: Harness) -> tuple[Site, Site, RoundStart]:
     return eu, us, rs
 
 
+D_EU = {"w": np.full((2, 3), 0.2, np.float32), "b": np.zeros(3, np.float32)}
+D_US = {"w": np.full((2, 3), 0.6, np.float32), "b": np.ones(3, np.float32)}
+
+
+def merge_round(h: Harness, eu: Site, us: Site, rs: RoundStart, base: int = 0) -> Global:
+    """Both sites send their update for ``rs`` (eu weight 100, us 300: mean w 0.5, b 0.75);
+    returns the result eu receives."""
+    eu.send(replace(update("eu", rs.round_id, D_EU, weight=100.0), global_version=base))
+    us.send(replace(update("us", rs.round_id, D_US, weight=300.0), global_version=base))
+    result: Global = h.expect(eu, Global)
+    return result
+
+
+def decoded(g: Global) -> dict[str, np.ndarray]:
+    return {e.name: Fp32Codec().decode(e) for e in g.payload}
+
+
 def test_join_init_round_and_outer_step(harness: Harness) -> None:
     h = harness
     eu, us, rs = start_round(h)
-    d_eu = {"w": np.full((2, 3), 0.2, np.float32), "b": np.zeros(3, np.float32)}
-    d_us = {"w": np.full((2, 3), 0.6, np.float32), "b": np.ones(3, np.float32)}
-    eu.send(update("eu", rs.round_id, d_eu, weight=100.0))
-    us.send(update("us", rs.round_id, d_us, weight=300.0))
-    g_eu: Global = h.expect(eu, Global)
+    g_eu = merge_round(h, eu, us, rs)
     g_us: Global = h.expect(us, Global)
     assert not g_eu.is_full and g_eu.global_version == rs.round_id and g_eu.base_version == 0
     assert g_eu.state_hash == g_us.state_hash
-    delta = {e.name: Fp32Codec().decode(e) for e in g_eu.payload}
+    delta = decoded(g_eu)
     new = {k: PARAMS[k] + delta[k] for k in PARAMS}
     assert state_hash(new) == g_eu.state_hash
     # g = (100*0.2 + 300*0.6)/400 = 0.5. The model has 3 inner steps behind it, within the outer
@@ -188,37 +201,30 @@ def test_join_init_round_and_outer_step(harness: Harness) -> None:
     # b = 0.9 * 0.5 + 0.5 = 0.95, θ − lr (g + μ b) = θ − 0.5 * (0.5 + 0.855) = θ − 0.6775.
     rs2: RoundStart = h.expect(eu, RoundStart)
     h.expect(us, RoundStart)
-    eu.send(replace(update("eu", rs2.round_id, d_eu, weight=100.0), global_version=rs.round_id))
-    us.send(replace(update("us", rs2.round_id, d_us, weight=300.0), global_version=rs.round_id))
-    g2: Global = h.expect(eu, Global)
-    delta2 = {e.name: Fp32Codec().decode(e) for e in g2.payload}
+    delta2 = decoded(merge_round(h, eu, us, rs2, base=rs.round_id))
     np.testing.assert_allclose(new["w"] + delta2["w"], new["w"] - 0.6775, rtol=1e-6)
     assert h.coord.state.history[-1]["inner_steps_total"] == 6
     assert h.coord.state.history[-1]["outer_rule"] == "nesterov lr=0.5 momentum=0.9"
 
 
-def test_last_round_merges_by_the_plain_mean() -> None:
-    # max_rounds = 2, no warm-up: round 1 is a Nesterov step, round 2 (the last) the plain mean.
-    d_eu = {"w": np.full((2, 3), 0.2, np.float32), "b": np.zeros(3, np.float32)}
-    d_us = {"w": np.full((2, 3), 0.6, np.float32), "b": np.ones(3, np.float32)}
-    with running(max_rounds=2, outer_warmup_steps=0) as h:
+@pytest.mark.parametrize("final_mean", [True, False])
+def test_last_round_merges_by_the_plain_mean(final_mean: bool) -> None:
+    # max_rounds = 2, no warm-up: round 1 is a Nesterov step (0.5 * 1.9 * 0.5), round 2 (the
+    # last) the plain mean, unless outer_final_mean is off.
+    with running(max_rounds=2, outer_warmup_steps=0, outer_final_mean=final_mean) as h:
         eu, us, rs = start_round(h)
-        eu.send(update("eu", rs.round_id, d_eu, weight=100.0))
-        us.send(update("us", rs.round_id, d_us, weight=300.0))
-        g1: Global = h.expect(eu, Global)
-        delta1 = {e.name: Fp32Codec().decode(e) for e in g1.payload}
+        delta1 = decoded(merge_round(h, eu, us, rs))
         np.testing.assert_allclose(delta1["w"], np.full((2, 3), -0.475, np.float32), rtol=1e-6)
         rs2: RoundStart = h.expect(eu, RoundStart)
         h.expect(us, RoundStart)
-        eu.send(replace(update("eu", rs2.round_id, d_eu, weight=100.0), global_version=rs.round_id))
-        us.send(replace(update("us", rs2.round_id, d_us, weight=300.0), global_version=rs.round_id))
-        g2: Global = h.expect(eu, Global)
-        delta2 = {e.name: Fp32Codec().decode(e) for e in g2.payload}
-        np.testing.assert_allclose(delta2["w"], np.full((2, 3), -0.5, np.float32), rtol=1e-6)
+        delta2 = decoded(merge_round(h, eu, us, rs2, base=rs.round_id))
+        # Nesterov instead: b = 0.9 * 0.5 + 0.5, step 0.5 * (0.5 + 0.9 b) = 0.6775.
+        expected = -0.5 if final_mean else -0.6775
+        np.testing.assert_allclose(delta2["w"], np.full((2, 3), expected, np.float32), rtol=1e-6)
         assert h.coord.state is not None
         assert [e["outer_rule"] for e in h.coord.state.history] == [
             "nesterov lr=0.5 momentum=0.9",
-            "mean (final round)",
+            "mean (final round)" if final_mean else "nesterov lr=0.5 momentum=0.9",
         ]
 
 

@@ -30,7 +30,7 @@ from comm.feedback import ErrorFeedback
 from coordinator.config import CoordinatorConfig
 from coordinator.strategy import DiLoCo, weighted_mean
 from crossdc.bench import print_report
-from crossdc.demo import DEMO_MODEL
+from crossdc.demo import DEMO_MODEL, add_outer_rule_arguments
 from site_agent.data import BatchSampler, ByteCorpus, eval_batches, sampler_seed, stdlib_split
 from site_agent.ddp import DDPTrainer
 from site_agent.model import ModelConfig, build_model
@@ -74,8 +74,8 @@ def run_diloco(
     inner_steps: int,
     outer_lr: float,
     outer_momentum: float,
-    outer_warmup_steps: int = 0,
-    outer_final_mean: bool = False,
+    outer_warmup_steps: int = CoordinatorConfig.outer_warmup_steps,
+    outer_final_mean: bool = CoordinatorConfig.outer_final_mean,
     overlap_steps: int = 0,
     uplink: str,
     downlink: str,
@@ -198,23 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=InnerOptimConfig.lr, help="inner AdamW lr")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
-    p.add_argument(
-        "--outer-warmup-steps",
-        type=int,
-        default=CoordinatorConfig.outer_warmup_steps,
-        help="rounds ending at or before this many inner steps merge by a plain mean",
-    )
-    p.add_argument(
-        "--outer-final-mean",
-        action=argparse.BooleanOptionalAction,
-        default=CoordinatorConfig.outer_final_mean,
-        help="the last round merges by a plain mean",
-    )
+    add_outer_rule_arguments(p)
     p.add_argument(
         "--overlap-steps",
         type=int,
         default=0,
-        help="0: blocking sync; d > 0: overlapped, each result merged d inner steps after the send",
+        help="0: blocking sync; d > 0: overlapped, each result merged d inner steps after the send "
+        "(at the slot's end if d >= H, where the site waits for it before sending again)",
     )
     p.add_argument("--codec", default="fp32", help="both directions unless overridden")
     p.add_argument("--uplink-codec", default=None)
