@@ -163,6 +163,15 @@ def read_endpoint_file(path: str, timeout_s: float) -> str:
         time.sleep(0.1)
 
 
+@dataclass(frozen=True)
+class _Sent:
+    """One fragment's last send: its local values (the reference for merging the result) and the
+    inner-step count then (the merge delay is counted from it)."""
+
+    local: dict[str, np.ndarray]
+    at_step: int
+
+
 class SiteAgent:
     """One site. ``start``, ``run`` (returns an exit code), ``close``.
 
@@ -211,13 +220,9 @@ class SiteAgent:
         self._pending: deque[RoundStart] = deque()
         self._cancelled: set[int] = set()
         self._awaiting_result: int | None = None
-        # Per fragment: the local values at our last send (the reference for merging its result)
-        # and the tokens trained since that fragment was last sent.
-        self._sent_local: dict[int, dict[str, np.ndarray]] = {}
-        # Inner steps taken so far, and that count when each in-flight fragment was sent: the
-        # difference at the merge is how stale an overlapped result is.
-        self._steps_done = 0
-        self._sent_at_step: dict[int, int] = {}
+        # Per fragment: our last send, and the tokens trained since that fragment was last sent.
+        self._sent: dict[int, _Sent] = {}
+        self._steps_done = 0  # inner steps taken so far
         self._tokens: dict[int, int] = {}
         self._layout: tuple[int, list[list[str]]] = (0, [])
         self._last_join = 0.0
@@ -500,19 +505,20 @@ class SiteAgent:
         if msg.is_full:
             # A full download replaces everything: local progress and in-flight sends are void.
             local = {k: v.copy() for k, v in new.items()}
-            self._sent_local.clear()
-            self._sent_at_step.clear()
+            self._sent.clear()
             merge_delay = ""
         else:
             local = self.trainer.parameters_numpy()
-            sent = self._sent_local.pop(msg.fragment, None)
-            sent_at = self._sent_at_step.pop(msg.fragment, None)
+            sent = self._sent.pop(msg.fragment, None)
             merge_delay = ""
-            if sent_at is not None:
-                self.metrics.merge_delay(self._steps_done - sent_at)
-                merge_delay = f", {self._steps_done - sent_at} inner steps after the send"
+            if sent is not None:
+                delay = self._steps_done - sent.at_step
+                self.metrics.merge_delay(delay)
+                merge_delay = f", {delay} inner steps after the send"
             for k in names:
-                ref = sent[k] if sent is not None and k in sent else self.global_params[k]
+                ref = (
+                    sent.local[k] if sent is not None and k in sent.local else self.global_params[k]
+                )
                 local[k] = local[k] + (new[k] - ref)
         self.global_params = new
         self.global_version = msg.global_version
@@ -646,14 +652,12 @@ class SiteAgent:
                 rs.round_id,
             )
             self.trainer.load_parameters(self.global_params)
-            self._sent_local.clear()
-            self._sent_at_step.clear()
+            self._sent.clear()
             return
         if self.cfg.secure_aggregation is not None:
             # Masked sums are plain means: every site's weight is the same (and hidden).
             self._tokens.pop(rs.fragment, None)
-            self._sent_local[rs.fragment] = {k: local[k] for k in names}
-            self._sent_at_step[rs.fragment] = self._steps_done
+            self._sent[rs.fragment] = _Sent({k: local[k] for k in names}, self._steps_done)
             self._send_masked(rs, delta, stats)
             return
         if self.cfg.privacy is not None and self.accountant is not None:
@@ -690,8 +694,7 @@ class SiteAgent:
             )
             return
         assert self.link is not None
-        self._sent_local[rs.fragment] = {k: local[k] for k in names}
-        self._sent_at_step[rs.fragment] = self._steps_done
+        self._sent[rs.fragment] = _Sent({k: local[k] for k in names}, self._steps_done)
         weight = float(self._tokens.pop(rs.fragment, 0) or stats.tokens)
         self._send_update_message(rs, stats, payload, weight)
         self.metrics.ef_norm(self.feedback.residual_norm())
