@@ -920,13 +920,13 @@ class Coordinator:
         inner_steps = sum(int(h["num_inner_steps"]) for h in st.history) + plan.num_inner_steps
         # The run's last round: no round will start from what it produces. Only with one
         # fragment: with several, aborts shift which round is a fragment's last.
-        final = frags == 1 and self._is_last(len(st.history) + 1)
+        final = self.cfg.outer_final_mean and frags == 1 and self._is_last(len(st.history) + 1)
         result = self.strategy.outer_step(
             exact_prev,
             {k: st.momentum[k] for k in names},
             updates,
             inner_steps=inner_steps,
-            final=final and self.cfg.outer_final_mean,
+            final=final,
         )
         delta = {k: result.params[k] - st.params[k] for k in names}
         encoded = encode_tensors(delta, get_codec(plan.downlink))
