@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 DURATION_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, float("inf"))
+STEP_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, float("inf"))
 
 
 class SiteMetrics:
@@ -86,10 +87,11 @@ class SiteMetrics:
         self._ef_norm = Gauge(
             "crossdc_site_error_feedback_norm", "L2 norm of the uplink residual", lab, registry=r
         )
-        self._merge_delay = Gauge(
+        self._merge_delay = Histogram(
             "crossdc_site_merge_delay_steps",
-            "Inner steps between sending a fragment's update and merging its result, last merge",
+            "Inner steps between sending a fragment's update and merging its result",
             lab,
+            buckets=STEP_BUCKETS,
             registry=r,
         )
 
@@ -134,4 +136,4 @@ class SiteMetrics:
         self._ef_norm.labels(site=self.site_id).set(value)
 
     def merge_delay(self, steps: int) -> None:
-        self._merge_delay.labels(site=self.site_id).set(steps)
+        self._merge_delay.labels(site=self.site_id).observe(steps)
