@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -104,6 +104,18 @@ class _Closed:
     fragment: int
 
 
+def next_fragment(history: Sequence[Mapping[str, Any]], num_fragments: int) -> int:
+    """The fragment a resumed coordinator syncs first: the one after the last completed round's,
+    so a restart keeps the rotation instead of syncing fragment 0 out of turn. 0 without history
+    or when the fragment count has changed since."""
+    if not history:
+        return 0
+    last = history[-1]
+    if last.get("num_fragments") != num_fragments or not isinstance(last.get("fragment"), int):
+        return 0
+    return (int(last["fragment"]) + 1) % num_fragments
+
+
 class Coordinator:
     """One federation's coordinator. ``start``, then ``run`` (or ``step``), then ``close``."""
 
@@ -186,6 +198,7 @@ class Coordinator:
         self.state = self.store.load()
         if self.state is not None:
             self._set_model()
+            self._next_fragment = next_fragment(self.state.history, self.cfg.num_fragments)
             self.metrics.global_version.set(self.state.global_version)
             log.info(
                 "[coordinator] resumed global_version=%d round_counter=%d",

@@ -31,9 +31,9 @@ from comm.schema import (
     Update,
     Welcome,
 )
-from comm.tensors import encode_tensors, state_hash
+from comm.tensors import encode_tensors, fragments, state_hash
 from coordinator.config import CoordinatorConfig
-from coordinator.service import Coordinator
+from coordinator.service import Coordinator, next_fragment
 from coordinator.state import MemoryStateStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -77,8 +77,9 @@ class Harness:
 
 
 @contextlib.contextmanager
-def running(**overrides: Any) -> Iterator[Harness]:
-    """A started coordinator on a free port with the test defaults, and a ZeroMQ context."""
+def running(store: MemoryStateStore | None = None, **overrides: Any) -> Iterator[Harness]:
+    """A started coordinator on a free port with the test defaults, and a ZeroMQ context;
+    ``store`` carries durable state from one coordinator to the next (a restart)."""
     defaults: dict[str, Any] = {
         "bind": "tcp://127.0.0.1:0",
         "state_dir": "",
@@ -93,7 +94,9 @@ def running(**overrides: Any) -> Iterator[Harness]:
         "overlap": False,
         "security": SecurityConfig(insecure=True),
     }
-    coord = Coordinator(CoordinatorConfig(**{**defaults, **overrides}), store=MemoryStateStore())
+    coord = Coordinator(
+        CoordinatorConfig(**{**defaults, **overrides}), store=store or MemoryStateStore()
+    )
     coord.start()
     ctx = zmq.Context()
     try:
@@ -309,3 +312,44 @@ def test_metrics_endpoint_serves_prometheus_text(harness: Harness) -> None:
         assert harness.coord.session_id in status
     finally:
         server.close()
+
+
+@pytest.mark.parametrize(
+    ("history", "num_fragments", "expected"),
+    [
+        ([], 3, 0),
+        ([{"fragment": 0, "num_fragments": 3}], 3, 1),
+        ([{"fragment": 0, "num_fragments": 3}, {"fragment": 2, "num_fragments": 3}], 3, 0),
+        ([{"fragment": 1, "num_fragments": 2}], 3, 0),  # the fragment count changed
+        ([{"round_id": 4}], 2, 0),  # an entry from before fragments were recorded
+    ],
+)
+def test_next_fragment_after_a_restart(
+    history: list[dict[str, Any]], num_fragments: int, expected: int
+) -> None:
+    assert next_fragment(history, num_fragments) == expected
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_coordinator_keeps_the_fragment_rotation() -> None:
+    store = MemoryStateStore()
+    first = fragments(list(PARAMS), 2)[0]
+    with running(store=store, num_fragments=2, num_inner_steps=6) as h:
+        eu, us, rs = start_round(h)
+        assert rs.fragment == 0
+        part = {"eu": D_EU, "us": D_US}
+        for site, weight in ((eu, 100.0), (us, 300.0)):
+            delta = {k: part[site.site_id][k] for k in first}
+            site.send(update(site.site_id, rs.round_id, delta, weight=weight))
+        done: Global = h.expect(eu, Global)
+        assert done.global_version == rs.round_id
+        nxt: RoundStart = h.expect(eu, RoundStart)
+        assert nxt.fragment == 1  # opened, then the coordinator stops before it completes
+        digest = state_hash({k: PARAMS[k] + decoded(done).get(k, 0) for k in PARAMS})
+    with running(store=store, num_fragments=2, num_inner_steps=6) as h:
+        eu, us = h.site("eu"), h.site("us")
+        for site in (eu, us):
+            assert not join(h, site, version=done.global_version, digest=digest).need_init
+        resumed: RoundStart = h.expect(eu, RoundStart)
+        assert resumed.round_id > nxt.round_id  # ids are never reused
+        assert resumed.fragment == 1  # the rotation goes on where the last completed round left it
