@@ -412,6 +412,7 @@ class _Pipe:
         "out",
         "out_bytes",
         "src_eof",
+        "src_reset",
         "dst_shut",
     )
 
@@ -434,6 +435,7 @@ class _Pipe:
         self.out: deque[memoryview] = deque()
         self.out_bytes = 0
         self.src_eof = False
+        self.src_reset = False  # the source reset: reset the destination once delivered
         self.dst_shut = False
 
     @property
@@ -928,7 +930,7 @@ class LinkEmulator:
             except BlockingIOError:
                 break
             except OSError:
-                self._abort(pipe.conn)
+                self._peer_failed(pipe.conn, pipe.src)
                 return
             if not data:
                 pipe.src_eof = True
@@ -963,7 +965,7 @@ class LinkEmulator:
             except BlockingIOError:
                 return
             except OSError:
-                self._abort(pipe.conn)
+                self._peer_failed(pipe.conn, pipe.dst)
                 return
             self._bytes[direction] += sent
             pipe.out_bytes -= sent
@@ -976,10 +978,13 @@ class LinkEmulator:
                 if sent < len(view):
                     return  # the socket buffer is full; wait for writability
         if pipe.src_eof and not pipe.dst_shut and pipe.buffered == 0:
+            if pipe.src_reset:
+                self._abort(pipe.conn)  # everything sent before the reset arrived; now the reset
+                return
             try:
                 pipe.dst.shutdown(socket.SHUT_WR)
             except OSError:
-                self._abort(pipe.conn)
+                self._peer_failed(pipe.conn, pipe.dst)
                 return
             pipe.dst_shut = True
 
@@ -1040,6 +1045,27 @@ class LinkEmulator:
             pipe.queue.clear()
             pipe.out.clear()
         self._conns.pop(conn.conn_id, None)
+
+    def _peer_failed(self, conn: _Conn, sock: socket.socket) -> None:
+        """One end of ``conn`` reset or failed. As on a real network, what it sent before is on
+        the link and still reaches the other end, followed by the reset; what was on its way to
+        it is lost, and nothing more is read from the other end."""
+        if conn.closed:
+            return
+        sent_by = conn.up if sock is conn.client else conn.down
+        lost = conn.down if sent_by is conn.up else conn.up
+        sent_by.src_eof = sent_by.src_reset = True
+        lost.src_eof = lost.dst_shut = True
+        self._lined.discard(lost)
+        lost.line.clear()
+        lost.queue.clear()
+        lost.queue_bytes = 0
+        lost.out.clear()
+        lost.out_bytes = 0
+        if sent_by.buffered == 0 or sent_by.dst_shut:
+            self._abort(conn)
+            return
+        self._update_interest(conn)
 
     def _abort(self, conn: _Conn) -> None:
         if conn.closed:

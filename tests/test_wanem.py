@@ -578,6 +578,32 @@ def test_cut_after_bytes_down_cuts_at_exactly_n() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("resetting_end", ["server", "client"])
+def test_what_a_resetting_end_sent_still_arrives_before_the_reset(resetting_end: str) -> None:
+    """An end that sends and then resets (it closes with bytes left unread, so the kernel sends
+    a reset): what it sent is already on the link and arrives first, as on a real network; the
+    other end then sees the reset."""
+    payload = _payload(20_000)
+    profile = LinkProfile(rate_bps=None, delay_ms=300)  # the reset comes long before the bytes
+    with (
+        socket.create_server(("127.0.0.1", 0)) as listener,
+        LinkEmulator("127.0.0.1", int(listener.getsockname()[1]), profile=profile) as emu,
+    ):
+        client = _connect(emu.port)
+        server, _ = listener.accept()
+        server.settimeout(WAIT_S)
+        sender, receiver = (server, client) if resetting_end == "server" else (client, server)
+        with receiver:
+            with sender:
+                receiver.sendall(b"g" + b"left unread")
+                assert sender.recv(1) == b"g"  # both pieces crossed the link together
+                sender.sendall(payload)
+            received, was_reset = _recv_until_end(receiver)
+        assert received == payload and was_reset
+        assert emu.num_connections == 0
+
+
+@pytest.mark.timeout(60)
 def test_refused_upstream_resets_the_client() -> None:
     with socket.create_server(("127.0.0.1", 0)) as probe:
         dead_port = int(probe.getsockname()[1])
