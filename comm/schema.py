@@ -131,7 +131,8 @@ class InitParams:
 class RoundStart:
     """The coordinator's plan of one round for one site.
 
-    Train ``num_inner_steps`` more inner steps, then send the pseudo-gradient of fragment
+    Train ``num_inner_steps`` more inner steps (per site: one that landed early in the last round
+    gets more, see ``coordinator.scheduler``), then send the pseudo-gradient of fragment
     ``fragment`` (of ``num_fragments``, see ``comm.tensors.fragments``) encoded with ``codec``,
     relative to a global model that includes version ``fragment_base_version``. With
     ``overlap`` the site keeps training while the update and the result are in flight; without

@@ -59,8 +59,15 @@ class CoordinatorConfig:
     """Sites keep training while a sync is in flight (the result is merged when it lands)."""
     target_utilization: float = 0.95
     """Compute utilization the scheduler aims for when it sizes codecs and slots."""
+    sync_fraction: float = 0.25
+    """With overlap, the scheduler gives a site the least compressed codec whose sync takes at
+    most this fraction of a slot's compute (else the most compressed): results merge at most that
+    far into the next slot, and staler merges cost more loss than coarser codecs do."""
     max_inner_steps: int = 2000
     """Upper bound on H when the scheduler lengthens slots to fit a slow link."""
+    align_arrivals: bool = True
+    """A site whose update landed early in the last closed round trains extra inner steps (up to
+    a second slot) so that it lands with the others instead of waiting or merging stale results."""
     grace_floor_s: float = 1.0
     """Shortest wait for stragglers once a round has quorum."""
     grace_ceiling_s: float = 120.0
@@ -133,6 +140,8 @@ class CoordinatorConfig:
             raise ValueError("coordinator.num_fragments must be <= coordinator.num_inner_steps")
         if not 0 < self.target_utilization < 1:
             raise ValueError("coordinator.target_utilization must be in (0, 1)")
+        if not 0 < self.sync_fraction <= 1:
+            raise ValueError("coordinator.sync_fraction must be in (0, 1]")
         if self.max_inner_steps < self.num_inner_steps:
             raise ValueError("coordinator.max_inner_steps must be >= coordinator.num_inner_steps")
         if not 0 <= self.grace_floor_s <= self.grace_ceiling_s:

@@ -5,6 +5,12 @@ the round the downlink codec, the inner steps per sync slot and the fragment cou
 sync fits inside the compute it overlaps (DESIGN.md §4). Codecs are tried from least to most
 compressed (the ladder); a site gets the first one whose sync fits its budget. When none fits,
 the slot is lengthened (more inner steps, up to a bound). The reason says which constraint bound.
+
+Arrival alignment: a round closes when its last update lands, so a site whose update arrived
+early waits for the others (blocking), or trains on while its result is pending and merges it
+late (overlapped). Such a site gets extra inner steps in the round being planned, enough to fill
+most of the time it was early: its update then lands with the others', it computes instead of
+waiting, and its merges are fresher. Updates are weighted by tokens, so the extra steps count.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ class SiteView:
     step_seconds: float = 0.0
     rtt_s: float = 0.0
     goodput_bps: float = 0.0
+    early_s: float = 0.0
+    """How long before the last on-time update of the latest closed round this site's landed,
+    less what the extra steps already planned for it since will take."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +55,17 @@ class SchedulePolicy:
     max_inner_steps: int = 2000
     model_numel: int = 0
     margin: float = 0.8
-    """Fraction of the compute budget a sync may use (headroom for jitter and stragglers)."""
+    """Fraction of the compute budget a sync may use (headroom for jitter and stragglers); a
+    sync longer than that lengthens the slot."""
+    sync_fraction: float = 0.25
+    """With overlap, the codec is the least compressed whose sync takes at most this fraction of
+    the slot's compute, else the most compressed: a result is merged that far into the next slot,
+    and a staler merge costs more loss than a coarser codec with error feedback does."""
+    align_arrivals: bool = True
+    """Give a site that was early extra inner steps (see the module docstring)."""
+    align_fraction: float = 0.8
+    """Fraction of a site's earliness filled with extra steps (short of all: it must not become
+    the last)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +76,12 @@ class RoundPlan:
     overlap: bool
     uplink: dict[str, str]
     downlink: str
+    extra_steps: dict[str, int] = field(default_factory=dict)
+    """Inner steps a site trains on top of ``num_inner_steps`` this round (absent: none)."""
+
+    def site_steps(self, site_id: str) -> int:
+        """The inner steps ``site_id`` trains in this round's slot."""
+        return self.num_inner_steps + self.extra_steps.get(site_id, 0)
 
 
 def _bytes(codec: str, numel: int) -> int:
@@ -94,9 +119,11 @@ def plan_round(
             continue
         compute_s = slot * v.step_seconds
         if policy.overlap:
-            budget = policy.margin * compute_s
+            # The codec keeps merges fresh; the slot only has to hide the sync.
+            budget, limit = policy.sync_fraction * compute_s, policy.margin * compute_s
         else:
             budget = compute_s * (1 - policy.target_utilization) / policy.target_utilization
+            limit = budget
         level, codec, need = 0, ladder[0], 0.0
         for level, codec in enumerate(ladder):  # noqa: B007 (level is used after the loop)
             need = _sync_seconds(v, codec, codec, numel)
@@ -105,7 +132,7 @@ def plan_round(
         uplink[v.site_id] = codec
         levels[v.site_id] = level
         reasons.append(f"{v.site_id}: {codec} (sync {need:.2f}s vs budget {budget:.2f}s)")
-        if need > budget:
+        if need > limit:
             # Even the most compressed codec does not fit: lengthen the slot for everyone.
             per_step = v.step_seconds * (policy.margin if policy.overlap else 1.0)
             wanted = math.ceil(need / per_step)
@@ -124,11 +151,21 @@ def plan_round(
     else:
         downlink = policy.unmeasured_codec
     reasons.append(f"downlink {downlink}")
+    extra: dict[str, int] = {}
+    if policy.align_arrivals:
+        most = min(slot, policy.max_inner_steps // frags - slot)  # at most a second slot
+        for v in sorted(sites, key=lambda s: s.site_id):
+            if v.step_seconds > 0 and v.early_s > 0:
+                n = min(most, math.floor(policy.align_fraction * v.early_s / v.step_seconds))
+                if n > 0:
+                    extra[v.site_id] = n
+                    reasons.append(f"{v.site_id}: +{n} steps (landed {v.early_s:.2f}s early)")
     plan = RoundPlan(
         num_inner_steps=slot,
         num_fragments=frags,
         overlap=policy.overlap,
         uplink=uplink,
         downlink=downlink,
+        extra_steps=extra,
     )
     return plan, "; ".join(reasons)

@@ -157,6 +157,11 @@ class Coordinator:
         self._lags: deque[float] = deque(maxlen=64)
         self._views: dict[str, SiteView] = {}
         self._round_plan: dict[int, RoundPlan] = {}
+        # Arrival alignment: when each on-time update landed, per open round; how early each
+        # site's landed in the latest closed round (``_early_round``) before its last one.
+        self._arrived: dict[int, dict[str, float]] = {}
+        self._early_s: dict[str, float] = {}
+        self._early_round = 0
         self._fragment_names: list[list[str]] = []
         self._fragment_version: dict[int, int] = {}
         self._next_fragment = 0
@@ -573,6 +578,7 @@ class Coordinator:
             return
         now = self.clock()
         self._accepted.setdefault(r.round_id, {})[msg.site_id] = acc
+        self._arrived.setdefault(r.round_id, {})[msg.site_id] = now
         received = r.received | {msg.site_id}
         quorum_at = r.quorum_at
         if quorum_at is None:
@@ -802,6 +808,7 @@ class Coordinator:
         for r in self.open_rounds:
             self._closed[r.round_id] = _Closed(frozenset(r.participants), frozenset(), r.fragment)
             self._accepted.pop(r.round_id, None)
+            self._arrived.pop(r.round_id, None)
             self._masking.pop(r.round_id, None)
             self._masked.pop(r.round_id, None)
             self._round_plan.pop(r.round_id, None)
@@ -818,6 +825,7 @@ class Coordinator:
             num_fragments=cfg.num_fragments,
             overlap=cfg.overlap,
             target_utilization=cfg.target_utilization,
+            sync_fraction=cfg.sync_fraction,
             ladder=cfg.codec_ladder,
             fixed_uplink=cfg.site_uplink_codecs,
             default_uplink=None if cfg.uplink_codec == "auto" else cfg.uplink_codec,
@@ -825,9 +833,24 @@ class Coordinator:
             unmeasured_codec=cfg.unmeasured_codec,
             max_inner_steps=cfg.max_inner_steps,
             model_numel=sum(int(v.size) for v in self.state.params.values()),
+            align_arrivals=cfg.align_arrivals,
         )
-        views = [self._views.get(s, SiteView(s)) for s in participants]
+        views = [self._aligned_view(s) for s in participants]
         return plan_round(now, views, policy)
+
+    def _aligned_view(self, site_id: str) -> SiteView:
+        """The site's measured view, with how early its update landed in the latest closed round
+        less the time of the extra steps already planned for it in rounds opened since."""
+        view = self._views.get(site_id, SiteView(site_id))
+        early = self._early_s.get(site_id, 0.0)
+        if early <= 0 or view.step_seconds <= 0:
+            return view
+        planned = sum(
+            plan.extra_steps.get(site_id, 0)
+            for round_id, plan in self._round_plan.items()
+            if round_id > self._early_round
+        )
+        return replace(view, early_s=max(0.0, early - planned * view.step_seconds))
 
     def _open(self, now: float, participants: tuple[str, ...], why: str) -> None:
         assert self.state is not None and self.chan is not None
@@ -891,7 +914,7 @@ class Coordinator:
                     fragment_base_version=base,
                     fragment=fragment,
                     num_fragments=self.cfg.num_fragments,
-                    num_inner_steps=plan.num_inner_steps,
+                    num_inner_steps=plan.site_steps(site_id),
                     overlap=plan.overlap,
                     codec=plan.uplink[site_id],
                     deadline_s=self.cfg.round_deadline_s,
@@ -958,6 +981,7 @@ class Coordinator:
             "fragment": r.fragment,
             "num_fragments": frags,
             "num_inner_steps": plan.num_inner_steps,
+            "extra_steps": {s: n for s, n in plan.extra_steps.items() if s in merged},
             "inner_steps_total": inner_steps,
             "outer_rule": result.rule,
             "participants": list(r.participants),
@@ -991,6 +1015,12 @@ class Coordinator:
         for old in [k for k in self._closed if k < horizon]:
             del self._closed[old]
         self._fragment_version[r.fragment] = r.round_id
+        arrived = self._arrived.pop(r.round_id, {})
+        on_time = {s: arrived[s] for s in merged if s in arrived}
+        if on_time:
+            last = max(on_time.values())
+            self._early_s = {s: last - t for s, t in on_time.items()}
+            self._early_round = r.round_id
         digest = self._hash()
         in_sync = sorted(
             s

@@ -38,6 +38,8 @@ def test_build_nested_and_explicit_wins() -> None:
         ({"min_sites": 0}, "coordinator.min_sites must be >= 1"),
         ({"quorum_fraction": 1.5}, "coordinator.quorum_fraction"),
         ({"outer_warmup_steps": -1}, "coordinator.outer_warmup_steps must be >= 0"),
+        ({"sync_fraction": 0}, "coordinator.sync_fraction must be in"),
+        ({"align_arrivals": "yes"}, "coordinator.align_arrivals"),
         ({"uplink_codec": "zip9"}, "coordinator.uplink_codec"),
         ({"channel": {"chunk_bytes": 1}}, "channel.chunk_bytes"),
     ],

@@ -77,9 +77,14 @@ class Harness:
 
 
 @contextlib.contextmanager
-def running(store: MemoryStateStore | None = None, **overrides: Any) -> Iterator[Harness]:
+def running(
+    store: MemoryStateStore | None = None,
+    clock: Callable[[], float] | None = None,
+    **overrides: Any,
+) -> Iterator[Harness]:
     """A started coordinator on a free port with the test defaults, and a ZeroMQ context;
-    ``store`` carries durable state from one coordinator to the next (a restart)."""
+    ``store`` carries durable state from one coordinator to the next (a restart), ``clock``
+    replaces the monotonic clock."""
     defaults: dict[str, Any] = {
         "bind": "tcp://127.0.0.1:0",
         "state_dir": "",
@@ -95,7 +100,9 @@ def running(store: MemoryStateStore | None = None, **overrides: Any) -> Iterator
         "security": SecurityConfig(insecure=True),
     }
     coord = Coordinator(
-        CoordinatorConfig(**{**defaults, **overrides}), store=store or MemoryStateStore()
+        CoordinatorConfig(**{**defaults, **overrides}),
+        store=store or MemoryStateStore(),
+        **({} if clock is None else {"clock": clock}),
     )
     coord.start()
     ctx = zmq.Context()
@@ -353,3 +360,65 @@ def test_a_restarted_coordinator_keeps_the_fragment_rotation() -> None:
         resumed: RoundStart = h.expect(eu, RoundStart)
         assert resumed.round_id > nxt.round_id  # ids are never reused
         assert resumed.fragment == 1  # the rotation goes on where the last completed round left it
+
+
+class ManualClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def on_base(site: str, rs: RoundStart, delta: dict[str, np.ndarray]) -> Update:
+    """``site``'s update for ``rs``, trained from the version the round builds on."""
+    return replace(update(site, rs.round_id, delta), global_version=rs.fragment_base_version)
+
+
+def land(h: Harness, site: Site, rs: RoundStart, delta: dict[str, np.ndarray]) -> None:
+    """``site`` sends its update for ``rs`` and the coordinator takes it in."""
+    site.send(on_base(site.site_id, rs, delta))
+    h.until(lambda: any(site.site_id in r.received for r in h.coord.open_rounds))
+
+
+@pytest.mark.timeout(60)
+def test_a_site_that_lands_early_trains_extra_steps_in_the_next_round() -> None:
+    clock = ManualClock()
+    with running(clock=clock) as h:  # blocking rounds: one open at a time
+        eu, us, rs = start_round(h)
+        for _ in range(2):
+            land(h, eu, rs, D_EU)
+            clock.now += 1.0  # us lands a second after eu (step_seconds 0.3 in both updates)
+            us.send(on_base("us", rs, D_US))
+            h.expect(eu, Global)
+            nxt_eu: RoundStart = h.expect(eu, RoundStart)
+            nxt_us: RoundStart = h.expect(us, RoundStart)
+            # eu fills 0.8 of the second it waited: floor(0.8 / 0.3) = 2 steps on the slot of 3.
+            assert (nxt_eu.num_inner_steps, nxt_us.num_inner_steps) == (5, 3)
+            assert "eu: +2 steps" in nxt_eu.reason and "us: +" not in nxt_eu.reason
+            rs = nxt_eu
+        assert h.coord.state is not None
+        assert [e["extra_steps"] for e in h.coord.state.history] == [{}, {"eu": 2}]
+
+
+@pytest.mark.timeout(60)
+def test_extra_steps_already_planned_count_against_the_earliness() -> None:
+    clock = ManualClock()
+    with running(clock=clock, overlap=True) as h:  # the next round opens before this one closes
+        eu, us, r1 = start_round(h)
+        r2: RoundStart = h.expect(eu, RoundStart)
+        h.expect(us, RoundStart)
+        assert r2.round_id == r1.round_id + 1 and r2.num_inner_steps == 3
+        steps = []
+        for rs in (r1, r2):
+            land(h, eu, rs, D_EU)
+            clock.now += 1.0
+            us.send(on_base("us", rs, D_US))
+            nxt: RoundStart = h.expect(eu, RoundStart)
+            steps.append(nxt.num_inner_steps)
+        # After round 1: eu was 1 s early, 2 extra steps (0.6 s) for round 3. After round 2
+        # (planned before any of that): again 1 s early, of which round 3's steps fill 0.6 s;
+        # the 0.4 s left give floor(0.8 x 0.4 / 0.3) = 1 extra step for round 4.
+        assert steps == [5, 4]

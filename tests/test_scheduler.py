@@ -28,7 +28,7 @@ def policy(**over: object) -> SchedulePolicy:
     ],
 )
 def test_least_compression_that_fits(view: SiteView, codec: str) -> None:
-    plan, reason = plan_round(0.0, [view], policy(margin=0.5))
+    plan, reason = plan_round(0.0, [view], policy(margin=0.5, sync_fraction=0.5))
     assert plan.uplink[view.site_id] == codec, reason
     assert view.site_id in reason
 
@@ -52,6 +52,21 @@ def test_downlink_follows_the_slowest_site() -> None:
     assert plan.downlink == plan.uplink["thin"] != plan.uplink["eu"]
 
 
+def test_overlap_prefers_a_fresh_merge_to_a_light_codec() -> None:
+    # 100 steps x 0.1 s = 10 s of compute; at 10 Mbit/s and 0.3 s RTT fp32 takes 6.7 s, fp16
+    # 3.5 s, int8 1.8 s, int4 1.15 s. All fit the 0.8 margin; a quarter of the slot takes int8.
+    view = SiteView("slow", 0.1, 0.3, 10e6)
+    plan, reason = plan_round(0.0, [view], policy())
+    assert plan.uplink["slow"] == "int8" and plan.num_inner_steps == 100, reason
+    # Nothing fits a tenth: the most compressed codec, and the slot stays as it is.
+    plan, reason = plan_round(0.0, [view], policy(sync_fraction=0.1))
+    assert plan.uplink["slow"] == "int4" and plan.num_inner_steps == 100, reason
+    assert "slot" not in reason
+    # Blocking rounds size the codec by the utilization target alone: 10 s x 5 / 95 = 0.53 s.
+    plan, reason = plan_round(0.0, [view], policy(overlap=False))
+    assert plan.uplink["slow"] == "int4" and plan.num_inner_steps > 100, reason
+
+
 def test_slot_is_lengthened_when_nothing_fits() -> None:
     # 1 Mbit/s: even int4 (2 x 0.53 MB = 8.5 Mbit) takes 8.5 s > 0.8 x 10 s.
     plan, reason = plan_round(0.0, [SiteView("dial", 0.1, 0.5, 1e6)], policy())
@@ -71,3 +86,26 @@ def test_blocking_mode_budget_follows_target_utilization() -> None:
     assert plan.uplink["eu"] == "fp32", reason  # 0.36 s fits
     plan, reason = plan_round(0.0, [SiteView("us", 0.1, 0.16, 50e6)], policy(overlap=False))
     assert plan.uplink["us"] in ("int8", "int4"), reason
+
+
+@pytest.mark.parametrize(
+    ("view", "over", "extra"),
+    [
+        # 0.8 x 2.0 s / 0.1 s per step = 16 extra steps.
+        (SiteView("eu", 0.1, 0.04, 200e6, early_s=2.0), {}, 16),
+        (SiteView("eu", 0.1, 0.04, 200e6, early_s=0.1), {}, 0),  # under one step
+        (SiteView("eu", 0.1, 0.04, 200e6, early_s=60.0), {}, 100),  # at most a second slot
+        (SiteView("eu", 0.1, 0.04, 200e6, early_s=60.0), {"max_inner_steps": 130}, 30),
+        (SiteView("eu", 0.1, 0.04, 200e6, early_s=2.0), {"align_arrivals": False}, 0),
+        (SiteView("eu", 0.1, 0.04, 200e6, early_s=2.0), {"align_fraction": 0.5}, 10),
+        (SiteView("new", early_s=2.0), {}, 0),  # step time not measured yet
+    ],
+)
+def test_a_site_that_landed_early_trains_extra_steps(
+    view: SiteView, over: dict[str, object], extra: int
+) -> None:
+    plan, reason = plan_round(0.0, [view], policy(**over))
+    assert plan.num_inner_steps == 100
+    assert plan.extra_steps.get(view.site_id, 0) == extra
+    assert plan.site_steps(view.site_id) == 100 + extra
+    assert (f"+{extra} steps" in reason) == (extra > 0), reason

@@ -12,8 +12,10 @@ Four measurements, each on real processes and real sockets:
 3. The synchronous data-parallel baseline over the same emulated links for a few steps: its
    compute utilization, WAN bytes per step and wall seconds per step.
 4. The baseline on loopback for as many steps as crossdc's inner steps (equal tokens: every step
-   uses every site's batch), for its validation loss curve; its math does not depend on links,
-   so its time to a loss on the WAN is that step count times the measured WAN step time.
+   uses every site's batch; with arrival alignment a site may train extra steps in a round, so
+   the count is the sites' merged tokens over one step's, at least rounds x inner steps), for its
+   validation loss curve; its math does not depend on links, so its time to a loss on the WAN is
+   that step count times the measured WAN step time.
 
 Derived: ``bytes_ratio_vs_ddp`` (baseline / crossdc WAN bytes per inner step; crossdc's counted
 as its sync traffic, every update and broadcast, without the one-time model download when a site
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -63,6 +66,7 @@ def run_crossdc(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     report["train_seconds"] = history[-1]["finished_unix"] - started
     # Sync traffic: every update and every broadcast, not the one-time model download at join.
     report["sync_bytes"] = sum(h["update_bytes"] + h["broadcast_bytes"] for h in history)
+    report["tokens_merged"] = sum(int(h["tokens"]) for h in history)
     return report
 
 
@@ -75,7 +79,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["goodput_skipped"] = goodput["skipped"]
     with tempfile.TemporaryDirectory(prefix="crossdc-wan-") as tmp:
         ours = run_crossdc(args, Path(tmp) / "crossdc")
-    inner_steps = args.rounds * args.inner_steps
+    # Equal tokens: sites that landed early trained extra steps (arrival alignment), so the
+    # baseline runs as many steps as the sites' merged tokens fill, never fewer than the plan's.
+    site_step_tokens = ours["batch_size"] * ours["context_len"]
+    inner_steps = max(
+        args.rounds * args.inner_steps,
+        math.ceil(ours["tokens_merged"] / (args.sites * site_step_tokens)),
+    )
     ours_bytes_per_step = ours["sync_bytes"] / inner_steps
     ddp_wan = run_ddp(sites=args.sites, steps=args.ddp_wan_steps, eval_every=0, wan=True)
     ddp_eq = run_ddp(sites=args.sites, steps=inner_steps, eval_every=args.ddp_eval_every, wan=False)
