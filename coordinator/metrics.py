@@ -36,6 +36,12 @@ class CoordinatorMetrics:
         self.updates_accepted = Counter(
             "crossdc_updates_accepted_total", "Site updates accepted", ["site"], registry=r
         )
+        self.extra_steps = Counter(
+            "crossdc_extra_steps_total",
+            "Extra inner steps planned for a site that landed early (arrival alignment)",
+            ["site"],
+            registry=r,
+        )
         self.rejected = Counter(
             "crossdc_rejected_total", "Messages or updates rejected", ["reason"], registry=r
         )

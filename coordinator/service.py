@@ -877,6 +877,8 @@ class Coordinator:
             )
         )
         self._round_plan[round_id] = plan
+        for site_id, steps in plan.extra_steps.items():
+            self.metrics.extra_steps.labels(site=site_id).inc(steps)
         secagg: dict[str, Any] = {}
         if self.cfg.secure_aggregation is not None:
             missing = [s for s in participants if s not in self._secagg_peers]

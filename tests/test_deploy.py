@@ -571,6 +571,7 @@ def _populate(coord: CoordinatorMetrics, site: SiteMetrics) -> None:
     coord.val_loss.set(3.2)
     coord.train_loss.set(3.1)
     coord.late_updates.inc()
+    coord.extra_steps.labels(site="eu").inc(12)
     coord.joins.inc(3)
     coord.site_timeouts.inc()
     site.inner(steps=20, tokens=20 * 8 * 32, seconds=12.0, loss=3.1)
