@@ -9,8 +9,11 @@ the slot is lengthened (more inner steps, up to a bound). The reason says which 
 Arrival alignment: a round closes when its last update lands, so a site whose update arrived
 early waits for the others (blocking), or trains on while its result is pending and merges it
 late (overlapped). Such a site gets extra inner steps in the round being planned, enough to fill
-most of the time it was early: its update then lands with the others', it computes instead of
-waiting, and its merges are fresher. Updates are weighted by tokens, so the extra steps count.
+most of the time it would be early: its update then lands with the others', it computes instead
+of waiting, and its merges are fresher. Updates are weighted by tokens, so the extra steps count.
+With overlap the plan takes effect two closes after the measurement it is based on, so a site
+that gains on the others every round (a faster accelerator, less evaluation work) also gets two
+rounds of that gain.
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ class SiteView:
     rtt_s: float = 0.0
     goodput_bps: float = 0.0
     early_s: float = 0.0
-    """How long before the last on-time update of the latest closed round this site's landed,
-    less what the extra steps already planned for it since will take."""
+    """How early this site's update would land in the round being planned without extra steps,
+    judged from the latest closed round (see ``Coordinator._aligned_view``)."""
+    drift_s: float = 0.0
+    """With overlap, how much earlier it lands each round than the round before (>= 0)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +87,10 @@ class RoundPlan:
     def site_steps(self, site_id: str) -> int:
         """The inner steps ``site_id`` trains in this round's slot."""
         return self.num_inner_steps + self.extra_steps.get(site_id, 0)
+
+
+_DRIFT_ROUNDS = 2
+"""With overlap, rounds between the close a plan is based on and the slot it sizes."""
 
 
 def _bytes(codec: str, numel: int) -> int:
@@ -155,11 +164,18 @@ def plan_round(
     if policy.align_arrivals:
         most = min(slot, policy.max_inner_steps // frags - slot)  # at most a second slot
         for v in sorted(sites, key=lambda s: s.site_id):
-            if v.step_seconds > 0 and v.early_s > 0:
-                n = min(most, math.floor(policy.align_fraction * v.early_s / v.step_seconds))
+            ahead = v.early_s + (_DRIFT_ROUNDS * v.drift_s if policy.overlap else 0.0)
+            if v.step_seconds > 0 and ahead > 0:
+                n = min(most, math.floor(policy.align_fraction * ahead / v.step_seconds))
                 if n > 0:
                     extra[v.site_id] = n
-                    reasons.append(f"{v.site_id}: +{n} steps (landed {v.early_s:.2f}s early)")
+                    reasons.append(f"{v.site_id}: +{n} steps ({ahead:.2f}s early)")
+        # Only the sites' offsets matter: the site with the fewest extra steps trains the slot
+        # as planned, so the round does not grow longer for everyone.
+        fewest = min((extra.get(v.site_id, 0) for v in sites), default=0)
+        if fewest > 0:
+            extra = {s: n - fewest for s, n in extra.items() if n > fewest}
+            reasons.append(f"every site's extra steps less {fewest}")
     plan = RoundPlan(
         num_inner_steps=slot,
         num_fragments=frags,

@@ -158,10 +158,13 @@ class Coordinator:
         self._views: dict[str, SiteView] = {}
         self._round_plan: dict[int, RoundPlan] = {}
         # Arrival alignment: when each on-time update landed, per open round; how early each
-        # site's landed in the latest closed round (``_early_round``) before its last one.
+        # site's landed in the latest closed round (``_early_round``) before its last one, the
+        # extra steps it had there, and (overlap) how much earlier it lands per round (EWMA).
         self._arrived: dict[int, dict[str, float]] = {}
         self._early_s: dict[str, float] = {}
+        self._early_extra: dict[str, int] = {}
         self._early_round = 0
+        self._drift_s: dict[str, float] = {}
         self._fragment_names: list[list[str]] = []
         self._fragment_version: dict[int, int] = {}
         self._next_fragment = 0
@@ -838,19 +841,51 @@ class Coordinator:
         views = [self._aligned_view(s) for s in participants]
         return plan_round(now, views, policy)
 
+    def _measure_arrivals(self, round_id: int, merged: tuple[str, ...], plan: RoundPlan) -> None:
+        """How early each on-time update of the closed round landed before its last one, and
+        (for consecutive rounds) the change since the previous round without its extra steps."""
+        arrived = self._arrived.pop(round_id, {})
+        on_time = {s: arrived[s] for s in merged if s in arrived}
+        if not on_time:
+            return
+        last = max(on_time.values())
+        early = {s: last - t for s, t in on_time.items()}
+        for site_id, now_early in early.items():
+            view = self._views.get(site_id)
+            if site_id in self._early_s and self._early_round == round_id - 1 and view:
+                extra_s = plan.extra_steps.get(site_id, 0) * view.step_seconds
+                gain = now_early - self._early_s[site_id] + extra_s
+                old = self._drift_s.get(site_id, 0.0)
+                self._drift_s[site_id] = 0.5 * old + 0.5 * gain
+        self._early_s = early
+        self._early_extra = {s: plan.extra_steps.get(s, 0) for s in early}
+        self._early_round = round_id
+
     def _aligned_view(self, site_id: str) -> SiteView:
-        """The site's measured view, with how early its update landed in the latest closed round
-        less the time of the extra steps already planned for it in rounds opened since."""
+        """The site's measured view, with how early its update would land in the round being
+        planned if it trained no extra steps there, judged from the latest closed round.
+
+        Blocking rounds all start from the same result, so a round's earliness is its own: the
+        measured one plus what that round's extra steps took. With overlap a site's slots follow
+        each other, so earliness carries over: the measured one less what the extra steps of the
+        rounds opened since will take, plus (in the scheduler) the per-round drift."""
         view = self._views.get(site_id, SiteView(site_id))
-        early = self._early_s.get(site_id, 0.0)
-        if early <= 0 or view.step_seconds <= 0:
+        if site_id not in self._early_s or view.step_seconds <= 0:
             return view
+        early = self._early_s[site_id]
+        if not self.cfg.overlap:
+            early += self._early_extra.get(site_id, 0) * view.step_seconds
+            return replace(view, early_s=max(0.0, early))
         planned = sum(
             plan.extra_steps.get(site_id, 0)
             for round_id, plan in self._round_plan.items()
             if round_id > self._early_round
         )
-        return replace(view, early_s=max(0.0, early - planned * view.step_seconds))
+        return replace(
+            view,
+            early_s=max(0.0, early - planned * view.step_seconds),
+            drift_s=max(0.0, self._drift_s.get(site_id, 0.0)),
+        )
 
     def _open(self, now: float, participants: tuple[str, ...], why: str) -> None:
         assert self.state is not None and self.chan is not None
@@ -1017,12 +1052,7 @@ class Coordinator:
         for old in [k for k in self._closed if k < horizon]:
             del self._closed[old]
         self._fragment_version[r.fragment] = r.round_id
-        arrived = self._arrived.pop(r.round_id, {})
-        on_time = {s: arrived[s] for s in merged if s in arrived}
-        if on_time:
-            last = max(on_time.values())
-            self._early_s = {s: last - t for s, t in on_time.items()}
-            self._early_round = r.round_id
+        self._measure_arrivals(r.round_id, merged, plan)
         digest = self._hash()
         in_sync = sorted(
             s

@@ -99,13 +99,28 @@ def test_blocking_mode_budget_follows_target_utilization() -> None:
         (SiteView("eu", 0.1, 0.04, 200e6, early_s=2.0), {"align_arrivals": False}, 0),
         (SiteView("eu", 0.1, 0.04, 200e6, early_s=2.0), {"align_fraction": 0.5}, 10),
         (SiteView("new", early_s=2.0), {}, 0),  # step time not measured yet
+        # With overlap two rounds of drift come on top: 0.8 x (1.0 + 2 x 0.5) / 0.1 = 16.
+        (SiteView("eu", 0.1, 0.04, 200e6, early_s=1.0, drift_s=0.5), {}, 16),
+        (SiteView("eu", 0.1, 0.04, 200e6, early_s=1.0, drift_s=0.5), {"overlap": False}, 8),
     ],
 )
 def test_a_site_that_landed_early_trains_extra_steps(
     view: SiteView, over: dict[str, object], extra: int
 ) -> None:
-    plan, reason = plan_round(0.0, [view], policy(**over))
-    assert plan.num_inner_steps == 100
+    last = SiteView("last", 0.1, 0.04, 200e6)  # the site whose update closed the round
+    plan, reason = plan_round(0.0, [view, last], policy(**over))
+    assert plan.num_inner_steps == 100 and plan.site_steps("last") == 100
     assert plan.extra_steps.get(view.site_id, 0) == extra
     assert plan.site_steps(view.site_id) == 100 + extra
     assert (f"+{extra} steps" in reason) == (extra > 0), reason
+
+
+def test_the_site_with_the_fewest_extra_steps_trains_the_plain_slot() -> None:
+    views = [
+        SiteView("eu", 0.1, 0.04, 200e6, early_s=2.0),  # 16
+        SiteView("us", 0.1, 0.04, 200e6, early_s=1.0),  # 8
+        SiteView("ap", 0.1, 0.04, 200e6, early_s=0.5),  # 4
+    ]
+    plan, reason = plan_round(0.0, views, policy())
+    assert plan.extra_steps == {"eu": 12, "us": 4} and plan.site_steps("ap") == 100, reason
+    assert "less 4" in reason
