@@ -11,9 +11,6 @@ early waits for the others (blocking), or trains on while its result is pending 
 late (overlapped). Such a site gets extra inner steps in the round being planned, enough to fill
 most of the time it would be early: its update then lands with the others', it computes instead
 of waiting, and its merges are fresher. Updates are weighted by tokens, so the extra steps count.
-With overlap the plan takes effect two closes after the measurement it is based on, so a site
-that gains on the others every round (a faster accelerator, less evaluation work) also gets two
-rounds of that gain.
 """
 
 from __future__ import annotations
@@ -36,8 +33,6 @@ class SiteView:
     early_s: float = 0.0
     """How early this site's update would land in the round being planned without extra steps,
     judged from the latest closed round (see ``Coordinator._aligned_view``)."""
-    drift_s: float = 0.0
-    """With overlap, how much earlier it lands each round than the round before (>= 0)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,10 +82,6 @@ class RoundPlan:
     def site_steps(self, site_id: str) -> int:
         """The inner steps ``site_id`` trains in this round's slot."""
         return self.num_inner_steps + self.extra_steps.get(site_id, 0)
-
-
-_DRIFT_ROUNDS = 2
-"""With overlap, rounds between the close a plan is based on and the slot it sizes."""
 
 
 def _bytes(codec: str, numel: int) -> int:
@@ -164,12 +155,11 @@ def plan_round(
     if policy.align_arrivals:
         most = min(slot, policy.max_inner_steps // frags - slot)  # at most a second slot
         for v in sorted(sites, key=lambda s: s.site_id):
-            ahead = v.early_s + (_DRIFT_ROUNDS * v.drift_s if policy.overlap else 0.0)
-            if v.step_seconds > 0 and ahead > 0:
-                n = min(most, math.floor(policy.align_fraction * ahead / v.step_seconds))
+            if v.step_seconds > 0 and v.early_s > 0:
+                n = min(most, math.floor(policy.align_fraction * v.early_s / v.step_seconds))
                 if n > 0:
                     extra[v.site_id] = n
-                    reasons.append(f"{v.site_id}: +{n} steps ({ahead:.2f}s early)")
+                    reasons.append(f"{v.site_id}: +{n} steps ({v.early_s:.2f}s early)")
         # Only the sites' offsets matter: the site with the fewest extra steps trains the slot
         # as planned, so the round does not grow longer for everyone.
         fewest = min((extra.get(v.site_id, 0) for v in sites), default=0)

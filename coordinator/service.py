@@ -158,13 +158,12 @@ class Coordinator:
         self._views: dict[str, SiteView] = {}
         self._round_plan: dict[int, RoundPlan] = {}
         # Arrival alignment: when each on-time update landed, per open round; how early each
-        # site's landed in the latest closed round (``_early_round``) before its last one, the
-        # extra steps it had there, and (overlap) how much earlier it lands per round (EWMA).
+        # site's landed in the latest closed round (``_early_round``) before its last one, and
+        # the extra steps it had there.
         self._arrived: dict[int, dict[str, float]] = {}
         self._early_s: dict[str, float] = {}
         self._early_extra: dict[str, int] = {}
         self._early_round = 0
-        self._drift_s: dict[str, float] = {}
         self._fragment_names: list[list[str]] = []
         self._fragment_version: dict[int, int] = {}
         self._next_fragment = 0
@@ -842,21 +841,13 @@ class Coordinator:
         return plan_round(now, views, policy)
 
     def _measure_arrivals(self, round_id: int, merged: tuple[str, ...], plan: RoundPlan) -> None:
-        """How early each on-time update of the closed round landed before its last one, and
-        (for consecutive rounds) the change since the previous round without its extra steps."""
+        """How early each on-time update of the closed round landed before its last one."""
         arrived = self._arrived.pop(round_id, {})
         on_time = {s: arrived[s] for s in merged if s in arrived}
         if not on_time:
             return
         last = max(on_time.values())
         early = {s: last - t for s, t in on_time.items()}
-        for site_id, now_early in early.items():
-            view = self._views.get(site_id)
-            if site_id in self._early_s and self._early_round == round_id - 1 and view:
-                extra_s = plan.extra_steps.get(site_id, 0) * view.step_seconds
-                gain = now_early - self._early_s[site_id] + extra_s
-                old = self._drift_s.get(site_id, 0.0)
-                self._drift_s[site_id] = 0.5 * old + 0.5 * gain
         self._early_s = early
         self._early_extra = {s: plan.extra_steps.get(s, 0) for s in early}
         self._early_round = round_id
@@ -868,7 +859,7 @@ class Coordinator:
         Blocking rounds all start from the same result, so a round's earliness is its own: the
         measured one plus what that round's extra steps took. With overlap a site's slots follow
         each other, so earliness carries over: the measured one less what the extra steps of the
-        rounds opened since will take, plus (in the scheduler) the per-round drift."""
+        rounds opened since will take."""
         view = self._views.get(site_id, SiteView(site_id))
         if site_id not in self._early_s or view.step_seconds <= 0:
             return view
@@ -881,11 +872,7 @@ class Coordinator:
             for round_id, plan in self._round_plan.items()
             if round_id > self._early_round
         )
-        return replace(
-            view,
-            early_s=max(0.0, early - planned * view.step_seconds),
-            drift_s=max(0.0, self._drift_s.get(site_id, 0.0)),
-        )
+        return replace(view, early_s=max(0.0, early - planned * view.step_seconds))
 
     def _open(self, now: float, participants: tuple[str, ...], why: str) -> None:
         assert self.state is not None and self.chan is not None

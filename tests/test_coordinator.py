@@ -428,7 +428,5 @@ def test_extra_steps_already_planned_count_against_the_earliness() -> None:
         # After round 1: eu was 1 s early, 2 extra steps (0.6 s) for round 3. After round 2
         # (planned before any of that): again 1 s early, of which round 3's steps fill 0.6 s;
         # the 0.4 s left give floor(0.8 x 0.4 / 0.3) = 1 extra step for round 4. After round 3:
-        # still 1 s early despite its 2 extra steps, so eu gains 0.6 s per round (drift, an
-        # average of 0.3 s after one measurement); round 4's step takes 0.3 s of the 1 s, and two
-        # rounds of drift add 0.6 s: floor(0.8 x 1.3 / 0.3) = 3 extra steps for round 5.
-        assert steps == [5, 4, 6]
+        # 1 s early, round 4's step takes 0.3 s: floor(0.8 x 0.7 / 0.3) = 1 for round 5.
+        assert steps == [5, 4, 4]

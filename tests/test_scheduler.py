@@ -99,9 +99,6 @@ def test_blocking_mode_budget_follows_target_utilization() -> None:
         (SiteView("eu", 0.1, 0.04, 200e6, early_s=2.0), {"align_arrivals": False}, 0),
         (SiteView("eu", 0.1, 0.04, 200e6, early_s=2.0), {"align_fraction": 0.5}, 10),
         (SiteView("new", early_s=2.0), {}, 0),  # step time not measured yet
-        # With overlap two rounds of drift come on top: 0.8 x (1.0 + 2 x 0.5) / 0.1 = 16.
-        (SiteView("eu", 0.1, 0.04, 200e6, early_s=1.0, drift_s=0.5), {}, 16),
-        (SiteView("eu", 0.1, 0.04, 200e6, early_s=1.0, drift_s=0.5), {"overlap": False}, 8),
     ],
 )
 def test_a_site_that_landed_early_trains_extra_steps(
