@@ -656,9 +656,10 @@ class SiteAgent:
             return
         if self.cfg.secure_aggregation is not None:
             # Masked sums are plain means: every site's weight is the same (and hidden).
-            self._tokens.pop(rs.fragment, None)
-            self._sent[rs.fragment] = _Sent({k: local[k] for k in names}, self._steps_done)
-            self._send_masked(rs, delta, stats)
+            if self._send_masked(rs, delta, stats):
+                self._tokens.pop(rs.fragment, None)
+                self._sent[rs.fragment] = _Sent({k: local[k] for k in names}, self._steps_done)
+            # else nothing went out: the progress stays local and goes out with the next update
             return
         if self.cfg.privacy is not None and self.accountant is not None:
             # Clip and noise the pseudo-gradient before anything leaves the site; the noise is
@@ -736,8 +737,9 @@ class SiteAgent:
         self.metrics.utilization(self.status()["compute_utilization"])
         self._write_site_status()
 
-    def _send_masked(self, rs: RoundStart, delta: dict[str, np.ndarray], stats: TrainStats) -> None:
-        """Secure aggregation: clip to the fixed-point range, mask, send; keep for a re-run."""
+    def _send_masked(self, rs: RoundStart, delta: dict[str, np.ndarray], stats: TrainStats) -> bool:
+        """Secure aggregation: clip to the fixed-point range, mask, send; keep for a re-run.
+        False when the round's masking plan is unusable and nothing was sent."""
         assert self.cfg.secure_aggregation is not None
         bound = self.cfg.secure_aggregation.clip_bound
         if self.cfg.privacy is not None and self.accountant is not None:
@@ -755,7 +757,10 @@ class SiteAgent:
             )
         delta = {k: np.clip(v, -bound, bound) for k, v in delta.items()}
         self._unmasked = {rs.round_id: (rs.fragment, delta, 1.0, stats)}
-        self._mask_and_send(rs, delta, stats)
+        if self._mask_and_send(rs, delta, stats):
+            return True
+        self._unmasked.clear()  # a re-run must not send what stays local
+        return False
 
     def _remask(self, rs: RoundStart) -> None:
         kept = self._unmasked.get(rs.round_id)
@@ -774,7 +779,7 @@ class SiteAgent:
 
     def _mask_and_send(
         self, rs: RoundStart, delta: dict[str, np.ndarray], stats: TrainStats
-    ) -> None:
+    ) -> bool:
         assert self.secagg is not None and self.link is not None
         attempt = int(rs.secagg.get("attempt", 0))
         try:
@@ -791,7 +796,7 @@ class SiteAgent:
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             self.metrics.rejected("secagg_plan")
             log.error("[site=%s round=%d] not masking: %s", self.site_id, rs.round_id, exc)
-            return
+            return False
         if rs.round_id == self.cfg.fault_exit_before_send_round and attempt == 0:
             log.error(
                 "[site=%s round=%d] fault drill: exiting after masking", self.site_id, rs.round_id
@@ -816,6 +821,7 @@ class SiteAgent:
             rs.fragment,
             attempt,
         )
+        return True
 
     def _publish_link_metrics(self) -> None:
         if self.link is None:
