@@ -1040,11 +1040,17 @@ class LinkEmulator:
                 conn.masks[fd] = 0
             self._by_fd.pop(fd, None)
         for pipe in (conn.up, conn.down):
-            self._lined.discard(pipe)
-            pipe.line.clear()
-            pipe.queue.clear()
-            pipe.out.clear()
+            self._drop(pipe)
         self._conns.pop(conn.conn_id, None)
+
+    def _drop(self, pipe: _Pipe) -> None:
+        """Discard every byte of ``pipe``: queued, in the delay line, ready to write."""
+        self._lined.discard(pipe)
+        pipe.line.clear()
+        pipe.queue.clear()
+        pipe.queue_bytes = 0
+        pipe.out.clear()
+        pipe.out_bytes = 0
 
     def _peer_failed(self, conn: _Conn, sock: socket.socket) -> None:
         """One end of ``conn`` reset or failed. As on a real network, what it sent before is on
@@ -1056,12 +1062,7 @@ class LinkEmulator:
         lost = conn.down if sent_by is conn.up else conn.up
         sent_by.src_eof = sent_by.src_reset = True
         lost.src_eof = lost.dst_shut = True
-        self._lined.discard(lost)
-        lost.line.clear()
-        lost.queue.clear()
-        lost.queue_bytes = 0
-        lost.out.clear()
-        lost.out_bytes = 0
+        self._drop(lost)
         if sent_by.buffered == 0 or sent_by.dst_shut:
             self._abort(conn)
             return

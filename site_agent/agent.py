@@ -502,15 +502,14 @@ class SiteAgent:
             )
             self._send(SyncRequest(site_id=self.site_id, global_version=self.global_version))
             return
+        merge_delay = ""
         if msg.is_full:
             # A full download replaces everything: local progress and in-flight sends are void.
             local = {k: v.copy() for k, v in new.items()}
             self._sent.clear()
-            merge_delay = ""
         else:
             local = self.trainer.parameters_numpy()
             sent = self._sent.pop(msg.fragment, None)
-            merge_delay = ""
             if sent is not None:
                 delay = self._steps_done - sent.at_step
                 self.metrics.merge_delay(delay)
