@@ -399,6 +399,8 @@ class SiteAgent:
                 self._pending.append(msg)
         elif isinstance(msg, RoundCancel):
             self._cancelled.update(msg.round_ids)
+            if self._awaiting_result in msg.round_ids:
+                self._awaiting_result = None  # its result will never come
             log.warning(
                 "[site=%s] rounds %s cancelled: %s", self.site_id, msg.round_ids, msg.reason
             )

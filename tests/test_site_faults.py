@@ -1,0 +1,188 @@
+"""The site agent under faults, in-process: a scripted coordinator link and a fake trainer.
+
+No sockets and no sleeps: the link hands the agent the next scripted message once the agent's
+sends so far satisfy that message's gate, and answers ``Shutdown`` when the script is spent, or
+when the agent polls a long time without anything left to give it (the agent is stuck).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from comm.channel import ChannelStats
+from comm.keys import SecurityConfig
+from comm.schema import (
+    Message,
+    RoundCancel,
+    RoundStart,
+    Shutdown,
+    Update,
+    Welcome,
+)
+from site_agent.agent import EXIT_OK, SiteAgent
+from site_agent.config import SiteConfig
+from site_agent.trainer import TrainStats
+
+pytestmark = pytest.mark.timeout(60)
+
+Gate = Callable[[list[Message]], bool]
+STUCK_POLLS = 200
+"""Polls with nothing to deliver after which the agent counts as stuck (it never needs more
+than a few: every scripted message is gated on what the agent already sent)."""
+
+
+class FakeTrainer:
+    """Two parameters; every inner step adds 1 to each and trains 10 tokens."""
+
+    def __init__(self) -> None:
+        self.params = {"a": np.zeros(4, np.float32), "b": np.zeros(3, np.float32)}
+
+    def train_steps(self, num_steps: int) -> TrainStats:
+        for v in self.params.values():
+            v += num_steps
+        return TrainStats(num_steps, 10 * num_steps, 1.0, 1.0, 0.0)
+
+    def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        return 1.0
+
+    def parameters_numpy(self) -> dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in self.params.items()}
+
+    def load_parameters(self, params: Mapping[str, np.ndarray]) -> None:
+        self.params = {k: np.array(v, np.float32) for k, v in params.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+
+def always(_sent: list[Message]) -> bool:
+    return True
+
+
+def after_update(round_id: int) -> Gate:
+    return lambda sent: any(isinstance(m, Update) and m.round_id == round_id for m in sent)
+
+
+class ScriptedLink:
+    """Stands in for ``SiteLink``: records sends, delivers gated scripted messages."""
+
+    def __init__(self, script: Sequence[tuple[Gate, Message]]) -> None:
+        self.script = list(script)
+        self.sent: list[Message] = []
+        self.stats = ChannelStats()
+        self.idle_polls = 0
+        self.stuck = False
+
+    def send(self, msg: Message) -> None:
+        self.sent.append(msg)
+
+    def recv(self, timeout_s: float) -> Message | None:
+        if not self.script:
+            return Shutdown(reason="script done")
+        gate, msg = self.script[0]
+        if gate(self.sent):
+            self.script.pop(0)
+            self.idle_polls = 0
+            return msg
+        self.idle_polls += 1
+        if self.idle_polls > STUCK_POLLS:
+            self.stuck = True
+            return Shutdown(reason="stuck")
+        return None
+
+    def updates(self) -> list[int]:
+        return [m.round_id for m in self.sent if isinstance(m, Update)]
+
+
+def welcome() -> Welcome:
+    return Welcome(
+        site_id="eu", session_id="s1", global_version=0, heartbeat_interval_s=1.0, need_init=False
+    )
+
+
+def round_start(round_id: int, *, overlap: bool, base: int = 0, fragment: int = 0) -> RoundStart:
+    return RoundStart(
+        round_id=round_id,
+        global_version=0,
+        fragment_base_version=base,
+        fragment=fragment,
+        num_fragments=1,
+        num_inner_steps=2,
+        overlap=overlap,
+        codec="fp32",
+        deadline_s=60.0,
+        participants=("eu",),
+        evaluate=False,
+        reason="test",
+    )
+
+
+def make_agent(tmp_path: Path, script: Sequence[tuple[Gate, Message]]) -> SiteAgent:
+    cfg = SiteConfig(
+        site_id="eu",
+        coordinator="tcp://127.0.0.1:1",
+        state_dir=str(tmp_path / "state"),
+        security=SecurityConfig(insecure=True),
+        steps_per_poll=1,
+    )
+    cfg.state_path.mkdir(parents=True)
+    agent = SiteAgent(cfg, trainer=FakeTrainer(), val_batches=[])
+    agent.global_version = 0
+    agent.link = ScriptedLink(script)  # type: ignore[assignment]
+    return agent
+
+
+def run_script(tmp_path: Path, script: Sequence[tuple[Gate, Message]]) -> tuple[int, ScriptedLink]:
+    agent = make_agent(tmp_path, script)
+    link = agent.link
+    assert isinstance(link, ScriptedLink)
+    return agent.run(), link
+
+
+# ---- 1. a cancelled round must not leave a site without overlap waiting forever ------------
+
+
+def test_cancel_of_the_awaited_round_without_overlap_does_not_block_later_rounds(
+    tmp_path: Path,
+) -> None:
+    code, link = run_script(
+        tmp_path,
+        [
+            (always, welcome()),
+            (always, round_start(1, overlap=False)),
+            # Round 1 is aborted after our update went out: its result never comes.
+            (after_update(1), RoundCancel(round_ids=(1,), reason="deadline")),
+            (always, round_start(2, overlap=False)),
+            (after_update(2), Shutdown(reason="done")),
+        ],
+    )
+    assert code == EXIT_OK
+    assert not link.stuck, "the site ignored round 2 while waiting for cancelled round 1"
+    assert link.updates() == [1, 2]
+
+
+def test_without_overlap_the_site_still_waits_for_a_result_that_is_coming(
+    tmp_path: Path,
+) -> None:
+    # Round 2 arrives before round 1's result: without overlap it is not trained until then.
+    code, link = run_script(
+        tmp_path,
+        [
+            (always, welcome()),
+            (always, round_start(1, overlap=False)),
+            (after_update(1), round_start(2, overlap=False)),
+            (after_update(2), Shutdown(reason="done")),
+        ],
+    )
+    assert code == EXIT_OK
+    assert link.stuck  # nothing else came: it kept waiting for round 1's result
+    assert link.updates() == [1]
