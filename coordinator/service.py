@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -60,17 +59,19 @@ from comm.tensors import (
 from comm.wire import WireError
 from comm.zap import ZapHandler
 from coordinator.config import CoordinatorConfig
-from coordinator.membership import Member, expired, ready_sites, touch
-from coordinator.metrics import CoordinatorMetrics
-from coordinator.rounds import (
-    Action,
-    OpenRound,
-    RoundPolicy,
-    RoundSnapshot,
-    decide,
-    grace_window,
-    quorum_size,
+from coordinator.lifecycle import (
+    Abort,
+    Close,
+    Lifecycle,
+    LifecycleConfig,
+    Open,
+    Refusal,
+    Remove,
+    Rerun,
 )
+from coordinator.membership import Member
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.rounds import OpenRound
 from coordinator.scheduler import RoundPlan, SchedulePolicy, SiteView, plan_round
 from coordinator.state import (
     FileStateStore,
@@ -95,13 +96,21 @@ class _Accepted:
     nbytes: int
 
 
-@dataclass(frozen=True)
-class _Closed:
-    """What is remembered of a closed round, to judge its late updates."""
-
-    participants: frozenset[str]
-    merged: frozenset[str]
-    fragment: int
+def lifecycle_config(cfg: CoordinatorConfig) -> LifecycleConfig:
+    """What the round lifecycle needs of the coordinator's configuration."""
+    return LifecycleConfig(
+        min_sites=cfg.min_sites,
+        quorum_fraction=cfg.quorum_fraction,
+        max_rounds=cfg.max_rounds,
+        max_open=2 if cfg.overlap else 1,
+        num_fragments=cfg.num_fragments,
+        max_staleness_rounds=cfg.max_staleness_rounds,
+        round_deadline_s=cfg.round_deadline_s,
+        site_timeout_s=cfg.site_timeout_s,
+        grace_floor_s=cfg.grace_floor_s,
+        grace_ceiling_s=cfg.grace_ceiling_s,
+        secure_aggregation=cfg.secure_aggregation is not None,
+    )
 
 
 def next_fragment(history: Sequence[Mapping[str, Any]], num_fragments: int) -> int:
@@ -117,7 +126,12 @@ def next_fragment(history: Sequence[Mapping[str, Any]], num_fragments: int) -> i
 
 
 class Coordinator:
-    """One federation's coordinator. ``start``, then ``run`` (or ``step``), then ``close``."""
+    """One federation's coordinator. ``start``, then ``run`` (or ``step``), then ``close``.
+
+    Rounds and membership live in a pure :class:`Lifecycle` (``self.book``); this class is the
+    I/O around it: decoding and validating messages, the strategy's math, durable writes and
+    sends, in the order the lifecycle's decisions give.
+    """
 
     def __init__(
         self,
@@ -144,17 +158,12 @@ class Coordinator:
         )
         self.metrics = metrics or CoordinatorMetrics()
         self.clock = clock
-        self.policy = RoundPolicy(
-            cfg.min_sites, cfg.quorum_fraction, cfg.max_rounds, max_open=2 if cfg.overlap else 1
-        )
+        self.book = Lifecycle(lifecycle_config(cfg))
         self.session_id = os.urandom(8).hex()
         self.state: GlobalState | None = None
-        self.members: dict[str, Member] = {}
-        self.open_rounds: list[OpenRound] = []
+        # Decoded updates: on time per open round, and late ones by (site, round).
         self._accepted: dict[int, dict[str, _Accepted]] = {}
-        self._late: list[_Accepted] = []
-        self._closed: dict[int, _Closed] = {}
-        self._lags: deque[float] = deque(maxlen=64)
+        self._late: dict[tuple[str, int], _Accepted] = {}
         self._views: dict[str, SiteView] = {}
         self._round_plan: dict[int, RoundPlan] = {}
         # Arrival alignment: when each on-time update landed, per open round; how early each
@@ -165,8 +174,6 @@ class Coordinator:
         self._early_extra: dict[str, int] = {}
         self._early_round = 0
         self._fragment_names: list[list[str]] = []
-        self._fragment_version: dict[int, int] = {}
-        self._next_fragment = 0
         self._round_bytes_at_open: dict[int, tuple[int, int]] = {}
         # Secure aggregation: each site's announced masking keys, each round's masking plan
         # (its current attempt), and the masked vectors of that attempt.
@@ -186,17 +193,22 @@ class Coordinator:
         )
 
     @property
+    def members(self) -> dict[str, Member]:
+        return self.book.members
+
+    @property
+    def open_rounds(self) -> list[OpenRound]:
+        return self.book.open_rounds
+
+    @property
     def open_round(self) -> OpenRound | None:
         """The oldest round in flight."""
-        return self.open_rounds[0] if self.open_rounds else None
+        return self.book.open_rounds[0] if self.book.open_rounds else None
 
     def _set_model(self) -> None:
         """Fragment layout of the model (a pure function of its tensor names)."""
         assert self.state is not None
         self._fragment_names = fragments(list(self.state.params), self.cfg.num_fragments)
-        self._fragment_version = dict.fromkeys(
-            range(self.cfg.num_fragments), self.state.global_version
-        )
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -205,7 +217,13 @@ class Coordinator:
         self.state = self.store.load()
         if self.state is not None:
             self._set_model()
-            self._next_fragment = next_fragment(self.state.history, self.cfg.num_fragments)
+            self.book = Lifecycle.resume(
+                lifecycle_config(self.cfg),
+                global_version=self.state.global_version,
+                round_counter=self.state.round_counter,
+                completed_rounds=len(self.state.history),
+                next_fragment=next_fragment(self.state.history, self.cfg.num_fragments),
+            )
             self.metrics.global_version.set(self.state.global_version)
             log.info(
                 "[coordinator] resumed global_version=%d round_counter=%d",
@@ -332,12 +350,10 @@ class Coordinator:
     def _member_for(self, peer: bytes, site_id: str) -> Member | None:
         if not self._authentic(peer, site_id):
             return None
-        m = self.members.get(site_id)
-        if m is None or m.peer != peer:
+        m = self.book.touch(self.clock(), site_id, peer)
+        if m is None:
             self._reject(peer, ErrorCode.NOT_JOINED, f"site {site_id!r} must join", site_id)
-            return None
-        self.members[site_id] = touch(m, self.clock(), peer)
-        return self.members[site_id]
+        return m
 
     # ---- message handling ------------------------------------------------------------------
 
@@ -360,8 +376,7 @@ class Coordinator:
                 self._on_eval(msg)
         elif isinstance(msg, SyncRequest):
             if self._member_for(peer, msg.site_id) is not None and self.state is not None:
-                m = self.members[msg.site_id]
-                self.members[msg.site_id] = replace(m, in_sync=False)
+                self.book.holds(msg.site_id, -1, in_sync=False)
                 self._send_full(msg.site_id)
         elif isinstance(msg, Leave):
             if self._member_for(peer, msg.site_id) is not None:
@@ -383,7 +398,7 @@ class Coordinator:
             )
             return
         now = self.clock()
-        old = self.members.get(msg.site_id)
+        old = self.book.members.get(msg.site_id)
         if old is not None and old.peer != peer:
             assert self.chan is not None
             self.chan.forget(old.peer)
@@ -393,18 +408,15 @@ class Coordinator:
             and msg.state_hash == self._hash()
         )
         self._record_secagg_peer(peer, msg)
-        self.members[msg.site_id] = Member(
-            site_id=msg.site_id,
-            peer=peer,
-            joined_at=now,
-            last_seen=now,
-            global_version=msg.global_version if in_sync else -1,
-            in_sync=in_sync,
+        self.book.join(
+            now, msg.site_id, peer, in_sync_version=msg.global_version if in_sync else None
         )
         self.metrics.joins.inc()
-        self.metrics.members.set(len(self.members))
+        self.metrics.members.set(len(self.book.members))
         need_init = False
-        if self.state is None and (self._init_site is None or self._init_site not in self.members):
+        if self.state is None and (
+            self._init_site is None or self._init_site not in self.book.members
+        ):
             self._init_site, self._init_fingerprint = msg.site_id, msg.model_fingerprint
             need_init = True
         log.info(
@@ -447,11 +459,9 @@ class Coordinator:
 
     def _send_full(self, site_id: str) -> None:
         assert self.state is not None
-        m = self.members[site_id]
+        m = self.book.members[site_id]
         if self._send(m.peer, self._full_global(round_id=self.state.global_version)):
-            self.members[site_id] = replace(
-                m, global_version=self.state.global_version, in_sync=True
-            )
+            self.book.holds(site_id, self.state.global_version, in_sync=True)
             log.info(
                 "[coordinator site=%s] sent full model v%d", site_id, self.state.global_version
             )
@@ -485,9 +495,9 @@ class Coordinator:
             len(params),
             sum(v.size for v in params.values()),
         )
-        m = self.members[msg.site_id]
-        self.members[msg.site_id] = replace(m, global_version=0, in_sync=True)
-        for site_id, other in sorted(self.members.items()):
+        self.book.set_model(0)
+        self.book.holds(msg.site_id, 0, in_sync=True)
+        for site_id, other in sorted(self.book.members.items()):
             if not other.in_sync:
                 self._send_full(site_id)
         self._publish_status()
@@ -497,50 +507,19 @@ class Coordinator:
         self._views[msg.site_id] = SiteView(
             msg.site_id, msg.step_seconds, msg.link_rtt_s, msg.link_goodput_bps
         )
-        r = next((o for o in self.open_rounds if o.round_id == msg.round_id), None)
-        closed = self._closed.get(msg.round_id)
-        if r is not None:
-            participants, fragment = frozenset(r.participants), r.fragment
-        elif closed is not None:
-            participants, fragment = closed.participants, closed.fragment
-        else:
-            self._reject(
-                peer, ErrorCode.STALE_ROUND, f"round {msg.round_id} is not open", msg.site_id
-            )
-            return
-        if msg.site_id not in participants:
-            self._reject(peer, ErrorCode.UNEXPECTED, f"not in round {msg.round_id}", msg.site_id)
-            return
-        seen = (r is not None and msg.site_id in r.received) or (
-            closed is not None and msg.site_id in closed.merged
+        verdict = self.book.check_update(
+            msg.site_id, msg.round_id, msg.fragment, msg.global_version
         )
-        if seen or any(u.site_id == msg.site_id and u.round_id == msg.round_id for u in self._late):
-            self._reject(peer, ErrorCode.DUPLICATE, f"round {msg.round_id}", msg.site_id)
-            return
-        if msg.fragment != fragment:
-            detail = f"fragment {msg.fragment}, round has {fragment}"
-            self._reject(peer, ErrorCode.BAD_PAYLOAD, detail, msg.site_id)
-            return
-        if r is not None and msg.global_version < r.base_version:
-            detail = f"trained from v{msg.global_version}, round needs v{r.base_version}"
-            self._reject(peer, ErrorCode.STALE_ROUND, detail, msg.site_id)
-            return
-        staleness = self.state.round_counter - msg.round_id
-        if r is None and (
-            staleness > self.cfg.max_staleness_rounds or not closed or not closed.merged
-        ):
-            detail = f"round {msg.round_id} closed {staleness} rounds ago or was aborted"
-            self._reject(peer, ErrorCode.STALE_ROUND, detail, msg.site_id)
+        if isinstance(verdict, Refusal):
+            self._reject(peer, verdict.code, verdict.detail, msg.site_id)
             return
         if not (np.isfinite(msg.weight) and msg.weight > 0 and np.isfinite(msg.train_loss)):
             self._reject(peer, ErrorCode.NON_FINITE, f"weight {msg.weight}", msg.site_id)
             return
-        names = self._fragment_names[fragment]
+        names = self._fragment_names[verdict.fragment]
         if self.cfg.secure_aggregation is not None:
-            if r is None:
-                detail = f"round {msg.round_id} is closed; masked updates cannot be merged late"
-                self._reject(peer, ErrorCode.STALE_ROUND, detail, msg.site_id)
-                return
+            r = self.book.open_round(msg.round_id)
+            assert r is not None  # a masked update is never admitted late
             self._on_masked_update(peer, msg, r, names)
             return
         try:
@@ -568,32 +547,24 @@ class Coordinator:
         self.metrics.update_size.observe(nbytes)
         self.metrics.payload_bytes.labels(direction="in").inc(nbytes)
         self.metrics.payload_raw_bytes.labels(direction="in").inc(raw)
-        if r is None:
-            self._late.append(acc)
+        now = self.clock()
+        self.book.accept(now, msg.site_id, msg.round_id)
+        if verdict.late:
+            self._late[(msg.site_id, msg.round_id)] = acc
             self.metrics.late_updates.inc()
             log.info(
                 "[coordinator site=%s round=%d] late update kept for the next sync of fragment %d",
                 msg.site_id,
                 msg.round_id,
-                fragment,
+                verdict.fragment,
             )
             return
-        now = self.clock()
-        self._accepted.setdefault(r.round_id, {})[msg.site_id] = acc
-        self._arrived.setdefault(r.round_id, {})[msg.site_id] = now
-        received = r.received | {msg.site_id}
-        quorum_at = r.quorum_at
-        if quorum_at is None:
-            if len(received) >= quorum_size(len(r.participants), self.cfg.quorum_fraction):
-                quorum_at = now
-        else:
-            self._lags.append(now - quorum_at)
-        updated = replace(r, received=frozenset(received), quorum_at=quorum_at)
-        self.open_rounds = [updated if o.round_id == r.round_id else o for o in self.open_rounds]
+        self._accepted.setdefault(msg.round_id, {})[msg.site_id] = acc
+        self._arrived.setdefault(msg.round_id, {})[msg.site_id] = now
         log.info(
             "[coordinator site=%s round=%d] update accepted weight=%.0f loss=%.4f norm=%.4g",
             msg.site_id,
-            r.round_id,
+            msg.round_id,
             msg.weight,
             msg.train_loss,
             norm,
@@ -641,15 +612,7 @@ class Coordinator:
             msg.compute_seconds,
             sum(enc.nbytes for enc in msg.payload),
         )
-        now = self.clock()
-        received = r.received | {msg.site_id}
-        quorum_at = r.quorum_at
-        if quorum_at is None and len(received) >= quorum_size(
-            len(r.participants), self.cfg.quorum_fraction
-        ):
-            quorum_at = now
-        updated = replace(r, received=frozenset(received), quorum_at=quorum_at)
-        self.open_rounds = [updated if o.round_id == r.round_id else o for o in self.open_rounds]
+        self.book.accept(self.clock(), msg.site_id, r.round_id)
         self.metrics.updates_accepted.labels(site=msg.site_id).inc()
         log.info(
             "[coordinator site=%s round=%d] masked update accepted (attempt %d)",
@@ -667,38 +630,25 @@ class Coordinator:
             },
         }
 
-    def _rerun_or_abandon(self, now: float, r: OpenRound, received: tuple[str, ...]) -> bool:
-        """Secure aggregation with missing vectors: re-run with the survivors, or abandon.
-
-        Returns True when the round goes on (re-run) and False when it was abandoned."""
+    def _rerun_or_abandon(self, now: float, r: OpenRound, received: tuple[str, ...]) -> None:
+        """Secure aggregation with missing vectors: re-run with the survivors, or abandon."""
         assert self.cfg.secure_aggregation is not None and self.state is not None
         plan = self._masking[r.round_id]
         decision, why = decide_attempt(plan, received, self.cfg.secure_aggregation)
         if decision.action != "rerun" or decision.plan is None:
-            self._abort(f"secure aggregation: {why}")
-            return False
+            self._abort(self.book.abort(f"secure aggregation: {why}"))
+            return
         rerun = decision.plan
         self._masking[r.round_id] = rerun
         self._masked.pop(r.round_id, None)
         self._accepted.pop(r.round_id, None)
         survivors = tuple(sorted(rerun.participants))
-        self.open_rounds = [
-            replace(
-                o,
-                participants=survivors,
-                received=frozenset(),
-                quorum_at=None,
-                deadline_at=now + self.cfg.round_deadline_s,
-            )
-            if o.round_id == r.round_id
-            else o
-            for o in self.open_rounds
-        ]
+        self.book.rerun(now, r.round_id, survivors)
         log.warning("[coordinator round=%d] secure aggregation: %s", r.round_id, why)
         prev = self._round_plan[r.round_id]
         for site_id in survivors:
             self._send(
-                self.members[site_id].peer,
+                self.book.members[site_id].peer,
                 RoundStart(
                     round_id=r.round_id,
                     global_version=self.state.global_version,
@@ -715,7 +665,6 @@ class Coordinator:
                     secagg=self._secagg_plan_message(rerun),
                 ),
             )
-        return True
 
     def _on_eval(self, msg: Eval) -> None:
         if self.state is None:
@@ -740,10 +689,10 @@ class Coordinator:
         self._publish_status()
 
     def _remove(self, site_id: str) -> None:
-        m = self.members.pop(site_id, None)
+        m = self.book.leave(site_id)
         if m is not None and self.chan is not None:
             self.chan.forget(m.peer)
-        self.metrics.members.set(len(self.members))
+        self.metrics.members.set(len(self.book.members))
 
     # ---- the tick: decisions carried out ---------------------------------------------------
 
@@ -751,73 +700,66 @@ class Coordinator:
         now = self.clock()
         if now - self._status.published_at > 1.0:
             self._publish_status()
-        gone, reason = expired(now, self.members, self.cfg.site_timeout_s)
-        for site_id in gone:
-            log.warning("[coordinator site=%s] removed: %s", site_id, reason)
-            self.metrics.site_timeouts.inc()
-            self._remove(site_id)
         if self.state is None:
-            if self._init_site is not None and self._init_site not in self.members:
+            self._expire(now)
+            if self._init_site is not None and self._init_site not in self.book.members:
                 self._init_site = self._init_fingerprint = None
             return
         if self.finished:
             return
         if self._finish_started is not None:
+            self._expire(now)
             self._maybe_finish(now)
             return
-        for _ in range(4):  # several decisions can follow at once (close r, then open r+2)
-            grace, _why = grace_window(
-                list(self._lags), floor_s=self.cfg.grace_floor_s, ceiling_s=self.cfg.grace_ceiling_s
-            )
-            snap = RoundSnapshot(
-                open_rounds=tuple(self.open_rounds),
-                ready=tuple(ready_sites(self.members, self.state.global_version)),
-                alive=frozenset(self.members),
-                completed_rounds=len(self.state.history),
-                grace_s=grace,
-            )
-            decision, why = decide(now, snap, self.policy)
-            if decision.action is Action.WAIT:
+        # Several decisions can follow at once (remove a silent site, close r, open r+2).
+        for _ in range(8):
+            decision = self.book.tick(now)
+            if decision is None:
                 return
-            if decision.action is Action.OPEN:
-                self._open(now, decision.participants, why)
-            elif decision.action is Action.CLOSE:
-                r = self.open_rounds[0]
-                complete = set(decision.participants) == set(r.participants)
-                if self.cfg.secure_aggregation is not None and not complete:
-                    self._rerun_or_abandon(now, r, decision.participants)
-                    continue
-                self._close(now, r, decision.participants, why)
-            elif decision.action is Action.ABORT:
-                if self.cfg.secure_aggregation is not None:
-                    # Masked vectors without their whole set are useless: re-run or abandon.
-                    r = self.open_rounds[0]
-                    if self._rerun_or_abandon(now, r, tuple(sorted(r.received))):
-                        continue
-                    return
-                self._abort(why)
-            elif decision.action is Action.FINISH:
-                log.info("[coordinator] finishing: %s", why)
+            if isinstance(decision, Remove):
+                self._on_removed(decision)
+            elif isinstance(decision, Open):
+                self._open(now, decision)
+            elif isinstance(decision, Close):
+                self._close(now, decision)
+            elif isinstance(decision, Rerun):
+                self._rerun_or_abandon(now, decision.round, decision.received)
+            elif isinstance(decision, Abort):
+                self._abort(decision)
+            else:
+                log.info("[coordinator] finishing: %s", decision.why)
                 self._finish_started = now
                 self._maybe_finish(now)
                 return
 
-    def _abort(self, why: str) -> None:
-        """The oldest round cannot complete: cancel every open round (later ones build on it)."""
-        ids = tuple(r.round_id for r in self.open_rounds)
-        log.warning("[coordinator round=%d] aborted: %s; cancelling %s", ids[0], why, ids)
+    def _expire(self, now: float) -> None:
+        """Silent sites are removed also when no round can run (before init, while finishing)."""
+        removed = self.book.expire(now)
+        if removed is not None:
+            self._on_removed(removed)
+
+    def _on_removed(self, decision: Remove) -> None:
+        for m in decision.members:
+            log.warning("[coordinator site=%s] removed: %s", m.site_id, decision.why)
+            self.metrics.site_timeouts.inc()
+            if self.chan is not None:
+                self.chan.forget(m.peer)
+        self.metrics.members.set(len(self.book.members))
+
+    def _abort(self, decision: Abort) -> None:
+        """Every open round was cancelled: drop what they gathered and tell every member."""
+        ids = decision.round_ids
+        log.warning("[coordinator round=%d] aborted: %s; cancelling %s", ids[0], decision.why, ids)
         self.metrics.rounds_aborted.inc()
-        for r in self.open_rounds:
-            self._closed[r.round_id] = _Closed(frozenset(r.participants), frozenset(), r.fragment)
-            self._accepted.pop(r.round_id, None)
-            self._arrived.pop(r.round_id, None)
-            self._masking.pop(r.round_id, None)
-            self._masked.pop(r.round_id, None)
-            self._round_plan.pop(r.round_id, None)
-            self._round_bytes_at_open.pop(r.round_id, None)
-        self.open_rounds = []
-        for m in self.members.values():
-            self._send(m.peer, RoundCancel(round_ids=ids, reason=why))
+        for round_id in ids:
+            self._accepted.pop(round_id, None)
+            self._arrived.pop(round_id, None)
+            self._masking.pop(round_id, None)
+            self._masked.pop(round_id, None)
+            self._round_plan.pop(round_id, None)
+            self._round_bytes_at_open.pop(round_id, None)
+        for m in self.book.members.values():
+            self._send(m.peer, RoundCancel(round_ids=ids, reason=decision.why))
 
     def _schedule(self, now: float, participants: tuple[str, ...]) -> tuple[RoundPlan, str]:
         assert self.state is not None
@@ -874,30 +816,13 @@ class Coordinator:
         )
         return replace(view, early_s=max(0.0, early - planned * view.step_seconds))
 
-    def _open(self, now: float, participants: tuple[str, ...], why: str) -> None:
+    def _open(self, now: float, decision: Open) -> None:
         assert self.state is not None and self.chan is not None
-        round_id = self.state.round_counter + 1
+        round_id, participants, why = decision.round_id, decision.participants, decision.why
+        fragment, base = decision.fragment, decision.base_version
         self.state = replace(self.state, round_counter=round_id)
         self.store.save_counter(self.state)  # durable before announced: ids are never reused
         plan, plan_why = self._schedule(now, participants)
-        fragment = self._next_fragment
-        self._next_fragment = (fragment + 1) % self.cfg.num_fragments
-        # The update must build on the latest result for its fragment, even one still in flight.
-        base = max(
-            [self._fragment_version[fragment]]
-            + [r.round_id for r in self.open_rounds if r.fragment == fragment]
-        )
-        self.open_rounds.append(
-            OpenRound(
-                round_id=round_id,
-                base_version=base,
-                participants=participants,
-                opened_at=now,
-                deadline_at=now + self.cfg.round_deadline_s,
-                received=frozenset(),
-                fragment=fragment,
-            )
-        )
         self._round_plan[round_id] = plan
         for site_id, steps in plan.extra_steps.items():
             self.metrics.extra_steps.labels(site=site_id).inc(steps)
@@ -931,7 +856,7 @@ class Coordinator:
         )
         for i, site_id in enumerate(participants):
             self._send(
-                self.members[site_id].peer,
+                self.book.members[site_id].peer,
                 RoundStart(
                     round_id=round_id,
                     global_version=self.state.global_version,
@@ -943,7 +868,7 @@ class Coordinator:
                     codec=plan.uplink[site_id],
                     deadline_s=self.cfg.round_deadline_s,
                     participants=participants,
-                    evaluate=evaluate_base and i == 0 and len(self.open_rounds) == 1,
+                    evaluate=evaluate_base and i == 0 and len(self.book.open_rounds) == 1,
                     reason=plan_why,
                     secagg=secagg,
                 ),
@@ -954,14 +879,14 @@ class Coordinator:
         """Whether ``completed_rounds`` reaches ``max_rounds`` (never when it is 0)."""
         return bool(self.cfg.max_rounds) and completed_rounds >= self.cfg.max_rounds
 
-    def _close(self, now: float, r: OpenRound, merged: tuple[str, ...], why: str) -> None:
+    def _close(self, now: float, decision: Close) -> None:
         assert self.state is not None and self.chan is not None
+        r, merged, why = decision.round, decision.merged, decision.why
         st = self.state
         names = self._fragment_names[r.fragment]
         accepted = self._accepted.pop(r.round_id, {})
         fresh = [accepted[s] for s in merged]
-        late = [u for u in self._late if self._closed[u.round_id].fragment == r.fragment]
-        self._late = [u for u in self._late if u not in late]
+        late = [self._late.pop((u.site_id, u.round_id)) for u in decision.late]
         frags = self.cfg.num_fragments
         # A late update is merged once, down-weighted by how many syncs of its fragment it missed.
         updates = [(u.site_id, u.weight, u.delta) for u in fresh]
@@ -1033,19 +958,9 @@ class Coordinator:
         self.store.save(new_state)  # durable before announced
         self.cfg.faults.point("close", r.round_id)
         self.state = new_state
-        self.open_rounds = [o for o in self.open_rounds if o.round_id != r.round_id]
-        self._closed[r.round_id] = _Closed(frozenset(r.participants), frozenset(merged), r.fragment)
-        horizon = r.round_id - self.cfg.max_staleness_rounds - 1
-        for old in [k for k in self._closed if k < horizon]:
-            del self._closed[old]
-        self._fragment_version[r.fragment] = r.round_id
         self._measure_arrivals(r.round_id, merged, plan)
         digest = self._hash()
-        in_sync = sorted(
-            s
-            for s, m in self.members.items()
-            if m.in_sync and m.global_version == st.global_version
-        )
+        in_sync = self.book.in_sync(st.global_version)
         last = self._is_last(len(new_state.history))
         wants_eval = r.round_id % self.cfg.eval_every_rounds == 0 or last
         # Ask a site that was on time: evaluating costs the evaluator some compute.
@@ -1053,7 +968,7 @@ class Coordinator:
         evaluator = candidates[0] if candidates and wants_eval else None
         merged_all = tuple(merged) + tuple(f"{u.site_id}@{u.round_id}" for u in late)
         out_before = self.chan.stats.bytes_sent
-        for site_id, m in sorted(self.members.items()):
+        for site_id, m in sorted(self.book.members.items()):
             if site_id in in_sync:
                 msg: Global = Global(
                     round_id=r.round_id,
@@ -1070,7 +985,7 @@ class Coordinator:
             else:
                 msg = self._full_global(r.round_id, evaluate=wants_eval and evaluator is None)
             ok = self._send(m.peer, msg)
-            self.members[site_id] = replace(m, global_version=r.round_id, in_sync=ok)
+            self.book.holds(site_id, r.round_id, in_sync=ok)
         entry["wire_bytes_out"] = self.chan.stats.bytes_sent - opened_out
         entry["broadcast_bytes"] = self.chan.stats.bytes_sent - out_before
         payload_bytes = sum(enc.nbytes for enc in encoded)
@@ -1103,7 +1018,7 @@ class Coordinator:
         have_final = self.state.global_version in self.state.val_losses
         if not have_final and now - self._finish_started < self.cfg.final_eval_wait_s:
             return
-        for m in self.members.values():
+        for m in self.book.members.values():
             self._send(m.peer, Shutdown(reason=f"completed {len(self.state.history)} rounds"))
         self.finished = True
         self._publish_status()
@@ -1121,9 +1036,9 @@ class Coordinator:
             "global_version": st.global_version if st else None,
             "round_counter": st.round_counter if st else 0,
             "rounds_completed": len(st.history) if st else 0,
-            "members": sorted(self.members),
+            "members": sorted(self.book.members),
             "open_round": self.open_round.round_id if self.open_round else None,
-            "open_rounds": [r.round_id for r in self.open_rounds],
+            "open_rounds": [r.round_id for r in self.book.open_rounds],
             "val_losses": {str(k): v for k, v in sorted(st.val_losses.items())} if st else {},
             "history": list(st.history) if st else [],
             "wire_bytes_in": chan.stats.bytes_received if chan else 0,

@@ -1,0 +1,413 @@
+"""The coordinator's round lifecycle as a pure state machine.
+
+:class:`Lifecycle` owns who is a member, which rounds are open, what was received, which closed
+rounds can still take late updates, and the round counter. Events go in (``join``, ``touch``,
+``leave``, ``accept``, ``tick``, ``rerun``, restart through ``Lifecycle.resume``); decisions come
+out (:class:`Open`, :class:`Close`, :class:`Abort`, :class:`Finish`, :class:`Remove`), each with a
+reason. It holds no sockets, reads no clock (``now`` is an argument) and never sees a tensor: the
+service decodes payloads, does the math and carries the decisions out, in the order given.
+
+A decision's transition is applied when it is returned: the service must carry it out before it
+handles the next event (the round counter of an :class:`Open` is persisted before any site hears
+of the round; the state of a :class:`Close` is persisted before its result is announced).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from comm.schema import ErrorCode
+from coordinator.membership import Member, expired, ready_sites, touch
+from coordinator.rounds import (
+    Action,
+    OpenRound,
+    RoundPolicy,
+    RoundSnapshot,
+    decide,
+    grace_window,
+    quorum_size,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LifecycleConfig:
+    """The parts of the coordinator's configuration the lifecycle decides with."""
+
+    min_sites: int
+    quorum_fraction: float
+    max_rounds: int
+    max_open: int
+    num_fragments: int
+    max_staleness_rounds: int
+    round_deadline_s: float
+    site_timeout_s: float
+    grace_floor_s: float
+    grace_ceiling_s: float
+    secure_aggregation: bool = False
+    """Masked rounds cannot close with part of their set: they re-run (:class:`Rerun`)."""
+
+
+@dataclass(frozen=True)
+class ClosedRound:
+    """What is remembered of a closed (or aborted) round, to judge its late updates."""
+
+    participants: frozenset[str]
+    merged: frozenset[str]
+    fragment: int
+
+
+@dataclass(frozen=True)
+class LateUpdate:
+    """An update accepted after its round closed, waiting for its fragment's next sync."""
+
+    site_id: str
+    round_id: int
+    fragment: int
+
+
+@dataclass(frozen=True)
+class Open:
+    round_id: int
+    participants: tuple[str, ...]
+    fragment: int
+    base_version: int
+    """The global version of the fragment the updates must build on (maybe still in flight)."""
+    why: str
+
+
+@dataclass(frozen=True)
+class Close:
+    round: OpenRound
+    merged: tuple[str, ...]
+    late: tuple[LateUpdate, ...]
+    """Late updates of earlier rounds of the same fragment, merged here (once)."""
+    final: bool
+    """The run's last round (``max_rounds`` reached by this close)."""
+    why: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    round_ids: tuple[int, ...]
+    """Every open round: later ones build on the oldest, which cannot complete."""
+    why: str
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """Secure aggregation: the oldest round lacks some masked vectors; the service either re-runs
+    it with the survivors (``Lifecycle.rerun``) or abandons it (``Lifecycle.abort``)."""
+
+    round: OpenRound
+    received: tuple[str, ...]
+    why: str
+
+
+@dataclass(frozen=True)
+class Finish:
+    why: str
+
+
+@dataclass(frozen=True)
+class Remove:
+    """Silent members, removed (the service forgets their connections)."""
+
+    members: tuple[Member, ...]
+    why: str
+
+    @property
+    def site_ids(self) -> tuple[str, ...]:
+        return tuple(m.site_id for m in self.members)
+
+
+Decision = Open | Close | Abort | Rerun | Finish | Remove
+
+
+@dataclass(frozen=True)
+class Refusal:
+    code: ErrorCode
+    detail: str
+
+
+@dataclass(frozen=True)
+class Admission:
+    """An update that may be accepted: on time (its round is open) or late."""
+
+    late: bool
+    fragment: int
+
+
+@dataclass
+class Lifecycle:
+    """Rounds and membership of one coordinator; see the module docstring."""
+
+    cfg: LifecycleConfig
+    global_version: int = -1
+    """-1 until the initial parameters exist."""
+    round_counter: int = 0
+    completed_rounds: int = 0
+    next_fragment: int = 0
+    fragment_version: dict[int, int] = field(default_factory=dict)
+    members: dict[str, Member] = field(default_factory=dict)
+    open_rounds: list[OpenRound] = field(default_factory=list)
+    closed: dict[int, ClosedRound] = field(default_factory=dict)
+    late: list[LateUpdate] = field(default_factory=list)
+    lags: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    finishing: bool = False
+
+    # ---- restart from disk ---------------------------------------------------------------------
+
+    @classmethod
+    def resume(
+        cls,
+        cfg: LifecycleConfig,
+        *,
+        global_version: int,
+        round_counter: int,
+        completed_rounds: int,
+        next_fragment: int,
+    ) -> Lifecycle:
+        """The lifecycle of a coordinator restarted from durable state: no member, no open round
+        (sites rejoin), the counter where it was (ids are never reused)."""
+        book = cls(cfg)
+        book.set_model(global_version)
+        book.round_counter = round_counter
+        book.completed_rounds = completed_rounds
+        book.next_fragment = next_fragment % cfg.num_fragments
+        return book
+
+    def set_model(self, global_version: int) -> None:
+        """The global model exists at ``global_version`` (initial parameters, or loaded)."""
+        self.global_version = global_version
+        self.fragment_version = dict.fromkeys(range(self.cfg.num_fragments), global_version)
+
+    # ---- membership ----------------------------------------------------------------------------
+
+    def join(self, now: float, site_id: str, peer: bytes, *, in_sync_version: int | None) -> None:
+        """A site joined (or rejoined); ``in_sync_version`` is the version it holds when that is
+        exactly the coordinator's, else None."""
+        self.members[site_id] = Member(
+            site_id=site_id,
+            peer=peer,
+            joined_at=now,
+            last_seen=now,
+            global_version=-1 if in_sync_version is None else in_sync_version,
+            in_sync=in_sync_version is not None,
+        )
+
+    def touch(self, now: float, site_id: str, peer: bytes) -> Member | None:
+        """A message from ``peer`` naming ``site_id``: the member, refreshed (None if unknown)."""
+        m = self.members.get(site_id)
+        if m is None or m.peer != peer:
+            return None
+        self.members[site_id] = touch(m, now, peer)
+        return self.members[site_id]
+
+    def leave(self, site_id: str) -> Member | None:
+        return self.members.pop(site_id, None)
+
+    def holds(self, site_id: str, version: int, *, in_sync: bool) -> None:
+        """What a member holds after a Global was (or failed to be) sent to it."""
+        m = self.members.get(site_id)
+        if m is not None:
+            self.members[site_id] = replace(m, global_version=version, in_sync=in_sync)
+
+    # ---- updates -------------------------------------------------------------------------------
+
+    def check_update(
+        self, site_id: str, round_id: int, fragment: int, trained_from: int
+    ) -> Admission | Refusal:
+        """Whether an update may be accepted; changes nothing."""
+        r = self.open_round(round_id)
+        done = self.closed.get(round_id)
+        if r is not None:
+            participants, expected = frozenset(r.participants), r.fragment
+        elif done is not None:
+            participants, expected = done.participants, done.fragment
+        else:
+            return Refusal(ErrorCode.STALE_ROUND, f"round {round_id} is not open")
+        if site_id not in participants:
+            return Refusal(ErrorCode.UNEXPECTED, f"not in round {round_id}")
+        seen = (r is not None and site_id in r.received) or (
+            done is not None and site_id in done.merged
+        )
+        if seen or any(u.site_id == site_id and u.round_id == round_id for u in self.late):
+            return Refusal(ErrorCode.DUPLICATE, f"round {round_id}")
+        if fragment != expected:
+            return Refusal(ErrorCode.BAD_PAYLOAD, f"fragment {fragment}, round has {expected}")
+        if r is not None and trained_from < r.base_version:
+            detail = f"trained from v{trained_from}, round needs v{r.base_version}"
+            return Refusal(ErrorCode.STALE_ROUND, detail)
+        staleness = self.round_counter - round_id
+        if r is None and (
+            staleness > self.cfg.max_staleness_rounds or done is None or not done.merged
+        ):
+            detail = f"round {round_id} closed {staleness} rounds ago or was aborted"
+            return Refusal(ErrorCode.STALE_ROUND, detail)
+        if r is None and self.cfg.secure_aggregation:
+            detail = f"round {round_id} is closed; masked updates cannot be merged late"
+            return Refusal(ErrorCode.STALE_ROUND, detail)
+        return Admission(late=r is None, fragment=expected)
+
+    def accept(self, now: float, site_id: str, round_id: int) -> Admission:
+        """Record an update that ``check_update`` admitted and the service validated."""
+        verdict = self.check_update(site_id, round_id, self._fragment_of(round_id), 1 << 62)
+        assert isinstance(verdict, Admission), verdict
+        if verdict.late:
+            self.late.append(LateUpdate(site_id, round_id, verdict.fragment))
+            return verdict
+        r = self.open_round(round_id)
+        assert r is not None
+        received = r.received | {site_id}
+        quorum_at = r.quorum_at
+        if quorum_at is None:
+            if len(received) >= quorum_size(len(r.participants), self.cfg.quorum_fraction):
+                quorum_at = now
+        else:
+            self.lags.append(now - quorum_at)
+        self._replace(replace(r, received=frozenset(received), quorum_at=quorum_at))
+        return verdict
+
+    # ---- the tick ------------------------------------------------------------------------------
+
+    def tick(self, now: float) -> Decision | None:
+        """The next decision, its transition applied; None when there is nothing to do."""
+        removed = self.expire(now)
+        if removed is not None:
+            return removed
+        if self.global_version < 0 or self.finishing:
+            return None
+        grace, _ = grace_window(
+            list(self.lags), floor_s=self.cfg.grace_floor_s, ceiling_s=self.cfg.grace_ceiling_s
+        )
+        snap = RoundSnapshot(
+            open_rounds=tuple(self.open_rounds),
+            ready=tuple(ready_sites(self.members, self.global_version)),
+            alive=frozenset(self.members),
+            completed_rounds=self.completed_rounds,
+            grace_s=grace,
+        )
+        policy = RoundPolicy(
+            self.cfg.min_sites, self.cfg.quorum_fraction, self.cfg.max_rounds, self.cfg.max_open
+        )
+        decision, why = decide(now, snap, policy)
+        if decision.action is Action.OPEN:
+            return self._do_open(now, decision.participants, why)
+        if decision.action is Action.CLOSE:
+            r = self.open_rounds[0]
+            if self.cfg.secure_aggregation and set(decision.participants) != set(r.participants):
+                return Rerun(r, decision.participants, why)
+            return self._do_close(r, decision.participants, why)
+        if decision.action is Action.ABORT:
+            if self.cfg.secure_aggregation:
+                r = self.open_rounds[0]
+                return Rerun(r, tuple(sorted(r.received)), why)
+            return self.abort(why)
+        if decision.action is Action.FINISH:
+            self.finishing = True
+            return Finish(why)
+        return None
+
+    def expire(self, now: float) -> Remove | None:
+        """Remove the members silent for longer than the site timeout."""
+        gone, why = expired(now, self.members, self.cfg.site_timeout_s)
+        if not gone:
+            return None
+        return Remove(tuple(self.members.pop(s) for s in gone), why)
+
+    def rerun(self, now: float, round_id: int, survivors: Sequence[str]) -> OpenRound:
+        """Secure aggregation: round ``round_id`` starts over with ``survivors`` only."""
+        r = self.open_round(round_id)
+        assert r is not None
+        again = replace(
+            r,
+            participants=tuple(sorted(survivors)),
+            received=frozenset(),
+            quorum_at=None,
+            deadline_at=now + self.cfg.round_deadline_s,
+        )
+        self._replace(again)
+        return again
+
+    def abort(self, why: str) -> Abort:
+        """Cancel every open round (later ones build on the oldest, which cannot complete)."""
+        ids = tuple(r.round_id for r in self.open_rounds)
+        for r in self.open_rounds:
+            self.closed[r.round_id] = ClosedRound(
+                frozenset(r.participants), frozenset(), r.fragment
+            )
+        self.open_rounds = []
+        self._prune_closed()
+        return Abort(ids, why)
+
+    # ---- transitions ---------------------------------------------------------------------------
+
+    def _do_open(self, now: float, participants: tuple[str, ...], why: str) -> Open:
+        round_id = self.round_counter + 1
+        self.round_counter = round_id
+        fragment = self.next_fragment
+        self.next_fragment = (fragment + 1) % self.cfg.num_fragments
+        # The update must build on the latest result for its fragment, even one still in flight.
+        base = max(
+            [self.fragment_version[fragment]]
+            + [r.round_id for r in self.open_rounds if r.fragment == fragment]
+        )
+        self.open_rounds.append(
+            OpenRound(
+                round_id=round_id,
+                base_version=base,
+                participants=participants,
+                opened_at=now,
+                deadline_at=now + self.cfg.round_deadline_s,
+                received=frozenset(),
+                fragment=fragment,
+            )
+        )
+        return Open(round_id, participants, fragment, base, why)
+
+    def _do_close(self, r: OpenRound, merged: tuple[str, ...], why: str) -> Close:
+        late = tuple(u for u in self.late if u.fragment == r.fragment)
+        self.late = [u for u in self.late if u.fragment != r.fragment]
+        self.open_rounds = [o for o in self.open_rounds if o.round_id != r.round_id]
+        self.closed[r.round_id] = ClosedRound(
+            frozenset(r.participants), frozenset(merged), r.fragment
+        )
+        self._prune_closed()
+        self.fragment_version[r.fragment] = r.round_id
+        self.global_version = r.round_id
+        self.completed_rounds += 1
+        final = bool(self.cfg.max_rounds) and self.completed_rounds >= self.cfg.max_rounds
+        return Close(r, merged, late, final, why)
+
+    def _prune_closed(self) -> None:
+        """Closed rounds older than the staleness horizon take no late update: forget them."""
+        horizon = self.round_counter - self.cfg.max_staleness_rounds - 1
+        for old in [k for k in self.closed if k < horizon]:
+            del self.closed[old]
+
+    def open_round(self, round_id: int) -> OpenRound | None:
+        return next((o for o in self.open_rounds if o.round_id == round_id), None)
+
+    def _fragment_of(self, round_id: int) -> int:
+        r = self.open_round(round_id)
+        if r is not None:
+            return r.fragment
+        return self.closed[round_id].fragment
+
+    def _replace(self, updated: OpenRound) -> None:
+        self.open_rounds = [
+            updated if o.round_id == updated.round_id else o for o in self.open_rounds
+        ]
+
+    # ---- views ---------------------------------------------------------------------------------
+
+    def in_sync(self, version: int) -> list[str]:
+        """Members holding exactly ``version``."""
+        return sorted(
+            s for s, m in self.members.items() if m.in_sync and m.global_version == version
+        )
+
+    def peers(self) -> Mapping[str, bytes]:
+        return {s: m.peer for s, m in sorted(self.members.items())}
