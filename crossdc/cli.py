@@ -166,19 +166,59 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    url = args.url.rstrip("/") + "/status"
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            status = json.load(resp)
-    except OSError as exc:
-        print(f"crossdc status: cannot reach {url}: {exc}", file=sys.stderr)
-        return 1
+    """A role's status from its ``/status`` URL, or a coordinator's from its state directory
+    (``--state-dir``). A status carries the last rounds only; ``--history`` adds every round
+    and validation loss from the state directory."""
+    from pathlib import Path
+
+    from coordinator.state import read_history
+
+    if args.history and not args.state_dir:
+        print(
+            "crossdc status: --history reads the state directory: give --state-dir",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_CONFIG
+    if args.state_dir:
+        path = Path(args.state_dir) / "status.json"
+        try:
+            status = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            print(f"crossdc status: cannot read {path}: {exc}", file=sys.stderr)
+            return 1
+    else:
+        url = args.url.rstrip("/") + "/status"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                status = json.load(resp)
+        except OSError as exc:
+            print(f"crossdc status: cannot reach {url}: {exc}", file=sys.stderr)
+            return 1
+    if args.history:
+        try:
+            log = read_history(args.state_dir)
+        except (OSError, ValueError) as exc:
+            print(f"crossdc status: cannot read the history: {exc}", file=sys.stderr)
+            return 1
+        status["history"] = list(log.history)
+        status["history_count"] = len(log.history)
+        status["val_losses"] = {str(k): v for k, v in sorted(log.val_losses.items())}
     if args.json:
         print(json.dumps(status, indent=1, sort_keys=True))
         return 0
     for key in ("global_version", "rounds_completed", "members", "open_round", "finished"):
         if key in status:
             print(f"{key:>18}: {status[key]}")
+    if args.history:
+        vals = status["val_losses"]
+        for h in status["history"]:
+            val = vals.get(str(h.get("global_version")))
+            print(
+                f"round {h.get('round_id')}: v{h.get('global_version')} "
+                f"train_loss {h.get('train_loss', float('nan')):.4f} "
+                f"val_loss {'n/a' if val is None else f'{val:.4f}'} "
+                f"{h.get('duration_s', float('nan')):.1f}s"
+            )
     return 0
 
 
@@ -233,6 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", help="show a running role's /status")
     s.add_argument("--url", default="http://127.0.0.1:9710")
+    s.add_argument(
+        "--state-dir", default="", help="read a coordinator's status.json here instead of --url"
+    )
+    s.add_argument(
+        "--history", action="store_true", help="every round, from --state-dir (not the last few)"
+    )
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_status)
 

@@ -22,6 +22,7 @@ from typing import Any
 from comm.configio import dump_toml
 from comm.wanem import PRESETS, LinkEmulator, LinkProfile, parse_profile
 from coordinator.config import CoordinatorConfig
+from coordinator.state import RoundLog, read_history
 
 SITE_NAMES = ("eu", "us", "ap", "sa", "af", "me", "oc", "na")
 
@@ -319,7 +320,7 @@ def run_demo(args: argparse.Namespace) -> int:
         while True:
             status = _read_status(status_path) or status
             if status is not None and not quiet:
-                shown = _print_rounds(status, shown)
+                shown = _print_rounds(status, shown, status_path.parent)
             if coord.poll() is not None:
                 break
             dead = [n for n, p in run.procs.items() if p.poll() not in (None, 0)]
@@ -338,7 +339,7 @@ def run_demo(args: argparse.Namespace) -> int:
                     print(f"crossdc demo: {name} did not stop on shutdown", file=sys.stderr)
         status = _read_status(status_path) or status
         if status is not None and not quiet:
-            _print_rounds(status, shown)
+            _print_rounds(status, shown, status_path.parent)
         link_bytes = {s: link.bytes_up + link.bytes_down for s, link in run.links.items()}
     finally:
         run.close()
@@ -349,7 +350,7 @@ def run_demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    report = build_report(args, status, wall)
+    report = build_report(args, status, wall, read_history(status_path.parent))
     sites_status = {s: _read_status(workdir / f"site-{s}" / "status.json") or {} for s in ids}
     report["dp_epsilon"] = {s: st.get("dp_epsilon") for s, st in sites_status.items()}
     report["site_compute_utilization"] = {
@@ -367,14 +368,25 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_rounds(status: dict[str, Any], shown: int) -> int:
+def _print_rounds(status: dict[str, Any], shown: int, state_dir: Path) -> int:
+    """Print rounds ``shown`` onwards; return how many rounds are printed now.
+
+    ``status`` carries only the last rounds (and ``history_count``); a round older than those
+    comes from the full history in ``state_dir``.
+    """
     history = status.get("history", [])
+    offset = int(status.get("history_count", len(history))) - len(history)
     vals = status.get("val_losses", {})
+    if shown < offset:
+        log = read_history(state_dir)
+        history, offset = list(log.history[: offset + len(history)]), 0
+        vals = {**vals, **{str(k): v for k, v in log.val_losses.items()}}
+    end = offset + len(history)
     # Print a round once its model's validation loss is known (or a later round completed).
-    while shown < len(history):
-        h = history[shown]
+    while shown < end:
+        h = history[shown - offset]
         val = vals.get(str(h["global_version"]))
-        if val is None and shown == len(history) - 1 and not status.get("finished"):
+        if val is None and shown == end - 1 and not status.get("finished"):
             break
         wan = h.get("wire_bytes_in", 0) + h.get("wire_bytes_out", 0)
         val_s = f"{val:9.4f}" if val is not None else f"{'-':>9}"
@@ -385,9 +397,13 @@ def _print_rounds(status: dict[str, Any], shown: int) -> int:
     return shown
 
 
-def build_report(args: argparse.Namespace, status: dict[str, Any], wall: float) -> dict[str, Any]:
+def build_report(
+    args: argparse.Namespace, status: dict[str, Any], wall: float, log: RoundLog
+) -> dict[str, Any]:
+    """The run's report from the coordinator's last status and its full history ``log``."""
     vals = {int(k): v for k, v in status.get("val_losses", {}).items()}
-    history = status.get("history", [])
+    vals.update(log.val_losses)
+    history = log.history or status.get("history", [])
     final_version = status.get("global_version")
     return {
         "sites": args.sites,

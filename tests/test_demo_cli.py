@@ -1,12 +1,21 @@
-"""``crossdc demo`` refuses bad arguments before it starts anything."""
+"""``crossdc demo`` refuses bad arguments before it starts anything; its printout and report,
+``crossdc bench wan`` and ``crossdc status`` read the whole round history from the state dir."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import subprocess
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
-from crossdc.cli import main
+from coordinator.state import FileStateStore, GlobalState, StatusBoard, read_history
+from crossdc import demo
+from crossdc.bench import wan
+from crossdc.cli import build_parser, main
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,3 +34,117 @@ def test_bad_demo_arguments_exit_2_and_start_nothing(
     assert main(["demo", "--workdir", str(workdir), *argv]) == 2
     assert needle in capsys.readouterr().err
     assert not workdir.exists()
+
+
+# ---- the full round history comes from the state directory, not status.json ----------------
+
+
+def _round(round_id: int) -> dict[str, Any]:
+    return {
+        "round_id": round_id,
+        "global_version": round_id,
+        "train_loss": 3.0 - round_id / 100,
+        "duration_s": 1.0 + round_id,
+        "finished_unix": 1000.0 + 10 * round_id,
+        "wire_bytes_in": 100,
+        "wire_bytes_out": 200,
+        "update_bytes": 10,
+        "broadcast_bytes": 1,
+        "tokens": 64,
+    }
+
+
+def _coordinator_dir(workdir: Path, rounds: int, *, final_val: bool = True) -> dict[str, Any]:
+    """A finished coordinator's state dir and status.json as the service leaves them."""
+    state_dir = workdir / "coordinator"
+    store = FileStateStore(state_dir)
+    params = {"w": np.zeros(4, np.float32)}
+    vals = {v: 5.0 - v / 100 for v in range(rounds + (1 if final_val else 0))}
+    history = tuple(_round(r) for r in range(1, rounds + 1))
+    store.save(GlobalState(params, params, params, rounds, rounds, "fp", history, vals))
+    status = {
+        "finished": True,
+        "global_version": rounds,
+        "rounds_completed": rounds,
+        "val_losses": {str(k): v for k, v in sorted(vals.items())},
+        "history": list(history),
+        "wire_bytes_in": 1000,
+        "wire_bytes_out": 2000,
+        "num_parameters": 4,
+    }
+    StatusBoard(state_dir / "status.json", lambda: 0.0, val_losses_tail=20).publish(status)
+    published: dict[str, Any] = json.loads((state_dir / "status.json").read_text())
+    return published
+
+
+def test_demo_prints_every_round_of_a_run_longer_than_the_status_tail(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = _coordinator_dir(tmp_path, 30)
+    assert len(status["history"]) < 30
+    assert demo._print_rounds(status, 0, tmp_path / "coordinator") == 30
+    ids = [int(line.split()[0]) for line in capsys.readouterr().out.splitlines()]
+    assert ids == list(range(1, 31))
+
+
+def test_demo_follows_new_rounds_from_the_status_tail_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    status = _coordinator_dir(tmp_path, 30)
+
+    def no_reads(_state_dir: Path) -> None:
+        raise AssertionError("the tail covers these rounds")
+
+    monkeypatch.setattr(demo, "read_history", no_reads)
+    assert demo._print_rounds(status, 25, tmp_path / "coordinator") == 30
+    lines = capsys.readouterr().out.splitlines()
+    assert [int(line.split()[0]) for line in lines] == [26, 27, 28, 29, 30]
+    assert lines[0].split()[1] == f"{5.0 - 26 / 100:.4f}"
+
+
+def test_demo_report_covers_the_whole_history(tmp_path: Path) -> None:
+    status = _coordinator_dir(tmp_path, 30)
+    args = build_parser().parse_args(["demo", "--sites", "2", "--rounds", "30"])
+    report = demo.build_report(args, status, 99.0, read_history(tmp_path / "coordinator"))
+    assert report["round_seconds"] == [1.0 + r for r in range(1, 31)]
+    assert report["val_loss_initial"] == 5.0 and report["val_loss_final"] == 5.0 - 30 / 100
+    assert len(report["val_loss_by_version"]) == 31
+
+
+def test_bench_wan_reads_the_whole_history(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    workdir = tmp_path / "crossdc"
+    _coordinator_dir(workdir, 30)
+    demo_report = {"val_loss_final": 4.7, "batch_size": 8, "context_len": 128}
+
+    def fake_demo(argv: list[str], **_kw: Any) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(argv, 0, json.dumps(demo_report), "")
+
+    monkeypatch.setattr(wan.subprocess, "run", fake_demo)
+    args = argparse.Namespace(sites=3, rounds=30, inner_steps=10, codec="int4", timeout=60.0)
+    got = wan.run_crossdc(args, workdir)
+    assert got["sync_bytes"] == 30 * 11 and got["tokens_merged"] == 30 * 64
+    # From the start of round 1 (finished at 1010 after 2 s) to the end of round 30.
+    assert got["train_seconds"] == pytest.approx(1300.0 - 1008.0)
+
+
+def test_status_from_a_state_dir_with_the_full_history(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _coordinator_dir(tmp_path, 30)
+    state_dir = str(tmp_path / "coordinator")
+    assert main(["status", "--state-dir", state_dir, "--json"]) == 0
+    tail = json.loads(capsys.readouterr().out)
+    assert tail["history_count"] == 30 and len(tail["history"]) == 20
+    assert main(["status", "--state-dir", state_dir, "--history", "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert [h["round_id"] for h in full["history"]] == list(range(1, 31))
+    assert full["val_losses"]["0"] == 5.0 and len(full["val_losses"]) == 31
+    assert main(["status", "--state-dir", state_dir, "--history"]) == 0
+    out = capsys.readouterr().out
+    assert "rounds_completed: 30" in out
+    assert len([line for line in out.splitlines() if line.startswith("round ")]) == 30
+
+
+def test_status_history_needs_a_state_dir(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["status", "--history"]) == 2
+    assert "--history reads the state directory" in capsys.readouterr().err

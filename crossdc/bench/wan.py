@@ -36,6 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from coordinator.state import read_history
 from crossdc.bench import print_report
 from crossdc.bench.ddp import run_ddp
 from crossdc.bench.wan_goodput import run as run_goodput
@@ -60,8 +61,9 @@ def run_crossdc(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     if proc.returncode != 0:
         raise RuntimeError(f"crossdc demo failed: {proc.stderr.strip()[-2000:]}")
     report: dict[str, Any] = json.loads(proc.stdout)
-    status = json.loads((workdir / "coordinator" / "status.json").read_text())
-    history = status["history"]
+    history = read_history(workdir / "coordinator").history  # status.json has the last rounds
+    if not history:
+        raise RuntimeError(f"crossdc demo completed no round; see {workdir}")
     started = history[0]["finished_unix"] - history[0]["duration_s"]
     report["train_seconds"] = history[-1]["finished_unix"] - started
     # Sync traffic: every update and every broadcast, not the one-time model download at join.
