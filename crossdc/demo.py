@@ -426,13 +426,18 @@ def build_report(
     }
 
 
+def _fmt_loss(v: float | None) -> str:
+    """A validation loss, or ``n/a`` where it never arrived."""
+    return "n/a" if v is None else f"{v:.4f}"
+
+
 def _print_summary(r: dict[str, Any]) -> None:
     v0, v1 = r["val_loss_initial"], r["val_loss_final"]
-    drop = f"{(1 - v1 / v0) * 100:.1f}% lower" if v0 and v1 else "n/a"
+    drop = f"{(1 - v1 / v0) * 100:.1f}% lower" if v0 and v1 is not None else "n/a"
     print(
         f"\ndone: {r['rounds_completed']} rounds, {r['sites']} sites, "
         f"{r['num_parameters']:,} parameters\n"
-        f"  validation loss {v0:.4f} -> {v1:.4f} ({drop})\n"
+        f"  validation loss {_fmt_loss(v0)} -> {_fmt_loss(v1)} ({drop})\n"
         f"  WAN bytes {_fmt_bytes(r['wan_bytes_total'])} in {r['wall_seconds']:.1f}s wall\n"
         f"  compute utilization {r['compute_utilization'] * 100:.1f}% (mean over sites)"
     )

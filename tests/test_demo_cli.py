@@ -148,3 +148,92 @@ def test_status_from_a_state_dir_with_the_full_history(
 def test_status_history_needs_a_state_dir(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["status", "--history"]) == 2
     assert "--history reads the state directory" in capsys.readouterr().err
+
+
+# ---- a final validation loss that never arrived ----------------------------------------------
+
+
+def test_demo_report_and_summary_without_a_final_validation_loss(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = _coordinator_dir(tmp_path, 3, final_val=False)
+    args = build_parser().parse_args(["demo", "--sites", "2", "--rounds", "3"])
+    report = demo.build_report(args, status, 9.0, read_history(tmp_path / "coordinator"))
+    assert report["val_loss_final"] is None and report["val_loss_initial"] == 5.0
+    assert json.loads(json.dumps(report))["val_loss_final"] is None
+    report["compute_utilization"] = 0.5
+    demo._print_summary(report)
+    assert "validation loss 5.0000 -> n/a (n/a)" in capsys.readouterr().out
+    demo._print_summary({**report, "val_loss_initial": None})
+    assert "validation loss n/a -> n/a (n/a)" in capsys.readouterr().out
+
+
+def _bench_wan(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    val_loss_final: float | None,
+    *,
+    ddp_final: bool = True,
+) -> dict[str, Any]:
+    """``crossdc bench wan --json`` over fake runs: crossdc's final loss and the baseline's."""
+    ours = {
+        "val_loss_final": val_loss_final,
+        "batch_size": 8,
+        "context_len": 128,
+        "tokens_merged": 3 * 8 * 128 * 40,
+        "sync_bytes": 4000,
+        "wan_bytes_total": 5000,
+        "train_seconds": 100.0,
+        "compute_utilization": 0.9,
+        "site_compute_utilization": {"eu": 0.9},
+        "links": {},
+    }
+    monkeypatch.setattr(wan, "run_crossdc", lambda _args, _workdir: ours)
+
+    def fake_ddp(*, sites: int, steps: int, eval_every: int, wan: bool) -> dict[str, Any]:
+        losses = {0: 5.0, 20: 4.6, steps: 4.4} if ddp_final else {0: 5.0, 20: 4.6}
+        return {
+            "run_seconds": 50.0,
+            "steps": 20 if wan else steps,
+            "compute_utilization": 0.3,
+            "wan_bytes_per_inner_step": 1000.0,
+            "val_loss_by_step": {} if wan else losses,
+        }
+
+    monkeypatch.setattr(wan, "run_ddp", fake_ddp)
+    argv = ["--sites", "3", "--rounds", "2", "--inner-steps", "20", "--skip-goodput"]
+    assert wan.main([*argv, "--json"]) == 0
+    out: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert wan.main(argv) == 0  # the text report prints too
+    capsys.readouterr()
+    return out
+
+
+def test_bench_wan_compares_final_losses(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _bench_wan(monkeypatch, capsys, 4.6)
+    assert out["inner_steps"] == 40
+    assert out["val_loss_gap"] == pytest.approx((4.6 - 4.4) / 4.4)
+    assert out["target_val_loss"] == 4.6 and out["ddp_steps_to_target"] == 20
+    assert out["time_to_target_ratio"] == pytest.approx(20 * 2.5 / 100.0)
+
+
+@pytest.mark.parametrize("ours_final", [None, 4.6])
+def test_bench_wan_without_a_final_validation_loss(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], ours_final: float | None
+) -> None:
+    # crossdc's final loss missing (ours_final None), or the baseline's (ddp_final False).
+    out = _bench_wan(monkeypatch, capsys, ours_final, ddp_final=ours_final is None)
+    assert out["val_loss_crossdc"] == ours_final
+    assert out["val_loss_ddp_equal_tokens"] == (4.4 if ours_final is None else None)
+    for key in (
+        "val_loss_gap",
+        "target_val_loss",
+        "ddp_steps_to_target",
+        "ddp_seconds_to_target",
+        "time_to_target_ratio",
+    ):
+        assert out[key] is None, key
+    assert out["crossdc_seconds_to_target"] is None
+    assert out["bytes_ratio_vs_ddp"] == pytest.approx(1000.0 / (4000 / 40))

@@ -22,7 +22,8 @@ as its sync traffic, every update and broadcast, without the one-time model down
 joins, which the baseline does not perform since its sites start from the same seed; the total
 including it is reported too), ``val_loss_gap``
 ((crossdc − baseline) / baseline at equal tokens) and ``time_to_target_ratio`` (baseline WAN
-time / crossdc time to reach the worse of the two final losses).
+time / crossdc time to reach the worse of the two final losses); the last two, and the target
+and times they use, are null when either run's final validation loss never arrived.
 """
 
 from __future__ import annotations
@@ -92,11 +93,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ddp_wan = run_ddp(sites=args.sites, steps=args.ddp_wan_steps, eval_every=0, wan=True)
     ddp_eq = run_ddp(sites=args.sites, steps=inner_steps, eval_every=args.ddp_eval_every, wan=False)
     ddp_losses = {int(k): v for k, v in ddp_eq["val_loss_by_step"].items()}
-    ddp_final = ddp_losses[inner_steps]
+    ddp_final = ddp_losses.get(inner_steps)
     ours_final = ours["val_loss_final"]
-    target = max(ours_final, ddp_final)
-    ddp_steps_to_target = min(s for s, v in ddp_losses.items() if v <= target)
+    # Without both final losses (one never arrived) there is no gap and no target: null.
+    both = ours_final is not None and ddp_final is not None
+    target = max(ours_final, ddp_final) if both else None
+    ddp_steps_to_target = (
+        min(s for s, v in ddp_losses.items() if v <= target) if target is not None else None
+    )
     ddp_step_s = ddp_wan["run_seconds"] / ddp_wan["steps"]
+    ddp_s_to_target = ddp_steps_to_target * ddp_step_s if ddp_steps_to_target is not None else None
     out.update(
         {
             "compute_utilization": ours["compute_utilization"],
@@ -110,13 +116,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "inner_steps": inner_steps,
             "val_loss_crossdc": ours_final,
             "val_loss_ddp_equal_tokens": ddp_final,
-            "val_loss_gap": (ours_final - ddp_final) / ddp_final,
+            "val_loss_gap": (ours_final - ddp_final) / ddp_final if both else None,
             "target_val_loss": target,
-            "crossdc_seconds_to_target": ours["train_seconds"],
+            "crossdc_seconds_to_target": ours["train_seconds"] if both else None,
             "ddp_step_seconds_wan": ddp_step_s,
             "ddp_steps_to_target": ddp_steps_to_target,
-            "ddp_seconds_to_target": ddp_steps_to_target * ddp_step_s,
-            "time_to_target_ratio": ddp_steps_to_target * ddp_step_s / ours["train_seconds"],
+            "ddp_seconds_to_target": ddp_s_to_target,
+            "time_to_target_ratio": (
+                ddp_s_to_target / ours["train_seconds"] if ddp_s_to_target is not None else None
+            ),
             "links": ours.get("links"),
         }
     )
