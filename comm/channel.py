@@ -179,6 +179,8 @@ class ChannelStats:
     ``send_timeout_s`` or whose peer restarted, and those queued behind it."""
     acks_dropped: int = 0
     """Acknowledgements that could not be sent (peer gone or not draining)."""
+    echoes_received: int = 0
+    """Heartbeats the peer echoed back (a coordinator echoes only a member's heartbeats)."""
 
     def rtt_sample(self, seconds: float, alpha: float = 0.2) -> None:
         self.rtt_s = seconds if self.rtt_s == 0 else (1 - alpha) * self.rtt_s + alpha * seconds
@@ -802,6 +804,7 @@ class SiteLink:
                 msg = chan.recv(0.005)  # also takes acks, sends on and resumes transfers
                 self._pending_sends = chan.pending_transfers + chan.queued_messages
                 if isinstance(msg, Heartbeat):  # the coordinator's echo of one of ours
+                    self.stats.echoes_received += 1
                     now = time.monotonic()
                     self.stats.rtt_sample(now - msg.sent_at)
                     chan.rtt_sample(COORDINATOR_PEER, now - msg.sent_at, now)

@@ -16,7 +16,7 @@ import os
 import tempfile
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from dataclasses import replace as dc_replace
 from pathlib import Path
@@ -59,6 +59,7 @@ from comm.tensors import (
     state_hash,
 )
 from comm.wire import WireError
+from site_agent.authwatch import EXIT_AUTH_REFUSED, AuthWatch
 from site_agent.config import SiteConfig
 from site_agent.data import BatchSampler, ByteCorpus, eval_batches, sampler_seed, stdlib_split
 from site_agent.metrics import SiteMetrics
@@ -189,8 +190,12 @@ class SiteAgent:
         trainer: SiteTrainer,
         val_batches: list[tuple[torch.Tensor, torch.Tensor]],
         metrics: SiteMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
+        self.clock = clock
+        self.auth = AuthWatch()
+        self._echoes_seen = 0
         self.trainer = trainer
         self.val_batches = val_batches
         self.metrics = metrics or SiteMetrics(cfg.site_id)
@@ -362,6 +367,8 @@ class SiteAgent:
         return None if msg is None else self._dispatch(msg)
 
     def _dispatch(self, msg: Message) -> int | None:
+        if not isinstance(msg, Error):
+            self.auth.accepted()
         if isinstance(msg, Welcome):
             self.session_id = msg.session_id
             if self.cfg.secure_aggregation is not None and self._secagg_key is not None:
@@ -425,6 +432,8 @@ class SiteAgent:
         if code is ErrorCode.NOT_JOINED:
             if time.monotonic() - self._last_join > 1.0:
                 log.info("[site=%s] coordinator does not know us: joining again", self.site_id)
+                # The rounds planned by a coordinator that forgot us (it restarted, or timed us
+                # out) are void, the one being trained included: its result will never come.
                 self._pending.clear()
                 self._awaiting_result = None
                 self._join()
@@ -432,12 +441,32 @@ class SiteAgent:
         if code is ErrorCode.MODEL_MISMATCH:
             log.error("[site=%s] %s", self.site_id, msg.detail)
             return EXIT_FATAL
+        if code is ErrorCode.UNAUTHENTICATED:
+            return self._on_refused(msg.detail)
         log.warning(
             "[site=%s] coordinator rejected: %s (%s)",
             self.site_id,
             msg.detail,
             ERROR_MEANINGS[code],
         )
+        return None
+
+    def _on_refused(self, detail: str) -> int | None:
+        """The coordinator refused our credentials: exit when that is final (revoked, expired,
+        or refusals that persisted); otherwise warn once per run of refusals."""
+        why = self.auth.refused(detail, self.clock())
+        if why is not None:
+            log.error(
+                "[site=%s] the coordinator refuses this site's credentials (%s): %s; exiting "
+                "with status %d (not restarted: renew or re-issue the site's kit)",
+                self.site_id,
+                why,
+                detail,
+                EXIT_AUTH_REFUSED,
+            )
+            return EXIT_AUTH_REFUSED
+        if self.auth.refusals == 1:
+            log.warning("[site=%s] coordinator refused our credentials: %s", self.site_id, detail)
         return None
 
     def _fragment_names(self, num_fragments: int) -> list[list[str]]:
@@ -603,7 +632,8 @@ class SiteAgent:
             code = self._wait(0.5)
             if code is not None:
                 return code
-        self._pending.popleft()
+        if self._pending and self._pending[0] is rs:  # a rejoin may have replaced the plan
+            self._pending.popleft()
         if rs.round_id in self._cancelled:
             return None  # the progress stays local and goes out with the next update
         self._send_update(rs, stats)
@@ -827,6 +857,9 @@ class SiteAgent:
     def _publish_link_metrics(self) -> None:
         if self.link is None:
             return
+        if self.link.stats.echoes_received != self._echoes_seen:
+            self._echoes_seen = self.link.stats.echoes_received
+            self.auth.accepted()  # the coordinator echoes only a member's heartbeats
         sent, received = self.link.stats.bytes_sent, self.link.stats.bytes_received
         self.metrics.wire(sent - self._bytes_seen[0], received - self._bytes_seen[1])
         self._bytes_seen = (sent, received)

@@ -28,6 +28,8 @@ import pytest
 
 from comm.observe import ObserveServer
 from coordinator.metrics import CoordinatorMetrics
+from crossdc.cli import EXIT_BAD_CONFIG
+from site_agent.authwatch import EXIT_AUTH_REFUSED
 from site_agent.metrics import SiteMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -466,9 +468,12 @@ def test_units_run_the_cli_with_restart_and_hardening() -> None:
     assert re.search(
         r"^ExecStart=\S+/crossdc agent --config /etc/crossdc/site-%i\.toml$", agent, re.M
     )
+    assert _unit_values(coord, "RestartPreventExitStatus") == [str(EXIT_BAD_CONFIG)]
+    assert _unit_values(agent, "RestartPreventExitStatus") == [
+        f"{EXIT_BAD_CONFIG} {EXIT_AUTH_REFUSED}"
+    ]
     for text in (coord, agent):
         assert _unit_values(text, "Restart") == ["on-failure"]
-        assert _unit_values(text, "RestartPreventExitStatus") == ["2"]  # EXIT_BAD_CONFIG
         assert _unit_values(text, "NoNewPrivileges") == ["yes"]
         assert _unit_values(text, "ProtectSystem") == ["strict"]
         assert _unit_values(text, "User") == ["crossdc"]

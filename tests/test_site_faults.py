@@ -15,9 +15,13 @@ import numpy as np
 import pytest
 import torch
 
+from comm import keys
 from comm.channel import ChannelStats
-from comm.keys import SecurityConfig
+from comm.keys import AuthError, CertificateRegistry, SecurityConfig
 from comm.schema import (
+    ERROR_MEANINGS,
+    Error,
+    ErrorCode,
     Message,
     RoundCancel,
     RoundStart,
@@ -25,7 +29,8 @@ from comm.schema import (
     Update,
     Welcome,
 )
-from site_agent.agent import EXIT_OK, SiteAgent
+from site_agent.agent import EXIT_AUTH_REFUSED, EXIT_OK, SiteAgent
+from site_agent.authwatch import AuthWatch, refusal_reason
 from site_agent.config import SiteConfig
 from site_agent.trainer import TrainStats
 
@@ -126,7 +131,11 @@ def round_start(round_id: int, *, overlap: bool, base: int = 0, fragment: int = 
     )
 
 
-def make_agent(tmp_path: Path, script: Sequence[tuple[Gate, Message]]) -> SiteAgent:
+def make_agent(
+    tmp_path: Path,
+    script: Sequence[tuple[Gate, Message]],
+    clock: Callable[[], float] = lambda: 0.0,
+) -> SiteAgent:
     cfg = SiteConfig(
         site_id="eu",
         coordinator="tcp://127.0.0.1:1",
@@ -135,14 +144,18 @@ def make_agent(tmp_path: Path, script: Sequence[tuple[Gate, Message]]) -> SiteAg
         steps_per_poll=1,
     )
     cfg.state_path.mkdir(parents=True)
-    agent = SiteAgent(cfg, trainer=FakeTrainer(), val_batches=[])
+    agent = SiteAgent(cfg, trainer=FakeTrainer(), val_batches=[], clock=clock)
     agent.global_version = 0
     agent.link = ScriptedLink(script)  # type: ignore[assignment]
     return agent
 
 
-def run_script(tmp_path: Path, script: Sequence[tuple[Gate, Message]]) -> tuple[int, ScriptedLink]:
-    agent = make_agent(tmp_path, script)
+def run_script(
+    tmp_path: Path,
+    script: Sequence[tuple[Gate, Message]],
+    clock: Callable[[], float] = lambda: 0.0,
+) -> tuple[int, ScriptedLink]:
+    agent = make_agent(tmp_path, script, clock)
     link = agent.link
     assert isinstance(link, ScriptedLink)
     return agent.run(), link
@@ -186,3 +199,105 @@ def test_without_overlap_the_site_still_waits_for_a_result_that_is_coming(
     assert code == EXIT_OK
     assert link.stuck  # nothing else came: it kept waiting for round 1's result
     assert link.updates() == [1]
+
+
+# ---- 2. a revoked or expired site exits; a transient refusal does not kill it ----------------
+
+
+def refusal(detail: str) -> Error:
+    """An UNAUTHENTICATED error worded as the coordinator words it (``_reject``)."""
+    code = ErrorCode.UNAUTHENTICATED
+    return Error(code=int(code), detail=f"{ERROR_MEANINGS[code]}: {detail}")
+
+
+def test_a_revoked_site_exits_with_the_no_restart_code(tmp_path: Path) -> None:
+    detail = "certificate serial=abc of site 'eu' is revoked"
+    code, link = run_script(tmp_path, [(always, welcome()), (always, refusal(detail))])
+    assert code == EXIT_AUTH_REFUSED
+    assert not link.stuck and link.script == []
+
+
+def test_an_expired_site_exits_with_the_no_restart_code(tmp_path: Path) -> None:
+    detail = "certificate serial=abc of site 'eu' expired at 100, now is 200"
+    code, _link = run_script(tmp_path, [(always, welcome()), (always, refusal(detail))])
+    assert code == EXIT_AUTH_REFUSED
+
+
+def test_a_transient_refusal_does_not_stop_a_healthy_site(tmp_path: Path) -> None:
+    # Right after a reconnect the coordinator may not know the connection's identity yet.
+    code, link = run_script(
+        tmp_path,
+        [
+            (always, welcome()),
+            (always, refusal("no certified identity on this connection")),
+            (always, refusal("no certificate serial=abc for site 'eu'")),
+            (always, round_start(1, overlap=True)),
+            (after_update(1), Shutdown(reason="done")),
+        ],
+    )
+    assert code == EXIT_OK
+    assert link.updates() == [1]
+
+
+class StepClock:
+    """Each read is ``step_s`` later than the one before."""
+
+    def __init__(self, step_s: float) -> None:
+        self.now, self.step_s = 0.0, step_s
+
+    def __call__(self) -> float:
+        self.now += self.step_s
+        return self.now
+
+
+def test_refusals_that_persist_past_the_grace_stop_the_site(tmp_path: Path) -> None:
+    grace = AuthWatch().grace_s
+    refusals = int(grace / 10) + 2  # 10 s of clock per read: the last ones are past the grace
+    detail = "no certificate serial=abc for site 'eu'"
+    code, link = run_script(
+        tmp_path,
+        [(always, welcome()), *[(always, refusal(detail)) for _ in range(refusals)]],
+        clock=StepClock(10.0),
+    )
+    assert code == EXIT_AUTH_REFUSED
+    assert link.script, "it gave up before the script ran out"
+
+
+def test_refusals_with_acceptances_in_between_never_stop_the_site(tmp_path: Path) -> None:
+    grace = AuthWatch().grace_s
+    detail = "no certified identity on this connection"
+    script: list[tuple[Gate, Message]] = []
+    for _ in range(int(grace / 10) + 2):  # the same span as above, but the coordinator also
+        script += [(always, refusal(detail)), (always, welcome())]  # accepts us meanwhile
+    code, link = run_script(tmp_path, script, clock=StepClock(10.0))
+    assert code == EXIT_OK and link.script == []
+
+
+def test_a_heartbeat_echo_counts_as_acceptance() -> None:
+    watch = AuthWatch(grace_s=5.0)
+    assert watch.refused("no certified identity", 0.0) is None
+    assert watch.refused("no certified identity", 6.0) is not None
+    watch.accepted()
+    assert watch.refused("no certified identity", 7.0) is None
+
+
+@pytest.mark.parametrize("revoked", [True, False])
+def test_the_coordinator_words_for_revoked_and_expired_are_recognized(
+    tmp_path: Path, revoked: bool
+) -> None:
+    """The detail the coordinator forwards (``_authentic``), produced by the real registry."""
+    kit = keys.init_kit(tmp_path / "kit")
+    now = 1_000_000.0 if revoked else 1e12  # far past the certificate's validity
+    cert = keys.issue_site(kit, "eu", 30, now=1_000_000.0 - 60).certificate
+    if revoked:
+        keys.revoke_site(kit, "eu")
+    registry = CertificateRegistry.from_kit(kit, reload_interval_s=0)
+    with pytest.raises(AuthError) as exc:
+        registry.check_peer(user_id="eu", serial=cert.serial, claimed_site_id="eu", now=now)
+    assert exc.value.reason == ("revoked" if revoked else "expired")
+    assert refusal_reason(refusal(exc.value.detail).detail) == exc.value.reason
+    # A connection whose identity the coordinator does not know (yet) is not definitive.
+    with pytest.raises(AuthError) as exc:
+        registry.check_peer(user_id="eu", serial="nope", claimed_site_id="eu", now=now)
+    assert exc.value.reason == "unknown_key"
+    assert refusal_reason(refusal(exc.value.detail).detail) == "other"
