@@ -434,6 +434,7 @@ class SiteAgent:
                 log.info("[site=%s] coordinator does not know us: joining again", self.site_id)
                 # The rounds planned by a coordinator that forgot us (it restarted, or timed us
                 # out) are void, the one being trained included: its result will never come.
+                self._cancelled.update(r.round_id for r in self._pending)
                 self._pending.clear()
                 self._awaiting_result = None
                 self._join()

@@ -254,3 +254,28 @@ def test_differential_privacy_reports_epsilon_and_still_learns(
             gaussian_epsilon(0.002, 3, 1e-5), rel=1e-9
         )
         assert "clipped to 2" in procs.log(f"site-{site}")
+
+
+def test_overlapped_sites_drop_the_dead_coordinators_rounds_and_go_on(
+    procs: Procs, tmp_path: Path
+) -> None:
+    # With overlap, round 3 opens the moment round 1 closes, while round 2 is in flight: the
+    # sites train round 3's slot and then wait for v2, which dies with the coordinator. After
+    # the restart they must drop rounds 2 and 3 (the new coordinator knows neither) and train
+    # the new rounds from v1, instead of waiting for v2 forever.
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    _start_federation(
+        procs, tmp_path, max_rounds=5, bind=bind, overlap=True, faults={"kill_after_open_round": 3}
+    )
+    assert procs.procs["coordinator"].wait(timeout=240) == -signal.SIGKILL, procs.log("coordinator")
+    meta = json.loads((tmp_path / "coordinator" / "meta.json").read_text())
+    assert (meta["global_version"], meta["round_counter"]) == (1, 3)
+    cfg = write_coordinator_config(tmp_path, max_rounds=5, bind=bind, overlap=True)
+    procs.start("coordinator", "coordinator", "--config", str(cfg))
+    assert procs.procs["coordinator"].wait(timeout=240) == 0, procs.log("coordinator")
+    status = read_status(tmp_path)
+    assert status is not None and status["finished"] and status["rounds_completed"] == 5
+    ids = [h["round_id"] for h in status["history"]]
+    assert ids == [1, 4, 5, 6, 7], ids
+    for site in ("site-eu", "site-us"):
+        assert procs.procs[site].wait(timeout=60) == 0, procs.log(site)
