@@ -637,7 +637,8 @@ class StatusBoard:
     ``history_tail`` entries, with ``history_count`` its full length (the coordinator's full
     history is in its state directory: ``read_history``); with ``val_losses_tail``, the
     ``val_losses`` mapping (keyed by version or step) keeps its highest keys and gains
-    ``val_losses_count``. So what is published and written stays the same size however long
+    ``val_losses_count``. A caller may pass only the last entries with the counts itself (the
+    counts given are kept). So what is published and written stays the same size however long
     the run.
     """
 
@@ -661,7 +662,9 @@ class StatusBoard:
         history = status.get("history")
         if self.history_tail is not None and isinstance(history, list):
             tail = history[max(0, len(history) - self.history_tail) :]
-            status = {**status, "history": tail, "history_count": len(history)}
+            # A caller that passes only the last rounds says how many there are in all.
+            count = status.get("history_count", len(history))
+            status = {**status, "history": tail, "history_count": count}
         vals = status.get("val_losses")
         if self.val_losses_tail is not None and isinstance(vals, dict):
             keys = sorted(vals, key=int)
@@ -669,7 +672,7 @@ class StatusBoard:
             status = {
                 **status,
                 "val_losses": {k: vals[k] for k in kept},
-                "val_losses_count": len(vals),
+                "val_losses_count": status.get("val_losses_count", len(vals)),
             }
         return status
 

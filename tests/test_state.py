@@ -312,6 +312,9 @@ def test_status_board_file_keeps_the_last_rounds_and_the_count(tmp_path: Path) -
     small = StatusBoard(None, lambda: 0.0)
     small.publish({"history": [_entry(1)]})
     assert small.get() == {"history": [_entry(1)], "history_count": 1}
+    # A caller that builds only the tail itself gives the count.
+    small.publish({"history": [_entry(r) for r in range(90, 101)], "history_count": 100})
+    assert small.get()["history_count"] == 100 and len(small.get()["history"]) == 11
 
 
 def test_status_board_can_bound_val_losses_too(tmp_path: Path) -> None:
