@@ -34,7 +34,14 @@ import zmq
 from comm.linkest import LinkEstimator
 from comm.schema import Chunk, ChunkAck, ErrorCode, Heartbeat, Message
 from comm.transfer import TransferConfig, TransferReceiver, TransferSender, stall_timeout_s
-from comm.wire import Frame, WireError, frames_nbytes, from_wire_envelope, to_wire
+from comm.wire import (
+    Frame,
+    ReplayGuard,
+    WireError,
+    frames_nbytes,
+    from_wire_envelope,
+    to_wire,
+)
 
 log = logging.getLogger(__name__)
 
@@ -262,11 +269,10 @@ class _Endpoint:
         # First-chunk arrival per transfer: goodput = bytes after the first chunk / time since.
         self._transfer_start: dict[tuple[bytes, str], tuple[float, int]] = {}
         # Replay protection: our session and sequence on every frame list we send; per sender,
-        # the sessions seen and the last sequence of the current one.
+        # the sessions seen and the last sequence of the current one (bounded, see ReplayGuard).
         self.session = os.urandom(8).hex()
         self._seq = 0
-        self._peer_session: dict[bytes, tuple[str, int]] = {}
-        self._old_sessions: dict[bytes, set[str]] = {}
+        self.replay = ReplayGuard()
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -477,24 +483,7 @@ class _Endpoint:
     # -- receiving ------------------------------------------------------------------------
 
     def _check_replay(self, sender: bytes, session: str, seq: int, inner: bool) -> None:
-        current = self._peer_session.get(sender)
-        if inner:
-            # A reassembled message: its chunks were checked one by one, and it was put on the
-            # wire by the same endpoint (session) as its last chunk.
-            if current is None or current[0] != session:
-                raise WireError(ErrorCode.REPLAY, f"chunked message of session {session}")
-            return
-        if current is not None and current[0] == session:
-            if seq <= current[1]:
-                raise WireError(
-                    ErrorCode.REPLAY, f"session {session} sequence {seq} <= {current[1]}"
-                )
-            self._peer_session[sender] = (session, seq)
-            return
-        if session in self._old_sessions.get(sender, set()):
-            raise WireError(ErrorCode.REPLAY, f"session {session} of this peer has ended")
-        if current is not None:
-            self._old_sessions.setdefault(sender, set()).add(current[0])
+        if self.replay.check(sender, session, seq, inner=inner):
             # The peer restarted: its transfer state is gone, so ours with it is void.
             dropped = self._drop_peer_transfers(sender)
             if dropped:
@@ -502,7 +491,6 @@ class _Endpoint:
                 log.warning(
                     "peer %r has a new session: dropped %d message(s) to it", sender[:32], dropped
                 )
-        self._peer_session[sender] = (session, seq)
 
     def _reject(self, sender: bytes, code: ErrorCode, detail: str) -> None:
         self.stats.rejected[code.name.lower()] += 1
@@ -687,8 +675,10 @@ class RouterChannel(_Endpoint):
         return None if msg is None else (sender, msg)
 
     def forget(self, peer: bytes) -> None:
-        """Drop a departed peer's transfers, both directions, and what was measured about it."""
+        """Drop a departed peer's transfers, both directions, what was measured about it, and
+        its replay state (the routing id names one site process: a restart gets a new one)."""
         self._drop_peer_transfers(peer)
+        self.replay.forget(peer)
         self.identities.pop(peer, None)
         self.links.pop(peer, None)
         self.send_links.pop(peer, None)

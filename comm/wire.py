@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -267,3 +268,79 @@ def from_wire_envelope(
     if codec is None:
         raise WireError(ErrorCode.MALFORMED, f"unknown message type {header['t']!r}")
     return codec.from_wire(header["f"], header["p"], frames[1:]), Envelope(session, seq)
+
+
+class ReplayGuard:
+    """Per sender: the current session and its last sequence number, and the sessions that
+    sender ended, so a replayed message (an old sequence, or a message of an ended session) is
+    refused with ``ErrorCode.REPLAY``.
+
+    Bounded for long runs with reconnects and restarts: at most ``max_ended_sessions`` ended
+    sessions per sender (the oldest forgotten first; a sender that restarted that many times since
+    a message was captured could have that message accepted again once), at most ``max_peers``
+    senders (the one heard from least recently forgotten first), and :meth:`forget` drops a
+    sender at once (it left: the peer it was is gone).
+    """
+
+    def __init__(self, *, max_peers: int = 4096, max_ended_sessions: int = 64) -> None:
+        if max_peers < 1 or max_ended_sessions < 1:
+            raise ValueError("ReplayGuard bounds must be >= 1")
+        self.max_peers = max_peers
+        self.max_ended_sessions = max_ended_sessions
+        self._current: OrderedDict[bytes, tuple[str, int]] = OrderedDict()
+        self._ended: dict[bytes, OrderedDict[str, None]] = {}
+
+    @property
+    def peers(self) -> int:
+        """Senders with replay state."""
+        return len(self._current)
+
+    def ended_sessions(self, sender: bytes | None = None) -> int:
+        """Ended sessions remembered for ``sender`` (or for everyone)."""
+        if sender is not None:
+            return len(self._ended.get(sender, ()))
+        return sum(len(v) for v in self._ended.values())
+
+    def current(self, sender: bytes) -> tuple[str, int] | None:
+        """The sender's current session and its last sequence number (None: not known)."""
+        return self._current.get(sender)
+
+    def check(self, sender: bytes, session: str, seq: int, *, inner: bool = False) -> bool:
+        """Accept (session, seq) from ``sender`` or raise :class:`WireError` (REPLAY). True when
+        it starts a new session of a sender that had another one (the sender restarted).
+        ``inner``: a reassembled chunked message, whose chunks were checked one by one and which
+        the endpoint of its last chunk (the current session) put on the wire."""
+        current = self._current.get(sender)
+        if inner:
+            if current is None or current[0] != session:
+                raise WireError(ErrorCode.REPLAY, f"chunked message of session {session}")
+            return False
+        if current is not None and current[0] == session:
+            if seq <= current[1]:
+                raise WireError(
+                    ErrorCode.REPLAY, f"session {session} sequence {seq} <= {current[1]}"
+                )
+            self._set(sender, session, seq)
+            return False
+        ended = self._ended.get(sender)
+        if ended is not None and session in ended:
+            raise WireError(ErrorCode.REPLAY, f"session {session} of this peer has ended")
+        if current is not None:
+            ended = self._ended.setdefault(sender, OrderedDict())
+            ended[current[0]] = None
+            while len(ended) > self.max_ended_sessions:
+                ended.popitem(last=False)
+        self._set(sender, session, seq)
+        return current is not None
+
+    def _set(self, sender: bytes, session: str, seq: int) -> None:
+        self._current[sender] = (session, seq)
+        self._current.move_to_end(sender)
+        while len(self._current) > self.max_peers:
+            oldest, _ = self._current.popitem(last=False)
+            self._ended.pop(oldest, None)
+
+    def forget(self, sender: bytes) -> None:
+        """Drop everything about ``sender`` (it left for good)."""
+        self._current.pop(sender, None)
+        self._ended.pop(sender, None)

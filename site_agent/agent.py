@@ -605,6 +605,10 @@ class SiteAgent:
                 or self._pending[0].round_id <= self.global_version
             ):
                 self._pending.popleft()
+            # A cancel follows its round's RoundStart on the link: one for no plan we hold
+            # has nothing left to stop.
+            planned = {p.round_id for p in self._pending}
+            self._cancelled &= planned
             waiting = (
                 self._awaiting_result is not None and self.global_version < self._awaiting_result
             )

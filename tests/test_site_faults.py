@@ -301,3 +301,25 @@ def test_the_coordinator_words_for_revoked_and_expired_are_recognized(
         registry.check_peer(user_id="eu", serial="nope", claimed_site_id="eu", now=now)
     assert exc.value.reason == "unknown_key"
     assert refusal_reason(refusal(exc.value.detail).detail) == "other"
+
+
+# ---- 3. what the site remembers about rounds stays bounded --------------------------------
+
+
+def test_cancelled_rounds_are_not_remembered_forever(tmp_path: Path) -> None:
+    """Every round is aborted (the global model never moves): the site keeps no record of
+    cancelled rounds it holds no plan for."""
+    rounds = 200
+    script: list[tuple[Gate, Message]] = [(always, welcome())]
+    for r in range(1, rounds + 1):
+        script += [
+            (always, round_start(r, overlap=True)),
+            (after_update(r), RoundCancel(round_ids=(r,), reason="deadline")),
+        ]
+    script.append((always, round_start(rounds + 1, overlap=True)))
+    script.append((after_update(rounds + 1), Shutdown(reason="done")))
+    agent = make_agent(tmp_path, script)
+    assert agent.run() == EXIT_OK
+    assert isinstance(agent.link, ScriptedLink) and not agent.link.stuck
+    assert agent.link.updates() == list(range(1, rounds + 2))
+    assert len(agent._cancelled) <= 1
