@@ -32,6 +32,7 @@ from comm.schema import (
 from site_agent.agent import EXIT_AUTH_REFUSED, EXIT_OK, SiteAgent
 from site_agent.authwatch import AuthWatch, refusal_reason
 from site_agent.config import SiteConfig
+from site_agent.rounds import MAX_CANCELLED
 from site_agent.trainer import TrainStats
 
 pytestmark = pytest.mark.timeout(60)
@@ -322,4 +323,5 @@ def test_cancelled_rounds_are_not_remembered_forever(tmp_path: Path) -> None:
     assert agent.run() == EXIT_OK
     assert isinstance(agent.link, ScriptedLink) and not agent.link.stuck
     assert agent.link.updates() == list(range(1, rounds + 2))
-    assert len(agent._cancelled) <= 1
+    assert len(agent.rounds.cancelled) <= MAX_CANCELLED
+    assert len(agent.rounds.pending) == 0

@@ -1,0 +1,213 @@
+"""Assembling and launching a site: its device, data and trainer, the agent, and the torchrun
+processes of a site that spans several devices."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+
+from site_agent.config import SiteConfig
+from site_agent.data import BatchSampler, ByteCorpus, eval_batches, sampler_seed, stdlib_split
+from site_agent.model import build_model
+from site_agent.trainer import LocalTrainer, TrainStats
+
+if TYPE_CHECKING:
+    from site_agent.agent import SiteAgent
+
+log = logging.getLogger("crossdc.site")
+
+EXIT_OK = 0
+EXIT_FATAL = 3
+"""The coordinator refused this site's model (``model_mismatch``)."""
+
+
+class SiteTrainer(Protocol):
+    """What the agent needs from whatever trains inside the site."""
+
+    def train_steps(self, num_steps: int) -> TrainStats: ...
+
+    def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float: ...
+
+    def parameters_numpy(self) -> dict[str, np.ndarray]: ...
+
+    def load_parameters(self, params: Mapping[str, np.ndarray]) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+def resolve_device(spec: str) -> str:
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"site.device={spec!r} but CUDA is not available")
+    return spec
+
+
+def load_site_data(cfg: SiteConfig) -> SiteData:
+    """The site's training corpus and the validation corpus (never trained on)."""
+    d = cfg.data
+    max_bytes = d.max_bytes or None
+    if d.source == "stdlib":
+        shards, heldout = stdlib_split(d.num_shards)
+        train = ByteCorpus.from_stdlib_modules(shards[d.shard_index], max_bytes)
+        val = ByteCorpus.from_stdlib_modules(heldout, 4 << 20)
+        return SiteData(train, val)
+    corpus = ByteCorpus.from_text_dir(d.path, max_bytes)
+    if d.val_path:
+        return SiteData(corpus, ByteCorpus.from_text_dir(d.val_path, 4 << 20))
+    cut = int(len(corpus) * (1 - d.val_fraction))
+    return SiteData(
+        ByteCorpus(corpus.data[:cut], source=f"{corpus.source}[:{cut}]"),
+        ByteCorpus(corpus.data[cut:], source=f"{corpus.source}[{cut}:]"),
+    )
+
+
+def build_local_trainer(cfg: SiteConfig, data: SiteData) -> LocalTrainer:
+    device = resolve_device(cfg.device)
+    model = build_model(cfg.model, cfg.seed, device=device)
+    site_seed = sampler_seed(cfg.seed, cfg.data.shard_index)
+    sampler = BatchSampler(
+        data.train,
+        batch_size=cfg.optim.batch_size,
+        context_len=cfg.model.context_len,
+        seed=site_seed,
+    )
+    return LocalTrainer(model=model, sampler=sampler, optim_cfg=cfg.optim, device=device)
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_endpoint_file(path: str, timeout_s: float) -> str:
+    """Wait for a local coordinator's ``endpoint.json`` and return the endpoint in it."""
+    deadline = time.monotonic() + timeout_s
+    p = Path(path)
+    while True:
+        if p.exists():
+            try:
+                endpoint = json.loads(p.read_text())["endpoint"]
+                return str(endpoint).replace("0.0.0.0", "127.0.0.1")
+            except (ValueError, KeyError):
+                pass  # a half-written file from a non-atomic writer; retry
+        if time.monotonic() > deadline:
+            raise ValueError(f"site.coordinator_endpoint_file {path!r} did not appear")
+        time.sleep(0.1)
+
+
+def build_agent(cfg: SiteConfig) -> SiteAgent:
+    """Assemble a single-process site from its config (data, model, trainer)."""
+    from site_agent.agent import SiteAgent
+
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    data = load_site_data(cfg)
+    trainer = build_local_trainer(cfg, data)
+    val = eval_batches(
+        data.val, cfg.eval_batches, cfg.eval_batch_size, cfg.model.context_len, seed=0
+    )
+    return SiteAgent(cfg, trainer=trainer, val_batches=val)
+
+
+def under_torchrun() -> bool:
+    """True in a process torchrun started (it sets RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def torchrun_argv(cfg: SiteConfig, agent_argv: list[str]) -> list[str]:
+    """The torchrun command that runs this site as ``stages x replicas`` processes."""
+    import sys
+
+    world = cfg.stages * cfg.replicas
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        "-m",
+        "crossdc",
+        *agent_argv,
+    ]
+
+
+def run_pipeline_site(cfg: SiteConfig) -> int:
+    """Entry point of every rank of a pipelined site (launched by torchrun).
+
+    Rank 0 is the site leader: it runs the agent, whose trainer drives the other ranks through
+    torch.distributed. Only rank 0 ever opens a WAN socket; the workers run ``worker_loop``.
+    """
+    import torch.distributed as dist
+
+    from site_agent.agent import SiteAgent
+    from site_agent.pipeline.runtime import (
+        PipelineConfig,
+        PipelineJob,
+        PipelineTrainer,
+        init_from_torchrun_env,
+        worker_loop,
+    )
+
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    env = init_from_torchrun_env()
+    if env.world_size != cfg.stages * cfg.replicas:
+        raise ValueError(
+            f"torchrun started {env.world_size} processes but site.stages x site.replicas = "
+            f"{cfg.stages * cfg.replicas}"
+        )
+    data = load_site_data(cfg)
+    job = PipelineJob(
+        model=cfg.model,
+        optim=cfg.optim,
+        pipeline=PipelineConfig(
+            num_stages=cfg.stages,
+            num_replicas=cfg.replicas,
+            num_microbatches=cfg.microbatches,
+            schedule=cfg.schedule,
+        ),
+        model_seed=cfg.seed,
+        data_seed=sampler_seed(cfg.seed, cfg.data.shard_index),
+        site_id=cfg.site_id,
+    )
+    try:
+        if env.rank != 0:
+            worker_loop(job, data.train, device=env.device)
+            return EXIT_OK
+        val = eval_batches(data.val, cfg.eval_batches, cfg.eval_batch_size, cfg.model.context_len)
+        with PipelineTrainer.start(job, data.train, device=env.device) as trainer:
+            agent = SiteAgent(cfg, trainer=trainer, val_batches=val)
+            agent.start()
+            try:
+                return agent.run()
+            finally:
+                agent.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass
+class SiteData:
+    train: ByteCorpus
+    val: ByteCorpus
