@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -22,7 +23,7 @@ import numpy as np
 import zmq
 
 from comm.channel import RouterChannel
-from comm.compress import get_codec
+from comm.compress import EncodedTensor, get_codec
 from comm.keys import (
     AuthError,
     CertificateRegistry,
@@ -74,13 +75,15 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.rounds import OpenRound
 from coordinator.scheduler import RoundPlan, SchedulePolicy, SiteView, plan_round
 from coordinator.state import (
+    STATUS_HISTORY_TAIL,
     FileStateStore,
     GlobalState,
     StateStore,
+    StateWriter,
     StatusBoard,
     write_endpoint,
 )
-from coordinator.strategy import Arrays, DiLoCo, Strategy, global_norm
+from coordinator.strategy import Arrays, DiLoCo, OuterResult, Strategy, global_norm
 
 log = logging.getLogger("crossdc.coordinator")
 
@@ -94,6 +97,21 @@ class _Accepted:
     train_loss: float
     compute_seconds: float
     nbytes: int
+
+
+@dataclass(frozen=True)
+class _Announcement:
+    """A closed round's result, waiting for its state to be durable before it is sent."""
+
+    decision: Close
+    state: GlobalState
+    """The state the round produced."""
+    base_version: int
+    encoded: tuple[EncodedTensor, ...]
+    delta: Arrays
+    entry: dict[str, Any]
+    result: OuterResult
+    late: list[_Accepted]
 
 
 def lifecycle_config(cfg: CoordinatorConfig) -> LifecycleConfig:
@@ -188,6 +206,12 @@ class Coordinator:
         self.chan: RouterChannel | None = None
         self._ctx: zmq.Context[Any] | None = None
         self._hash_cache: tuple[int, str] | None = None
+        # Saves run on a writer thread; whatever reveals a state waits until it is durable:
+        # sends and announcements queue behind the latest save's ticket (``_barrier``).
+        self.writer: StateWriter | None = None
+        self._barrier = 0
+        self._outbox: deque[tuple[int, Callable[[], None]]] = deque()
+        self._flushing = False
         self._status = StatusBoard(
             self.cfg.state_path / "status.json" if self.cfg.state_dir else None, self.clock
         )
@@ -215,6 +239,7 @@ class Coordinator:
     def start(self) -> str:
         """Load durable state, bind the socket; return the bound endpoint."""
         self.state = self.store.load()
+        self.writer = StateWriter(self.store)
         if self.state is not None:
             self._set_model()
             self.book = Lifecycle.resume(
@@ -251,6 +276,11 @@ class Coordinator:
         return self.endpoint
 
     def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()  # everything submitted is written ...
+            self._flush()  # ... so what waited on it goes out before the socket closes
+            self.writer = None
+            self._publish_status()  # the last state, now durable
         if self.chan is not None:
             self.chan.close()
             self.chan = None
@@ -266,15 +296,50 @@ class Coordinator:
         """Serve until the federation finishes or ``stop`` is set."""
         while not self.finished and not (stop is not None and stop.is_set()):
             self.step(0.05)
+        if self.writer is not None:  # what waits on a save (Shutdown, say) goes out now
+            self.writer.flush()
+            self._flush()
+            self._publish_status()
 
     def step(self, timeout_s: float) -> None:
         """Handle at most one message (waiting up to ``timeout_s``), then tick."""
         assert self.chan is not None, "start() first"
-        got = self.chan.recv(timeout_s)
+        self._flush()
+        got = self.chan.recv(min(timeout_s, 0.002) if self._outbox else timeout_s)
         if got is not None:
             peer, msg = got
             self._handle(peer, msg)
         self.tick()
+        self._flush()
+
+    # ---- durability before announcement ------------------------------------------------------
+
+    def _persist(self, state: GlobalState, *, counter_only: bool = False) -> None:
+        """Queue a save; every later send waits until it is durable."""
+        assert self.writer is not None, "start() first"
+        submit = self.writer.submit_counter if counter_only else self.writer.submit
+        self._barrier = submit(state)
+
+    def _settled(self) -> bool:
+        """Nothing waits on a save: every state so far is durable and announced."""
+        return not self._outbox and (self.writer is None or self.writer.durable(self._barrier))
+
+    def _later(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once the latest save is durable (now, if it already is)."""
+        if self._flushing or self._settled():
+            action()
+        else:
+            self._outbox.append((self._barrier, action))
+
+    def _flush(self) -> None:
+        """Run, in order, the queued actions whose save is durable (a failed save raises)."""
+        while self._outbox and (self.writer is None or self.writer.durable(self._outbox[0][0])):
+            _, action = self._outbox.popleft()
+            self._flushing = True
+            try:
+                action()
+            finally:
+                self._flushing = False
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -294,16 +359,27 @@ class Coordinator:
         self._send(peer, Error(code=int(code), detail=f"{ERROR_MEANINGS[code]}: {detail}"))
 
     def _send(self, peer: bytes, msg: Message) -> bool:
+        """Send now, or after the latest save is durable (then True means queued)."""
+        if not (self._flushing or self._settled()):
+            self._outbox.append((self._barrier, lambda: self._send_queued(peer, msg)))
+            return True
+        return self._send_now(peer, msg)
+
+    def _send_queued(self, peer: bytes, msg: Message) -> None:
+        self._send_now(peer, msg)
+
+    def _send_now(self, peer: bytes, msg: Message) -> bool:
         assert self.chan is not None
         before = self.chan.stats.bytes_sent
         ok = self.chan.send(peer, msg)
         self.metrics.wire_bytes.labels(direction="out").inc(self.chan.stats.bytes_sent - before)
         return ok
 
-    def _hash(self) -> str:
-        assert self.state is not None
-        if self._hash_cache is None or self._hash_cache[0] != self.state.global_version:
-            self._hash_cache = (self.state.global_version, state_hash(self.state.params))
+    def _hash(self, state: GlobalState | None = None) -> str:
+        state = state or self.state
+        assert state is not None
+        if self._hash_cache is None or self._hash_cache[0] != state.global_version:
+            self._hash_cache = (state.global_version, state_hash(state.params))
         return self._hash_cache[1]
 
     def _sign(self, version: int, base: int, fragment: int, digest: str) -> bytes:
@@ -312,19 +388,20 @@ class Coordinator:
         data = global_signed_bytes(version, base, fragment, digest)
         return sign_blob(self.kit.signing_key, data, context="global")
 
-    def _full_global(self, round_id: int, evaluate: bool = False) -> Global:
-        assert self.state is not None
+    def _full_global(self, state: GlobalState, round_id: int, evaluate: bool = False) -> Global:
+        """The whole of ``state``'s model (a durable one: the caller waited for its save)."""
+        digest = self._hash(state)
         return Global(
             round_id=round_id,
             base_version=-1,
-            global_version=self.state.global_version,
+            global_version=state.global_version,
             fragment=-1,
             merged=(),
             is_full=True,
-            state_hash=self._hash(),
-            signature=self._sign(self.state.global_version, -1, -1, self._hash()),
+            state_hash=digest,
+            signature=self._sign(state.global_version, -1, -1, digest),
             evaluate=evaluate,
-            payload=encode_tensors(self.state.params, get_codec("fp32")),
+            payload=encode_tensors(state.params, get_codec("fp32")),
         )
 
     def _authentic(self, peer: bytes, site_id: str) -> bool:
@@ -458,13 +535,18 @@ class Coordinator:
             self._secagg_peers.pop(msg.site_id, None)
 
     def _send_full(self, site_id: str) -> None:
-        assert self.state is not None
-        m = self.book.members[site_id]
-        if self._send(m.peer, self._full_global(round_id=self.state.global_version)):
-            self.book.holds(site_id, self.state.global_version, in_sync=True)
-            log.info(
-                "[coordinator site=%s] sent full model v%d", site_id, self.state.global_version
-            )
+        state = self.state  # the latest save covers it: sent once that save is durable
+        assert state is not None
+        self._later(lambda: self._send_full_now(site_id, state))
+
+    def _send_full_now(self, site_id: str, state: GlobalState) -> None:
+        m = self.book.members.get(site_id)
+        if m is None:
+            return  # left while its model waited for a save
+        version = state.global_version
+        if self._send_now(m.peer, self._full_global(state, round_id=version)):
+            self.book.holds(site_id, version, in_sync=True)
+            log.info("[coordinator site=%s] sent full model v%d", site_id, version)
 
     def _on_init(self, peer: bytes, msg: InitParams) -> None:
         if self.state is not None or msg.site_id != self._init_site:
@@ -487,7 +569,7 @@ class Coordinator:
             round_counter=0,
             model_fingerprint=msg.model_fingerprint,
         )
-        self.store.save(self.state)
+        self._persist(self.state)
         self._set_model()
         log.info(
             "[coordinator site=%s] initial model: %d tensors, %d parameters",
@@ -677,7 +759,7 @@ class Coordinator:
             return
         val_losses = {**self.state.val_losses, msg.global_version: msg.val_loss}
         self.state = replace(self.state, val_losses=val_losses)
-        self.store.save_counter(self.state)
+        self._persist(self.state, counter_only=True)
         if msg.global_version == self.state.global_version:
             self.metrics.val_loss.set(msg.val_loss)
         log.info(
@@ -821,7 +903,7 @@ class Coordinator:
         round_id, participants, why = decision.round_id, decision.participants, decision.why
         fragment, base = decision.fragment, decision.base_version
         self.state = replace(self.state, round_counter=round_id)
-        self.store.save_counter(self.state)  # durable before announced: ids are never reused
+        self._persist(self.state, counter_only=True)  # durable before announced: never reused
         plan, plan_why = self._schedule(now, participants)
         self._round_plan[round_id] = plan
         for site_id, steps in plan.extra_steps.items():
@@ -873,7 +955,7 @@ class Coordinator:
                     secagg=secagg,
                 ),
             )
-        self.cfg.faults.point("open", round_id)
+        self._later(lambda: self.cfg.faults.point("open", round_id))
 
     def _is_last(self, completed_rounds: int) -> bool:
         """Whether ``completed_rounds`` reaches ``max_rounds`` (never when it is 0)."""
@@ -881,7 +963,7 @@ class Coordinator:
 
     def _close(self, now: float, decision: Close) -> None:
         assert self.state is not None and self.chan is not None
-        r, merged, why = decision.round, decision.merged, decision.why
+        r, merged = decision.round, decision.merged
         st = self.state
         names = self._fragment_names[r.fragment]
         accepted = self._accepted.pop(r.round_id, {})
@@ -922,7 +1004,7 @@ class Coordinator:
             residual[k] = result.params[k] - new_params[k]
             momentum[k] = result.momentum[k]
         total_weight = sum(u.weight for u in fresh) or 1.0
-        opened_in, opened_out = self._round_bytes_at_open.pop(r.round_id)
+        opened_in = self._round_bytes_at_open[r.round_id][0]
         entry: dict[str, Any] = {
             "round_id": r.round_id,
             "global_version": r.round_id,
@@ -955,13 +1037,27 @@ class Coordinator:
             global_version=r.round_id,
             history=(*st.history, entry),
         )
-        self.store.save(new_state)  # durable before announced
-        self.cfg.faults.point("close", r.round_id)
         self.state = new_state
+        self._persist(new_state)  # durable before announced
         self._measure_arrivals(r.round_id, merged, plan)
-        digest = self._hash()
-        in_sync = self.book.in_sync(st.global_version)
-        last = self._is_last(len(new_state.history))
+        self._later(
+            lambda: self._announce(
+                _Announcement(
+                    decision, new_state, st.global_version, encoded, delta, entry, result, late
+                )
+            )
+        )
+
+    def _announce(self, a: _Announcement) -> None:
+        """Send a closed round's result (its state is durable) and account for it."""
+        assert self.state is not None and self.chan is not None
+        r, merged, why = a.decision.round, a.decision.merged, a.decision.why
+        entry, result, late, encoded = a.entry, a.result, a.late, a.encoded
+        self.cfg.faults.point("close", r.round_id)
+        opened_out = self._round_bytes_at_open.pop(r.round_id)[1]
+        digest = self._hash(a.state)
+        in_sync = self.book.in_sync(a.base_version)
+        last = a.decision.final
         wants_eval = r.round_id % self.cfg.eval_every_rounds == 0 or last
         # Ask a site that was on time: evaluating costs the evaluator some compute.
         candidates = [s for s in in_sync if s in merged] or in_sync
@@ -972,18 +1068,18 @@ class Coordinator:
             if site_id in in_sync:
                 msg: Global = Global(
                     round_id=r.round_id,
-                    base_version=st.global_version,
+                    base_version=a.base_version,
                     global_version=r.round_id,
                     fragment=r.fragment,
                     merged=merged_all,
                     is_full=False,
                     state_hash=digest,
-                    signature=self._sign(r.round_id, st.global_version, r.fragment, digest),
+                    signature=self._sign(r.round_id, a.base_version, r.fragment, digest),
                     evaluate=site_id == evaluator,
                     payload=encoded,
                 )
             else:
-                msg = self._full_global(r.round_id, evaluate=wants_eval and evaluator is None)
+                msg = self._full_global(a.state, r.round_id, wants_eval and evaluator is None)
             ok = self._send(m.peer, msg)
             self.book.holds(site_id, r.round_id, in_sync=ok)
         entry["wire_bytes_out"] = self.chan.stats.bytes_sent - opened_out
@@ -991,7 +1087,7 @@ class Coordinator:
         payload_bytes = sum(enc.nbytes for enc in encoded)
         self.metrics.payload_bytes.labels(direction="out").inc(payload_bytes * len(in_sync))
         self.metrics.payload_raw_bytes.labels(direction="out").inc(
-            sum(4 * v.size for v in delta.values()) * len(in_sync)
+            sum(4 * v.size for v in a.delta.values()) * len(in_sync)
         )
         self.metrics.rounds.inc()
         self.metrics.round_duration.observe(entry["duration_s"])
@@ -1027,6 +1123,8 @@ class Coordinator:
     # ---- status ----------------------------------------------------------------------------
 
     def _publish_status(self) -> None:
+        if self.writer is not None and not self.writer.durable(self._barrier):
+            return  # the status shows durable states only; the next tick publishes this one
         st = self.state
         chan = self.chan
         status: dict[str, Any] = {
@@ -1040,7 +1138,8 @@ class Coordinator:
             "open_round": self.open_round.round_id if self.open_round else None,
             "open_rounds": [r.round_id for r in self.book.open_rounds],
             "val_losses": {str(k): v for k, v in sorted(st.val_losses.items())} if st else {},
-            "history": list(st.history) if st else [],
+            "history": list(st.history[-STATUS_HISTORY_TAIL:]) if st else [],
+            "history_count": len(st.history) if st else 0,
             "wire_bytes_in": chan.stats.bytes_received if chan else 0,
             "wire_bytes_out": chan.stats.bytes_sent if chan else 0,
             "rejected": dict(chan.stats.rejected) if chan else {},

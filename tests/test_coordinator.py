@@ -7,6 +7,7 @@ Error naming the problem, a counter, and no change of state), and the /metrics e
 from __future__ import annotations
 
 import contextlib
+import threading
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -24,6 +25,7 @@ from comm.schema import (
     Error,
     ErrorCode,
     Global,
+    Heartbeat,
     InitParams,
     Join,
     Message,
@@ -34,7 +36,7 @@ from comm.schema import (
 from comm.tensors import encode_tensors, fragments, state_hash
 from coordinator.config import CoordinatorConfig
 from coordinator.service import Coordinator, next_fragment
-from coordinator.state import MemoryStateStore
+from coordinator.state import GlobalState, MemoryStateStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -430,3 +432,42 @@ def test_extra_steps_already_planned_count_against_the_earliness() -> None:
         # the 0.4 s left give floor(0.8 x 0.4 / 0.3) = 1 extra step for round 4. After round 3:
         # 1 s early, round 4's step takes 0.3 s: floor(0.8 x 0.7 / 0.3) = 1 for round 5.
         assert steps == [5, 4, 4]
+
+
+class GatedStore(MemoryStateStore):
+    """A store whose full saves block while ``gate`` is clear (a slow disk, deterministically)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def save(self, state: GlobalState) -> None:
+        assert self.gate.wait(30), "the test never opened the gate"
+        super().save(state)
+
+
+def test_a_slow_save_leaves_the_loop_serving_and_holds_announcements() -> None:
+    store = GatedStore()
+    with running(store=store) as h:
+        eu, us, rs = start_round(h)
+        store.gate.clear()  # round 1's save will hang in the writer thread
+        eu.send(update("eu", rs.round_id, D_EU))
+        us.send(update("us", rs.round_id, D_US))
+        h.until(lambda: h.coord.state is not None and h.coord.state.global_version == 1)
+        # The loop still serves while the save is held: a heartbeat is taken in ...
+        seen = h.coord.members["eu"].last_seen
+        eu.send(Heartbeat(site_id="eu", global_version=0, sent_at=1.0))
+        h.until(lambda: h.coord.members["eu"].last_seen > seen)
+        for _ in range(200):
+            h.coord.step(0.005)
+            msg = eu.chan.recv(0.0)
+            # ... but nothing goes out before the round's state is durable: not the result,
+            # and not the echo either (it queues behind the save, in order).
+            assert not isinstance(msg, Global | Heartbeat), msg
+        assert store.state is not None and store.state.global_version == 0
+        store.gate.set()
+        result = h.expect(eu, Global)
+        assert result.global_version == 1
+        assert store.state is not None and store.state.global_version == 1
+        assert isinstance(h.expect(eu, Heartbeat), Heartbeat)
