@@ -285,7 +285,16 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks (print JSON with --json)")
     b.add_argument(
         "suite",
-        choices=["codecs", "convergence", "ddp", "equal_tokens", "pipeline", "wan", "wan_goodput"],
+        choices=[
+            "chaos",
+            "codecs",
+            "convergence",
+            "ddp",
+            "equal_tokens",
+            "pipeline",
+            "wan",
+            "wan_goodput",
+        ],
     )
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)

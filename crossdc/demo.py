@@ -120,8 +120,11 @@ class DemoRun:
     logs: list[Any] = field(default_factory=list)
     links: dict[str, LinkEmulator] = field(default_factory=dict)
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 (closed in close())
+    def spawn(
+        self, name: str, argv: list[str], env: dict[str, str], *, append: bool = False
+    ) -> None:
+        """Start ``argv`` as ``name``; ``append`` keeps the log of an earlier run (a restart)."""
+        log = open(self.workdir / f"{name}.log", "ab" if append else "wb")  # noqa: SIM115
         self.logs.append(log)
         self.procs[name] = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -176,7 +179,10 @@ def site_ids(num_sites: int) -> list[str]:
     return [SITE_NAMES[i] if i < len(SITE_NAMES) else f"site{i}" for i in range(num_sites)]
 
 
-def write_coordinator_config(args: argparse.Namespace, workdir: Path) -> Path:
+def write_coordinator_config(
+    args: argparse.Namespace, workdir: Path, *, overrides: dict[str, Any] | None = None
+) -> Path:
+    """The coordinator's config; ``overrides`` replaces keys of its ``[coordinator]`` table."""
     coord_dir = workdir / "coordinator"
     coordinator = {
         "coordinator": {
@@ -201,15 +207,21 @@ def write_coordinator_config(args: argparse.Namespace, workdir: Path) -> Path:
             **_secagg(args),
         }
     }
+    coordinator["coordinator"].update(overrides or {})
     coord_cfg = workdir / "coordinator.toml"
     coord_cfg.write_text(dump_toml(coordinator))
     return coord_cfg
 
 
 def write_site_configs(
-    args: argparse.Namespace, workdir: Path, endpoints: dict[str, str]
+    args: argparse.Namespace,
+    workdir: Path,
+    endpoints: dict[str, str],
+    *,
+    model: dict[str, int] | None = None,
 ) -> list[tuple[str, Path]]:
-    """One config per site; ``endpoints`` is where each reaches the coordinator."""
+    """One config per site; ``endpoints`` is where each reaches the coordinator; ``model``
+    replaces the default DEMO_MODEL."""
     sites = []
     for i, site_id in enumerate(site_ids(args.sites)):
         doc = {
@@ -223,7 +235,7 @@ def write_site_configs(
                 "eval_batches": 8,
                 "eval_batch_size": 16,
                 "data": {"source": "stdlib", "shard_index": i, "num_shards": args.sites},
-                "model": DEMO_MODEL,
+                "model": model or DEMO_MODEL,
                 "optim": {"batch_size": args.batch_size},
                 "security": _security(args, workdir, site_id),
                 **_privacy(args),

@@ -1,0 +1,70 @@
+"""``crossdc bench chaos``: fault draws are seeded, and a short soak keeps the federation safe.
+
+The soak runs real processes (a coordinator and three sites behind WAN emulators) for about
+three minutes of faults and asserts only structural and safety figures: no closed round lost,
+no round id reused, every site ending on the coordinator's version and state hash, a finite
+validation loss. Timings (stalls, recovery seconds) are the bench's figures, not the test's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from crossdc.bench import chaos
+from crossdc.bench.chaos_faults import KINDS, draw_fault
+from crossdc.bench.chaos_fed import free_port
+
+
+@pytest.mark.timeout(10)
+def test_fault_draws_depend_only_on_the_seed() -> None:
+    sites = ["eu", "us", "ap"]
+
+    def draws(seed: int) -> list[tuple[str, str, float]]:
+        rng = random.Random(seed)
+        return [
+            (f.kind, f.target, f.duration_s)
+            for f in (draw_fault(rng, i, sites, 10.0) for i in range(40))
+        ]
+
+    assert draws(7) == draws(7)
+    assert draws(7) != draws(8)
+    assert {kind for kind, _, _ in draws(7)} == set(KINDS)
+    for kind, target, duration in draws(7):
+        assert (target == "coordinator") == kind.endswith("coordinator")
+        if kind == "partition_site":
+            assert duration > 10.0  # longer than the coordinator's site timeout
+
+
+@pytest.mark.timeout(10)
+def test_free_port_is_bindable() -> None:
+    assert 0 < free_port() < 65536
+
+
+@pytest.mark.timeout(10)
+def test_bad_arguments_exit_1_and_start_nothing(tmp_path: Path) -> None:
+    workdir = tmp_path / "run"
+    assert chaos.main(["--sites", "1", "--workdir", str(workdir)]) == 1
+    assert not workdir.exists()
+
+
+@pytest.mark.timeout(1200)
+def test_short_soak_loses_nothing_and_ends_in_agreement(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--json", "--minutes", "3", "--period", "12", "--seed", "1"]
+    rc = chaos.main([*argv, "--skip-fault-free", "--workdir", str(tmp_path)])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert report["faults"] >= 8
+    assert sum(report["fault_kinds"].values()) == report["faults"]
+    assert report["rounds_completed"] > 0
+    assert report["rounds_lost"] == 0, report["rounds_lost_list"]
+    assert report["round_ids_reused"] == 0, report["round_ids_reused_list"]
+    assert report["sites_final_hash_agree"] is True, report["final_versions"]
+    assert math.isfinite(report["val_loss_final"])
+    assert (tmp_path / "report.json").exists()
