@@ -17,8 +17,23 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from comm.schema import ErrorCode
+from coordinator.config import CoordinatorConfig
+from coordinator.decisions import (
+    Abort,
+    Admission,
+    Close,
+    ClosedRound,
+    Decision,
+    Finish,
+    LateUpdate,
+    Open,
+    Refusal,
+    Remove,
+    Rerun,
+)
 from coordinator.membership import Member, expired, ready_sites, touch
 from coordinator.rounds import (
     Action,
@@ -47,96 +62,6 @@ class LifecycleConfig:
     grace_ceiling_s: float
     secure_aggregation: bool = False
     """Masked rounds cannot close with part of their set: they re-run (:class:`Rerun`)."""
-
-
-@dataclass(frozen=True)
-class ClosedRound:
-    """What is remembered of a closed (or aborted) round, to judge its late updates."""
-
-    participants: frozenset[str]
-    merged: frozenset[str]
-    fragment: int
-
-
-@dataclass(frozen=True)
-class LateUpdate:
-    """An update accepted after its round closed, waiting for its fragment's next sync."""
-
-    site_id: str
-    round_id: int
-    fragment: int
-
-
-@dataclass(frozen=True)
-class Open:
-    round_id: int
-    participants: tuple[str, ...]
-    fragment: int
-    base_version: int
-    """The global version of the fragment the updates must build on (maybe still in flight)."""
-    why: str
-
-
-@dataclass(frozen=True)
-class Close:
-    round: OpenRound
-    merged: tuple[str, ...]
-    late: tuple[LateUpdate, ...]
-    """Late updates of earlier rounds of the same fragment, merged here (once)."""
-    final: bool
-    """The run's last round (``max_rounds`` reached by this close)."""
-    why: str
-
-
-@dataclass(frozen=True)
-class Abort:
-    round_ids: tuple[int, ...]
-    """Every open round: later ones build on the oldest, which cannot complete."""
-    why: str
-
-
-@dataclass(frozen=True)
-class Rerun:
-    """Secure aggregation: the oldest round lacks some masked vectors; the service either re-runs
-    it with the survivors (``Lifecycle.rerun``) or abandons it (``Lifecycle.abort``)."""
-
-    round: OpenRound
-    received: tuple[str, ...]
-    why: str
-
-
-@dataclass(frozen=True)
-class Finish:
-    why: str
-
-
-@dataclass(frozen=True)
-class Remove:
-    """Silent members, removed (the service forgets their connections)."""
-
-    members: tuple[Member, ...]
-    why: str
-
-    @property
-    def site_ids(self) -> tuple[str, ...]:
-        return tuple(m.site_id for m in self.members)
-
-
-Decision = Open | Close | Abort | Rerun | Finish | Remove
-
-
-@dataclass(frozen=True)
-class Refusal:
-    code: ErrorCode
-    detail: str
-
-
-@dataclass(frozen=True)
-class Admission:
-    """An update that may be accepted: on time (its round is open) or late."""
-
-    late: bool
-    fragment: int
 
 
 @dataclass
@@ -411,3 +336,32 @@ class Lifecycle:
 
     def peers(self) -> Mapping[str, bytes]:
         return {s: m.peer for s, m in sorted(self.members.items())}
+
+
+def lifecycle_config(cfg: CoordinatorConfig) -> LifecycleConfig:
+    """What the round lifecycle needs of the coordinator's configuration."""
+    return LifecycleConfig(
+        min_sites=cfg.min_sites,
+        quorum_fraction=cfg.quorum_fraction,
+        max_rounds=cfg.max_rounds,
+        max_open=2 if cfg.overlap else 1,
+        num_fragments=cfg.num_fragments,
+        max_staleness_rounds=cfg.max_staleness_rounds,
+        round_deadline_s=cfg.round_deadline_s,
+        site_timeout_s=cfg.site_timeout_s,
+        grace_floor_s=cfg.grace_floor_s,
+        grace_ceiling_s=cfg.grace_ceiling_s,
+        secure_aggregation=cfg.secure_aggregation is not None,
+    )
+
+
+def next_fragment(history: Sequence[Mapping[str, Any]], num_fragments: int) -> int:
+    """The fragment a resumed coordinator syncs first: the one after the last completed round's,
+    so a restart keeps the rotation instead of syncing fragment 0 out of turn. 0 without history
+    or when the fragment count has changed since."""
+    if not history:
+        return 0
+    last = history[-1]
+    if last.get("num_fragments") != num_fragments or not isinstance(last.get("fragment"), int):
+        return 0
+    return (int(last["fragment"]) + 1) % num_fragments

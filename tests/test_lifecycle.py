@@ -9,19 +9,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from coordinator.lifecycle import (
-    Abort,
-    Admission,
-    Close,
-    Finish,
-    Lifecycle,
-    LifecycleConfig,
-    Open,
-    Refusal,
-    Remove,
-    Rerun,
-)
-from coordinator.service import next_fragment
+from coordinator.decisions import Abort, Admission, Close, Finish, Open, Refusal, Remove, Rerun
+from coordinator.lifecycle import Lifecycle, LifecycleConfig, next_fragment
 
 pytestmark = pytest.mark.timeout(120)
 

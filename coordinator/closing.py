@@ -1,0 +1,263 @@
+"""Closing rounds: the strategy's outer step over the round's updates (late ones down-weighted),
+the new state persisted, and, once it is durable, its result announced to every member.
+
+Functions over the running :class:`~coordinator.service.Coordinator`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from comm.compress import EncodedTensor, get_codec
+from comm.keys import sign_blob
+from comm.schema import (
+    Global,
+    Shutdown,
+)
+from comm.secagg import unmask_mean
+from comm.tensors import (
+    decode_tensors,
+    encode_tensors,
+    global_signed_bytes,
+)
+from coordinator.decisions import (
+    Close,
+)
+from coordinator.intake import Accepted
+from coordinator.scheduler import RoundPlan
+from coordinator.state import (
+    GlobalState,
+)
+from coordinator.strategy import Arrays, OuterResult
+
+if TYPE_CHECKING:
+    from coordinator.service import Coordinator
+
+log = logging.getLogger("crossdc.coordinator")
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """A closed round's result, waiting for its state to be durable before it is sent."""
+
+    decision: Close
+    state: GlobalState
+    """The state the round produced."""
+    base_version: int
+    encoded: tuple[EncodedTensor, ...]
+    delta: Arrays
+    entry: dict[str, Any]
+    result: OuterResult
+    late: list[Accepted]
+
+
+def measure_arrivals(
+    c: Coordinator, round_id: int, merged: tuple[str, ...], plan: RoundPlan
+) -> None:
+    """How early each on-time update of the closed round landed before its last one."""
+    arrived = c._arrived.pop(round_id, {})
+    on_time = {s: arrived[s] for s in merged if s in arrived}
+    if not on_time:
+        return
+    last = max(on_time.values())
+    early = {s: last - t for s, t in on_time.items()}
+    c._early_s = early
+    c._early_extra = {s: plan.extra_steps.get(s, 0) for s in early}
+    c._early_round = round_id
+
+
+def is_last(c: Coordinator, completed_rounds: int) -> bool:
+    """Whether ``completed_rounds`` reaches ``max_rounds`` (never when it is 0)."""
+    return bool(c.cfg.max_rounds) and completed_rounds >= c.cfg.max_rounds
+
+
+def close(c: Coordinator, now: float, decision: Close) -> None:
+    assert c.state is not None and c.chan is not None
+    r, merged = decision.round, decision.merged
+    st = c.state
+    names = c._fragment_names[r.fragment]
+    accepted = c._accepted.pop(r.round_id, {})
+    fresh = [accepted[s] for s in merged]
+    late = [c._late.pop((u.site_id, u.round_id)) for u in decision.late]
+    frags = c.cfg.num_fragments
+    # A late update is merged once, down-weighted by how many syncs of its fragment it missed.
+    updates = [(u.site_id, u.weight, u.delta) for u in fresh]
+    for u in late:
+        staleness = max(1, (r.round_id - u.round_id) // frags)
+        updates.append((f"{u.site_id}@{u.round_id}", u.weight / (1 + staleness), u.delta))
+    if c.cfg.secure_aggregation is not None:
+        # Only the sum is ever seen: the weighted mean stands for the sites' updates.
+        masked = c._masked.pop(r.round_id)
+        masking = c._masking.pop(r.round_id)
+        mean, total = unmask_mean(masked, masking, c.cfg.secure_aggregation)
+        updates = [("secure-aggregate", total, mean)]
+    exact_prev = {k: st.params[k] + st.residual[k] for k in names}
+    plan = c._round_plan.pop(r.round_id)
+    # Inner steps behind the model this round produces: every completed slot and this one.
+    inner_steps = sum(int(h["num_inner_steps"]) for h in st.history) + plan.num_inner_steps
+    # The run's last round: no round will start from what it produces. Only with one
+    # fragment: with several, aborts shift which round is a fragment's last.
+    final = c.cfg.outer_final_mean and frags == 1 and is_last(c, len(st.history) + 1)
+    result = c.strategy.outer_step(
+        exact_prev,
+        {k: st.momentum[k] for k in names},
+        updates,
+        inner_steps=inner_steps,
+        final=final,
+    )
+    delta = {k: result.params[k] - st.params[k] for k in names}
+    encoded = encode_tensors(delta, get_codec(plan.downlink))
+    decoded = decode_tensors(encoded)
+    new_params, residual, momentum = dict(st.params), dict(st.residual), dict(st.momentum)
+    for k in names:
+        new_params[k] = st.params[k] + decoded[k]
+        residual[k] = result.params[k] - new_params[k]
+        momentum[k] = result.momentum[k]
+    total_weight = sum(u.weight for u in fresh) or 1.0
+    opened_in = c._round_bytes_at_open[r.round_id][0]
+    entry: dict[str, Any] = {
+        "round_id": r.round_id,
+        "global_version": r.round_id,
+        "base_version": st.global_version,
+        "fragment": r.fragment,
+        "num_fragments": frags,
+        "num_inner_steps": plan.num_inner_steps,
+        "extra_steps": {s: n for s, n in plan.extra_steps.items() if s in merged},
+        "inner_steps_total": inner_steps,
+        "outer_rule": result.rule,
+        "participants": list(r.participants),
+        "merged": list(merged),
+        "late_merged": [[u.site_id, u.round_id] for u in late],
+        "train_loss": sum(u.weight * u.train_loss for u in fresh) / total_weight,
+        "tokens": sum(u.weight for u in fresh),
+        "outer_grad_norm": result.outer_grad_norm,
+        "uplink_codecs": {s: plan.uplink[s] for s in merged},
+        "downlink_codec": plan.downlink,
+        "update_bytes": sum(u.nbytes for u in fresh + late),
+        "compute_seconds_max": max((u.compute_seconds for u in fresh), default=0.0),
+        "duration_s": now - r.opened_at,
+        "finished_unix": time.time(),
+        "wire_bytes_in": c.chan.stats.bytes_received - opened_in,
+    }
+    new_state = replace(
+        st,
+        params=new_params,
+        momentum=momentum,
+        residual=residual,
+        global_version=r.round_id,
+        history=(*st.history, entry),
+    )
+    c.state = new_state
+    c._persist(new_state)  # durable before announced
+    measure_arrivals(c, r.round_id, merged, plan)
+    c._later(
+        lambda: announce(
+            c,
+            Announcement(
+                decision, new_state, st.global_version, encoded, delta, entry, result, late
+            ),
+        )
+    )
+
+
+def announce(c: Coordinator, a: Announcement) -> None:
+    """Send a closed round's result (its state is durable) and account for it."""
+    assert c.state is not None and c.chan is not None
+    r, merged, why = a.decision.round, a.decision.merged, a.decision.why
+    entry, result, late, encoded = a.entry, a.result, a.late, a.encoded
+    c.cfg.faults.point("close", r.round_id)
+    opened_out = c._round_bytes_at_open.pop(r.round_id)[1]
+    digest = c._hash(a.state)
+    in_sync = c.book.in_sync(a.base_version)
+    last = a.decision.final
+    wants_eval = r.round_id % c.cfg.eval_every_rounds == 0 or last
+    # Ask a site that was on time: evaluating costs the evaluator some compute.
+    candidates = [s for s in in_sync if s in merged] or in_sync
+    evaluator = candidates[0] if candidates and wants_eval else None
+    merged_all = tuple(merged) + tuple(f"{u.site_id}@{u.round_id}" for u in late)
+    out_before = c.chan.stats.bytes_sent
+    for site_id, m in sorted(c.book.members.items()):
+        if site_id in in_sync:
+            msg: Global = Global(
+                round_id=r.round_id,
+                base_version=a.base_version,
+                global_version=r.round_id,
+                fragment=r.fragment,
+                merged=merged_all,
+                is_full=False,
+                state_hash=digest,
+                signature=sign(c, r.round_id, a.base_version, r.fragment, digest),
+                evaluate=site_id == evaluator,
+                payload=encoded,
+            )
+        else:
+            msg = full_global(c, a.state, r.round_id, wants_eval and evaluator is None)
+        ok = c._send(m.peer, msg)
+        c.book.holds(site_id, r.round_id, in_sync=ok)
+    entry["wire_bytes_out"] = c.chan.stats.bytes_sent - opened_out
+    entry["broadcast_bytes"] = c.chan.stats.bytes_sent - out_before
+    payload_bytes = sum(enc.nbytes for enc in encoded)
+    c.metrics.payload_bytes.labels(direction="out").inc(payload_bytes * len(in_sync))
+    c.metrics.payload_raw_bytes.labels(direction="out").inc(
+        sum(4 * v.size for v in a.delta.values()) * len(in_sync)
+    )
+    c.metrics.rounds.inc()
+    c.metrics.round_duration.observe(entry["duration_s"])
+    c.metrics.quorum_size.set(len(merged))
+    c.metrics.outer_grad_norm.set(result.outer_grad_norm)
+    c.metrics.train_loss.set(entry["train_loss"])
+    c.metrics.global_version.set(r.round_id)
+    log.info(
+        "[coordinator round=%d] closed: %s; merged=%s late=%d loss=%.4f outer_norm=%.4g "
+        "outer=%s %.1fs",
+        r.round_id,
+        why,
+        merged,
+        len(late),
+        entry["train_loss"],
+        result.outer_grad_norm,
+        result.rule,
+        entry["duration_s"],
+    )
+    c._publish_status()
+
+
+def maybe_finish(c: Coordinator, now: float) -> None:
+    assert c.state is not None and c._finish_started is not None
+    have_final = c.state.global_version in c.state.val_losses
+    if not have_final and now - c._finish_started < c.cfg.final_eval_wait_s:
+        return
+    for m in c.book.members.values():
+        c._send(m.peer, Shutdown(reason=f"completed {len(c.state.history)} rounds"))
+    c.finished = True
+    c._publish_status()
+    log.info("[coordinator] finished at v%d", c.state.global_version)
+
+
+def full_global(
+    c: Coordinator, state: GlobalState, round_id: int, evaluate: bool = False
+) -> Global:
+    """The whole of ``state``'s model (a durable one: the caller waited for its save)."""
+    digest = c._hash(state)
+    return Global(
+        round_id=round_id,
+        base_version=-1,
+        global_version=state.global_version,
+        fragment=-1,
+        merged=(),
+        is_full=True,
+        state_hash=digest,
+        signature=sign(c, state.global_version, -1, -1, digest),
+        evaluate=evaluate,
+        payload=encode_tensors(state.params, get_codec("fp32")),
+    )
+
+
+def sign(c: Coordinator, version: int, base: int, fragment: int, digest: str) -> bytes:
+    if c.kit is None:
+        return b""
+    data = global_signed_bytes(version, base, fragment, digest)
+    return sign_blob(c.kit.signing_key, data, context="global")
