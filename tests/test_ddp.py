@@ -26,11 +26,13 @@ from comm.configio import dump_toml
 from comm.keys import SecurityConfig
 from comm.schema import Message, StepGrad
 from comm.tensors import state_hash
-from coordinator.ddp import Action, DDPConfig, DDPCoordinator, Snapshot, decide
 from coordinator.strategy import weighted_mean
+from crossdc.ddp.coordinator import DDPCoordinator
+from crossdc.ddp.decision import Action, DDPConfig, Snapshot, decide
+from crossdc.ddp.site import RESULT_FILE, DDPSite
+from crossdc.ddp.trainer import DDPTrainer
 from site_agent.config import SiteConfig
 from site_agent.data import BatchSampler, ByteCorpus
-from site_agent.ddp import RESULT_FILE, DDPSite, DDPTrainer
 from site_agent.model import ModelConfig, build_model
 from site_agent.trainer import InnerOptimConfig, LocalTrainer
 from tests.conftest import ROOT, TINY_MODEL
@@ -331,8 +333,8 @@ def test_entry_points_run_a_federation_of_processes(tmp_path: Path) -> None:
     procs: dict[str, subprocess.Popen[bytes]] = {}
     logs = []
     try:
-        for name, argv in [("ddp", ["coordinator.ddp", "--config", str(ddp_cfg)])] + [
-            (site, ["site_agent.ddp", "--config", str(_site_toml(tmp_path, site, i))])
+        for name, argv in [("ddp", ["crossdc.ddp", "coordinator", "--config", str(ddp_cfg)])] + [
+            (site, ["crossdc.ddp", "site", "--config", str(_site_toml(tmp_path, site, i))])
             for i, site in enumerate(("eu", "us"))
         ]:
             log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115 (closed below)

@@ -1,6 +1,6 @@
 """``crossdc bench ddp``: the synchronous data-parallel baseline over the demo's emulated WAN.
 
-Launches ``python -m coordinator.ddp`` and one ``python -m site_agent.ddp`` per site as real
+Launches ``python -m crossdc.ddp coordinator`` and one ``python -m crossdc.ddp site`` per site as real
 processes, each site behind the :class:`~comm.wanem.LinkEmulator` profile the demo gives it (the
 eu/us/ap presets, overridable with ``--link``), on the demo's model, data shards and batch size.
 Every inner step moves each site's full fp32 gradient up and the mean back down, so the numbers
@@ -33,7 +33,7 @@ from crossdc.demo import (
     write_site_configs,
 )
 
-RESULT_FILE = "ddp-result.json"  # written by site_agent.ddp into each site's state dir
+RESULT_FILE = "ddp-result.json"  # written by crossdc.ddp.site into each site's state dir
 
 
 def _write_ddp_config(workdir: Path, *, sites: int, steps: int, eval_every: int) -> Path:
@@ -97,7 +97,9 @@ def _run(
     started = time.monotonic()
     status_path = workdir / "ddp" / "status.json"
     try:
-        run.spawn("ddp", [sys.executable, "-m", "coordinator.ddp", "--config", str(cfg)], env)
+        run.spawn(
+            "ddp", [sys.executable, "-m", "crossdc.ddp", "coordinator", "--config", str(cfg)], env
+        )
         coord = run.procs["ddp"]
         endpoint = _wait_endpoint(workdir / "ddp" / "endpoint.json", coord, 120)
         host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
@@ -110,7 +112,7 @@ def _run(
         for site_id, path in write_site_configs(demo_args, workdir, endpoints):
             run.spawn(
                 f"site-{site_id}",
-                [sys.executable, "-m", "site_agent.ddp", "--config", str(path)],
+                [sys.executable, "-m", "crossdc.ddp", "site", "--config", str(path)],
                 env,
             )
         while coord.poll() is None:

@@ -30,9 +30,9 @@ from comm.feedback import ErrorFeedback
 from coordinator.config import CoordinatorConfig
 from coordinator.strategy import DiLoCo, weighted_mean
 from crossdc.bench import print_report
+from crossdc.ddp.trainer import DDPTrainer
 from crossdc.demo import DEMO_MODEL, add_outer_rule_arguments
 from site_agent.data import BatchSampler, ByteCorpus, eval_batches, sampler_seed, stdlib_split
-from site_agent.ddp import DDPTrainer
 from site_agent.model import ModelConfig, build_model
 from site_agent.trainer import InnerOptimConfig, LocalTrainer
 

@@ -1,46 +1,37 @@
 """A site of the synchronous data-parallel baseline: one gradient all-reduce over the WAN per step.
 
-The counterpart of ``coordinator.ddp``. Every inner step the site computes the gradient of its
-own batch without stepping (:meth:`DDPTrainer.compute_gradient`), sends it (``StepGrad``, fp32,
-weight = tokens in the batch), waits for the coordinator's token-weighted mean (``StepMean``) and
-takes the AdamW step on it (:meth:`DDPTrainer.apply_gradient`: the same clipping and learning-rate
-schedule as :class:`~site_agent.trainer.LocalTrainer`, which it wraps). All sites start from the
-same parameters (same model config and seed) and apply the same bytes, so they stay bit-identical;
-the final :func:`~comm.tensors.state_hash` is written to ``ddp-result.json`` in the state dir with
-the site's compute and wall seconds (``compute_utilization``).
+This module owns a baseline site's loop (the protocol is in ``crossdc.ddp``'s docstring). Every
+inner step the site computes the gradient of its own batch (:meth:`DDPTrainer.compute_gradient`),
+sends it (``StepGrad``, fp32, weight = tokens in the batch), waits for the coordinator's
+token-weighted mean (``StepMean``) and takes the AdamW step on it
+(:meth:`DDPTrainer.apply_gradient`). All sites start from the same parameters (same model config
+and seed) and apply the same bytes, so they stay bit-identical; the final
+:func:`~comm.tensors.state_hash` is written to ``ddp-result.json`` in the state dir with the
+site's compute and wall seconds (``compute_utilization``).
 
 Data, model and sampler are built exactly as for the DiLoCo site (``load_site_data``,
 ``build_local_trainer``), so both train on the same batches of the same model. The coordinator
 link runs on its own thread (``comm.channel.SiteLink``); training runs on the caller's.
-
-Run it as ``python -m site_agent.ddp --config FILE``, FILE holding the DiLoCo agent's ``[site]``
-table (single-process sites only: ``stages = replicas = 1``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import signal
-import sys
 import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from comm.channel import SiteLink
 from comm.compress import NonFiniteError, get_codec
-from comm.configio import ConfigError
 from comm.schema import (
     ERROR_MEANINGS,
     Error,
@@ -58,6 +49,7 @@ from comm.schema import (
 )
 from comm.tensors import decode_tensors, encode_tensors, spec_of, state_hash
 from comm.wire import WireError
+from crossdc.ddp.trainer import Batch, DDPTrainer
 from site_agent.agent import (
     EXIT_FATAL,
     EXIT_OK,
@@ -66,96 +58,13 @@ from site_agent.agent import (
     read_endpoint_file,
     resolve_device,
 )
-from site_agent.config import SiteConfig, load_site_config
+from site_agent.config import SiteConfig
 from site_agent.data import eval_batches
-from site_agent.model import lm_loss, model_fingerprint
-from site_agent.trainer import LocalTrainer, learning_rate
+from site_agent.model import model_fingerprint
 
 log = logging.getLogger("crossdc.site.ddp")
 
-EXIT_BAD_CONFIG = 2
 RESULT_FILE = "ddp-result.json"
-
-Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class StepGradient:
-    """The gradient of one batch at the current parameters, and what it was computed on."""
-
-    grads: dict[str, np.ndarray]
-    """float32 CPU arrays by parameter name (``state_dict`` names)."""
-    tokens: int
-    loss: float
-
-
-class DDPTrainer:
-    """A :class:`LocalTrainer` driven one gradient at a time: compute, then apply a given one.
-
-    It uses the wrapped trainer's model, sampler, AdamW, clipping and step counter, so a
-    gradient applied here is stepped exactly as ``LocalTrainer.train_steps`` would step its own.
-    """
-
-    def __init__(self, local: LocalTrainer) -> None:
-        self.local = local
-        names = [name for name, _ in local.model.named_parameters()]
-        if names != list(local.model.state_dict()):
-            raise ValueError("the model's state must consist of its parameters only")
-        self._params: dict[str, nn.Parameter] = dict(local.model.named_parameters())
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps taken (drives the learning-rate schedule)."""
-        return self.local.step
-
-    def compute_gradient(self, batch: Batch | None = None) -> StepGradient:
-        """Forward and backward on ``batch`` (the sampler's next one by default); no step."""
-        x, y = self.local.sampler.next_batch() if batch is None else batch
-        model = self.local.model
-        model.train()
-        device = self.local.device
-        loss = lm_loss(model(x.to(device)), y.to(device))
-        self.local.optimizer.zero_grad(set_to_none=True)
-        torch.autograd.backward(loss)
-        grads: dict[str, np.ndarray] = {}
-        for name, p in self._params.items():
-            g = torch.zeros_like(p) if p.grad is None else p.grad
-            grads[name] = g.detach().to("cpu", torch.float32, copy=True).numpy()
-        self.local.optimizer.zero_grad(set_to_none=True)
-        return StepGradient(grads=grads, tokens=int(y.numel()), loss=float(loss.detach()))
-
-    def apply_gradient(self, grad: Mapping[str, np.ndarray]) -> None:
-        """Set every parameter's ``.grad`` to ``grad``, clip, and take one AdamW step.
-
-        Names and shapes must match the parameters exactly; nothing changes otherwise.
-        """
-        if set(grad) != set(self._params):
-            missing = sorted(set(self._params) - set(grad))[:3]
-            extra = sorted(set(grad) - set(self._params))[:3]
-            raise ValueError(f"gradient names differ: missing {missing} extra {extra}")
-        for name, p in self._params.items():
-            if tuple(np.shape(grad[name])) != tuple(p.shape):
-                raise ValueError(
-                    f"gradient {name!r} has shape {np.shape(grad[name])}, expected {tuple(p.shape)}"
-                )
-        cfg = self.local.optim_cfg
-        for name, p in self._params.items():
-            # torch.tensor copies: the caller's arrays (maybe read-only) are never touched.
-            p.grad = torch.tensor(grad[name], dtype=p.dtype, device=p.device)
-        if cfg.grad_clip > 0:
-            nn.utils.clip_grad_norm_(self._params.values(), cfg.grad_clip)
-        lr = learning_rate(cfg, self.local.step)
-        for group in self.local.optimizer.param_groups:
-            group["lr"] = lr
-        self.local.optimizer.step()
-        self.local.optimizer.zero_grad(set_to_none=True)
-        self.local.step += 1
-
-    def evaluate(self, batches: Sequence[Batch]) -> float:
-        return self.local.evaluate(batches)
-
-    def parameters_numpy(self) -> dict[str, np.ndarray]:
-        return self.local.parameters_numpy()
 
 
 def _atomic_write_json(path: Path, doc: Mapping[str, Any]) -> None:
@@ -478,38 +387,3 @@ def build_ddp_site(cfg: SiteConfig) -> DDPSite:
         data.val, cfg.eval_batches, cfg.eval_batch_size, cfg.model.context_len, seed=0
     )
     return DDPSite(cfg, trainer=trainer, val_batches=val)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m site_agent.ddp --config FILE``: one baseline site; 0 after a clean Shutdown."""
-    p = argparse.ArgumentParser(prog="python -m site_agent.ddp", description=__doc__.split("\n")[0])
-    p.add_argument("--config", required=True, help="TOML file with a [site] table")
-    p.add_argument("--log-level", default=os.environ.get("CROSSDC_LOG_LEVEL", "info"))
-    args = p.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
-    try:
-        cfg = load_site_config(args.config)
-        site = build_ddp_site(cfg)
-    except (ConfigError, ValueError) as exc:
-        print(f"site_agent.ddp: bad config: {exc}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        log.info("[site=%s] signal %d: stopping", site.site_id, signum)
-        site.stop_requested.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    site.start()
-    try:
-        return site.run()
-    finally:
-        site.close()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
