@@ -32,27 +32,15 @@ import torch
 from crossdc.bench.pipeline import analyze
 from site_agent.data import BatchSampler, ByteCorpus, eval_batches
 from site_agent.model import ModelConfig, build_model, lm_loss
-from site_agent.pipeline.executor import (
-    OpRecord,
-    PipelineLayout,
-    StageModule,
-    StepTrace,
-    check_schedule,
-    slice_stage,
-)
-from site_agent.pipeline.runtime import (
-    LAUNCH_CHECK_MODEL,
-    LAUNCH_CHECK_MODULES,
-    LocalProcessGroup,
-    PipelineConfig,
-    PipelineJob,
-    PipelineTrainer,
-    launch_check_job,
-    replica_seed,
-    worker_loop,
-)
+from site_agent.pipeline.executor import OpRecord, StepTrace, check_schedule
+from site_agent.pipeline.job import PipelineConfig, PipelineJob, replica_seed
+from site_agent.pipeline.leader import PipelineTrainer
+from site_agent.pipeline.procgroup import LocalProcessGroup
+from site_agent.pipeline.runtime import LAUNCH_CHECK_MODEL, LAUNCH_CHECK_MODULES, launch_check_job
 from site_agent.pipeline.schedule import Op, make_schedule
 from site_agent.pipeline.simulate import simulate
+from site_agent.pipeline.stage import PipelineLayout, StageModule, slice_stage
+from site_agent.pipeline.worker import worker_loop
 from site_agent.trainer import InnerOptimConfig, LocalTrainer, TrainStats
 
 torch.set_num_threads(1)

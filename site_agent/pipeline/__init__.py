@@ -2,7 +2,8 @@
 
 The pieces here are pure Python (``profile_layers`` imports torch on call): ``partition`` cuts a
 layer chain into stages, ``schedule`` says which forward/backward ops each stage runs in what order,
-and ``simulate`` times a schedule without running it.
+and ``simulate`` times a schedule without running it. The modules that run a pipeline over
+torch.distributed (``runtime`` and the modules it names) are imported only by those who need them.
 """
 
 from site_agent.pipeline.partition import (

@@ -69,77 +69,105 @@ def simulate(
     if not (math.isfinite(transfer_s) and transfer_s >= 0):
         raise ValueError(f"transfer_s must be finite and >= 0, got {transfer_s!r}")
 
-    finished_at: dict[tuple[int, Op], float] = {}
-    next_pos = [0] * num_stages
-    running = [False] * num_stages
-    free_at = [0.0] * num_stages
-    in_flight = [0] * num_stages
-    peak = [0] * num_stages
-    timeline: list[list[OpTiming]] = [[] for _ in range(num_stages)]
-    # (end time, tie-break sequence, stage): the op at next_pos[stage] is running until then.
-    events: list[tuple[float, int, int]] = []
-    seq = 0
+    sim = _Simulation(schedule, fwd, bwd, transfer_s)
+    sim.run()
+    sim.check_finished()
+    return sim.result()
 
-    def dependency(stage: int, op: Op) -> tuple[int, Op] | None:
+
+class _Simulation:
+    """The event loop of one step: which op each stage runs next and when each op finished."""
+
+    def __init__(
+        self,
+        schedule: Sequence[Sequence[Op]],
+        fwd: list[float],
+        bwd: list[float],
+        transfer_s: float,
+    ) -> None:
+        num_stages = len(schedule)
+        self.schedule = schedule
+        self.num_stages = num_stages
+        self.fwd = fwd
+        self.bwd = bwd
+        self.transfer_s = transfer_s
+        self.finished_at: dict[tuple[int, Op], float] = {}
+        self.next_pos = [0] * num_stages
+        self.running = [False] * num_stages
+        self.free_at = [0.0] * num_stages
+        self.in_flight = [0] * num_stages
+        self.peak = [0] * num_stages
+        self.timeline: list[list[OpTiming]] = [[] for _ in range(num_stages)]
+        # (end time, tie-break sequence, stage): the op at next_pos[stage] is running until then.
+        self.events: list[tuple[float, int, int]] = []
+        self.seq = 0
+
+    def dependency(self, stage: int, op: Op) -> tuple[int, Op] | None:
         """The op on a neighbouring stage whose output ``op`` consumes, if any."""
         if op.kind == "F":
             return (stage - 1, op) if stage > 0 else None
-        return (stage + 1, op) if stage < num_stages - 1 else None
+        return (stage + 1, op) if stage < self.num_stages - 1 else None
 
-    def try_start(stage: int) -> None:
-        nonlocal seq
-        if running[stage] or next_pos[stage] == len(schedule[stage]):
+    def try_start(self, stage: int) -> None:
+        if self.running[stage] or self.next_pos[stage] == len(self.schedule[stage]):
             return
-        op = schedule[stage][next_pos[stage]]
-        start = free_at[stage]
-        dep = dependency(stage, op)
+        op = self.schedule[stage][self.next_pos[stage]]
+        start = self.free_at[stage]
+        dep = self.dependency(stage, op)
         if dep is not None:
-            if dep not in finished_at:
+            if dep not in self.finished_at:
                 return  # started again when that op finishes
-            start = max(start, finished_at[dep] + transfer_s)
-        end = start + (fwd[stage] if op.kind == "F" else bwd[stage])
-        running[stage] = True
-        timeline[stage].append(OpTiming(stage=stage, op=op, start_s=start, end_s=end))
-        heapq.heappush(events, (end, seq, stage))
-        seq += 1
+            start = max(start, self.finished_at[dep] + self.transfer_s)
+        end = start + (self.fwd[stage] if op.kind == "F" else self.bwd[stage])
+        self.running[stage] = True
+        self.timeline[stage].append(OpTiming(stage=stage, op=op, start_s=start, end_s=end))
+        heapq.heappush(self.events, (end, self.seq, stage))
+        self.seq += 1
 
-    for stage in range(num_stages):
-        try_start(stage)
-    while events:
-        end, _, stage = heapq.heappop(events)
-        op = schedule[stage][next_pos[stage]]
-        finished_at[(stage, op)] = end
-        free_at[stage] = end
-        running[stage] = False
-        next_pos[stage] += 1
-        in_flight[stage] += 1 if op.kind == "F" else -1
-        peak[stage] = max(peak[stage], in_flight[stage])
-        try_start(stage)
-        # The only other stage this op can unblock is the one that consumes its output.
-        consumer = stage + 1 if op.kind == "F" else stage - 1
-        if 0 <= consumer < num_stages:
-            try_start(consumer)
+    def run(self) -> None:
+        """Run every op that can run, in order of the time it ends."""
+        for stage in range(self.num_stages):
+            self.try_start(stage)
+        while self.events:
+            end, _, stage = heapq.heappop(self.events)
+            op = self.schedule[stage][self.next_pos[stage]]
+            self.finished_at[(stage, op)] = end
+            self.free_at[stage] = end
+            self.running[stage] = False
+            self.next_pos[stage] += 1
+            self.in_flight[stage] += 1 if op.kind == "F" else -1
+            self.peak[stage] = max(self.peak[stage], self.in_flight[stage])
+            self.try_start(stage)
+            # The only other stage this op can unblock is the one that consumes its output.
+            consumer = stage + 1 if op.kind == "F" else stage - 1
+            if 0 <= consumer < self.num_stages:
+                self.try_start(consumer)
 
-    blocked = [s for s in range(num_stages) if next_pos[s] < len(schedule[s])]
-    if blocked:
-        waits = []
-        for s in blocked:
-            op = schedule[s][next_pos[s]]
-            dep = dependency(s, op)
-            assert dep is not None, "an op with no cross-stage input can always start"
-            waits.append(f"stage {s} at {op} waits for {dep[1]} from stage {dep[0]}")
-        raise ValueError("schedule deadlocks: " + "; ".join(waits))
+    def check_finished(self) -> None:
+        """Raise ``ValueError`` naming what each stage waits for unless every op ran."""
+        schedule = self.schedule
+        blocked = [s for s in range(self.num_stages) if self.next_pos[s] < len(schedule[s])]
+        if blocked:
+            waits = []
+            for s in blocked:
+                op = schedule[s][self.next_pos[s]]
+                dep = self.dependency(s, op)
+                assert dep is not None, "an op with no cross-stage input can always start"
+                waits.append(f"stage {s} at {op} waits for {dep[1]} from stage {dep[0]}")
+            raise ValueError("schedule deadlocks: " + "; ".join(waits))
 
-    busy = tuple(math.fsum(t.end_s - t.start_s for t in ops) for ops in timeline)
-    step_time = max(t.end_s for ops in timeline for t in ops)
-    bubble = 1.0 - math.fsum(busy) / (num_stages * step_time) if step_time > 0 else 0.0
-    return SimResult(
-        step_time_s=step_time,
-        busy_s=busy,
-        bubble_fraction=bubble,
-        peak_in_flight=tuple(peak),
-        timeline=tuple(tuple(ops) for ops in timeline),
-    )
+    def result(self) -> SimResult:
+        timeline = self.timeline
+        busy = tuple(math.fsum(t.end_s - t.start_s for t in ops) for ops in timeline)
+        step_time = max(t.end_s for ops in timeline for t in ops)
+        bubble = 1.0 - math.fsum(busy) / (self.num_stages * step_time) if step_time > 0 else 0.0
+        return SimResult(
+            step_time_s=step_time,
+            busy_s=busy,
+            bubble_fraction=bubble,
+            peak_in_flight=tuple(self.peak),
+            timeline=tuple(tuple(ops) for ops in timeline),
+        )
 
 
 def _per_stage(value: float | Sequence[float], num_stages: int, name: str) -> list[float]:
