@@ -112,7 +112,12 @@ class Lifecycle:
 
     def join(self, now: float, site_id: str, peer: bytes, *, in_sync_version: int | None) -> None:
         """A site joined (or rejoined); ``in_sync_version`` is the version it holds when that is
-        exactly the coordinator's, else None."""
+        exactly the coordinator's, else None. A site joins holding no plan (it started, or it
+        dropped what a coordinator that forgot it had planned): the open rounds it has not sent
+        its update for will never get one."""
+        for r in self.open_rounds:
+            if site_id in r.participants and site_id not in r.received:
+                self._replace(replace(r, dropped=r.dropped | {site_id}))
         self.members[site_id] = Member(
             site_id=site_id,
             peer=peer,
@@ -250,6 +255,7 @@ class Lifecycle:
             r,
             participants=tuple(sorted(survivors)),
             received=frozenset(),
+            dropped=frozenset(),
             quorum_at=None,
             deadline_at=now + self.cfg.round_deadline_s,
         )

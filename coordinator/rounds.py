@@ -36,6 +36,9 @@ class OpenRound:
     quorum_at: float | None = None
     """When the quorum's last needed update arrived (None: not yet)."""
     fragment: int = 0
+    dropped: frozenset[str] = frozenset()
+    """Participants that will never send their update: they joined again (a restarted site
+    holds no plan), so they count as gone although they are members."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ def _decide_oldest(
         return Decision(
             Action.CLOSE, received
         ), f"round {r.round_id}: all participants sent updates"
-    if not outstanding & snap.alive:
+    if not outstanding & (snap.alive - r.dropped):
         if len(received) >= need:
             return Decision(Action.CLOSE, received), (
                 f"round {r.round_id}: remaining participants left {sorted(outstanding)}; "

@@ -143,6 +143,7 @@ class SiteAgent:
         self._tokens: dict[int, int] = {}
         self._layout: tuple[int, list[list[str]]] = (0, [])
         self._last_join = 0.0
+        self._sync_asked = -1  # the newest version the whole model was asked for (catch-up)
         self._first_round_at: float | None = None
         self._compute_s = 0.0
         self._stall_s = 0.0
@@ -256,6 +257,7 @@ class SiteAgent:
         elif isinstance(msg, Global):
             self._on_global(msg)
         elif isinstance(msg, RoundStart):
+            self._catch_up_to(msg.global_version)
             if msg.secagg.get("attempt", 0) > 0:
                 self._remask(msg)  # a re-run after a dropout: no training, mask again
             else:
@@ -333,6 +335,7 @@ class SiteAgent:
     _fragment_names = catchup.fragment_names
     _signature_ok = catchup.signature_ok
     _on_global = catchup.on_global
+    _catch_up_to = catchup.catch_up_to
     _evaluate = catchup.evaluate
     run = driver.run
     _round = driver.play_round

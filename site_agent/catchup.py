@@ -140,6 +140,24 @@ def on_global(self: SiteAgent, msg: Global) -> None:
         self._evaluate()
 
 
+def catch_up_to(self: SiteAgent, version: int) -> None:
+    """The coordinator names ``version`` as its global, but we hold an older one: a result was
+    lost on the way (a link cut drops what was in flight, and the coordinator cannot tell).
+    Results and plans travel in order on one connection, so the gap is real: ask for the whole
+    model, once per version."""
+    if version <= self.global_version or version <= self._sync_asked:
+        return
+    log.warning(
+        "[site=%s] coordinator is at v%d, I hold v%d: asking for the model",
+        self.site_id,
+        version,
+        self.global_version,
+    )
+    self._sync_asked = version
+    self.metrics.rejected("missed_global")
+    self._send(SyncRequest(site_id=self.site_id, global_version=self.global_version))
+
+
 def decode_global(self: SiteAgent, msg: Global) -> tuple[dict[str, np.ndarray], list[str]] | None:
     """The parameters ``msg`` describes and the names it changed; None when it does not apply
     here (wrong base, undecodable, wrong hash): then the whole model is asked for."""

@@ -133,7 +133,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         if self.book.open_rounds:
             oldest = self.book.open_rounds[0]
             assert self.now < oldest.deadline_at
-            assert (set(oldest.participants) - oldest.received) & set(self.book.members)
+            outstanding = set(oldest.participants) - oldest.received
+            assert outstanding & (set(self.book.members) - oldest.dropped)
 
     @rule()
     def restart(self) -> None:
@@ -281,3 +282,24 @@ def test_late_update_merges_after_its_closed_round_is_forgotten() -> None:
         else:
             assert c.late == ()
     assert book.late == []
+
+
+@pytest.mark.parametrize(("quorum", "expected"), [(0.5, Close), (1.0, Abort)])
+def test_a_participant_that_joins_again_no_longer_holds_its_round(
+    quorum: float, expected: type
+) -> None:
+    # A site restarted mid-round joins again at once (its silence never reaches the timeout);
+    # it holds no plan now, so the round must not wait for it until the deadline.
+    book = Lifecycle(config(overlap=False, fragments=1, staleness=2, quorum=quorum))
+    book.set_model(0)
+    for site in ("a", "b"):
+        book.join(0.0, site, site.encode(), in_sync_version=0)
+    opened = book.tick(0.0)
+    assert isinstance(opened, Open)
+    book.accept(0.1, "a", opened.round_id)
+    assert book.tick(0.2) is None  # b is still expected
+    book.join(0.3, "b", b"b-restarted", in_sync_version=0)
+    decision = book.tick(0.3)
+    assert isinstance(decision, expected), decision
+    if isinstance(decision, Close):
+        assert decision.merged == ("a",)

@@ -325,3 +325,47 @@ def test_cancelled_rounds_are_not_remembered_forever(tmp_path: Path) -> None:
     assert agent.link.updates() == list(range(1, rounds + 2))
     assert len(agent.rounds.cancelled) <= MAX_CANCELLED
     assert len(agent.rounds.pending) == 0
+
+
+# ---- a result lost on the way (a link cut) is asked for, not waited for forever ------------
+
+
+def test_a_plan_naming_a_newer_global_makes_the_site_ask_for_the_model(tmp_path: Path) -> None:
+    from comm.compress import Fp32Codec
+    from comm.schema import Global, SyncRequest
+    from comm.tensors import encode_tensors, state_hash
+
+    v1 = {"a": np.full(4, 0.5, np.float32), "b": np.full(3, -0.5, np.float32)}
+    full_v1 = Global(
+        round_id=1,
+        base_version=-1,
+        global_version=1,
+        fragment=-1,
+        merged=(),
+        is_full=True,
+        state_hash=state_hash(v1),
+        signature=b"",
+        evaluate=False,
+        payload=encode_tensors(v1, Fp32Codec()),
+    )
+
+    def asked(sent: list[Message]) -> bool:
+        return any(isinstance(m, SyncRequest) for m in sent)
+
+    # Round 1's result (v1) was lost in a link cut; round 2 opens on v1 and must build on it.
+    plan_2 = round_start(2, overlap=True, base=1)
+    plan_2 = RoundStart(**{**plan_2.__dict__, "global_version": 1})
+    code, link = run_script(
+        tmp_path,
+        [
+            (always, welcome()),
+            (always, round_start(1, overlap=True)),
+            (after_update(1), plan_2),
+            (asked, full_v1),
+            (after_update(2), Shutdown(reason="done")),
+        ],
+    )
+    assert code == EXIT_OK
+    assert not link.stuck, "the site waited for a result that was lost"
+    assert link.updates() == [1, 2]
+    assert sum(isinstance(m, SyncRequest) for m in link.sent) == 1
