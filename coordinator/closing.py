@@ -69,40 +69,20 @@ def measure_arrivals(
     c._early_round = round_id
 
 
-def is_last(c: Coordinator, completed_rounds: int) -> bool:
-    """Whether ``completed_rounds`` reaches ``max_rounds`` (never when it is 0)."""
-    return bool(c.cfg.max_rounds) and completed_rounds >= c.cfg.max_rounds
-
-
 def close(c: Coordinator, now: float, decision: Close) -> None:
-    assert c.state is not None and c.chan is not None
-    r, merged = decision.round, decision.merged
-    st = c.state
-    names = c._fragment_names[r.fragment]
-    accepted = c._accepted.pop(r.round_id, {})
-    fresh = [accepted[s] for s in merged]
-    late = [c._late.pop((u.site_id, u.round_id)) for u in decision.late]
-    frags = c.cfg.num_fragments
-    # A late update is merged once, down-weighted by how many syncs of its fragment it missed.
-    updates = [(u.site_id, u.weight, u.delta) for u in fresh]
-    for u in late:
-        staleness = max(1, (r.round_id - u.round_id) // frags)
-        updates.append((f"{u.site_id}@{u.round_id}", u.weight / (1 + staleness), u.delta))
-    if c.cfg.secure_aggregation is not None:
-        # Only the sum is ever seen: the weighted mean stands for the sites' updates.
-        masked = c._masked.pop(r.round_id)
-        masking = c._masking.pop(r.round_id)
-        mean, total = unmask_mean(masked, masking, c.cfg.secure_aggregation)
-        updates = [("secure-aggregate", total, mean)]
-    exact_prev = {k: st.params[k] + st.residual[k] for k in names}
+    """Merge the round's updates, persist the new state, and announce it once durable."""
+    assert c.state is not None
+    r, st = decision.round, c.state
+    fresh, late, updates = gather(c, decision)
     plan = c._round_plan.pop(r.round_id)
     # Inner steps behind the model this round produces: every completed slot and this one.
     inner_steps = sum(int(h["num_inner_steps"]) for h in st.history) + plan.num_inner_steps
     # The run's last round: no round will start from what it produces. Only with one
     # fragment: with several, aborts shift which round is a fragment's last.
-    final = c.cfg.outer_final_mean and frags == 1 and is_last(c, len(st.history) + 1)
+    final = c.cfg.outer_final_mean and c.cfg.num_fragments == 1 and decision.final
+    names = c._fragment_names[r.fragment]
     result = c.strategy.outer_step(
-        exact_prev,
+        {k: st.params[k] + st.residual[k] for k in names},
         {k: st.momentum[k] for k in names},
         updates,
         inner_steps=inner_steps,
@@ -116,14 +96,64 @@ def close(c: Coordinator, now: float, decision: Close) -> None:
         new_params[k] = st.params[k] + decoded[k]
         residual[k] = result.params[k] - new_params[k]
         momentum[k] = result.momentum[k]
+    entry = history_entry(c, now, decision, plan, result, fresh, late, inner_steps)
+    new_state = replace(
+        st,
+        params=new_params,
+        momentum=momentum,
+        residual=residual,
+        global_version=r.round_id,
+        history=(*st.history, entry),
+    )
+    c.state = new_state
+    c._persist(new_state)  # durable before announced
+    measure_arrivals(c, r.round_id, decision.merged, plan)
+    done = Announcement(decision, new_state, st.global_version, encoded, delta, entry, result, late)
+    c._later(lambda: announce(c, done))
+
+
+def gather(
+    c: Coordinator, decision: Close
+) -> tuple[list[Accepted], list[Accepted], list[tuple[str, float, Arrays]]]:
+    """The round's on-time and late updates, and what the strategy merges: each late update
+    once, down-weighted by how many syncs of its fragment it missed; with secure aggregation,
+    only the unmasked weighted mean (the sites' updates are never seen)."""
+    r = decision.round
+    accepted = c._accepted.pop(r.round_id, {})
+    fresh = [accepted[s] for s in decision.merged]
+    late = [c._late.pop((u.site_id, u.round_id)) for u in decision.late]
+    updates = [(u.site_id, u.weight, u.delta) for u in fresh]
+    for u in late:
+        staleness = max(1, (r.round_id - u.round_id) // c.cfg.num_fragments)
+        updates.append((f"{u.site_id}@{u.round_id}", u.weight / (1 + staleness), u.delta))
+    if c.cfg.secure_aggregation is not None:
+        masked = c._masked.pop(r.round_id)
+        masking = c._masking.pop(r.round_id)
+        mean, total = unmask_mean(masked, masking, c.cfg.secure_aggregation)
+        updates = [("secure-aggregate", total, mean)]
+    return fresh, late, updates
+
+
+def history_entry(
+    c: Coordinator,
+    now: float,
+    decision: Close,
+    plan: RoundPlan,
+    result: OuterResult,
+    fresh: list[Accepted],
+    late: list[Accepted],
+    inner_steps: int,
+) -> dict[str, Any]:
+    """The closed round's summary, as the durable history keeps it."""
+    assert c.state is not None and c.chan is not None
+    r, merged = decision.round, decision.merged
     total_weight = sum(u.weight for u in fresh) or 1.0
-    opened_in = c._round_bytes_at_open[r.round_id][0]
-    entry: dict[str, Any] = {
+    return {
         "round_id": r.round_id,
         "global_version": r.round_id,
-        "base_version": st.global_version,
+        "base_version": c.state.global_version,
         "fragment": r.fragment,
-        "num_fragments": frags,
+        "num_fragments": c.cfg.num_fragments,
         "num_inner_steps": plan.num_inner_steps,
         "extra_steps": {s: n for s, n in plan.extra_steps.items() if s in merged},
         "inner_steps_total": inner_steps,
@@ -140,27 +170,8 @@ def close(c: Coordinator, now: float, decision: Close) -> None:
         "compute_seconds_max": max((u.compute_seconds for u in fresh), default=0.0),
         "duration_s": now - r.opened_at,
         "finished_unix": time.time(),
-        "wire_bytes_in": c.chan.stats.bytes_received - opened_in,
+        "wire_bytes_in": c.chan.stats.bytes_received - c._round_bytes_at_open[r.round_id][0],
     }
-    new_state = replace(
-        st,
-        params=new_params,
-        momentum=momentum,
-        residual=residual,
-        global_version=r.round_id,
-        history=(*st.history, entry),
-    )
-    c.state = new_state
-    c._persist(new_state)  # durable before announced
-    measure_arrivals(c, r.round_id, merged, plan)
-    c._later(
-        lambda: announce(
-            c,
-            Announcement(
-                decision, new_state, st.global_version, encoded, delta, entry, result, late
-            ),
-        )
-    )
 
 
 def announce(c: Coordinator, a: Announcement) -> None:

@@ -188,16 +188,35 @@ def on_update(c: Coordinator, peer: bytes, msg: Update) -> None:
         assert r is not None  # a masked update is never admitted late
         on_masked_update(c, peer, msg, r, names)
         return
+    decoded = decode_update(c, peer, msg, names)
+    if decoded is not None:
+        record_update(c, msg, decoded[0], decoded[1], late=verdict.late, fragment=verdict.fragment)
+
+
+def decode_update(
+    c: Coordinator, peer: bytes, msg: Update, names: list[str]
+) -> tuple[Arrays, float] | None:
+    """The update's tensors and their norm; None (and an Error to the site) when they do not
+    decode into the fragment's shapes or exceed the norm bound."""
+    assert c.state is not None
     try:
         delta = decode_tensors(msg.payload, {n: c.state.params[n].shape for n in names})
     except WireError as exc:
         c._reject(peer, exc.code, exc.detail, msg.site_id)
-        return
+        return None
     norm = global_norm(delta)
     if norm > c.cfg.max_update_norm:
         detail = f"update norm {norm:.3g} > bound {c.cfg.max_update_norm:.3g}"
         c._reject(peer, ErrorCode.BAD_PAYLOAD, detail, msg.site_id)
-        return
+        return None
+    return delta, norm
+
+
+def record_update(
+    c: Coordinator, msg: Update, delta: Arrays, norm: float, *, late: bool, fragment: int
+) -> None:
+    """A validated update: counted, told to the lifecycle, kept until its round (or, late, its
+    fragment's next sync) closes."""
     nbytes = sum(enc.nbytes for enc in msg.payload)
     raw = sum(4 * int(np.prod(enc.shape)) for enc in msg.payload)
     acc = Accepted(
@@ -215,14 +234,14 @@ def on_update(c: Coordinator, peer: bytes, msg: Update) -> None:
     c.metrics.payload_raw_bytes.labels(direction="in").inc(raw)
     now = c.clock()
     c.book.accept(now, msg.site_id, msg.round_id)
-    if verdict.late:
+    if late:
         c._late[(msg.site_id, msg.round_id)] = acc
         c.metrics.late_updates.inc()
         log.info(
             "[coordinator site=%s round=%d] late update kept for the next sync of fragment %d",
             msg.site_id,
             msg.round_id,
-            verdict.fragment,
+            fragment,
         )
         return
     c._accepted.setdefault(msg.round_id, {})[msg.site_id] = acc
