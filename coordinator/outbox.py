@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from coordinator.state import GlobalState, StateStore, StateWriter
+from coordinator.state import GlobalState, StateStore
+from coordinator.state_writer import StateWriter
 
 
 class Outbox:

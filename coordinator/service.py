@@ -44,6 +44,7 @@ from comm.zap import ZapHandler
 from coordinator import closing, intake, opening
 from coordinator.config import CoordinatorConfig
 from coordinator.decisions import Abort, Close, Open, Remove, Rerun
+from coordinator.file_store import FileStateStore
 from coordinator.intake import Accepted
 from coordinator.lifecycle import Lifecycle, lifecycle_config, next_fragment
 from coordinator.membership import Member
@@ -51,14 +52,8 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.outbox import Outbox
 from coordinator.rounds import OpenRound
 from coordinator.scheduler import RoundPlan, SiteView
-from coordinator.state import (
-    STATUS_HISTORY_TAIL,
-    FileStateStore,
-    GlobalState,
-    StateStore,
-    StatusBoard,
-    write_endpoint,
-)
+from coordinator.state import GlobalState, StateStore
+from coordinator.status_board import STATUS_HISTORY_TAIL, StatusBoard, write_endpoint
 from coordinator.strategy import DiLoCo, Strategy
 
 log = logging.getLogger("crossdc.coordinator")

@@ -171,7 +171,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     and validation loss from the state directory."""
     from pathlib import Path
 
-    from coordinator.state import read_history
+    from coordinator.history_log import read_history
 
     if args.history and not args.state_dir:
         print(

@@ -22,7 +22,7 @@ from typing import Any
 from comm.configio import dump_toml
 from comm.wanem import PRESETS, LinkEmulator, LinkProfile, parse_profile
 from coordinator.config import CoordinatorConfig
-from coordinator.state import RoundLog, read_history
+from coordinator.history_log import RoundLog, read_history
 
 SITE_NAMES = ("eu", "us", "ap", "sa", "af", "me", "oc", "na")
 

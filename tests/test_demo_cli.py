@@ -12,7 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from coordinator.state import FileStateStore, GlobalState, StatusBoard, read_history
+from coordinator.file_store import FileStateStore
+from coordinator.history_log import read_history
+from coordinator.state import GlobalState
+from coordinator.status_board import StatusBoard
 from crossdc import demo
 from crossdc.bench import wan
 from crossdc.cli import build_parser, main

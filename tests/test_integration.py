@@ -157,7 +157,7 @@ def test_lossy_codecs_both_ways_keep_sites_on_the_coordinator_state_hash(
     import torch
 
     from comm.tensors import state_hash
-    from coordinator.state import FileStateStore
+    from coordinator.file_store import FileStateStore
 
     _start_federation(
         procs,

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.state import FileStateStore
+from coordinator.file_store import FileStateStore
 from tests.conftest import Procs, read_status, write_coordinator_config, write_site_config
 
 pytestmark = pytest.mark.timeout(300)

@@ -12,18 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from coordinator.state import (
-    HISTORY_FILE,
-    STATUS_HISTORY_TAIL,
-    VAL_LOSSES_FILE,
-    FileStateStore,
-    GlobalState,
-    MemoryStateStore,
-    RoundLog,
-    StateStore,
-    StatusBoard,
-    read_history,
-)
+from coordinator.file_store import FileStateStore
+from coordinator.history_log import HISTORY_FILE, VAL_LOSSES_FILE, RoundLog, read_history
+from coordinator.state import GlobalState, MemoryStateStore, StateStore
+from coordinator.status_board import STATUS_HISTORY_TAIL, StatusBoard
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -14,14 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from coordinator.state import (
-    FileStateStore,
-    GlobalState,
-    MemoryStateStore,
-    StateStore,
-    StateWriteError,
-    StateWriter,
-)
+from coordinator.file_store import FileStateStore
+from coordinator.state import GlobalState, MemoryStateStore, StateStore
+from coordinator.state_writer import StateWriteError, StateWriter
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from comm.tensors import state_hash
-from coordinator.state import FileStateStore
+from coordinator.file_store import FileStateStore
 
 OPEN_RE = re.compile(r"\[coordinator round=(\d+)\] open:")
 CLOSED_RE = re.compile(r"\[coordinator round=(\d+)\] closed:")

@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from coordinator.state import read_history
+from coordinator.history_log import read_history
 from crossdc.bench import print_report
 from crossdc.bench.ddp import run_ddp
 from crossdc.bench.wan_goodput import run as run_goodput

@@ -37,7 +37,7 @@ from comm.schema import (
 )
 from comm.tensors import decode_tensors, encode_tensors
 from comm.wire import WireError
-from coordinator.state import StatusBoard, write_endpoint
+from coordinator.status_board import StatusBoard, write_endpoint
 from crossdc.ddp.decision import (
     Action,
     DDPConfig,
