@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from comm.compress import EncodedTensor
+from comm.codecs.base import EncodedTensor
 
 PROTOCOL_VERSION = 2
 

@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from comm.compress import EncodedTensor, FloatArray, NonFiniteError, PayloadCodec, get_codec
+from comm.codecs.base import EncodedTensor, FloatArray, NonFiniteError, PayloadCodec
+from comm.codecs.registry import get_codec
 from comm.schema import ErrorCode
 from comm.wire import WireError
 

@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from comm.compress import EncodedTensor
+from comm.codecs.base import EncodedTensor
 from comm.schema import MESSAGE_CLASSES, MESSAGE_TYPES, PROTOCOL_VERSION, ErrorCode, Message
 
 # Anything exposing the buffer protocol: bytes, memoryview, numpy arrays, zmq frame buffers.

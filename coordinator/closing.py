@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from comm.compress import EncodedTensor, get_codec
+from comm.codecs.base import EncodedTensor
+from comm.codecs.registry import get_codec
 from comm.keys import sign_blob
 from comm.schema import (
     Global,

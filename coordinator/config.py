@@ -132,7 +132,7 @@ class CoordinatorConfig:
             raise ValueError("coordinator.keep_checkpoints must be >= 1")
         if not self.max_update_norm > 0:
             raise ValueError("coordinator.max_update_norm must be > 0")
-        from comm.compress import get_codec
+        from comm.codecs.registry import get_codec
 
         if self.num_fragments < 1:
             raise ValueError(f"coordinator.num_fragments must be >= 1, got {self.num_fragments}")

@@ -19,7 +19,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from comm.compress import get_codec
+from comm.codecs.registry import get_codec
 
 
 @dataclass(frozen=True)

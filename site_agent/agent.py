@@ -24,8 +24,8 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from comm.channel import SiteLink
-from comm.compress import get_codec
-from comm.feedback import ErrorFeedback
+from comm.codecs.feedback import ErrorFeedback
+from comm.codecs.registry import get_codec
 from comm.keys import SiteKit, load_site_kit
 from comm.observe import ObserveServer
 from comm.schema import (

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from comm.compress import EncodedTensor, NonFiniteError, get_codec
+from comm.codecs.base import EncodedTensor, NonFiniteError
+from comm.codecs.registry import get_codec
 from comm.schema import (
     RoundStart,
     Update,

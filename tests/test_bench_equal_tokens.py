@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from comm.compress import get_codec
+from comm.codecs.registry import get_codec
 from crossdc.bench import equal_tokens
 from crossdc.demo import DEMO_MODEL
 from site_agent.model import ModelConfig, build_model

@@ -22,7 +22,7 @@ import zmq
 
 from comm.channel import ChannelConfig, DealerChannel, RouterChannel, SiteLink
 from comm.chunking import split_frames
-from comm.compress import Fp32Codec
+from comm.codecs.floats import Fp32Codec
 from comm.schema import ChunkAck, Heartbeat, InitParams, Leave, Message
 from comm.transfer import TransferSender
 from comm.wanem import LinkEmulator, LinkProfile

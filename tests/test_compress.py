@@ -16,22 +16,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from comm import compress
-from comm.compress import (
+from comm.codecs import base
+from comm.codecs.base import EncodedTensor, NonFiniteError, PayloadCodec, check_finite
+from comm.codecs.quantize import Int4Codec, Int8Codec
+from comm.codecs.registry import (
     CODEC_IDS,
-    EncodedTensor,
-    Int4Codec,
-    Int8Codec,
-    NonFiniteError,
-    PayloadCodec,
-    TopKCodec,
-    check_finite,
     codec_from_id,
     decode_tensor,
     encode_chunks,
     get_codec,
     join_chunks,
 )
+from comm.codecs.sparse import TopKCodec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -350,7 +346,7 @@ def test_tiling_does_not_change_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
         whole = codec.encode("w", x)
         decoded = codec.decode(whole)
         with monkeypatch.context() as m:
-            m.setattr(compress, "_TILE_ELEMS", 1 << 10)
+            m.setattr(base, "_TILE_ELEMS", 1 << 10)
             tiled = codec.encode("w", x)
             assert np.array_equal(codec.decode(whole), decoded)
         assert all(

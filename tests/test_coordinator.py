@@ -18,7 +18,8 @@ import pytest
 import zmq
 
 from comm.channel import ChannelConfig, DealerChannel
-from comm.compress import EncodedTensor, Fp32Codec
+from comm.codecs.base import EncodedTensor
+from comm.codecs.floats import Fp32Codec
 from comm.keys import SecurityConfig
 from comm.observe import ObserveServer
 from comm.schema import (

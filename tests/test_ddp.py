@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from comm.channel import ChannelConfig
-from comm.compress import EncodedTensor
+from comm.codecs.base import EncodedTensor
 from comm.configio import dump_toml
 from comm.keys import SecurityConfig
 from comm.schema import Message, StepGrad

@@ -9,8 +9,9 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from comm.compress import NonFiniteError, get_codec
-from comm.feedback import ErrorFeedback
+from comm.codecs.base import NonFiniteError
+from comm.codecs.feedback import ErrorFeedback
+from comm.codecs.registry import get_codec
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -331,7 +331,7 @@ def test_cancelled_rounds_are_not_remembered_forever(tmp_path: Path) -> None:
 
 
 def test_a_plan_naming_a_newer_global_makes_the_site_ask_for_the_model(tmp_path: Path) -> None:
-    from comm.compress import Fp32Codec
+    from comm.codecs.floats import Fp32Codec
     from comm.schema import Global, SyncRequest
     from comm.tensors import encode_tensors, state_hash
 

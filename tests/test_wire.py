@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from comm import schema
-from comm.compress import EncodedTensor, Fp32Codec
+from comm.codecs.base import EncodedTensor
+from comm.codecs.floats import Fp32Codec
 from comm.schema import MESSAGE_CLASSES, PROTOCOL_VERSION, ErrorCode, MessageType
 from comm.wire import WireError, from_wire, to_wire
 

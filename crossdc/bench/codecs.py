@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from comm.compress import get_codec
+from comm.codecs.registry import get_codec
 
 CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "topk:0.01", "int8+zstd")
 

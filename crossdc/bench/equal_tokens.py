@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from comm.compress import decode_tensor, get_codec
-from comm.feedback import ErrorFeedback
+from comm.codecs.feedback import ErrorFeedback
+from comm.codecs.registry import decode_tensor, get_codec
 from coordinator.config import CoordinatorConfig
 from coordinator.strategy import DiLoCo, weighted_mean
 from crossdc.bench import print_report

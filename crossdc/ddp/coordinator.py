@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from comm.channel import RouterChannel
-from comm.compress import get_codec
+from comm.codecs.registry import get_codec
 from comm.schema import (
     ERROR_MEANINGS,
     Error,

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from comm.channel import SiteLink
-from comm.compress import NonFiniteError, get_codec
+from comm.codecs.base import NonFiniteError
+from comm.codecs.registry import get_codec
 from comm.schema import (
     ERROR_MEANINGS,
     Error,

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from comm.compress import EncodedTensor, FloatArray, PayloadCodec, TensorLike, check_finite
+from comm.codecs.base import EncodedTensor, FloatArray, PayloadCodec, TensorLike, check_finite
 
 
 class ErrorFeedback:

@@ -1,0 +1,139 @@
+"""The codec seam: the encoded form of a tensor, the codec protocol, finiteness checks.
+
+A codec turns one float32 tensor into an :class:`EncodedTensor` (a small msgpack-able ``meta``
+dict plus raw buffers that travel as zero-copy frames) and back; :class:`PayloadCodec` is what
+every codec implements. The constants here are shared by the codec families.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+FloatArray = npt.NDArray[np.float32]
+TensorLike = npt.NDArray[Any] | torch.Tensor
+"""What ``encode`` accepts: a float16/float32/float64 numpy array or torch tensor (any device)."""
+
+FP16_MAX = 65504.0
+BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+
+# Elementwise work on CPU runs in tiles of this many values (4 MiB of float32): the temporaries
+# stay in cache, and each tile is one vectorized torch op chain, so the Python loop is per tile
+# only. Smaller tiles were no faster here and multiply the thread-pool hand-offs, each of which
+# stalls when another process holds a core.
+_TILE_ELEMS = 1 << 20
+_ZSTD_FLAG = 0x10
+_MAX_BLOCK = 1 << 20
+_DEFAULT_ZSTD_LEVEL = 3
+_CPU = torch.device("cpu")
+_F16 = np.dtype(np.float16)
+_U8 = np.dtype(np.uint8)
+
+
+class NonFiniteError(ValueError):
+    """A tensor holds NaN or Inf, either before encoding or after decoding."""
+
+    def __init__(self, name: str, detail: str) -> None:
+        super().__init__(f"tensor {name!r} {detail}")
+        self.tensor_name = name
+
+
+def _raise_non_finite(name: str, t: torch.Tensor, *, stage: str = "") -> NoReturn:
+    nan = int(torch.isnan(t).sum())
+    inf = int(torch.isinf(t).sum())
+    where = f" {stage}" if stage else ""
+    raise NonFiniteError(name, f"has non-finite values{where} ({nan} NaN, {inf} Inf)")
+
+
+def check_finite(name: str, x: TensorLike) -> None:
+    """Raise :class:`NonFiniteError` naming ``name`` if ``x`` holds a NaN or an Inf."""
+    if not isinstance(x, torch.Tensor):
+        arr = np.asarray(x)
+        # min/max propagate NaN and expose +-Inf, without copying read-only arrays.
+        if (
+            arr.size
+            and arr.dtype.kind == "f"
+            and not (np.isfinite(arr.min()) and np.isfinite(arr.max()))
+        ):
+            _raise_non_finite(name, torch.from_numpy(np.array(arr)))
+        return
+    t = x.detach()
+    if t.numel() == 0 or not t.is_floating_point():
+        return
+    # One read-only pass: min/max propagate NaN and expose +-Inf.
+    lo, hi = torch.aminmax(t.reshape(-1))
+    if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
+        _raise_non_finite(name, t)
+
+
+def _nbytes(buf: Any) -> int:
+    if isinstance(buf, np.ndarray):
+        return int(buf.nbytes)
+    return memoryview(buf).nbytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncodedTensor:
+    """One encoded tensor: what ``decode`` needs besides the buffers is in ``meta``.
+
+    ``codec`` is the canonical spec of the codec that produced it. ``meta`` holds only msgpack-able
+    values. ``buffers`` are C-contiguous numpy arrays; ``decode`` also accepts any bytes-like
+    object in their place (a received frame), reinterpreting the bytes itself.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    codec: str
+    meta: dict[str, Any] = field(default_factory=dict)
+    buffers: tuple[npt.NDArray[Any], ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(b) for b in self.buffers)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class PayloadCodec(Protocol):
+    """Encode a float32 tensor to buffers and back."""
+
+    @property
+    def name(self) -> str:
+        """Codec family, e.g. ``"int8"`` or ``"int8+zstd"`` (a metrics label)."""
+        ...
+
+    @property
+    def spec(self) -> str:
+        """Canonical spec string; ``get_codec(c.spec) == c``."""
+        ...
+
+    @property
+    def codec_id(self) -> int:
+        """Stable small integer naming the family on the wire; see :func:`codec_from_id`."""
+        ...
+
+    @property
+    def exact_size(self) -> bool:
+        """True when ``encoded_size`` is exact; False when it is an upper bound (``+zstd``)."""
+        ...
+
+    @property
+    def chunk_multiple(self) -> int:
+        """Chunk boundaries at multiples of this many elements give byte-identical encodings;
+        0 when the codec must see the whole tensor at once."""
+        ...
+
+    def encoded_size(self, numel: int) -> int:
+        """Number of buffer bytes ``encode`` produces for ``numel`` elements (see ``exact_size``)."""
+        ...
+
+    def encode(self, name: str, x: TensorLike) -> EncodedTensor: ...
+
+    def decode(self, enc: EncodedTensor) -> FloatArray: ...

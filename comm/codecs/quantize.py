@@ -1,0 +1,272 @@
+"""Blockwise symmetric absmax quantization: ``int8`` and ``int4``, one fp16 scale per block.
+
+int4 packs two values per byte. Work on CPU runs in tiles of ``base._TILE_ELEMS`` values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from comm.codecs import base
+from comm.codecs.base import (
+    _CPU,
+    _F16,
+    _MAX_BLOCK,
+    FP16_MAX,
+    EncodedTensor,
+    TensorLike,
+    _raise_non_finite,
+)
+from comm.codecs.plumbing import (
+    Layout,
+    _bad_meta,
+    _Codec,
+    _flat_f32,
+    _meta_int,
+    _new,
+    _to_numpy,
+    _torch_view,
+)
+
+# --------------------------------------------------------------------------------------------
+# Blockwise absmax quantization
+
+
+def _block_scales(
+    name: str, x2d: torch.Tensor, qmax: float, family: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 scales (absmax / qmax, rounded *up* to the next fp16) and their fp32 reciprocals.
+
+    Rounding up keeps |x| / scale <= qmax, so quantized values never need clamping, and a scale
+    too small for fp16 becomes the smallest subnormal instead of 0. A zero block gets scale 0
+    and reciprocal 0. NaN/Inf in ``x2d`` surfaces here: max and min propagate them.
+    """
+    # Reducing over the transposed view lets torch vectorize across blocks: much faster than a
+    # row reduction for short blocks.
+    cols = x2d.t()
+    absmax = torch.maximum(torch.amax(cols, dim=0), torch.amin(cols, dim=0).neg_())
+    if not bool(torch.isfinite(absmax).all()):
+        _raise_non_finite(name, x2d, stage="before encoding")
+    scale = absmax.div_(qmax)
+    s16 = scale.to(torch.float16)
+    # For non-negative halves the next representable value is the next bit pattern.
+    s16.view(torch.int16).add_((s16.to(torch.float32) < scale).to(torch.int16))
+    s32 = s16.to(torch.float32)
+    if not bool(torch.isfinite(s32).all()):
+        raise ValueError(
+            f"tensor {name!r}: block absmax {float(scale.max()) * qmax:.6g} exceeds the {family} "
+            f"range (fp16 scales, so |x| <= {FP16_MAX * qmax:g})"
+        )
+    inv = torch.where(s32 > 0, s32.reciprocal(), torch.zeros_like(s32))
+    return s16, inv
+
+
+def _quantize_rows(x2d: torch.Tensor, inv: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """round(x * inv) per row into ``scratch`` (float32, round half to even)."""
+    tmp = scratch[: x2d.numel()].view(x2d.shape)
+    torch.mul(x2d, inv[:, None], out=tmp)
+    return tmp.round_()
+
+
+def _tile_rows(block: int, nrows: int, device: torch.device) -> int:
+    """Rows per tile: cache-sized on CPU, everything at once on an accelerator."""
+    if device.type != "cpu":
+        return max(nrows, 1)
+    return max(1, base._TILE_ELEMS // block)  # read at call time: tests shrink it
+
+
+def _validate_block(family: str, block: int) -> None:
+    if not (1 <= block <= _MAX_BLOCK):
+        raise ValueError(f"{family}: block must be in [1, {_MAX_BLOCK}], got {block}")
+    if family == "int4" and block % 2:
+        raise ValueError(f"int4: block must be even (two values per byte), got {block}")
+
+
+class _BlockCodec(_Codec):
+    """Shared spec, layout and driver of the blockwise quantizers. Subclasses supply the value
+    buffer's dtype and size, and the per-tile pack and unpack."""
+
+    block: int
+    qmax: ClassVar[float]
+    default_block: ClassVar[int]
+    value_dtype: ClassVar[np.dtype[Any]]
+
+    def __post_init__(self) -> None:
+        _validate_block(self.name, self.block)
+
+    @property
+    def spec(self) -> str:
+        return self.name if self.block == self.default_block else f"{self.name}:block={self.block}"
+
+    @property
+    def chunk_multiple(self) -> int:
+        return self.block
+
+    def _value_count(self, numel: int) -> int:
+        raise NotImplementedError
+
+    def _layout(self, numel: int, meta: dict[str, Any] | None) -> Layout:
+        if meta is None:
+            block = self.block
+        else:
+            if set(meta) != {"block"}:
+                _bad_meta(meta, self.name)
+            block = _meta_int(meta, "block", self.name)
+            _validate_block(self.name, block)
+        return [(self.value_dtype, self._value_count(numel)), (_F16, -(-numel // block))]
+
+    def _pack_tile(self, q2d: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> None:
+        """Store rounded values ``q2d`` (float32) as the value buffer slice ``out``; ``work`` is
+        float32 scratch of half a tile."""
+        raise NotImplementedError
+
+    def _unpack_tile(
+        self, values: torch.Tensor, s32: torch.Tensor, out2d: torch.Tensor, scratch: torch.Tensor
+    ) -> None:
+        """out2d[r, j] = value[r, j] * s32[r] for one tile of whole blocks."""
+        raise NotImplementedError
+
+    def encode(self, name: str, x: TensorLike) -> EncodedTensor:
+        t, shape = _flat_f32(name, x)
+        n, b = t.numel(), self.block
+        full = n - n % b
+        values = _new(self._value_count(n), self.value_dtype, t.device)
+        s16 = _new(-(-n // b), _F16, t.device)
+        if full:
+            split = self._value_count(full)
+            self._encode_blocks(name, t[:full].view(-1, b), values[:split], s16[: full // b])
+        if full < n:
+            # The partial last block is quantized as a zero-padded whole block.
+            pad = torch.zeros(b, dtype=torch.float32, device=t.device)
+            pad[: n - full] = t[full:]
+            vpad = torch.empty(self._value_count(b), dtype=values.dtype, device=t.device)
+            self._encode_blocks(name, pad.view(1, b), vpad, s16[-1:])
+            values[self._value_count(full) :] = vpad[: values.numel() - self._value_count(full)]
+        return EncodedTensor(
+            name=name,
+            shape=shape,
+            codec=self.spec,
+            meta={"block": b},
+            buffers=(_to_numpy(values), _to_numpy(s16)),
+        )
+
+    def _encode_blocks(
+        self, name: str, x2d: torch.Tensor, values: torch.Tensor, s_out: torch.Tensor
+    ) -> None:
+        s16, inv = _block_scales(name, x2d, self.qmax, self.name)
+        s_out.copy_(s16)
+        nrows = x2d.shape[0]
+        rows = _tile_rows(self.block, nrows, x2d.device)
+        tile = min(rows, nrows) * self.block
+        scratch = torch.empty(tile + tile // 2, device=x2d.device)
+        work = scratch[tile:]
+        per_row = self._value_count(self.block)
+        for r0 in range(0, nrows, rows):
+            q2d = _quantize_rows(x2d[r0 : r0 + rows], inv[r0 : r0 + rows], scratch[:tile])
+            start, stop = r0 * per_row, (r0 + q2d.shape[0]) * per_row
+            self._pack_tile(q2d, values[start:stop], work)
+
+    def _decode_arrays(
+        self, enc: EncodedTensor, numel: int, arrays: list[npt.NDArray[Any]]
+    ) -> npt.NDArray[np.float32]:
+        block = _meta_int(enc.meta, "block", self.name)
+        values = _torch_view(arrays[0])
+        s32 = torch.from_numpy(arrays[1].astype(np.float32))
+        # |q| <= qmax and |scale| <= 65504, so the output is finite iff every scale is.
+        if not bool(torch.isfinite(s32).all()):
+            _raise_non_finite(enc.name, s32, stage="after decoding (in the block scales)")
+        out = _new(numel, np.dtype(np.float32), _CPU)
+        full = numel - numel % block
+        per_row = self._value_count(block)
+        if full:
+            out2d = out[:full].view(-1, block)
+            nrows = out2d.shape[0]
+            rows = _tile_rows(block, nrows, _CPU)
+            scratch = torch.empty(min(rows, nrows) * block, dtype=torch.int16)
+            for r0 in range(0, nrows, rows):
+                o = out2d[r0 : r0 + rows]
+                v = values[r0 * per_row : r0 * per_row + o.shape[0] * per_row]
+                self._unpack_tile(v, s32[r0 : r0 + o.shape[0]], o, scratch)
+        if full < numel:
+            start = self._value_count(full)
+            vpad = torch.zeros(per_row, dtype=values.dtype)
+            vpad[: values.numel() - start] = values[start:]
+            opad = torch.empty(1, block)
+            self._unpack_tile(vpad, s32[-1:], opad, torch.empty(block, dtype=torch.int16))
+            out[full:] = opad.view(-1)[: numel - full]
+        return out.numpy()
+
+
+@dataclass(frozen=True)
+class Int8Codec(_BlockCodec):
+    """Symmetric int8 per block of ``block`` values: q = round(x / s) in [-127, 127],
+    s = absmax / 127 stored as fp16."""
+
+    block: int = 256
+    name: ClassVar[str] = "int8"
+    codec_id: ClassVar[int] = 4
+    qmax: ClassVar[float] = 127.0
+    default_block: ClassVar[int] = 256
+    value_dtype: ClassVar[np.dtype[Any]] = np.dtype(np.int8)
+
+    def _value_count(self, numel: int) -> int:
+        return numel
+
+    def _pack_tile(self, q2d: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> None:
+        out.view(q2d.shape).copy_(q2d)
+
+    def _unpack_tile(
+        self, values: torch.Tensor, s32: torch.Tensor, out2d: torch.Tensor, scratch: torch.Tensor
+    ) -> None:
+        out2d.copy_(values.view(out2d.shape))
+        out2d.mul_(s32[:, None])
+
+
+# Nibble layout: element 2i in the low nibble of byte i, element 2i+1 in the high nibble, each
+# stored as q + 8 (so 1..15, and 8 is zero). An odd tail's unused high nibble holds 8.
+_NIBBLE_BIAS = 8
+
+
+@dataclass(frozen=True)
+class Int4Codec(_BlockCodec):
+    """Symmetric int4 per block of ``block`` values: q = round(x / s) in [-7, 7],
+    s = absmax / 7 stored as fp16, packed two values per byte."""
+
+    block: int = 64
+    name: ClassVar[str] = "int4"
+    codec_id: ClassVar[int] = 5
+    qmax: ClassVar[float] = 7.0
+    default_block: ClassVar[int] = 64
+    value_dtype: ClassVar[np.dtype[Any]] = np.dtype(np.uint8)
+
+    def _value_count(self, numel: int) -> int:
+        return (numel + 1) // 2
+
+    def _pack_tile(self, q2d: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> None:
+        pairs = q2d.view(-1, 2)
+        # (lo + 8) + 16 * (hi + 8) is exact in float32, then one cast to uint8.
+        sums = work[: pairs.shape[0]]
+        torch.add(pairs[:, 0], pairs[:, 1], alpha=16, out=sums)
+        sums.add_(_NIBBLE_BIAS * 17)
+        out.copy_(sums)
+
+    def _unpack_tile(
+        self, values: torch.Tensor, s32: torch.Tensor, out2d: torch.Tensor, scratch: torch.Tensor
+    ) -> None:
+        wide = scratch[: values.numel()]
+        shifted = scratch[values.numel() : 2 * values.numel()]
+        # Spread each byte's two nibbles over the two bytes of an int16: (w | w << 4) & 0x0F0F
+        # leaves the low nibble in the low byte and the high nibble in the high byte, so on a
+        # little-endian host the int16s viewed as bytes are the nibbles in element order.
+        wide.copy_(values)
+        torch.bitwise_left_shift(wide, 4, out=shifted)
+        wide.bitwise_or_(shifted).bitwise_and_(0x0F0F)
+        # Remove the bias per byte (0..15 -> -8..7, no borrow between bytes), then scale.
+        q = wide.view(torch.int8).sub_(_NIBBLE_BIAS)
+        out2d.copy_(q.view(out2d.shape))
+        out2d.mul_(s32[:, None])
