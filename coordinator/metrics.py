@@ -16,6 +16,14 @@ SIZE_BUCKETS = tuple(float(4**i) for i in range(5, 17)) + (float("inf"),)
 class CoordinatorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
+        self._declare_rounds(r)
+        self._declare_updates(r)
+        self._declare_traffic(r)
+        self._declare_model(r)
+        self._declare_events(r)
+
+    def _declare_rounds(self, r: CollectorRegistry) -> None:
+        """Rounds: completed, aborted, their duration, the global version, quorum and members."""
         self.rounds = Counter("crossdc_rounds_total", "Outer rounds completed", registry=r)
         self.rounds_aborted = Counter(
             "crossdc_rounds_aborted_total", "Outer rounds aborted without quorum", registry=r
@@ -33,6 +41,9 @@ class CoordinatorMetrics:
             "crossdc_quorum_size", "Updates merged in the last completed round", registry=r
         )
         self.members = Gauge("crossdc_members", "Sites currently joined", registry=r)
+
+    def _declare_updates(self, r: CollectorRegistry) -> None:
+        """Site updates: accepted and planned extra steps per site, rejections by reason."""
         self.updates_accepted = Counter(
             "crossdc_updates_accepted_total", "Site updates accepted", ["site"], registry=r
         )
@@ -45,6 +56,9 @@ class CoordinatorMetrics:
         self.rejected = Counter(
             "crossdc_rejected_total", "Messages or updates rejected", ["reason"], registry=r
         )
+
+    def _declare_traffic(self, r: CollectorRegistry) -> None:
+        """Bytes on the wire and in tensor payloads, before and after compression."""
         self.wire_bytes = Counter(
             "crossdc_wire_bytes_total",
             "Bytes on coordinator<->site sockets (after compression)",
@@ -69,6 +83,9 @@ class CoordinatorMetrics:
             buckets=SIZE_BUCKETS,
             registry=r,
         )
+
+    def _declare_model(self, r: CollectorRegistry) -> None:
+        """The model: outer gradient norm, validation and training loss."""
         self.outer_grad_norm = Gauge(
             "crossdc_outer_grad_norm", "L2 norm of the last outer gradient", registry=r
         )
@@ -78,6 +95,9 @@ class CoordinatorMetrics:
         self.train_loss = Gauge(
             "crossdc_train_loss", "Token-weighted mean inner training loss, last round", registry=r
         )
+
+    def _declare_events(self, r: CollectorRegistry) -> None:
+        """Late updates, joins and sites removed for silence."""
         self.late_updates = Counter(
             "crossdc_late_updates_total",
             "Updates that arrived after their round closed, kept for a later round",

@@ -13,6 +13,13 @@ class SiteMetrics:
         r = self.registry = registry or CollectorRegistry()
         self.site_id = site_id
         lab = ["site"]
+        self._declare_progress(r, lab)
+        self._declare_compute(r, lab)
+        self._declare_wire(r, lab)
+        self._declare_sync(r, lab)
+
+    def _declare_progress(self, r: CollectorRegistry, lab: list[str]) -> None:
+        """Training progress: steps, tokens, rounds, losses and the global version held."""
         self._inner_steps = Counter(
             "crossdc_site_inner_steps_total", "Inner optimizer steps", lab, registry=r
         )
@@ -32,6 +39,9 @@ class SiteMetrics:
         self._global_version = Gauge(
             "crossdc_site_global_version", "Global model version held", lab, registry=r
         )
+
+    def _declare_compute(self, r: CollectorRegistry, lab: list[str]) -> None:
+        """Where the time goes: compute, utilization and stalls on the coordinator."""
         self._compute_util = Gauge(
             "crossdc_site_compute_utilization",
             "Fraction of wall time since start spent in inner-step compute",
@@ -54,6 +64,9 @@ class SiteMetrics:
             buckets=DURATION_BUCKETS,
             registry=r,
         )
+
+    def _declare_wire(self, r: CollectorRegistry, lab: list[str]) -> None:
+        """The coordinator link: bytes, rejected messages, measured RTT and goodput."""
         self._wire_bytes = Counter(
             "crossdc_site_wire_bytes_total",
             "Bytes on this site's coordinator socket",
@@ -78,6 +91,9 @@ class SiteMetrics:
             lab,
             registry=r,
         )
+
+    def _declare_sync(self, r: CollectorRegistry, lab: list[str]) -> None:
+        """What syncing costs: privacy spent, uplink residual, merge delay."""
         self._dp_epsilon = Gauge(
             "crossdc_site_dp_epsilon",
             "Differential-privacy epsilon spent so far (at the configured delta)",
