@@ -234,7 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="crossdc", description=__doc__.splitlines()[0])
     p.add_argument("--log-level", default=os.environ.get("CROSSDC_LOG_LEVEL", "info"))
     sub = p.add_subparsers(dest="command", required=True)
+    _add_role_commands(sub)
+    _add_keys_command(sub)
+    _add_status_command(sub)
+    _add_bench_command(sub)
+    return p
 
+
+def _add_role_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``coordinator``, ``agent`` and ``demo``."""
     c = sub.add_parser("coordinator", help="run the coordinator service")
     c.add_argument("--config", required=True, help="TOML file with a [coordinator] table")
     c.add_argument("--insecure", action="store_true", help="no CURVE, no certificates (loopback)")
@@ -253,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_arguments(d)
     d.set_defaults(func=cmd_demo)
 
+
+def _add_keys_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``keys init``, ``keys issue`` and ``keys revoke``."""
     k = sub.add_parser("keys", help="federation keys: CA, coordinator and site kits")
     ksub = k.add_subparsers(dest="keys_command", required=True)
     ki = ksub.add_parser("init", help="create a federation kit (CA and coordinator keys)")
@@ -271,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     kr.add_argument("--json", action="store_true")
     k.set_defaults(func=cmd_keys)
 
+
+def _add_status_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s = sub.add_parser("status", help="show a running role's /status")
     s.add_argument("--url", default="http://127.0.0.1:9710")
     s.add_argument(
@@ -282,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_status)
 
+
+def _add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     b = sub.add_parser("bench", help="benchmarks (print JSON with --json)")
     b.add_argument(
         "suite",
@@ -298,7 +313,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
