@@ -3,7 +3,7 @@
 The channel owns sockets, framing, chunking, flow control and rejection of bad input; it knows
 nothing about rounds or models. Messages whose frames exceed ``chunk_bytes`` travel as digested
 chunks under credit-based flow control (``comm.transfer``): ``send`` puts out only what the
-receiver's credit allows, the receiver answers chunks with :class:`~comm.schema.ChunkAck`, and the
+receiver's credit allows, the receiver answers chunks with :class:`~comm.wire.schema.ChunkAck`, and the
 rest goes out as those acknowledgements arrive, inside ``recv`` (or ``flush``). Messages to one
 peer arrive in the order they were sent: those sent while a large one is in transfer wait behind
 it (only heartbeats, which carry nothing but liveness, may overtake). A transfer whose
@@ -32,9 +32,8 @@ from typing import Any
 import zmq
 
 from comm.linkest import LinkEstimator
-from comm.schema import Chunk, ChunkAck, ErrorCode, Heartbeat, Message
 from comm.transfer import TransferConfig, TransferReceiver, TransferSender, stall_timeout_s
-from comm.wire import (
+from comm.wire.frames import (
     Frame,
     ReplayGuard,
     WireError,
@@ -42,6 +41,7 @@ from comm.wire import (
     from_wire_envelope,
     to_wire,
 )
+from comm.wire.schema import Chunk, ChunkAck, ErrorCode, Heartbeat, Message
 
 log = logging.getLogger(__name__)
 

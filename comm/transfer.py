@@ -1,8 +1,8 @@
 """Credit-based flow control for large messages: how many chunks may be on the wire at once.
 
-This module owns the transfer protocol above ``comm.chunking``. A large message is cut into the
-digested chunks of :func:`~comm.chunking.split_frames` (its frames laid out as one byte stream);
-the receiver answers chunks with :class:`~comm.schema.ChunkAck` ``(transfer_id, next_index,
+This module owns the transfer protocol above ``comm.wire.chunking``. A large message is cut into the
+digested chunks of :func:`~comm.wire.chunking.split_frames` (its frames laid out as one byte stream);
+the receiver answers chunks with :class:`~comm.wire.schema.ChunkAck` ``(transfer_id, next_index,
 credit_bytes)``: ``next_index`` is the first chunk it does not hold (every chunk below it is in),
 ``credit_bytes`` how many bytes from the start of that chunk the sender may have sent. The
 sender keeps the right edge ``offset(next_index) + credit_bytes`` of every acknowledgement it got
@@ -41,14 +41,14 @@ from typing import Any
 import msgpack
 import zmq
 
-from comm.chunking import Reassembler, new_transfer_id, split_frames
 from comm.linkest import LinkEstimate, LinkEstimator
-from comm.schema import Chunk, ChunkAck, ErrorCode
-from comm.wire import Frame, WireError, from_wire, to_wire
+from comm.wire.chunking import Reassembler, new_transfer_id, split_frames
+from comm.wire.frames import Frame, WireError, from_wire, to_wire
+from comm.wire.schema import Chunk, ChunkAck, ErrorCode
 
 log = logging.getLogger(__name__)
 
-_LEN_BYTES = struct.calcsize("<Q")  # one entry of the stream's length table (comm.chunking)
+_LEN_BYTES = struct.calcsize("<Q")  # one entry of the stream's length table (comm.wire.chunking)
 _MAX_TRANSFER_ID_CHARS = 128
 
 
@@ -406,7 +406,7 @@ def _stride_of(chunk: Chunk, nbytes: int) -> int:
 class TransferReceiver:
     """Reassembles chunked transfers from any number of senders and answers every chunk.
 
-    Digest, size and bound checks are ``comm.chunking.Reassembler``'s (this wraps one), plus the
+    Digest, size and bound checks are ``comm.wire.chunking.Reassembler``'s (this wraps one), plus the
     chunk layout; a bad chunk raises :class:`WireError` and changes nothing. Feeds the bytes it
     receives into the sender's link estimator and grants windows from it.
     """
@@ -529,7 +529,7 @@ class TransferReceiver:
 # Thin ZeroMQ drivers (DEALER sends, ROUTER receives)
 
 KIND_CHUNK = b"c"
-"""Sender to receiver: a :class:`~comm.schema.Chunk` in ``comm.wire`` frames follows."""
+"""Sender to receiver: a :class:`~comm.wire.schema.Chunk` in ``comm.wire`` frames follows."""
 KIND_ACK = b"a"
 """Receiver to sender: one :func:`encode_ack` frame follows."""
 KIND_PING = b"p"

@@ -14,16 +14,9 @@ from typing import TYPE_CHECKING, Any
 from comm.codecs.base import EncodedTensor
 from comm.codecs.registry import get_codec
 from comm.keys import sign_blob
-from comm.schema import (
-    Global,
-    Shutdown,
-)
 from comm.secagg import unmask_mean
-from comm.tensors import (
-    decode_tensors,
-    encode_tensors,
-    global_signed_bytes,
-)
+from comm.wire.schema import Global, Shutdown
+from comm.wire.tensors import decode_tensors, encode_tensors, global_signed_bytes
 from coordinator.decisions import (
     Close,
 )

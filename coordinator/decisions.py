@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from comm.schema import ErrorCode
+from comm.wire.schema import ErrorCode
 from coordinator.membership import Member
 from coordinator.rounds import OpenRound
 

@@ -18,7 +18,9 @@ import numpy as np
 from comm.keys import (
     AuthError,
 )
-from comm.schema import (
+from comm.secagg import WEIGHT_KEY, Peer
+from comm.wire.frames import WireError
+from comm.wire.schema import (
     ErrorCode,
     Eval,
     Heartbeat,
@@ -30,11 +32,7 @@ from comm.schema import (
     Update,
     Welcome,
 )
-from comm.secagg import WEIGHT_KEY, Peer
-from comm.tensors import (
-    decode_tensors,
-)
-from comm.wire import WireError
+from comm.wire.tensors import decode_tensors
 from coordinator.decisions import (
     Refusal,
 )

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from comm.schema import ErrorCode
+from comm.wire.schema import ErrorCode
 from coordinator.config import CoordinatorConfig
 from coordinator.decisions import (
     Abort,

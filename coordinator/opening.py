@@ -12,11 +12,8 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from comm.schema import (
-    RoundCancel,
-    RoundStart,
-)
 from comm.secagg import MaskingPlan, decide_attempt
+from comm.wire.schema import RoundCancel, RoundStart
 from coordinator.decisions import (
     Abort,
     Open,

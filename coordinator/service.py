@@ -29,17 +29,9 @@ from comm.keys import (
     CoordinatorKit,
     load_coordinator_kit,
 )
-from comm.schema import (
-    ERROR_MEANINGS,
-    Error,
-    ErrorCode,
-    Message,
-)
 from comm.secagg import MaskingPlan, Peer
-from comm.tensors import (
-    fragments,
-    state_hash,
-)
+from comm.wire.schema import ERROR_MEANINGS, Error, ErrorCode, Message
+from comm.wire.tensors import fragments, state_hash
 from comm.zap import ZapHandler
 from coordinator import closing, intake, opening
 from coordinator.config import CoordinatorConfig

@@ -28,7 +28,8 @@ from comm.codecs.feedback import ErrorFeedback
 from comm.codecs.registry import get_codec
 from comm.keys import SiteKit, load_site_kit
 from comm.observe import ObserveServer
-from comm.schema import (
+from comm.secagg import SecAggSession, x25519_from_curve_secret
+from comm.wire.schema import (
     ERROR_MEANINGS,
     Error,
     ErrorCode,
@@ -42,8 +43,7 @@ from comm.schema import (
     Shutdown,
     Welcome,
 )
-from comm.secagg import SecAggSession, x25519_from_curve_secret
-from comm.tensors import encode_tensors
+from comm.wire.tensors import encode_tensors
 from site_agent import catchup, driver, sync
 from site_agent.authwatch import EXIT_AUTH_REFUSED, AuthWatch
 from site_agent.config import SiteConfig

@@ -14,21 +14,10 @@ import numpy as np
 import torch
 
 from comm.keys import AuthError, verify_blob
-from comm.schema import (
-    Eval,
-    Global,
-    Join,
-    SyncRequest,
-)
 from comm.secagg import x25519_public_bytes
-from comm.tensors import (
-    decode_tensors,
-    fragments,
-    global_signed_bytes,
-    spec_of,
-    state_hash,
-)
-from comm.wire import WireError
+from comm.wire.frames import WireError
+from comm.wire.schema import Eval, Global, Join, SyncRequest
+from comm.wire.tensors import decode_tensors, fragments, global_signed_bytes, spec_of, state_hash
 from site_agent.launch import _atomic_torch_save, resolve_device
 
 if TYPE_CHECKING:

@@ -11,9 +11,7 @@ import time
 from dataclasses import astuple, replace
 from typing import TYPE_CHECKING
 
-from comm.schema import (
-    RoundStart,
-)
+from comm.wire.schema import RoundStart
 from site_agent.launch import EXIT_OK
 from site_agent.rounds import Drop, Send, Stop, Train, Wait
 from site_agent.trainer import TrainStats

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from comm.schema import RoundStart
+from comm.wire.schema import RoundStart
 
 MAX_PENDING = 16
 """Plans held at most; the coordinator keeps two rounds in flight, so more means this site fell

@@ -21,12 +21,12 @@ import pytest
 import zmq
 
 from comm.channel import ChannelConfig, DealerChannel, RouterChannel, SiteLink
-from comm.chunking import split_frames
 from comm.codecs.floats import Fp32Codec
-from comm.schema import ChunkAck, Heartbeat, InitParams, Leave, Message
 from comm.transfer import TransferSender
 from comm.wanem import LinkEmulator, LinkProfile
-from comm.wire import from_wire, to_wire
+from comm.wire.chunking import split_frames
+from comm.wire.frames import from_wire, to_wire
+from comm.wire.schema import ChunkAck, Heartbeat, InitParams, Leave, Message
 
 WAIT_S = 30.0  # bound on waiting for something that must happen; never a speed assertion
 CHUNK = 256 << 10

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from comm.chunking import Reassembler, split_frames
-from comm.schema import ErrorCode
-from comm.wire import WireError
+from comm.wire.chunking import Reassembler, split_frames
+from comm.wire.frames import WireError
+from comm.wire.schema import ErrorCode
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,7 +22,7 @@ from comm.codecs.base import EncodedTensor
 from comm.codecs.floats import Fp32Codec
 from comm.keys import SecurityConfig
 from comm.observe import ObserveServer
-from comm.schema import (
+from comm.wire.schema import (
     Error,
     ErrorCode,
     Global,
@@ -34,7 +34,7 @@ from comm.schema import (
     Update,
     Welcome,
 )
-from comm.tensors import encode_tensors, fragments, state_hash
+from comm.wire.tensors import encode_tensors, fragments, state_hash
 from coordinator.config import CoordinatorConfig
 from coordinator.service import Coordinator, next_fragment
 from coordinator.state import GlobalState, MemoryStateStore

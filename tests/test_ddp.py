@@ -24,8 +24,8 @@ from comm.channel import ChannelConfig
 from comm.codecs.base import EncodedTensor
 from comm.configio import dump_toml
 from comm.keys import SecurityConfig
-from comm.schema import Message, StepGrad
-from comm.tensors import state_hash
+from comm.wire.schema import Message, StepGrad
+from comm.wire.tensors import state_hash
 from coordinator.strategy import weighted_mean
 from crossdc.ddp.coordinator import DDPCoordinator
 from crossdc.ddp.decision import Action, DDPConfig, Snapshot, decide

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from comm.channel import ChannelConfig
-from comm.schema import PROTOCOL_VERSION, MessageType
+from comm.wire.schema import PROTOCOL_VERSION, MessageType
 from tests.conftest import Procs, read_status, wait_for, write_coordinator_config, write_site_config
 
 pytestmark = pytest.mark.timeout(300)
@@ -156,7 +156,7 @@ def test_lossy_codecs_both_ways_keep_sites_on_the_coordinator_state_hash(
 ) -> None:
     import torch
 
-    from comm.tensors import state_hash
+    from comm.wire.tensors import state_hash
     from coordinator.file_store import FileStateStore
 
     _start_federation(

@@ -20,8 +20,8 @@ import zmq.utils.monitor as zmon
 from comm import keys
 from comm.channel import ChannelConfig, DealerChannel
 from comm.keys import AuthError, CertificateRegistry
-from comm.schema import Leave
-from comm.wire import from_wire
+from comm.wire.frames import from_wire
+from comm.wire.schema import Leave
 from comm.zap import DOMAIN, ZapHandler, decide, peer_of
 
 DAY = 86400.0

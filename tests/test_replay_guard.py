@@ -8,8 +8,8 @@ import pytest
 import zmq
 
 from comm.channel import ChannelConfig, RouterChannel
-from comm.schema import ErrorCode
-from comm.wire import ReplayGuard, WireError
+from comm.wire.frames import ReplayGuard, WireError
+from comm.wire.schema import ErrorCode
 
 pytestmark = pytest.mark.timeout(30)
 

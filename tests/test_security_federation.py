@@ -24,11 +24,11 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from comm.chunking import split_frames
 from comm.configio import dump_toml
 from comm.keys import SecurityConfig, init_kit, issue_site, revoke_site
-from comm.schema import PROTOCOL_VERSION, Heartbeat, Join, MessageType
-from comm.wire import WireError, from_wire, to_wire
+from comm.wire.chunking import split_frames
+from comm.wire.frames import WireError, from_wire, to_wire
+from comm.wire.schema import PROTOCOL_VERSION, Heartbeat, Join, MessageType
 from coordinator.config import CoordinatorConfig
 from coordinator.service import Coordinator
 from tests.conftest import TINY_MODEL, Procs, read_status, wait_for, write_site_config

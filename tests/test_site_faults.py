@@ -18,7 +18,7 @@ import torch
 from comm import keys
 from comm.channel import ChannelStats
 from comm.keys import AuthError, CertificateRegistry, SecurityConfig
-from comm.schema import (
+from comm.wire.schema import (
     ERROR_MEANINGS,
     Error,
     ErrorCode,
@@ -332,8 +332,8 @@ def test_cancelled_rounds_are_not_remembered_forever(tmp_path: Path) -> None:
 
 def test_a_plan_naming_a_newer_global_makes_the_site_ask_for_the_model(tmp_path: Path) -> None:
     from comm.codecs.floats import Fp32Codec
-    from comm.schema import Global, SyncRequest
-    from comm.tensors import encode_tensors, state_hash
+    from comm.wire.schema import Global, SyncRequest
+    from comm.wire.tensors import encode_tensors, state_hash
 
     v1 = {"a": np.full(4, 0.5, np.float32), "b": np.full(3, -0.5, np.float32)}
     full_v1 = Global(

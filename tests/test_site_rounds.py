@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from comm.schema import RoundStart
+from comm.wire.schema import RoundStart
 from site_agent.rounds import MAX_CANCELLED, MAX_PENDING, Drop, Send, SiteRounds, Stop, Train, Wait
 
 pytestmark = pytest.mark.timeout(120)

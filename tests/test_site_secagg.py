@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from comm.schema import Message, RoundStart, Update
 from comm.secagg import SecAggSession
+from comm.wire.schema import Message, RoundStart, Update
 from site_agent.agent import build_agent
 from site_agent.config import load_site_config
 from tests.conftest import write_site_config

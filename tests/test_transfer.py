@@ -18,9 +18,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from comm.chunking import chunk_digest
 from comm.linkest import LinkEstimate, LinkEstimator, LinkEstimatorConfig
-from comm.schema import Chunk, ChunkAck, ErrorCode
 from comm.transfer import (
     KIND_CHUNK,
     TransferConfig,
@@ -35,7 +33,9 @@ from comm.transfer import (
     stream_bytes,
 )
 from comm.wanem import LinkEmulator, LinkProfile
-from comm.wire import WireError, to_wire
+from comm.wire.chunking import chunk_digest
+from comm.wire.frames import WireError, to_wire
+from comm.wire.schema import Chunk, ChunkAck, ErrorCode
 
 WAIT_S = 20.0  # bound on waiting for something that must happen; never a speed assertion
 

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from comm import schema
 from comm.codecs.base import EncodedTensor
 from comm.codecs.floats import Fp32Codec
-from comm.schema import MESSAGE_CLASSES, PROTOCOL_VERSION, ErrorCode, MessageType
-from comm.wire import WireError, from_wire, to_wire
+from comm.wire import schema
+from comm.wire.frames import WireError, from_wire, to_wire
+from comm.wire.schema import MESSAGE_CLASSES, PROTOCOL_VERSION, ErrorCode, MessageType
 
 pytestmark = pytest.mark.timeout(120)
 

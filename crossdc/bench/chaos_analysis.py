@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from comm.tensors import state_hash
+from comm.wire.tensors import state_hash
 from coordinator.file_store import FileStateStore
 
 OPEN_RE = re.compile(r"\[coordinator round=(\d+)\] open:")

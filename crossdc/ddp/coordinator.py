@@ -21,7 +21,8 @@ import numpy as np
 
 from comm.channel import RouterChannel
 from comm.codecs.registry import get_codec
-from comm.schema import (
+from comm.wire.frames import WireError
+from comm.wire.schema import (
     ERROR_MEANINGS,
     Error,
     ErrorCode,
@@ -35,8 +36,7 @@ from comm.schema import (
     StepMean,
     Welcome,
 )
-from comm.tensors import decode_tensors, encode_tensors
-from comm.wire import WireError
+from comm.wire.tensors import decode_tensors, encode_tensors
 from coordinator.status_board import StatusBoard, write_endpoint
 from crossdc.ddp.decision import (
     Action,

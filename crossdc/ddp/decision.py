@@ -20,7 +20,7 @@ import numpy as np
 
 from comm.channel import ChannelConfig
 from comm.configio import load_section
-from comm.schema import ErrorCode, Join, RoundStart, StepGrad
+from comm.wire.schema import ErrorCode, Join, RoundStart, StepGrad
 from coordinator.strategy import Arrays, weighted_mean
 
 

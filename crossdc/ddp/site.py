@@ -6,7 +6,7 @@ sends it (``StepGrad``, fp32, weight = tokens in the batch), waits for the coord
 token-weighted mean (``StepMean``) and takes the AdamW step on it
 (:meth:`DDPTrainer.apply_gradient`). All sites start from the same parameters (same model config
 and seed) and apply the same bytes, so they stay bit-identical; the final
-:func:`~comm.tensors.state_hash` is written to ``ddp-result.json`` in the state dir with the
+:func:`~comm.wire.tensors.state_hash` is written to ``ddp-result.json`` in the state dir with the
 site's compute and wall seconds (``compute_utilization``).
 
 Data, model and sampler are built exactly as for the DiLoCo site (``load_site_data``,
@@ -33,7 +33,8 @@ import torch
 from comm.channel import SiteLink
 from comm.codecs.base import NonFiniteError
 from comm.codecs.registry import get_codec
-from comm.schema import (
+from comm.wire.frames import WireError
+from comm.wire.schema import (
     ERROR_MEANINGS,
     Error,
     ErrorCode,
@@ -48,8 +49,7 @@ from comm.schema import (
     StepMean,
     Welcome,
 )
-from comm.tensors import decode_tensors, encode_tensors, spec_of, state_hash
-from comm.wire import WireError
+from comm.wire.tensors import decode_tensors, encode_tensors, spec_of, state_hash
 from crossdc.ddp.trainer import Batch, DDPTrainer
 from site_agent.agent import (
     EXIT_FATAL,

@@ -133,7 +133,7 @@ class RoundStart:
 
     Train ``num_inner_steps`` more inner steps (per site: one that landed early in the last round
     gets more, see ``coordinator.scheduler``), then send the pseudo-gradient of fragment
-    ``fragment`` (of ``num_fragments``, see ``comm.tensors.fragments``) encoded with ``codec``,
+    ``fragment`` (of ``num_fragments``, see ``comm.wire.tensors.fragments``) encoded with ``codec``,
     relative to a global model that includes version ``fragment_base_version``. With
     ``overlap`` the site keeps training while the update and the result are in flight; without
     it the site waits for this round's result before training on.
@@ -246,7 +246,7 @@ class SyncRequest:
 
 @dataclass(frozen=True, kw_only=True)
 class Chunk:
-    """One piece of a large message, cut to bound frame size (``comm.chunking``)."""
+    """One piece of a large message, cut to bound frame size (``comm.wire.chunking``)."""
 
     transfer_id: str
     index: int

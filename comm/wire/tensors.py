@@ -13,8 +13,8 @@ import numpy as np
 
 from comm.codecs.base import EncodedTensor, FloatArray, NonFiniteError, PayloadCodec
 from comm.codecs.registry import get_codec
-from comm.schema import ErrorCode
-from comm.wire import WireError
+from comm.wire.frames import WireError
+from comm.wire.schema import ErrorCode
 
 TensorSpec = Mapping[str, tuple[int, ...]]
 

@@ -1,7 +1,7 @@
 """Chunked transfers: a message too large for one frame travels as digested chunks.
 
 The frames of a message are laid out as one byte stream (a length table, then each frame) and cut
-into :class:`~comm.schema.Chunk` messages of at most ``chunk_bytes``, each carrying its offset and
+into :class:`~comm.wire.schema.Chunk` messages of at most ``chunk_bytes``, each carrying its offset and
 a BLAKE2b digest. :class:`Reassembler` puts a stream back together, checks every digest, every
 offset and every size against bounds before it allocates, and returns the original frames (views
 into one buffer, not copies).
@@ -15,8 +15,8 @@ import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from comm.schema import Chunk, ErrorCode
-from comm.wire import Frame, WireError
+from comm.wire.frames import Frame, WireError
+from comm.wire.schema import Chunk, ErrorCode
 
 _LEN = struct.Struct("<Q")
 _MAX_FRAMES = 1 << 20

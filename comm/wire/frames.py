@@ -1,11 +1,11 @@
-"""The frame codec: messages of ``comm.schema`` to ZeroMQ frames and back, never pickle.
+"""The frame codec: messages of ``comm.wire.schema`` to ZeroMQ frames and back, never pickle.
 
 Frame 0 is a msgpack header ``{"v": version, "t": type, "s": session, "q": sequence,
 "f": fields, "p": payload index}``; (session, sequence) lets a receiver reject replays.
 Every ``bytes`` field and every buffer of every encoded tensor follows as its own frame, so large
 tensors travel without a copy (numpy arrays expose their memory to ZeroMQ directly). ``from_wire``
 validates everything against the message's dataclass before building it and raises
-:class:`WireError` with an :class:`~comm.schema.ErrorCode` on any deviation; it never trusts a
+:class:`WireError` with an :class:`~comm.wire.schema.ErrorCode` on any deviation; it never trusts a
 size or a count it has not checked against the frames it actually holds.
 """
 
@@ -22,7 +22,7 @@ import msgpack
 import numpy as np
 
 from comm.codecs.base import EncodedTensor
-from comm.schema import MESSAGE_CLASSES, MESSAGE_TYPES, PROTOCOL_VERSION, ErrorCode, Message
+from comm.wire.schema import MESSAGE_CLASSES, MESSAGE_TYPES, PROTOCOL_VERSION, ErrorCode, Message
 
 # Anything exposing the buffer protocol: bytes, memoryview, numpy arrays, zmq frame buffers.
 Frame = Any
@@ -200,7 +200,7 @@ _CODECS: dict[int, _MessageCodec] = {
 
 def _check_registry() -> None:
     """Import-time check: every ``MessageType`` has a class and a codec, and back."""
-    from comm.schema import MessageType
+    from comm.wire.schema import MessageType
 
     missing = [t.name for t in MessageType if int(t) not in _CODECS]
     if missing:
