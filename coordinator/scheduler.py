@@ -93,6 +93,76 @@ def _sync_seconds(view: SiteView, up: str, down: str, numel: int) -> float:
     return view.rtt_s + bits / view.goodput_bps
 
 
+def _lengthened_slot(
+    v: SiteView, need: float, slot: int, policy: SchedulePolicy, reasons: list[str]
+) -> int:
+    """The slot, lengthened so that ``v``'s sync of ``need`` seconds fits (up to the bound)."""
+    frags = policy.num_fragments
+    per_step = v.step_seconds * (policy.margin if policy.overlap else 1.0)
+    wanted = math.ceil(need / per_step)
+    if not policy.overlap:
+        wanted = math.ceil(wanted * policy.target_utilization / (1 - policy.target_utilization))
+    new_slot = min(policy.max_inner_steps // frags, max(slot, wanted))
+    if new_slot > slot:
+        reasons.append(f"slot {slot}->{new_slot} steps so {v.site_id}'s sync fits")
+        return new_slot
+    return slot
+
+
+def _choose_uplink(
+    v: SiteView, slot: int, numel: int, policy: SchedulePolicy, reasons: list[str]
+) -> tuple[str, int, int]:
+    """Site ``v``'s uplink codec, its level on the ladder, and the slot (lengthened when even
+    the most compressed codec's sync does not fit)."""
+    ladder = policy.ladder
+    fixed = policy.fixed_uplink.get(v.site_id, policy.default_uplink)
+    if fixed is not None:
+        reasons.append(f"{v.site_id}: {fixed} (configured)")
+        return fixed, ladder.index(fixed) if fixed in ladder else 0, slot
+    if not (v.step_seconds > 0 and v.goodput_bps > 0):
+        reasons.append(f"{v.site_id}: {policy.unmeasured_codec} (link not measured yet)")
+        return policy.unmeasured_codec, ladder.index(policy.unmeasured_codec), slot
+    compute_s = slot * v.step_seconds
+    if policy.overlap:
+        # The codec keeps merges fresh; the slot only has to hide the sync.
+        budget, limit = policy.sync_fraction * compute_s, policy.margin * compute_s
+    else:
+        budget = compute_s * (1 - policy.target_utilization) / policy.target_utilization
+        limit = budget
+    level, codec, need = 0, ladder[0], 0.0
+    for level, codec in enumerate(ladder):  # noqa: B007 (level is used after the loop)
+        need = _sync_seconds(v, codec, codec, numel)
+        if need <= budget:
+            break
+    reasons.append(f"{v.site_id}: {codec} (sync {need:.2f}s vs budget {budget:.2f}s)")
+    if need > limit:
+        # Even the most compressed codec does not fit: lengthen the slot for everyone.
+        slot = _lengthened_slot(v, need, slot, policy, reasons)
+    return codec, level, slot
+
+
+def _extra_steps(
+    sites: Sequence[SiteView], slot: int, policy: SchedulePolicy, reasons: list[str]
+) -> dict[str, int]:
+    """Arrival alignment: extra inner steps for the sites that would land early."""
+    frags = policy.num_fragments
+    extra: dict[str, int] = {}
+    most = min(slot, policy.max_inner_steps // frags - slot)  # at most a second slot
+    for v in sorted(sites, key=lambda s: s.site_id):
+        if v.step_seconds > 0 and v.early_s > 0:
+            n = min(most, math.floor(policy.align_fraction * v.early_s / v.step_seconds))
+            if n > 0:
+                extra[v.site_id] = n
+                reasons.append(f"{v.site_id}: +{n} steps ({v.early_s:.2f}s early)")
+    # Only the sites' offsets matter: the site with the fewest extra steps trains the slot
+    # as planned, so the round does not grow longer for everyone.
+    fewest = min((extra.get(v.site_id, 0) for v in sites), default=0)
+    if fewest > 0:
+        extra = {s: n - fewest for s, n in extra.items() if n > fewest}
+        reasons.append(f"every site's extra steps less {fewest}")
+    return extra
+
+
 def plan_round(
     now: float, sites: Sequence[SiteView], policy: SchedulePolicy
 ) -> tuple[RoundPlan, str]:
@@ -104,68 +174,16 @@ def plan_round(
     reasons: list[str] = []
     uplink: dict[str, str] = {}
     levels: dict[str, int] = {}
-    ladder = policy.ladder
     for v in sorted(sites, key=lambda s: s.site_id):
-        fixed = policy.fixed_uplink.get(v.site_id, policy.default_uplink)
-        if fixed is not None:
-            uplink[v.site_id] = fixed
-            levels[v.site_id] = ladder.index(fixed) if fixed in ladder else 0
-            reasons.append(f"{v.site_id}: {fixed} (configured)")
-            continue
-        if not (v.step_seconds > 0 and v.goodput_bps > 0):
-            uplink[v.site_id] = policy.unmeasured_codec
-            levels[v.site_id] = ladder.index(policy.unmeasured_codec)
-            reasons.append(f"{v.site_id}: {policy.unmeasured_codec} (link not measured yet)")
-            continue
-        compute_s = slot * v.step_seconds
-        if policy.overlap:
-            # The codec keeps merges fresh; the slot only has to hide the sync.
-            budget, limit = policy.sync_fraction * compute_s, policy.margin * compute_s
-        else:
-            budget = compute_s * (1 - policy.target_utilization) / policy.target_utilization
-            limit = budget
-        level, codec, need = 0, ladder[0], 0.0
-        for level, codec in enumerate(ladder):  # noqa: B007 (level is used after the loop)
-            need = _sync_seconds(v, codec, codec, numel)
-            if need <= budget:
-                break
-        uplink[v.site_id] = codec
-        levels[v.site_id] = level
-        reasons.append(f"{v.site_id}: {codec} (sync {need:.2f}s vs budget {budget:.2f}s)")
-        if need > limit:
-            # Even the most compressed codec does not fit: lengthen the slot for everyone.
-            per_step = v.step_seconds * (policy.margin if policy.overlap else 1.0)
-            wanted = math.ceil(need / per_step)
-            if not policy.overlap:
-                wanted = math.ceil(
-                    wanted * policy.target_utilization / (1 - policy.target_utilization)
-                )
-            new_slot = min(policy.max_inner_steps // frags, max(slot, wanted))
-            if new_slot > slot:
-                reasons.append(f"slot {slot}->{new_slot} steps so {v.site_id}'s sync fits")
-                slot = new_slot
+        uplink[v.site_id], levels[v.site_id], slot = _choose_uplink(v, slot, numel, policy, reasons)
     if policy.fixed_downlink is not None:
         downlink = policy.fixed_downlink
     elif levels:
-        downlink = ladder[max(levels.values())]
+        downlink = policy.ladder[max(levels.values())]
     else:
         downlink = policy.unmeasured_codec
     reasons.append(f"downlink {downlink}")
-    extra: dict[str, int] = {}
-    if policy.align_arrivals:
-        most = min(slot, policy.max_inner_steps // frags - slot)  # at most a second slot
-        for v in sorted(sites, key=lambda s: s.site_id):
-            if v.step_seconds > 0 and v.early_s > 0:
-                n = min(most, math.floor(policy.align_fraction * v.early_s / v.step_seconds))
-                if n > 0:
-                    extra[v.site_id] = n
-                    reasons.append(f"{v.site_id}: +{n} steps ({v.early_s:.2f}s early)")
-        # Only the sites' offsets matter: the site with the fewest extra steps trains the slot
-        # as planned, so the round does not grow longer for everyone.
-        fewest = min((extra.get(v.site_id, 0) for v in sites), default=0)
-        if fewest > 0:
-            extra = {s: n - fewest for s, n in extra.items() if n > fewest}
-            reasons.append(f"every site's extra steps less {fewest}")
+    extra = _extra_steps(sites, slot, policy, reasons) if policy.align_arrivals else {}
     plan = RoundPlan(
         num_inner_steps=slot,
         num_fragments=frags,
