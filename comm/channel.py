@@ -32,6 +32,7 @@ from typing import Any
 import zmq
 
 from comm.linkest import LinkEstimator
+from comm.security.identity import CurveKeys, PeerIdentity, peer_of
 from comm.transfer import TransferConfig, TransferReceiver, TransferSender, stall_timeout_s
 from comm.wire.frames import (
     Frame,
@@ -51,40 +52,6 @@ COORDINATOR_PEER = b"coordinator"
 """How a DEALER channel names its one peer (in rejections, transfers and link estimates)."""
 
 _PEER_GONE = (zmq.EHOSTUNREACH, zmq.EAGAIN)
-
-# ZAP metadata a CURVE connection carries once the coordinator's handler accepted it.
-USER_ID = "User-Id"
-SERIAL_PROPERTY = "X-Cert-Serial"
-
-
-@dataclass(frozen=True, kw_only=True)
-class PeerIdentity:
-    """Who sent a frame, as the ZAP handler certified at the connection's handshake."""
-
-    site_id: str
-    serial: str
-
-
-def peer_of(frame: zmq.Frame) -> PeerIdentity | None:
-    """The certified identity carried by a frame received with ``copy=False``; None when the
-    connection was not authenticated by a ZAP handler (no CURVE, or another handler)."""
-    try:
-        site_id = frame.get(USER_ID)
-        serial = frame.get(SERIAL_PROPERTY)
-    except zmq.ZMQError:
-        return None
-    if not isinstance(site_id, str) or not isinstance(serial, str) or not site_id:
-        return None
-    return PeerIdentity(site_id=site_id, serial=serial)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CurveKeys:
-    """Z85-encoded CURVE keys for one endpoint; ``server_public`` only on a client."""
-
-    public: bytes
-    secret: bytes
-    server_public: bytes | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

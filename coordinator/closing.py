@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from comm.codecs.base import EncodedTensor
 from comm.codecs.registry import get_codec
-from comm.keys import sign_blob
-from comm.secagg import unmask_mean
+from comm.security.secagg import unmask_mean
+from comm.security.signing import sign_blob
 from comm.wire.schema import Global, Shutdown
 from comm.wire.tensors import decode_tensors, encode_tensors, global_signed_bytes
 from coordinator.decisions import (

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from comm.keys import AuthError, sign_blob, verify_blob
+from comm.security.common import AuthError
+from comm.security.signing import sign_blob, verify_blob
 from coordinator.durable import atomic_write
 from coordinator.history_log import (
     HISTORY_FILE,

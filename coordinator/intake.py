@@ -15,10 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from comm.keys import (
-    AuthError,
-)
-from comm.secagg import WEIGHT_KEY, Peer
+from comm.security.common import AuthError
+from comm.security.masking import WEIGHT_KEY, Peer
 from comm.wire.frames import WireError
 from comm.wire.schema import (
     ErrorCode,

@@ -12,7 +12,7 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from comm.secagg import MaskingPlan, decide_attempt
+from comm.security.secagg import MaskingPlan, decide_attempt
 from comm.wire.schema import RoundCancel, RoundStart
 from coordinator.decisions import (
     Abort,

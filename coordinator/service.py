@@ -24,15 +24,13 @@ import numpy as np
 import zmq
 
 from comm.channel import RouterChannel
-from comm.keys import (
-    CertificateRegistry,
-    CoordinatorKit,
-    load_coordinator_kit,
-)
-from comm.secagg import MaskingPlan, Peer
+from comm.security.kits import CoordinatorKit, load_coordinator_kit
+from comm.security.masking import Peer
+from comm.security.registry import CertificateRegistry
+from comm.security.secagg import MaskingPlan
+from comm.security.zap import ZapHandler
 from comm.wire.schema import ERROR_MEANINGS, Error, ErrorCode, Message
 from comm.wire.tensors import fragments, state_hash
-from comm.zap import ZapHandler
 from coordinator import closing, intake, opening
 from coordinator.config import CoordinatorConfig
 from coordinator.decisions import Abort, Close, Open, Remove, Rerun

@@ -43,7 +43,8 @@ def _insecure_override(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from comm.keys import AuthError, init_kit, issue_site, revoke_site
+    from comm.security.common import AuthError
+    from comm.security.kits import init_kit, issue_site, revoke_site
 
     try:
         if args.keys_command == "init":

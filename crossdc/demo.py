@@ -168,7 +168,7 @@ def _privacy(args: argparse.Namespace) -> dict[str, Any]:
 
 def make_kits(workdir: Path, sites: list[str]) -> None:
     """A fresh federation kit for the demo: a CA, coordinator keys, one startup kit per site."""
-    from comm.keys import init_kit, issue_site
+    from comm.security.kits import init_kit, issue_site
 
     init_kit(workdir / "kit")
     for site_id in sites:

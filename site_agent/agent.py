@@ -26,9 +26,10 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from comm.channel import SiteLink
 from comm.codecs.feedback import ErrorFeedback
 from comm.codecs.registry import get_codec
-from comm.keys import SiteKit, load_site_kit
 from comm.observe import ObserveServer
-from comm.secagg import SecAggSession, x25519_from_curve_secret
+from comm.security.kits import SiteKit, load_site_kit
+from comm.security.masking import x25519_from_curve_secret
+from comm.security.secagg import SecAggSession
 from comm.wire.schema import (
     ERROR_MEANINGS,
     Error,

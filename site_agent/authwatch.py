@@ -1,7 +1,7 @@
 """When the coordinator's refusals of this site's credentials mean the site must stop.
 
 The coordinator answers a message whose connection's certificate does not allow it with
-``ErrorCode.UNAUTHENTICATED`` and the reason in words (``comm.keys.Certificate.verify``). Two
+``ErrorCode.UNAUTHENTICATED`` and the reason in words (``comm.security.certs.Certificate.verify``). Two
 reasons are definitive: the certificate is revoked, or it expired. Restarting cannot fix either,
 so the site exits with :data:`EXIT_AUTH_REFUSED` (a code its unit does not restart). Any other
 refusal (the coordinator does not know the connection's identity yet right after a reconnect, a
@@ -25,7 +25,7 @@ DEFAULT_GRACE_S = 300.0
 
 Refusal = Literal["revoked", "expired", "other"]
 
-# The words of comm.keys.Certificate.verify, as the coordinator forwards them.
+# The words of comm.security.certs.Certificate.verify, as the coordinator forwards them.
 _REVOKED = re.compile(r"\bis revoked\b")
 _EXPIRED = re.compile(r"\bexpired at\b")
 

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from comm.keys import AuthError, verify_blob
-from comm.secagg import x25519_public_bytes
+from comm.security.common import AuthError
+from comm.security.masking import x25519_public_bytes
+from comm.security.signing import verify_blob
 from comm.wire.frames import WireError
 from comm.wire.schema import Eval, Global, Join, SyncRequest
 from comm.wire.tensors import decode_tensors, fragments, global_signed_bytes, spec_of, state_hash

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from comm.channel import ChannelConfig
 from comm.configio import load_section
-from comm.keys import SecurityConfig
-from comm.secagg import SecAggConfig
+from comm.security.kits import SecurityConfig
+from comm.security.masking import SecAggConfig
 from site_agent.model import ModelConfig
 from site_agent.privacy import DPConfig
 from site_agent.trainer import InnerOptimConfig

@@ -16,7 +16,7 @@ import numpy as np
 
 from comm.codecs.base import EncodedTensor, NonFiniteError
 from comm.codecs.registry import get_codec
-from comm.secagg import Peer
+from comm.security.masking import Peer
 from comm.wire.schema import RoundStart, Update
 from site_agent.privacy import privatize
 from site_agent.trainer import TrainStats

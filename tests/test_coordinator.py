@@ -20,8 +20,8 @@ import zmq
 from comm.channel import ChannelConfig, DealerChannel
 from comm.codecs.base import EncodedTensor
 from comm.codecs.floats import Fp32Codec
-from comm.keys import SecurityConfig
 from comm.observe import ObserveServer
+from comm.security.kits import SecurityConfig
 from comm.wire.schema import (
     Error,
     ErrorCode,

@@ -23,7 +23,7 @@ import torch
 from comm.channel import ChannelConfig
 from comm.codecs.base import EncodedTensor
 from comm.configio import dump_toml
-from comm.keys import SecurityConfig
+from comm.security.kits import SecurityConfig
 from comm.wire.schema import Message, StepGrad
 from comm.wire.tensors import state_hash
 from coordinator.strategy import weighted_mean

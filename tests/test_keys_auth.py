@@ -17,12 +17,50 @@ import pytest
 import zmq
 import zmq.utils.monitor as zmon
 
-from comm import keys
 from comm.channel import ChannelConfig, DealerChannel
-from comm.keys import AuthError, CertificateRegistry
+from comm.security.certs import Certificate, load_revocations, parse_revocations
+from comm.security.common import (
+    CA_KEY,
+    CA_PUB,
+    CERTS_DIR,
+    COORDINATOR_CURVE_KEY,
+    COORDINATOR_CURVE_PUB,
+    COORDINATOR_SIGN_KEY,
+    MANIFEST,
+    REVOCATIONS,
+    SITE_CERT,
+    SITE_CURVE_KEY,
+    SITE_CURVE_PUB,
+    SITE_TOML,
+    SITES_DIR,
+    AuthError,
+    _b64,
+    _canonical,
+    _unb64,
+    curve_raw,
+    key_fingerprint,
+)
+from comm.security.kits import (
+    SecurityConfig,
+    init_kit,
+    issue_site,
+    issued_certificates,
+    load_coordinator_kit,
+    load_site_kit,
+    revoke_site,
+)
+from comm.security.registry import CertificateRegistry
+from comm.security.signing import (
+    blob_digest,
+    generate_signing_key,
+    load_public_key,
+    sign_blob,
+    verify_blob,
+    verify_digest,
+)
+from comm.security.zap import DOMAIN, ZapHandler, decide, peer_of
 from comm.wire.frames import from_wire
 from comm.wire.schema import Leave
-from comm.zap import DOMAIN, ZapHandler, decide, peer_of
 
 DAY = 86400.0
 NOW = time.time()
@@ -30,7 +68,7 @@ NOW = time.time()
 
 @pytest.fixture
 def kit(tmp_path: Path) -> Path:
-    return keys.init_kit(tmp_path / "kit")
+    return init_kit(tmp_path / "kit")
 
 
 def _reason(exc: pytest.ExceptionInfo[AuthError]) -> str:
@@ -40,10 +78,10 @@ def _reason(exc: pytest.ExceptionInfo[AuthError]) -> str:
 def _retext(cert_text: str, **body_changes: Any) -> str:
     """A certificate whose body was edited after signing (the signature kept)."""
     kind, body, sig = cert_text.strip().split(".")
-    doc = json.loads(keys._unb64(body))
+    doc = json.loads(_unb64(body))
     doc.update(body_changes)
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-    return f"{kind}.{keys._b64(raw)}.{sig}"
+    return f"{kind}.{_b64(raw)}.{sig}"
 
 
 # ----------------------------------------------------------------------------- keys and certs
@@ -51,36 +89,36 @@ def _retext(cert_text: str, **body_changes: Any) -> str:
 
 @pytest.mark.timeout(30)
 def test_issue_and_verify_auth(kit: Path) -> None:
-    issued = keys.issue_site(kit, "eu", 30)
-    site = keys.load_site_kit(issued.site_kit_dir, site_id="eu")
-    ca = keys.load_public_key(kit / keys.CA_PUB)
+    issued = issue_site(kit, "eu", 30)
+    site = load_site_kit(issued.site_kit_dir, site_id="eu")
+    ca = load_public_key(kit / CA_PUB)
     site.certificate.verify(ca, NOW, site_id="eu")
     assert site.certificate == issued.certificate
-    assert site.curve.server_public == (kit / keys.COORDINATOR_CURVE_PUB).read_bytes().strip()
+    assert site.curve.server_public == (kit / COORDINATOR_CURVE_PUB).read_bytes().strip()
     assert zmq.curve_public(site.curve.secret) == site.certificate.curve_public
     # The kit's certificate round-trips through its text form and the coordinator's copy.
-    assert keys.Certificate.from_text(issued.certificate.to_text()) == issued.certificate
-    [recorded] = keys.issued_certificates(kit)
+    assert Certificate.from_text(issued.certificate.to_text()) == issued.certificate
+    [recorded] = issued_certificates(kit)
     assert recorded == issued.certificate
     registry = CertificateRegistry.from_kit(kit)
     assert registry.authorize(site.curve.public, NOW).site_id == "eu"
-    assert registry.authorize(keys.curve_raw(site.curve.public), NOW).serial == recorded.serial
+    assert registry.authorize(curve_raw(site.curve.public), NOW).serial == recorded.serial
     # The starter config names the site and the kit; the kit holds no secret but its own.
-    toml = (issued.site_kit_dir / keys.SITE_TOML).read_text()
+    toml = (issued.site_kit_dir / SITE_TOML).read_text()
     assert 'site_id = "eu"' in toml and "[site.security]" in toml
-    assert not (issued.site_kit_dir / keys.CA_KEY).exists()
+    assert not (issued.site_kit_dir / CA_KEY).exists()
 
 
 @pytest.mark.timeout(30)
 def test_tampered_cert_bad_signature(kit: Path, tmp_path: Path) -> None:
-    issued = keys.issue_site(kit, "eu", 30)
-    ca = keys.load_public_key(kit / keys.CA_PUB)
+    issued = issue_site(kit, "eu", 30)
+    ca = load_public_key(kit / CA_PUB)
     text = issued.certificate.to_text()
-    forged = keys.Certificate.from_text(_retext(text, site_id="us"))
+    forged = Certificate.from_text(_retext(text, site_id="us"))
     with pytest.raises(AuthError) as exc:
         forged.verify(ca, NOW)
     assert _reason(exc) == "bad_signature"
-    longer = keys.Certificate.from_text(_retext(text, not_after=issued.certificate.not_after + 1))
+    longer = Certificate.from_text(_retext(text, not_after=issued.certificate.not_after + 1))
     with pytest.raises(AuthError) as exc:
         longer.verify(ca, NOW)
     assert _reason(exc) == "bad_signature"
@@ -91,17 +129,17 @@ def test_tampered_cert_bad_signature(kit: Path, tmp_path: Path) -> None:
     with pytest.raises(AuthError) as exc:
         flipped.verify(ca, NOW)
     assert _reason(exc) == "bad_signature"
-    other_ca = keys.load_public_key(keys.init_kit(tmp_path / "other") / keys.CA_PUB)
+    other_ca = load_public_key(init_kit(tmp_path / "other") / CA_PUB)
     with pytest.raises(AuthError) as exc:
         issued.certificate.verify(other_ca, NOW)
     assert _reason(exc) == "bad_signature"
     for garbage in ("", "crossdc-cert-v1.x.y", text.replace("crossdc-cert-v1", "crossdc-cert-v2")):
         with pytest.raises(AuthError) as exc:
-            keys.Certificate.from_text(garbage)
+            Certificate.from_text(garbage)
         assert _reason(exc) == "bad_signature"
     # A forged certificate dropped into certs/ is skipped: the key stays unknown.
     forged_key = zmq.curve_keypair()[0]
-    (kit / keys.CERTS_DIR / "us-forged.cert").write_text(
+    (kit / CERTS_DIR / "us-forged.cert").write_text(
         _retext(text, site_id="us", curve_public=forged_key.decode())
     )
     with pytest.raises(AuthError) as exc:
@@ -111,13 +149,13 @@ def test_tampered_cert_bad_signature(kit: Path, tmp_path: Path) -> None:
 
 @pytest.mark.timeout(30)
 def test_expired_and_not_yet_valid_certificates(kit: Path) -> None:
-    ca = keys.load_public_key(kit / keys.CA_PUB)
-    old = keys.issue_site(kit, "old", 1, now=NOW - 10 * DAY).certificate
+    ca = load_public_key(kit / CA_PUB)
+    old = issue_site(kit, "old", 1, now=NOW - 10 * DAY).certificate
     with pytest.raises(AuthError) as exc:
         old.verify(ca, NOW)
     assert _reason(exc) == "expired"
     old.verify(ca, NOW - 10 * DAY + 60)  # it was valid in its day
-    future = keys.issue_site(kit, "future", 1, now=NOW + DAY).certificate
+    future = issue_site(kit, "future", 1, now=NOW + DAY).certificate
     with pytest.raises(AuthError) as exc:
         future.verify(ca, NOW)
     assert _reason(exc) == "not_yet_valid"
@@ -126,21 +164,21 @@ def test_expired_and_not_yet_valid_certificates(kit: Path) -> None:
         registry.authorize(old.curve_public, NOW)
     assert _reason(exc) == "expired"
     with pytest.raises(AuthError) as exc:
-        keys.load_site_kit(kit / keys.SITES_DIR / "old", now=NOW)
+        load_site_kit(kit / SITES_DIR / "old", now=NOW)
     assert _reason(exc) == "expired"
 
 
 @pytest.mark.timeout(30)
 def test_revoked_certificate(kit: Path) -> None:
-    ca = keys.load_public_key(kit / keys.CA_PUB)
-    first = keys.issue_site(kit, "eu", 30).certificate
-    second = keys.issue_site(kit, "eu", 30, out_dir=kit / "eu-renewed").certificate
-    keys.issue_site(kit, "us", 30)
+    ca = load_public_key(kit / CA_PUB)
+    first = issue_site(kit, "eu", 30).certificate
+    second = issue_site(kit, "eu", 30, out_dir=kit / "eu-renewed").certificate
+    issue_site(kit, "us", 30)
     registry = CertificateRegistry.from_kit(kit, reload_interval_s=0)
     assert registry.authorize(first.curve_public, NOW).site_id == "eu"
-    assert sorted(keys.revoke_site(kit, "eu")) == sorted([first.serial, second.serial])
-    assert keys.revoke_site(kit, "eu") == []  # idempotent
-    revocations = keys.load_revocations(kit / keys.REVOCATIONS, ca)
+    assert sorted(revoke_site(kit, "eu")) == sorted([first.serial, second.serial])
+    assert revoke_site(kit, "eu") == []  # idempotent
+    revocations = load_revocations(kit / REVOCATIONS, ca)
     assert revocations.serials == {first.serial, second.serial}
     assert revocations.version == 1
     with pytest.raises(AuthError) as exc:
@@ -151,45 +189,45 @@ def test_revoked_certificate(kit: Path) -> None:
             registry.authorize(cert.curve_public, NOW)
         assert _reason(exc) == "revoked"
     with pytest.raises(ValueError, match="no certificate"):
-        keys.revoke_site(kit, "nobody")
+        revoke_site(kit, "nobody")
 
 
 @pytest.mark.timeout(30)
 def test_revocation_list_is_signed_and_never_rolls_back(kit: Path) -> None:
-    ca = keys.load_public_key(kit / keys.CA_PUB)
-    eu = keys.issue_site(kit, "eu", 30).certificate
+    ca = load_public_key(kit / CA_PUB)
+    eu = issue_site(kit, "eu", 30).certificate
     registry = CertificateRegistry.from_kit(kit, reload_interval_s=0)
-    before = (kit / keys.REVOCATIONS).read_text()
-    keys.revoke_site(kit, "eu")
-    after = (kit / keys.REVOCATIONS).read_text()
+    before = (kit / REVOCATIONS).read_text()
+    revoke_site(kit, "eu")
+    after = (kit / REVOCATIONS).read_text()
     kind, body, sig = after.strip().split(".")
-    doc = json.loads(keys._unb64(body))
+    doc = json.loads(_unb64(body))
     doc["revoked"] = []
-    unrevoked = f"{kind}.{keys._b64(keys._canonical(doc))}.{sig}"
+    unrevoked = f"{kind}.{_b64(_canonical(doc))}.{sig}"
     with pytest.raises(AuthError) as exc:
-        keys.parse_revocations(unrevoked, ca)
+        parse_revocations(unrevoked, ca)
     assert _reason(exc) == "bad_signature"
     with pytest.raises(AuthError) as exc:
         registry.authorize(eu.curve_public, NOW)
     assert _reason(exc) == "revoked"
     # Putting back the older (validly signed) list, or deleting it, does not un-revoke.
-    (kit / keys.REVOCATIONS).write_text(before)
+    (kit / REVOCATIONS).write_text(before)
     registry.reload()
     assert eu.serial in registry.revoked_serials
-    (kit / keys.REVOCATIONS).unlink()
+    (kit / REVOCATIONS).unlink()
     registry.reload()
     assert eu.serial in registry.revoked_serials
 
 
 @pytest.mark.timeout(30)
 def test_wrong_site_certificate(kit: Path) -> None:
-    ca = keys.load_public_key(kit / keys.CA_PUB)
-    issued = keys.issue_site(kit, "eu", 30)
+    ca = load_public_key(kit / CA_PUB)
+    issued = issue_site(kit, "eu", 30)
     with pytest.raises(AuthError) as exc:
         issued.certificate.verify(ca, NOW, site_id="us")
     assert _reason(exc) == "wrong_site"
     with pytest.raises(AuthError) as exc:
-        keys.load_site_kit(issued.site_kit_dir, site_id="us")
+        load_site_kit(issued.site_kit_dir, site_id="us")
     assert _reason(exc) == "wrong_site"
     registry = CertificateRegistry.from_kit(kit)
     cert = issued.certificate
@@ -201,79 +239,79 @@ def test_wrong_site_certificate(kit: Path) -> None:
 
 @pytest.mark.timeout(30)
 def test_private_key_files_are_0600(kit: Path) -> None:
-    issued = keys.issue_site(kit, "eu", 30)
+    issued = issue_site(kit, "eu", 30)
     private = [
-        kit / keys.CA_KEY,
-        kit / keys.COORDINATOR_CURVE_KEY,
-        kit / keys.COORDINATOR_SIGN_KEY,
-        issued.site_kit_dir / keys.SITE_CURVE_KEY,
+        kit / CA_KEY,
+        kit / COORDINATOR_CURVE_KEY,
+        kit / COORDINATOR_SIGN_KEY,
+        issued.site_kit_dir / SITE_CURVE_KEY,
     ]
     for path in private:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     for path in (kit, issued.site_kit_dir):
         assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
-    public = [kit / keys.CA_PUB, issued.site_kit_dir / keys.SITE_CERT]
+    public = [kit / CA_PUB, issued.site_kit_dir / SITE_CERT]
     for path in public:
         assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
     # No key material in the manifest, and a loosened private key file is refused.
-    manifest = (kit / keys.MANIFEST).read_text()
+    manifest = (kit / MANIFEST).read_text()
     assert "PRIVATE" not in manifest
-    assert (kit / keys.COORDINATOR_CURVE_KEY).read_bytes().strip() not in manifest.encode()
-    os.chmod(kit / keys.COORDINATOR_SIGN_KEY, 0o644)
+    assert (kit / COORDINATOR_CURVE_KEY).read_bytes().strip() not in manifest.encode()
+    os.chmod(kit / COORDINATOR_SIGN_KEY, 0o644)
     with pytest.raises(ValueError, match="chmod 600"):
-        keys.load_coordinator_kit(kit)
+        load_coordinator_kit(kit)
 
 
 @pytest.mark.timeout(30)
 def test_init_refuses_overwrite(kit: Path, tmp_path: Path) -> None:
-    ca_before = (kit / keys.CA_KEY).read_bytes()
+    ca_before = (kit / CA_KEY).read_bytes()
     with pytest.raises(ValueError, match=str(kit)):
-        keys.init_kit(kit)
-    assert (kit / keys.CA_KEY).read_bytes() == ca_before
-    keys.issue_site(kit, "eu", 30)
+        init_kit(kit)
+    assert (kit / CA_KEY).read_bytes() == ca_before
+    issue_site(kit, "eu", 30)
     with pytest.raises(ValueError, match="refusing to overwrite"):
-        keys.issue_site(kit, "eu", 30)
+        issue_site(kit, "eu", 30)
     with pytest.raises(ValueError, match="site_id"):
-        keys.issue_site(kit, "eu/../x", 30)
+        issue_site(kit, "eu/../x", 30)
     with pytest.raises(ValueError, match="days"):
-        keys.issue_site(kit, "us", 0)
+        issue_site(kit, "us", 0)
     empty = tmp_path / "empty"
     empty.mkdir()
-    keys.init_kit(empty)  # an existing empty directory is fine
+    init_kit(empty)  # an existing empty directory is fine
 
 
 @pytest.mark.timeout(30)
 def test_signed_checkpoint_blob(kit: Path) -> None:
-    coordinator = keys.load_coordinator_kit(kit)
-    site = keys.load_site_kit(keys.issue_site(kit, "eu", 30).site_kit_dir)
+    coordinator = load_coordinator_kit(kit)
+    site = load_site_kit(issue_site(kit, "eu", 30).site_kit_dir)
     blob = os.urandom(4096)
-    signature = keys.sign_blob(coordinator.signing_key, blob)
-    keys.verify_blob(site.coordinator_sign_public, blob, signature)
-    keys.verify_digest(site.coordinator_sign_public, keys.blob_digest(blob), signature)
+    signature = sign_blob(coordinator.signing_key, blob)
+    verify_blob(site.coordinator_sign_public, blob, signature)
+    verify_digest(site.coordinator_sign_public, blob_digest(blob), signature)
     for data, sig, context in [
         (blob[:-1] + bytes([blob[-1] ^ 1]), signature, "checkpoint"),
         (blob, signature, "global"),
-        (blob, keys.sign_blob(keys.generate_signing_key(), blob), "checkpoint"),
+        (blob, sign_blob(generate_signing_key(), blob), "checkpoint"),
     ]:
         with pytest.raises(AuthError) as exc:
-            keys.verify_blob(site.coordinator_sign_public, data, sig, context=context)
+            verify_blob(site.coordinator_sign_public, data, sig, context=context)
         assert _reason(exc) == "bad_signature"
 
 
 @pytest.mark.timeout(30)
 def test_security_config_is_secure_by_default() -> None:
     with pytest.raises(ValueError, match="security.kit_dir"):
-        keys.SecurityConfig().require()
-    keys.SecurityConfig(insecure=True).require()
-    keys.SecurityConfig(kit_dir="kit").require()
+        SecurityConfig().require()
+    SecurityConfig(insecure=True).require()
+    SecurityConfig(kit_dir="kit").require()
     with pytest.raises(ValueError, match="security.insecure"):
-        keys.SecurityConfig(kit_dir="kit", insecure=True)
+        SecurityConfig(kit_dir="kit", insecure=True)
 
 
 @pytest.mark.timeout(30)
 def test_zap_decide_refuses_non_curve_requests(kit: Path) -> None:
     registry = CertificateRegistry.from_kit(kit)
-    key = keys.curve_raw(zmq.curve_keypair()[0])
+    key = curve_raw(zmq.curve_keypair()[0])
     base = [b"1.0", b"7", DOMAIN, b"10.0.0.1", b"", b"CURVE", key]
     assert decide(base, registry, now=NOW).reason == "unknown_key"
     assert decide(base[:2] + [b"other"] + base[3:], registry, now=NOW).reason == "bad_request"
@@ -301,7 +339,7 @@ class Net:
                 self.ctx, self.registry, on_reject=lambda r, d: self.rejections.put((r, d))
             )
             self.zap.start()
-        coordinator = keys.load_coordinator_kit(kit)
+        coordinator = load_coordinator_kit(kit)
         self.server_public = coordinator.curve.public
         router = self.socket(zmq.ROUTER)
         # As comm.channel._apply_profile sets them for a CURVE server.
@@ -338,9 +376,9 @@ class Net:
 
     def site_client(self, site_id: str) -> zmq.Socket[Any]:
         # Read the keys directly: load_site_kit would refuse the expired and revoked ones.
-        site_dir = self.kit / keys.SITES_DIR / site_id
-        public = (site_dir / keys.SITE_CURVE_PUB).read_bytes().strip()
-        secret = (site_dir / keys.SITE_CURVE_KEY).read_bytes().strip()
+        site_dir = self.kit / SITES_DIR / site_id
+        public = (site_dir / SITE_CURVE_PUB).read_bytes().strip()
+        secret = (site_dir / SITE_CURVE_KEY).read_bytes().strip()
         return self.client(public, secret)
 
     def handshake_event(self, timeout_s: float = 10.0) -> int:
@@ -363,12 +401,12 @@ class Net:
 
 @pytest.fixture
 def federation(tmp_path: Path) -> Path:
-    kit = keys.init_kit(tmp_path / "kit")
-    keys.issue_site(kit, "eu", 30)
-    keys.issue_site(kit, "us", 30)
-    keys.issue_site(kit, "old", 1, now=NOW - 10 * DAY)
-    keys.issue_site(kit, "gone", 30)
-    keys.revoke_site(kit, "gone")
+    kit = init_kit(tmp_path / "kit")
+    issue_site(kit, "eu", 30)
+    issue_site(kit, "us", 30)
+    issue_site(kit, "old", 1, now=NOW - 10 * DAY)
+    issue_site(kit, "gone", 30)
+    revoke_site(kit, "gone")
     return kit
 
 
@@ -396,7 +434,7 @@ def test_zap_auth_valid_site_exchanges_messages(net: Net) -> None:
     assert frame.bytes == b"hello from eu"
     peer = peer_of(frame)
     assert peer is not None and peer.site_id == "eu"
-    cert = net.registry.authorize(keys.load_site_kit(net.kit / "sites" / "eu").curve.public, NOW)
+    cert = net.registry.authorize(load_site_kit(net.kit / "sites" / "eu").curve.public, NOW)
     assert peer.serial == cert.serial
     net.registry.check_peer(
         user_id=peer.site_id, serial=peer.serial, claimed_site_id="eu", now=time.time()
@@ -428,7 +466,7 @@ def test_zap_auth_user_id_is_certified_site_and_claims_are_checked(net: Net) -> 
             seen[peer.site_id] = refused.reason
     assert seen == {"eu": "wrong_site", "us": "ok"}
     # Revoking a connected site cuts it at its next message, without waiting for a reconnect.
-    keys.revoke_site(net.kit, "us")
+    revoke_site(net.kit, "us")
     us.send(b"claim:us")
     assert net.router.poll(10_000)
     _, frame = net.router.recv_multipart(copy=False)
@@ -446,7 +484,7 @@ def test_zap_auth_unknown_key_refused(net: Net) -> None:
     stranger.send(b"let me in")
     reason, detail = net.next_rejection()
     assert reason == "unknown_key"
-    assert keys.key_fingerprint(public) in detail
+    assert key_fingerprint(public) in detail
     assert public.decode() not in detail and secret.decode() not in detail
     assert net.handshake_event() == zmq.EVENT_HANDSHAKE_FAILED_AUTH
     _assert_silent(net, stranger)
@@ -493,7 +531,7 @@ def test_zap_auth_without_handler_refuses_everyone(federation: Path) -> None:
 @pytest.mark.timeout(30)
 def test_zap_auth_site_kit_drives_the_channel(net: Net) -> None:
     """A site kit's keys plug into ChannelConfig: the real DEALER channel authenticates."""
-    site = keys.load_site_kit(net.kit / keys.SITES_DIR / "us")
+    site = load_site_kit(net.kit / SITES_DIR / "us")
     chan = DealerChannel(
         ChannelConfig(curve=site.curve, linger_s=0.1), identity="us", context=net.ctx
     )

@@ -13,20 +13,22 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from comm.secagg import (
+from comm.security.masking import (
     WEIGHT_KEY,
-    MaskingPlan,
     Peer,
     SecAggConfig,
-    SecAggSession,
-    decide_attempt,
     encode_fixed,
     to_signed,
+    x25519_from_curve_secret,
+    x25519_public_bytes,
+)
+from comm.security.secagg import (
+    MaskingPlan,
+    SecAggSession,
+    decide_attempt,
     unmask_mean,
     unmask_sum,
     unmask_sum_fixed,
-    x25519_from_curve_secret,
-    x25519_public_bytes,
 )
 
 CFG = SecAggConfig(clip_bound=8.0)

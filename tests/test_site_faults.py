@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from comm import keys
 from comm.channel import ChannelStats
-from comm.keys import AuthError, CertificateRegistry, SecurityConfig
+from comm.security.common import AuthError
+from comm.security.kits import SecurityConfig, init_kit, issue_site, revoke_site
+from comm.security.registry import CertificateRegistry
 from comm.wire.schema import (
     ERROR_MEANINGS,
     Error,
@@ -287,11 +288,11 @@ def test_the_coordinator_words_for_revoked_and_expired_are_recognized(
     tmp_path: Path, revoked: bool
 ) -> None:
     """The detail the coordinator forwards (``_authentic``), produced by the real registry."""
-    kit = keys.init_kit(tmp_path / "kit")
+    kit = init_kit(tmp_path / "kit")
     now = 1_000_000.0 if revoked else 1e12  # far past the certificate's validity
-    cert = keys.issue_site(kit, "eu", 30, now=1_000_000.0 - 60).certificate
+    cert = issue_site(kit, "eu", 30, now=1_000_000.0 - 60).certificate
     if revoked:
-        keys.revoke_site(kit, "eu")
+        revoke_site(kit, "eu")
     registry = CertificateRegistry.from_kit(kit, reload_interval_s=0)
     with pytest.raises(AuthError) as exc:
         registry.check_peer(user_id="eu", serial=cert.serial, claimed_site_id="eu", now=now)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from comm.secagg import SecAggSession
+from comm.security.secagg import SecAggSession
 from comm.wire.schema import Message, RoundStart, Update
 from site_agent.agent import build_agent
 from site_agent.config import load_site_config

@@ -2,7 +2,7 @@
 
 libzmq asks a ZAP handler, over ``inproc://zeromq.zap.01`` in the socket's own context, whether
 to accept each CURVE handshake. :class:`ZapHandler` answers from a
-:class:`comm.keys.CertificateRegistry`: a client key holding a valid, unexpired, unrevoked
+:class:`comm.security.registry.CertificateRegistry`: a client key holding a valid, unexpired, unrevoked
 certificate is accepted with ``User-Id`` = the certified ``site_id`` and a ``X-Cert-Serial``
 property; everything else is refused with a reason, counted and reported through ``on_reject``.
 Every frame the ROUTER then receives from that connection carries both, so the coordinator checks
@@ -27,8 +27,9 @@ from typing import Any
 
 import zmq
 
-from comm.channel import SERIAL_PROPERTY, USER_ID, PeerIdentity, peer_of
-from comm.keys import AuthError, CertificateRegistry, key_fingerprint
+from comm.security.common import AuthError, key_fingerprint
+from comm.security.identity import SERIAL_PROPERTY, USER_ID, PeerIdentity, peer_of
+from comm.security.registry import CertificateRegistry
 
 __all__ = [
     "DOMAIN",
@@ -49,7 +50,7 @@ DOMAIN = b"crossdc"
 """The ZAP domain ``comm.channel`` sets on CURVE sockets."""
 
 RejectCallback = Callable[[str, str], None]
-"""``on_reject(reason, detail)``: reason is an :data:`comm.keys.AuthReason` or ``bad_request``."""
+"""``on_reject(reason, detail)``: reason is an :data:`comm.security.common.AuthReason` or ``bad_request``."""
 
 
 @dataclass(frozen=True, kw_only=True)
