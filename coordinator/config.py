@@ -96,6 +96,15 @@ class CoordinatorConfig:
     """Deterministic crash points for fault drills; all off by default."""
 
     def __post_init__(self) -> None:
+        self._check_rounds()
+        self._check_outer()
+        self._check_limits()
+        self._check_schedule()
+        self._check_codecs()
+        self.security.require()
+
+    def _check_rounds(self) -> None:
+        """The endpoint, the HTTP port, membership and the rounds' shape."""
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"coordinator.bind must be a ZeroMQ endpoint, got {self.bind!r}")
         if not 0 <= self.metrics_port <= 65535:
@@ -116,6 +125,9 @@ class CoordinatorConfig:
             )
         if self.max_rounds < 0:
             raise ValueError("coordinator.max_rounds must be >= 0")
+
+    def _check_outer(self) -> None:
+        """The outer optimizer."""
         if not self.outer_lr > 0:
             raise ValueError(f"coordinator.outer_lr must be > 0, got {self.outer_lr}")
         if self.outer_warmup_steps < 0:
@@ -126,14 +138,18 @@ class CoordinatorConfig:
             raise ValueError(
                 f"coordinator.outer_momentum must be in [0, 1), got {self.outer_momentum}"
             )
+
+    def _check_limits(self) -> None:
+        """Site silence, checkpoints kept and the update-norm guard."""
         if self.site_timeout_s <= 0:
             raise ValueError("coordinator.site_timeout_s must be > 0")
         if self.keep_checkpoints < 1:
             raise ValueError("coordinator.keep_checkpoints must be >= 1")
         if not self.max_update_norm > 0:
             raise ValueError("coordinator.max_update_norm must be > 0")
-        from comm.codecs.registry import get_codec
 
+    def _check_schedule(self) -> None:
+        """Fragments, the scheduler's targets and bounds, grace, staleness and evaluation."""
         if self.num_fragments < 1:
             raise ValueError(f"coordinator.num_fragments must be >= 1, got {self.num_fragments}")
         if self.num_fragments > self.num_inner_steps:
@@ -150,6 +166,11 @@ class CoordinatorConfig:
             raise ValueError("coordinator.max_staleness_rounds must be >= 0")
         if self.eval_every_rounds < 1:
             raise ValueError("coordinator.eval_every_rounds must be >= 1")
+
+    def _check_codecs(self) -> None:
+        """Every codec named (ladder, unmeasured, fixed, per site) exists and parses."""
+        from comm.codecs.registry import get_codec
+
         if not self.codec_ladder:
             raise ValueError("coordinator.codec_ladder must name at least one codec")
         specs = {f"codec_ladder[{i}]": c for i, c in enumerate(self.codec_ladder)}
@@ -167,8 +188,6 @@ class CoordinatorConfig:
                 get_codec(spec)
             except ValueError as exc:
                 raise ValueError(f"coordinator.{name}: {exc}") from None
-
-        self.security.require()
 
     @property
     def state_path(self) -> Path:
