@@ -2,7 +2,8 @@
 
 Writes one config per role into a work directory, starts ``crossdc coordinator`` and ``crossdc
 agent`` processes over tcp on loopback, follows the coordinator's ``status.json`` to print one
-line per round, and ends with a summary (and a JSON report with ``--report``).
+line per round, and ends with a summary (and a JSON report with ``--report``). The roles'
+configs, kits, links and processes are built in ``crossdc.demo_roles``.
 """
 
 from __future__ import annotations
@@ -15,19 +16,24 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from comm.configio import dump_toml
-from comm.wanem import PRESETS, LinkEmulator, LinkProfile, parse_profile
+from comm.wanem import LinkEmulator, LinkProfile
 from coordinator.config import CoordinatorConfig
 from coordinator.history_log import RoundLog, read_history
-
-SITE_NAMES = ("eu", "us", "ap", "sa", "af", "me", "oc", "na")
-
-# The embedded default: a small byte-level GPT that learns visibly within two minutes on 2 cores.
-DEMO_MODEL = {"context_len": 128, "num_layers": 4, "d_model": 128, "num_heads": 4}
+from crossdc.demo_roles import (
+    DEMO_MODEL,
+    DemoRun,
+    _read_status,
+    _wait_endpoint,
+    link_profiles,
+    make_kits,
+    site_ids,
+    write_coordinator_config,
+    write_site_configs,
+)
 
 
 def add_outer_rule_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,172 +108,6 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=1800.0, help="give up after this many s")
 
 
-def link_profiles(args: argparse.Namespace, site_ids: list[str]) -> dict[str, LinkProfile]:
-    """Each site's emulated WAN link: presets by site name, overridden by ``--link``."""
-    profiles = {s: PRESETS.get(s, PRESETS["lan"]) for s in site_ids}
-    for item in args.link:
-        site, sep, spec = item.partition("=")
-        if not sep or site not in profiles:
-            raise ValueError(f"--link {item!r}: expected SITE=PROFILE with SITE in {site_ids}")
-        profiles[site] = parse_profile(spec)
-    return profiles
-
-
-@dataclass
-class DemoRun:
-    workdir: Path
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    logs: list[Any] = field(default_factory=list)
-    links: dict[str, LinkEmulator] = field(default_factory=dict)
-
-    def spawn(
-        self, name: str, argv: list[str], env: dict[str, str], *, append: bool = False
-    ) -> None:
-        """Start ``argv`` as ``name``; ``append`` keeps the log of an earlier run (a restart)."""
-        log = open(self.workdir / f"{name}.log", "ab" if append else "wb")  # noqa: SIM115
-        self.logs.append(log)
-        self.procs[name] = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-
-    def close(self, grace_s: float = 10.0) -> None:
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for log in self.logs:
-            log.close()
-        for link in self.links.values():
-            link.close()
-
-
-def _security(args: argparse.Namespace, workdir: Path, site_id: str | None) -> dict[str, Any]:
-    if args.insecure:
-        return {"insecure": True}
-    return {"kit_dir": str(workdir / ("kit" if site_id is None else f"kit-{site_id}"))}
-
-
-def _secagg(args: argparse.Namespace) -> dict[str, Any]:
-    if not getattr(args, "secure_aggregation", False):
-        return {}
-    return {"secure_aggregation": {"clip_bound": 64.0}}
-
-
-def _privacy(args: argparse.Namespace) -> dict[str, Any]:
-    noise = getattr(args, "dp_noise", 0.0)
-    if not noise:
-        return {}
-    return {"privacy": {"clip_norm": args.dp_clip, "noise_multiplier": noise}}
-
-
-def make_kits(workdir: Path, sites: list[str]) -> None:
-    """A fresh federation kit for the demo: a CA, coordinator keys, one startup kit per site."""
-    from comm.security.kits import init_kit, issue_site
-
-    init_kit(workdir / "kit")
-    for site_id in sites:
-        issue_site(workdir / "kit", site_id, days=1, out_dir=workdir / f"kit-{site_id}")
-
-
-def site_ids(num_sites: int) -> list[str]:
-    return [SITE_NAMES[i] if i < len(SITE_NAMES) else f"site{i}" for i in range(num_sites)]
-
-
-def write_coordinator_config(
-    args: argparse.Namespace, workdir: Path, *, overrides: dict[str, Any] | None = None
-) -> Path:
-    """The coordinator's config; ``overrides`` replaces keys of its ``[coordinator]`` table."""
-    coord_dir = workdir / "coordinator"
-    coordinator = {
-        "coordinator": {
-            "bind": "tcp://127.0.0.1:0",
-            "state_dir": str(coord_dir),
-            "metrics_port": args.metrics_port,
-            "min_sites": args.sites,
-            "num_inner_steps": args.inner_steps,
-            "max_rounds": args.rounds,
-            "uplink_codec": args.uplink_codec,
-            "downlink_codec": args.downlink_codec,
-            "num_fragments": args.fragments,
-            "outer_lr": args.outer_lr,
-            "outer_momentum": args.outer_momentum,
-            "outer_warmup_steps": args.outer_warmup_steps,
-            "outer_final_mean": args.outer_final_mean,
-            "overlap": not args.no_overlap,
-            "eval_every_rounds": args.eval_every,
-            "round_deadline_s": 600.0,
-            "site_timeout_s": 60.0,
-            "security": _security(args, workdir, None),
-            **_secagg(args),
-        }
-    }
-    coordinator["coordinator"].update(overrides or {})
-    coord_cfg = workdir / "coordinator.toml"
-    coord_cfg.write_text(dump_toml(coordinator))
-    return coord_cfg
-
-
-def write_site_configs(
-    args: argparse.Namespace,
-    workdir: Path,
-    endpoints: dict[str, str],
-    *,
-    model: dict[str, int] | None = None,
-) -> list[tuple[str, Path]]:
-    """One config per site; ``endpoints`` is where each reaches the coordinator; ``model``
-    replaces the default DEMO_MODEL."""
-    sites = []
-    for i, site_id in enumerate(site_ids(args.sites)):
-        doc = {
-            "site": {
-                "site_id": site_id,
-                "coordinator": endpoints[site_id],
-                "state_dir": str(workdir / f"site-{site_id}"),
-                "num_threads": 1,
-                "device": "cpu",
-                "stages": args.stages,
-                "eval_batches": 8,
-                "eval_batch_size": 16,
-                "data": {"source": "stdlib", "shard_index": i, "num_shards": args.sites},
-                "model": model or DEMO_MODEL,
-                "optim": {"batch_size": args.batch_size},
-                "security": _security(args, workdir, site_id),
-                **_privacy(args),
-                **_secagg(args),
-            }
-        }
-        path = workdir / f"site-{site_id}.toml"
-        path.write_text(dump_toml(doc))
-        sites.append((site_id, path))
-    return sites
-
-
-def _wait_endpoint(path: Path, coord: subprocess.Popen[bytes], timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if coord.poll() is not None:
-            raise RuntimeError(f"coordinator exited with {coord.returncode} before listening")
-        status = _read_status(path)
-        if status is not None:
-            return str(status["endpoint"])
-        time.sleep(0.05)
-    raise RuntimeError(f"coordinator did not write {path} within {timeout_s:.0f}s")
-
-
-def _read_status(path: Path) -> dict[str, Any] | None:
-    try:
-        status: dict[str, Any] = json.loads(path.read_text())
-        return status
-    except (OSError, ValueError):
-        return None
-
-
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -276,15 +116,120 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the counts on the command line (None: nothing)."""
+    if args.sites < 1 or args.rounds < 1 or args.inner_steps < 1:
+        return "--sites, --rounds and --inner-steps must be >= 1"
+    if args.outer_warmup_steps < 0:
+        return "--outer-warmup-steps must be >= 0"
+    return None
+
+
+def _print_header(
+    args: argparse.Namespace, workdir: Path, profiles: dict[str, LinkProfile]
+) -> None:
+    print(
+        f"crossdc demo: {args.sites} sites x {args.rounds} rounds x {args.inner_steps} "
+        f"inner steps; logs and state in {workdir}"
+    )
+    for site_id, prof in profiles.items():
+        print(f"  link {site_id}: {prof.to_spec()}")
+    print(f"{'round':>5} {'val_loss':>9} {'train_loss':>10} {'round_s':>8} {'wan_bytes':>12}")
+
+
+def _start_roles(
+    args: argparse.Namespace, run: DemoRun, coord_cfg: Path, profiles: dict[str, LinkProfile]
+) -> None:
+    """Start the coordinator, a WAN link per profiled site and the site agents."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    python = [sys.executable, "-m", "crossdc"]
+    workdir = run.workdir
+    run.spawn("coordinator", [*python, "coordinator", "--config", str(coord_cfg)], env)
+    endpoint = _wait_endpoint(
+        workdir / "coordinator" / "endpoint.json", run.procs["coordinator"], 120
+    )
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    endpoints = {s: endpoint for s in site_ids(args.sites)}
+    for site_id, prof in profiles.items():
+        link = LinkEmulator(host, int(port), profile=prof, name=f"link-{site_id}")
+        link.start()
+        run.links[site_id] = link
+        endpoints[site_id] = f"tcp://127.0.0.1:{link.port}"
+    sites = write_site_configs(args, workdir, endpoints)
+    for site_id, path in sites:
+        run.spawn(f"site-{site_id}", [*python, "agent", "--config", str(path)], env)
+
+
+@dataclass
+class _Progress:
+    """The coordinator's latest ``status.json`` and how many of its rounds are printed."""
+
+    path: Path
+    quiet: bool
+    status: dict[str, Any] | None = None
+    shown: int = 0
+
+    def update(self) -> None:
+        """Read the status again (keeping the last one if unreadable); print new rounds."""
+        self.status = _read_status(self.path) or self.status
+        if self.status is not None and not self.quiet:
+            self.shown = _print_rounds(self.status, self.shown, self.path.parent)
+
+
+def _follow(args: argparse.Namespace, run: DemoRun, progress: _Progress, started: float) -> int:
+    """Follow the run until the coordinator exits (0), a role fails or time runs out (1)."""
+    coord = run.procs["coordinator"]
+    while True:
+        progress.update()
+        if coord.poll() is not None:
+            break
+        dead = [n for n, p in run.procs.items() if p.poll() not in (None, 0)]
+        if dead:
+            print(f"crossdc demo: {dead} exited with an error; see {run.workdir}", file=sys.stderr)
+            return 1
+        if time.monotonic() - started > args.timeout:
+            print(f"crossdc demo: timed out after {args.timeout:.0f}s", file=sys.stderr)
+            return 1
+        time.sleep(0.25)
+    for name, proc in run.procs.items():
+        if name != "coordinator":
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                print(f"crossdc demo: {name} did not stop on shutdown", file=sys.stderr)
+    progress.update()
+    return 0
+
+
+def _full_report(
+    args: argparse.Namespace,
+    status: dict[str, Any],
+    wall: float,
+    workdir: Path,
+    profiles: dict[str, LinkProfile],
+    link_bytes: dict[str, int],
+) -> dict[str, Any]:
+    """``build_report`` plus what the sites and the links say."""
+    ids = site_ids(args.sites)
+    report = build_report(args, status, wall, read_history(workdir / "coordinator"))
+    sites_status = {s: _read_status(workdir / f"site-{s}" / "status.json") or {} for s in ids}
+    report["dp_epsilon"] = {s: st.get("dp_epsilon") for s, st in sites_status.items()}
+    report["site_compute_utilization"] = {
+        s: st.get("compute_utilization", 0.0) for s, st in sites_status.items()
+    }
+    report["compute_utilization"] = sum(report["site_compute_utilization"].values()) / len(ids)
+    report["links"] = {s: p.to_spec() for s, p in profiles.items()}
+    report["link_bytes"] = link_bytes
+    return report
+
+
 def run_demo(args: argparse.Namespace) -> int:
     logging.getLogger("comm.wanem").setLevel(logging.WARNING)
     # SIGTERM unwinds like Ctrl-C, so the roles this launcher started are stopped with it.
     signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(143))
-    if args.sites < 1 or args.rounds < 1 or args.inner_steps < 1:
-        print("crossdc demo: --sites, --rounds and --inner-steps must be >= 1", file=sys.stderr)
-        return 2
-    if args.outer_warmup_steps < 0:
-        print("crossdc demo: --outer-warmup-steps must be >= 0", file=sys.stderr)
+    problem = _argument_problem(args)
+    if problem is not None:
+        print(f"crossdc demo: {problem}", file=sys.stderr)
         return 2
     workdir = Path(args.workdir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -297,83 +242,30 @@ def run_demo(args: argparse.Namespace) -> int:
     if not args.insecure and not (workdir / "kit").exists():
         make_kits(workdir, ids)
     coord_cfg = write_coordinator_config(args, workdir)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    python = [sys.executable, "-m", "crossdc"]
     run = DemoRun(workdir)
     started = time.monotonic()
-    status_path = workdir / "coordinator" / "status.json"
-    quiet = args.json
-    if not quiet:
-        print(
-            f"crossdc demo: {args.sites} sites x {args.rounds} rounds x {args.inner_steps} "
-            f"inner steps; logs and state in {workdir}"
-        )
-        for site_id, prof in profiles.items():
-            print(f"  link {site_id}: {prof.to_spec()}")
-        print(f"{'round':>5} {'val_loss':>9} {'train_loss':>10} {'round_s':>8} {'wan_bytes':>12}")
-    status: dict[str, Any] | None = None
+    progress = _Progress(workdir / "coordinator" / "status.json", quiet=args.json)
+    if not args.json:
+        _print_header(args, workdir, profiles)
     try:
-        run.spawn("coordinator", [*python, "coordinator", "--config", str(coord_cfg)], env)
-        endpoint = _wait_endpoint(
-            workdir / "coordinator" / "endpoint.json", run.procs["coordinator"], 120
-        )
-        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-        endpoints = {s: endpoint for s in ids}
-        for site_id, prof in profiles.items():
-            link = LinkEmulator(host, int(port), profile=prof, name=f"link-{site_id}")
-            link.start()
-            run.links[site_id] = link
-            endpoints[site_id] = f"tcp://127.0.0.1:{link.port}"
-        sites = write_site_configs(args, workdir, endpoints)
-        for site_id, path in sites:
-            run.spawn(f"site-{site_id}", [*python, "agent", "--config", str(path)], env)
-        shown = 0
-        coord = run.procs["coordinator"]
-        while True:
-            status = _read_status(status_path) or status
-            if status is not None and not quiet:
-                shown = _print_rounds(status, shown, status_path.parent)
-            if coord.poll() is not None:
-                break
-            dead = [n for n, p in run.procs.items() if p.poll() not in (None, 0)]
-            if dead:
-                print(f"crossdc demo: {dead} exited with an error; see {workdir}", file=sys.stderr)
-                return 1
-            if time.monotonic() - started > args.timeout:
-                print(f"crossdc demo: timed out after {args.timeout:.0f}s", file=sys.stderr)
-                return 1
-            time.sleep(0.25)
-        for name, proc in run.procs.items():
-            if name != "coordinator":
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    print(f"crossdc demo: {name} did not stop on shutdown", file=sys.stderr)
-        status = _read_status(status_path) or status
-        if status is not None and not quiet:
-            _print_rounds(status, shown, status_path.parent)
+        _start_roles(args, run, coord_cfg, profiles)
+        if _follow(args, run, progress, started) != 0:
+            return 1
         link_bytes = {s: link.bytes_up + link.bytes_down for s, link in run.links.items()}
     finally:
         run.close()
     wall = time.monotonic() - started
-    if coord.returncode != 0 or status is None:
+    coord = run.procs["coordinator"]
+    if coord.returncode != 0 or progress.status is None:
         print(
             f"crossdc demo: coordinator failed (exit {coord.returncode}); see {workdir}",
             file=sys.stderr,
         )
         return 1
-    report = build_report(args, status, wall, read_history(status_path.parent))
-    sites_status = {s: _read_status(workdir / f"site-{s}" / "status.json") or {} for s in ids}
-    report["dp_epsilon"] = {s: st.get("dp_epsilon") for s, st in sites_status.items()}
-    report["site_compute_utilization"] = {
-        s: st.get("compute_utilization", 0.0) for s, st in sites_status.items()
-    }
-    report["compute_utilization"] = sum(report["site_compute_utilization"].values()) / len(ids)
-    report["links"] = {s: p.to_spec() for s, p in profiles.items()}
-    report["link_bytes"] = link_bytes
+    report = _full_report(args, progress.status, wall, workdir, profiles, link_bytes)
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
-    if quiet:
+    if args.json:
         print(json.dumps(report, indent=1, sort_keys=True))
     else:
         _print_summary(report)

@@ -9,7 +9,7 @@ import pytest
 
 from comm.codecs.registry import get_codec
 from crossdc.bench import equal_tokens
-from crossdc.demo import DEMO_MODEL
+from crossdc.demo_roles import DEMO_MODEL
 from site_agent.model import ModelConfig, build_model
 
 

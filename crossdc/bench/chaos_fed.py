@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from comm.wanem import LinkEmulator
-from crossdc.demo import (
+from crossdc.demo import add_demo_arguments
+from crossdc.demo_roles import (
     DemoRun,
-    add_demo_arguments,
     link_profiles,
     make_kits,
     site_ids,

@@ -23,7 +23,7 @@ from typing import Any
 
 from comm.configio import dump_toml
 from comm.wanem import LinkEmulator
-from crossdc.demo import (
+from crossdc.demo_roles import (
     DEMO_MODEL,
     DemoRun,
     _read_status,

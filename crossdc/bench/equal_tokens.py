@@ -25,13 +25,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from comm.codecs.base import PayloadCodec
 from comm.codecs.feedback import ErrorFeedback
 from comm.codecs.registry import decode_tensor, get_codec
 from coordinator.config import CoordinatorConfig
 from coordinator.strategy import DiLoCo, weighted_mean
 from crossdc.bench import print_report
 from crossdc.ddp.trainer import DDPTrainer
-from crossdc.demo import DEMO_MODEL, add_outer_rule_arguments
+from crossdc.demo import add_outer_rule_arguments
+from crossdc.demo_roles import DEMO_MODEL
 from site_agent.data import BatchSampler, ByteCorpus, eval_batches, sampler_seed, stdlib_split
 from site_agent.model import ModelConfig, build_model
 from site_agent.trainer import InnerOptimConfig, LocalTrainer
@@ -64,6 +66,49 @@ def run_ddp(
         if step % eval_every == 0 or step == steps:
             curve[step] = trainers[0].evaluate(evals)
     return curve
+
+
+def _train_slot(
+    trainer: LocalTrainer, params: Arrays, sent: Arrays | None, h: int, overlap_steps: int
+) -> None:
+    """One site's ``h`` inner steps of a round: from the global ``params`` (blocking, or its
+    first round), or overlapped: ``overlap_steps`` steps, then the merge of the global result
+    into its progress since it sent ``sent``, then the rest."""
+    if overlap_steps == 0 or sent is None:
+        trainer.load_parameters(params)
+        trainer.train_steps(h)
+        return
+    before = min(overlap_steps, h)
+    trainer.train_steps(before)
+    cur = trainer.parameters_numpy()
+    trainer.load_parameters({k: cur[k] + (params[k] - sent[k]) for k in params})
+    if h > before:
+        trainer.train_steps(h - before)
+
+
+def _encode_update(
+    fb: ErrorFeedback, params: Arrays, local: Arrays, codec: PayloadCodec
+) -> tuple[Arrays, int]:
+    """A site's pseudo-gradient through its codec and error feedback: what the coordinator
+    decodes, and the bytes encoded."""
+    decoded: Arrays = {}
+    nbytes = 0
+    for name, value in params.items():
+        enc = fb.compress(name, value - local[name], codec)
+        nbytes += enc.nbytes
+        decoded[name] = decode_tensor(enc).reshape(value.shape)
+    return decoded, nbytes
+
+
+def _broadcast(fb: ErrorFeedback, params: Arrays, target: Arrays, codec: PayloadCodec) -> int:
+    """Move ``params`` (in place) to ``target`` as the sites receive it: the delta through the
+    downlink codec with the coordinator's error feedback. Returns the bytes of one copy."""
+    nbytes = 0
+    for name, value in params.items():
+        enc = fb.compress(name, target[name] - value, codec)
+        nbytes += enc.nbytes
+        params[name] = value + decode_tensor(enc).reshape(value.shape)
+    return nbytes
 
 
 def run_diloco(
@@ -100,24 +145,10 @@ def run_diloco(
         h = min(inner_steps, steps - done)
         updates: list[tuple[str, float, Arrays]] = []
         for i, (trainer, fb) in enumerate(zip(trainers, site_fb, strict=True)):
-            sent = at_send[i]
-            if overlap_steps == 0 or sent is None:
-                trainer.load_parameters(params)
-                trainer.train_steps(h)
-            else:
-                before = min(overlap_steps, h)
-                trainer.train_steps(before)
-                cur = trainer.parameters_numpy()
-                trainer.load_parameters({k: cur[k] + (params[k] - sent[k]) for k in params})
-                if h > before:
-                    trainer.train_steps(h - before)
-            local = trainer.parameters_numpy()
-            at_send[i] = local
-            decoded: Arrays = {}
-            for name, value in params.items():
-                enc = fb.compress(name, value - local[name], up)
-                wire_bytes += enc.nbytes
-                decoded[name] = decode_tensor(enc).reshape(value.shape)
+            _train_slot(trainer, params, at_send[i], h, overlap_steps)
+            local = at_send[i] = trainer.parameters_numpy()
+            decoded, nbytes = _encode_update(fb, params, local, up)
+            wire_bytes += nbytes
             updates.append((f"site{i}", float(h), decoded))
         result = outer.outer_step(
             params,
@@ -126,11 +157,8 @@ def run_diloco(
             inner_steps=done + h,
             final=outer_final_mean and done + h == steps,
         )
-        target, momentum = result.params, result.momentum
-        for name, value in params.items():
-            enc = coord_fb.compress(name, target[name] - value, down)
-            wire_bytes += enc.nbytes * len(trainers)
-            params[name] = value + decode_tensor(enc).reshape(value.shape)
+        momentum = result.momentum
+        wire_bytes += _broadcast(coord_fb, params, result.params, down) * len(trainers)
         done += h
         site0 = trainers[0].parameters_numpy()
         trainers[0].load_parameters(params)
