@@ -246,6 +246,32 @@ def _bench_rank(
     return results if rank == 0 else None
 
 
+def _run_figures(result: dict[str, Any]) -> dict[str, Any]:
+    """One case's entry in the report, from what its leader rank measured."""
+    case = result["case"]
+    figures = analyze(
+        result["steps"],
+        schedule=case.schedule,
+        num_stages=case.stages,
+        num_microbatches=case.microbatches,
+        transfer_s=result["transfer_s"],
+    )
+    return {
+        "schedule": case.schedule,
+        "stages": case.stages,
+        "microbatches": case.microbatches,
+        "bubble_measured": figures.pop("bubble_measured"),
+        "bubble_simulated": figures.pop("bubble_simulated"),
+        "step_seconds": figures.pop("step_seconds"),
+        "bottleneck_predicted": result["bottleneck_predicted"],
+        "bottleneck_measured": figures.pop("bottleneck_measured"),
+        **figures,
+        "within_target": figures["bubble_rel_error"] <= TARGET_REL_ERROR,
+        "boundaries": result["boundaries"],
+        "lower_bound": result["lower_bound"],
+    }
+
+
 def run(
     *,
     schedules: Sequence[str] = ("gpipe", "1f1b"),
@@ -277,31 +303,7 @@ def run(
                 measure_steps,
                 world_size=p,
             )[0]
-            for result in results:
-                case = result["case"]
-                figures = analyze(
-                    result["steps"],
-                    schedule=case.schedule,
-                    num_stages=case.stages,
-                    num_microbatches=case.microbatches,
-                    transfer_s=result["transfer_s"],
-                )
-                runs.append(
-                    {
-                        "schedule": case.schedule,
-                        "stages": case.stages,
-                        "microbatches": case.microbatches,
-                        "bubble_measured": figures.pop("bubble_measured"),
-                        "bubble_simulated": figures.pop("bubble_simulated"),
-                        "step_seconds": figures.pop("step_seconds"),
-                        "bottleneck_predicted": result["bottleneck_predicted"],
-                        "bottleneck_measured": figures.pop("bottleneck_measured"),
-                        **figures,
-                        "within_target": figures["bubble_rel_error"] <= TARGET_REL_ERROR,
-                        "boundaries": result["boundaries"],
-                        "lower_bound": result["lower_bound"],
-                    }
-                )
+            runs += [_run_figures(result) for result in results]
     return {
         "runs": runs,
         "model": dataclasses.asdict(model),
