@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 import zmq
 
-from comm.channel import RouterChannel
 from comm.security.kits import CoordinatorKit, load_coordinator_kit
 from comm.security.masking import Peer
 from comm.security.registry import CertificateRegistry
 from comm.security.secagg import MaskingPlan
 from comm.security.zap import ZapHandler
+from comm.transport.router import RouterChannel
 from comm.wire.schema import ERROR_MEANINGS, Error, ErrorCode, Message
 from comm.wire.tensors import fragments, state_hash
 from coordinator import closing, intake, opening

@@ -3,7 +3,7 @@
 It owns the site's side of each round: join, receive the global model, train H inner steps,
 send the pseudo-gradient Δ = θ_global − θ_local, apply the global delta the coordinator
 broadcasts, check the state hash, and checkpoint. Training runs on the main thread; the
-coordinator link (``comm.channel.SiteLink``) runs on its own thread, so heartbeats continue while
+coordinator link (``comm.transport.dealer.SiteLink``) runs on its own thread, so heartbeats continue while
 the site computes. The trainer is a seam (:class:`SiteTrainer`): a single process here, a
 pipeline of stages x replicas under torchrun where the site spans several devices.
 """
@@ -23,13 +23,13 @@ import numpy as np
 import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from comm.channel import SiteLink
 from comm.codecs.feedback import ErrorFeedback
 from comm.codecs.registry import get_codec
 from comm.observe import ObserveServer
 from comm.security.kits import SiteKit, load_site_kit
 from comm.security.masking import x25519_from_curve_secret
 from comm.security.secagg import SecAggSession
+from comm.transport.dealer import SiteLink
 from comm.wire.schema import (
     ERROR_MEANINGS,
     Error,

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from comm.channel import ChannelConfig
 from comm.configio import load_section
 from comm.security.kits import SecurityConfig
 from comm.security.masking import SecAggConfig
+from comm.transport.profile import ChannelConfig
 from site_agent.model import ModelConfig
 from site_agent.privacy import DPConfig
 from site_agent.trainer import InnerOptimConfig

@@ -20,9 +20,11 @@ import numpy as np
 import pytest
 import zmq
 
-from comm.channel import ChannelConfig, DealerChannel, RouterChannel, SiteLink
 from comm.codecs.floats import Fp32Codec
-from comm.transfer import TransferSender
+from comm.transport.dealer import DealerChannel, SiteLink
+from comm.transport.profile import ChannelConfig
+from comm.transport.router import RouterChannel
+from comm.transport.sender import TransferSender
 from comm.wanem import LinkEmulator, LinkProfile
 from comm.wire.chunking import split_frames
 from comm.wire.frames import from_wire, to_wire

@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 import zmq
 
-from comm.channel import ChannelConfig, DealerChannel
 from comm.codecs.base import EncodedTensor
 from comm.codecs.floats import Fp32Codec
 from comm.observe import ObserveServer
 from comm.security.kits import SecurityConfig
+from comm.transport.dealer import DealerChannel
+from comm.transport.profile import ChannelConfig
 from comm.wire.schema import (
     Error,
     ErrorCode,

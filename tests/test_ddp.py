@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from comm.channel import ChannelConfig
 from comm.codecs.base import EncodedTensor
 from comm.configio import dump_toml
 from comm.security.kits import SecurityConfig
+from comm.transport.profile import ChannelConfig
 from comm.wire.schema import Message, StepGrad
 from comm.wire.tensors import state_hash
 from coordinator.strategy import weighted_mean

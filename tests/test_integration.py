@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import zmq
 
-from comm.channel import ChannelConfig
+from comm.transport.profile import ChannelConfig
 from comm.wire.schema import PROTOCOL_VERSION, MessageType
 from tests.conftest import Procs, read_status, wait_for, write_coordinator_config, write_site_config
 

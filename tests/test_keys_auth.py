@@ -1,5 +1,5 @@
 """Federation keys and the ZAP handler: certificates, revocation, file modes, and real CURVE
-sockets on loopback (a ROUTER configured as ``comm.channel`` configures it, DEALER clients)."""
+sockets on loopback (a ROUTER configured as ``comm.transport`` configures it, DEALER clients)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import pytest
 import zmq
 import zmq.utils.monitor as zmon
 
-from comm.channel import ChannelConfig, DealerChannel
 from comm.security.certs import Certificate, load_revocations, parse_revocations
 from comm.security.common import (
     CA_KEY,
@@ -59,6 +58,8 @@ from comm.security.signing import (
     verify_digest,
 )
 from comm.security.zap import DOMAIN, ZapHandler, decide, peer_of
+from comm.transport.dealer import DealerChannel
+from comm.transport.profile import ChannelConfig
 from comm.wire.frames import from_wire
 from comm.wire.schema import Leave
 
@@ -342,7 +343,7 @@ class Net:
         coordinator = load_coordinator_kit(kit)
         self.server_public = coordinator.curve.public
         router = self.socket(zmq.ROUTER)
-        # As comm.channel._apply_profile sets them for a CURVE server.
+        # As comm.transport.profile._apply_profile sets them for a CURVE server.
         router.setsockopt(zmq.ZAP_DOMAIN, DOMAIN)
         router.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         router.setsockopt(zmq.CURVE_PUBLICKEY, coordinator.curve.public)

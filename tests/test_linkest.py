@@ -1,4 +1,4 @@
-"""Tests for comm.linkest: EWMA golden numbers, guards, the minimum-RTT filter, goodput intervals."""
+"""Tests for comm.transport.linkest: EWMA golden numbers, guards, the minimum-RTT filter, goodput intervals."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from comm.linkest import LinkEstimate, LinkEstimator, LinkEstimatorConfig
+from comm.transport.linkest import LinkEstimate, LinkEstimator, LinkEstimatorConfig
 
 
 @pytest.mark.timeout(10)

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from comm.channel import ChannelConfig, RouterChannel
+from comm.transport.profile import ChannelConfig
+from comm.transport.router import RouterChannel
 from comm.wire.frames import ReplayGuard, WireError
 from comm.wire.schema import ErrorCode
 

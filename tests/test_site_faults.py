@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from comm.channel import ChannelStats
 from comm.security.common import AuthError
 from comm.security.kits import SecurityConfig, init_kit, issue_site, revoke_site
 from comm.security.registry import CertificateRegistry
+from comm.transport.stats import ChannelStats
 from comm.wire.schema import (
     ERROR_MEANINGS,
     Error,

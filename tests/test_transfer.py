@@ -1,4 +1,4 @@
-"""Tests for comm.transfer: the credit window (a property test over chunk sizes, windows and
+"""Tests for comm.transport (transfers): the credit window (a property test over chunk sizes, windows and
 acknowledgement orders), resume from the last acknowledged chunk, chunk validation, and the
 ZeroMQ drivers over real DEALER/ROUTER sockets, through the WAN link emulator with a cut."""
 
@@ -18,20 +18,18 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from comm.linkest import LinkEstimate, LinkEstimator, LinkEstimatorConfig
-from comm.transfer import (
-    KIND_CHUNK,
+from comm.transport.credit import (
     TransferConfig,
-    TransferReceiver,
-    TransferSender,
-    ZmqTransferReceiver,
-    ZmqTransferSender,
     decode_ack,
     encode_ack,
     grant_window_bytes,
     stall_timeout_s,
     stream_bytes,
 )
+from comm.transport.drivers import KIND_CHUNK, ZmqTransferReceiver, ZmqTransferSender
+from comm.transport.linkest import LinkEstimate, LinkEstimator, LinkEstimatorConfig
+from comm.transport.receiver import TransferReceiver
+from comm.transport.sender import TransferSender
 from comm.wanem import LinkEmulator, LinkProfile
 from comm.wire.chunking import chunk_digest
 from comm.wire.frames import WireError, to_wire

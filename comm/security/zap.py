@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_VERSION = b"1.0"
 DOMAIN = b"crossdc"
-"""The ZAP domain ``comm.channel`` sets on CURVE sockets."""
+"""The ZAP domain ``comm.transport`` sets on CURVE sockets."""
 
 RejectCallback = Callable[[str, str], None]
 """``on_reject(reason, detail)``: reason is an :data:`comm.security.common.AuthReason` or ``bad_request``."""

@@ -259,7 +259,7 @@ class Chunk:
 
 @dataclass(frozen=True, kw_only=True)
 class ChunkAck:
-    """The receiver's acknowledgement and credit for one chunked transfer (``comm.transfer``).
+    """The receiver's acknowledgement and credit for one chunked transfer (``comm.transport``).
 
     ``next_index``: every chunk below it has arrived, that one has not (``num_chunks`` once the
     transfer is complete). ``credit_bytes``: the sender may have sent the bytes from the start of

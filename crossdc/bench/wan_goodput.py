@@ -2,7 +2,7 @@
 
 Two network namespaces joined by a veth whose ends are shaped with ``tc`` HTB to ``rate_mbit``
 (``comm.netns``): the sender (a ZeroMQ DEALER) lives in one, the receiver (a ROUTER) in the
-other, and a ``size_mib`` MiB message travels as ``comm.transfer`` chunks under the receiver's
+other, and a ``size_mib`` MiB message travels as ``comm.transport`` chunks under the receiver's
 credit window. ``goodput_ratio`` = payload bits / elapsed seconds / link rate, elapsed from the
 sender's first byte (the RTT ping included) to the receiver holding the whole message. Raw TCP
 over the same link, timed the same way (first ``send`` to last byte received), is the reference
@@ -25,7 +25,8 @@ import numpy as np
 import zmq
 
 from comm.netns import HtbShape, NetnsPair, netns_available
-from comm.transfer import TransferConfig, ZmqTransferReceiver, ZmqTransferSender
+from comm.transport.credit import TransferConfig
+from comm.transport.drivers import ZmqTransferReceiver, ZmqTransferSender
 
 WAIT_S = 120.0  # a bound on anything that must happen; the link may be slow
 
@@ -71,7 +72,7 @@ def _tcp_seconds(pair: NetnsPair, payload: bytes) -> float:
 
 
 def _transfer(pair: NetnsPair, payload: bytes, cfg: TransferConfig) -> dict[str, Any]:
-    """One ``comm.transfer`` of ``payload`` from ``a`` to ``b`` over DEALER/ROUTER."""
+    """One ``comm.transport`` of ``payload`` from ``a`` to ``b`` over DEALER/ROUTER."""
 
     def make_router() -> tuple[zmq.Context[Any], zmq.Socket[Any], str]:
         # Created inside namespace b: the context's I/O thread, which owns the TCP

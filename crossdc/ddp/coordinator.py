@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from comm.channel import RouterChannel
 from comm.codecs.registry import get_codec
+from comm.transport.router import RouterChannel
 from comm.wire.frames import WireError
 from comm.wire.schema import (
     ERROR_MEANINGS,

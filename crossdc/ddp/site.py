@@ -11,7 +11,7 @@ site's compute and wall seconds (``compute_utilization``).
 
 Data, model and sampler are built exactly as for the DiLoCo site (``load_site_data``,
 ``build_local_trainer``), so both train on the same batches of the same model. The coordinator
-link runs on its own thread (``comm.channel.SiteLink``); training runs on the caller's.
+link runs on its own thread (``comm.transport.dealer.SiteLink``); training runs on the caller's.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from comm.channel import SiteLink
 from comm.codecs.base import NonFiniteError
 from comm.codecs.registry import get_codec
+from comm.transport.dealer import SiteLink
 from comm.wire.frames import WireError
 from comm.wire.schema import (
     ERROR_MEANINGS,

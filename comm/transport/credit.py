@@ -1,0 +1,148 @@
+"""Credit-based flow control for large messages: how many chunks may be on the wire at once.
+
+This module owns the transfer protocol's configuration and credit arithmetic, above
+``comm.wire.chunking``. A large message is cut into the
+digested chunks of :func:`~comm.wire.chunking.split_frames` (its frames laid out as one byte stream);
+the receiver answers chunks with :class:`~comm.wire.schema.ChunkAck` ``(transfer_id, next_index,
+credit_bytes)``: ``next_index`` is the first chunk it does not hold (every chunk below it is in),
+``credit_bytes`` how many bytes from the start of that chunk the sender may have sent. The
+sender keeps the right edge ``offset(next_index) + credit_bytes`` of every acknowledgement it got
+(never moving it back), and sends a chunk only if the chunk ends within that edge: the bytes in
+flight never exceed the granted window. The receiver grants ``max(min_window, factor x bandwidth
+x RTT)`` from the link estimator (``comm.transport.linkest``), clamped to ``max_window``, and never moves
+its own edge back either.
+
+Loss only happens when a connection breaks (ZeroMQ over one TCP connection delivers in order, but
+drops what the old connection had taken). A sender that sees no acknowledgement advance for a
+stall timeout calls ``TransferSender.resume``: it goes back to the last acknowledged chunk,
+never to zero, and sends on from there; the receiver drops chunks it already holds and answers
+them, so its next acknowledgement lets the sender skip what arrived after the gap.
+
+The sender (``comm.transport.sender``) and the receiver (``comm.transport.receiver``) are pure state machines (time passed in);
+the drivers of ``comm.transport.drivers`` are thin, over a DEALER and a
+ROUTER socket that only receive, tick and send; they frame their traffic with a one-byte kind
+frame (``KIND_CHUNK`` and friends) and :func:`encode_ack`. The channels drive the same
+state machines over its DEALER/ROUTER channels, with ``ChunkAck`` sent as a schema message under
+the channel's (session, sequence) header.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgpack
+
+from comm.transport.linkest import LinkEstimate
+from comm.wire.frames import Frame, WireError
+from comm.wire.schema import ChunkAck, ErrorCode
+
+_LEN_BYTES = struct.calcsize("<Q")  # one entry of the stream's length table (comm.wire.chunking)
+_MAX_TRANSFER_ID_CHARS = 128
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferConfig:
+    """Chunking, window and recovery settings of one endpoint (both ends should agree)."""
+
+    chunk_bytes: int = 1 << 20
+    """Bytes per chunk (the last one may be short)."""
+    initial_credit_bytes: int = 8 << 20
+    """What a sender may send before the first acknowledgement; the receiver assumes the same."""
+    min_window_bytes: int = 8 << 20
+    """Smallest window a receiver grants."""
+    max_window_bytes: int = 256 << 20
+    """Largest window a receiver grants, whatever the link estimate says."""
+    window_factor: float = 2.0
+    """Window = factor x the link's bandwidth-delay product (then clamped); above 1, so a
+    window-limited goodput estimate still lets the window grow towards the link's capacity."""
+    max_transfer_bytes: int = 4 << 30
+    """Largest transfer a receiver accepts; bounds its reassembly buffer."""
+    max_pending: int = 16
+    """Transfers a receiver keeps open at once (over all senders)."""
+    max_chunks: int = 1 << 20
+    """Most chunks one transfer may be cut into; bounds a receiver's per-transfer bookkeeping
+    (4 GiB in 4 KiB chunks)."""
+    completed_memory: int = 1024
+    """Finished transfers a receiver remembers, to answer late duplicates of their chunks."""
+    stall_timeout_s: float = 1.0
+    """Least time without an advancing acknowledgement before a sender resumes from the last
+    acknowledged chunk (see :func:`stall_timeout_s`)."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "chunk_bytes",
+            "max_transfer_bytes",
+            "max_pending",
+            "max_chunks",
+            "completed_memory",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"transfer.{name} must be an integer >= 1, got {value!r}")
+        for name in ("initial_credit_bytes", "min_window_bytes"):
+            if getattr(self, name) < self.chunk_bytes:
+                raise ValueError(f"transfer.{name} must be >= transfer.chunk_bytes")
+        if self.max_window_bytes < self.min_window_bytes:
+            raise ValueError("transfer.max_window_bytes must be >= transfer.min_window_bytes")
+        if not (math.isfinite(self.window_factor) and self.window_factor >= 1.0):
+            raise ValueError(f"transfer.window_factor must be >= 1, got {self.window_factor!r}")
+        if not (math.isfinite(self.stall_timeout_s) and self.stall_timeout_s > 0):
+            raise ValueError(f"transfer.stall_timeout_s must be > 0, got {self.stall_timeout_s!r}")
+
+    @property
+    def high_water_mark(self) -> int:
+        """Socket HWM (messages) that never blocks a sender keeping to the window: a full window
+        queued before a reconnect plus a full window resent after it, and room for control."""
+        return 2 * -(-self.max_window_bytes // self.chunk_bytes) + 64
+
+
+def encode_ack(ack: ChunkAck) -> bytes:
+    """One msgpack frame for ``ack``."""
+    packed: bytes = msgpack.packb(
+        [ack.transfer_id, ack.next_index, ack.credit_bytes], use_bin_type=True
+    )
+    return packed
+
+
+def decode_ack(frame: Frame) -> ChunkAck:
+    """Parse :func:`encode_ack`'s frame; :class:`WireError` (malformed) on anything else."""
+    try:
+        value = msgpack.unpackb(memoryview(frame).cast("B"), raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise WireError(ErrorCode.MALFORMED, f"ack is not msgpack: {exc}") from None
+    if (
+        not isinstance(value, list)
+        or len(value) != 3
+        or not isinstance(value[0], str)
+        or len(value[0]) > _MAX_TRANSFER_ID_CHARS
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value[1:])
+    ):
+        raise WireError(ErrorCode.MALFORMED, "ack must be [transfer_id, next_index, credit_bytes]")
+    return ChunkAck(transfer_id=value[0], next_index=value[1], credit_bytes=value[2])
+
+
+def stream_bytes(frames: Sequence[Frame]) -> int:
+    """Length of the byte stream ``split_frames`` cuts: a length table, then every frame."""
+    return _LEN_BYTES * (1 + len(frames)) + sum(memoryview(f).nbytes for f in frames)
+
+
+def grant_window_bytes(config: TransferConfig, link: LinkEstimate | None) -> int:
+    """The window a receiver grants: ``max(min_window, factor x BDP)``, at most ``max_window``."""
+    bdp = 0 if link is None else link.bdp_bytes()
+    wanted = max(config.min_window_bytes, math.ceil(config.window_factor * bdp))
+    return min(config.max_window_bytes, wanted)
+
+
+def stall_timeout_s(config: TransferConfig, link: LinkEstimate | None) -> float:
+    """How long a sender waits for an advancing acknowledgement before it resumes.
+
+    Two RTTs plus two chunks' transmission time at the measured goodput, at least
+    ``config.stall_timeout_s``: one chunk must cross the link and its acknowledgement come back.
+    """
+    if link is None:
+        return config.stall_timeout_s
+    chunk_s = config.chunk_bytes * 8.0 / link.goodput_bps
+    return max(config.stall_timeout_s, 2.0 * link.rtt_s + 2.0 * chunk_s)

@@ -1,0 +1,148 @@
+"""A channel endpoint: the sending half plus receiving, validation, flush and close.
+
+Every received frame list is parsed by the frame codec; anything malformed, oversize, replayed
+or of the wrong version is dropped, counted, and reported through ``on_reject`` without raising
+to the caller. Chunks are reassembled and acknowledged; acknowledgements release what waits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import zmq
+
+from comm.transport.profile import _ms
+from comm.transport.sending import _SendSide
+from comm.wire.frames import (
+    Frame,
+    WireError,
+    frames_nbytes,
+    from_wire_envelope,
+)
+from comm.wire.schema import Chunk, ChunkAck, ErrorCode, Message
+
+log = logging.getLogger(__name__)
+
+
+class _Endpoint(_SendSide):
+    """What ROUTER and DEALER channels share: send with flow-controlled chunking, receive with
+    validation, acknowledgements both ways."""
+
+    def _check_replay(self, sender: bytes, session: str, seq: int, inner: bool) -> None:
+        if self.replay.check(sender, session, seq, inner=inner):
+            # The peer restarted: its transfer state is gone, so ours with it is void.
+            dropped = self._drop_peer_transfers(sender)
+            if dropped:
+                self.stats.messages_dropped += dropped
+                log.warning(
+                    "peer %r has a new session: dropped %d message(s) to it", sender[:32], dropped
+                )
+
+    def _reject(self, sender: bytes, code: ErrorCode, detail: str) -> None:
+        self.stats.rejected[code.name.lower()] += 1
+        log.warning("rejected message from %r: %s: %s", sender[:32], code.name.lower(), detail)
+        if self._on_reject is not None:
+            self._on_reject(sender, code, detail)
+
+    def _parse(self, sender: bytes, frames: Sequence[Frame]) -> Message | None:
+        """One received frame list to a complete message; None for an acknowledgement, a chunk
+        of a message still partial, or anything rejected."""
+        size = frames_nbytes(frames)
+        self.stats.bytes_received += size
+        try:
+            msg, env = from_wire_envelope(frames, max_bytes=self.cfg.max_message_bytes)
+            self._check_replay(sender, env.session, env.seq, inner=False)
+            if isinstance(msg, ChunkAck):
+                self._on_ack(sender, msg)
+                return None
+            if isinstance(msg, Chunk):
+                now = time.monotonic()
+                key = (sender, msg.transfer_id)
+                got = self._receiver.on_chunk(sender, msg, now, self.link(sender))
+                self._send_ack(sender, got.ack)
+                if not got.duplicate and got.frames is None and key not in self._transfer_start:
+                    self._transfer_start[key] = (now, size)
+                    if len(self._transfer_start) > 4 * self.transfer_cfg.max_pending:
+                        self._prune_transfer_starts()
+                if got.frames is None:
+                    return None
+                first = self._transfer_start.pop(key, None)
+                if first is not None and msg.num_chunks > 1 and now > first[0]:
+                    self.stats.goodput_sample(8 * (msg.total_bytes - first[1]) / (now - first[0]))
+                msg, env = from_wire_envelope(got.frames)
+                self._check_replay(sender, env.session, env.seq, inner=True)
+                if isinstance(msg, Chunk | ChunkAck):
+                    raise WireError(ErrorCode.MALFORMED, "a chunk or ack inside a chunked transfer")
+        except WireError as exc:
+            self._reject(sender, exc.code, exc.detail)
+            return None
+        self.stats.messages_received += 1
+        return msg
+
+    def _prune_transfer_starts(self) -> None:
+        """Forget the start times of transfers the receiver no longer holds (it refused them)."""
+        for key in list(self._transfer_start):
+            if self._receiver.next_index(*key) is None:
+                del self._transfer_start[key]
+
+    def _recv_one(self) -> tuple[bytes, Message] | None:
+        """Read one frame list (one is waiting) and handle it; a complete message is returned."""
+        raise NotImplementedError
+
+    def _poll(self, timeout_s: float) -> bool:
+        """Wait for input up to ``timeout_s``, in slices, so stalled transfers resume meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            now = time.monotonic()
+            self._tick(now)
+            slice_s = min(deadline - now, 0.05)
+            if self._poller.poll(max(0, int(slice_s * 1000))):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+
+    def _next(self, timeout_s: float) -> tuple[bytes, Message] | None:
+        if self._backlog:
+            return self._backlog.popleft()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self._poll(deadline - time.monotonic()):
+                return None
+            got = self._recv_one()
+            if got is not None:
+                return got
+            if time.monotonic() >= deadline:
+                return None
+
+    def flush(self, timeout_s: float) -> bool:
+        """Service acknowledgements until no large message (nor one queued behind it) is left to
+        send, or ``timeout_s`` passed; True when none is left. Messages that arrive meanwhile
+        wait for ``recv``."""
+        deadline = time.monotonic() + timeout_s
+        while self._outgoing or self._queued:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self._poll(min(left, 0.05)):
+                got = self._recv_one()
+                if got is not None:
+                    self._backlog.append(got)
+        return True
+
+    def close(self, flush_timeout_s: float | None = None) -> None:
+        """Flush large messages still being sent (up to ``flush_timeout_s``, default
+        ``linger_s``), then close the socket (which lingers ``linger_s`` for what is queued)."""
+        timeout_s = self.cfg.linger_s if flush_timeout_s is None else flush_timeout_s
+        if (self._outgoing or self._queued) and timeout_s > 0 and not self._sock.closed:
+            try:
+                if not self.flush(timeout_s):
+                    log.warning(
+                        "closing with %d large and %d queued message(s) unsent",
+                        len(self._outgoing),
+                        self.queued_messages,
+                    )
+            except zmq.ZMQError as exc:
+                log.warning("flush before close failed: %s", exc)
+        self._sock.close(linger=_ms(self.cfg.linger_s))

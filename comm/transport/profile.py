@@ -1,0 +1,130 @@
+"""The WAN socket profile: a channel's configuration and how it sets up a ZeroMQ socket.
+
+:class:`ChannelConfig` holds buffer sizes, heartbeats, reconnect intervals, timeouts, chunking
+and CURVE keys; :func:`_apply_profile` applies it to a ROUTER (server) or DEALER (client).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from comm.security.identity import CurveKeys
+from comm.transport.credit import TransferConfig
+from comm.wire.schema import ErrorCode
+
+RejectHook = Callable[[bytes, ErrorCode, str], None]
+
+COORDINATOR_PEER = b"coordinator"
+"""How a DEALER channel names its one peer (in rejections, transfers and link estimates)."""
+
+_PEER_GONE = (zmq.EHOSTUNREACH, zmq.EAGAIN)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChannelConfig:
+    """Socket profile for a WAN link."""
+
+    heartbeat_interval_s: float = 1.0
+    """ZMTP PING interval; also the period of application heartbeats sent by a site."""
+    heartbeat_timeout_s: float = 10.0
+    """A peer silent this long is considered gone (ZMTP) and its connection dropped."""
+    reconnect_interval_s: float = 0.1
+    """First reconnect delay after a connection is lost."""
+    reconnect_interval_max_s: float = 5.0
+    """Reconnect back-off ceiling."""
+    chunk_bytes: int = 256 << 10
+    """Messages larger than this travel as chunks of this size, each with its own digest
+    (small enough that most transfers span several chunks, which is how goodput is measured)."""
+    max_transfer_bytes: int = 4 << 30
+    """Largest chunked message accepted; bounds the reassembly buffer."""
+    linger_s: float = 2.0
+    """How long close() waits to flush queued messages."""
+    send_timeout_s: float = 30.0
+    """A send blocked this long (peer not draining) fails instead of hanging."""
+    high_water_mark: int = 1024
+    """Messages queued per peer; sized for a credit window of chunk-sized messages."""
+    curve: CurveKeys | None = None
+    """CURVE keys; None runs unencrypted (insecure mode)."""
+    min_window_bytes: int = 8 << 20
+    """Smallest credit window a receiver grants for a chunked message, and what a sender may
+    send before the first acknowledgement (at least one chunk)."""
+    max_window_bytes: int = 256 << 20
+    """Largest credit window a receiver grants, whatever the link estimate says."""
+    stall_timeout_s: float = 1.0
+    """Least time without an advancing acknowledgement before a chunked message resumes from
+    its last acknowledged chunk (longer on a slow or distant link, see
+    ``comm.transport.credit.stall_timeout_s``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "reconnect_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"channel.{name} must be > 0, got {getattr(self, name)}")
+        if self.reconnect_interval_max_s < self.reconnect_interval_s:
+            raise ValueError("channel.reconnect_interval_max_s must be >= reconnect_interval_s")
+        if not 4096 <= self.chunk_bytes <= 64 << 20:
+            raise ValueError(
+                f"channel.chunk_bytes must be in [4 KiB, 64 MiB], got {self.chunk_bytes}"
+            )
+        if self.max_transfer_bytes < self.chunk_bytes:
+            raise ValueError("channel.max_transfer_bytes must be >= channel.chunk_bytes")
+        if self.high_water_mark < 16:
+            raise ValueError("channel.high_water_mark must be >= 16")
+        if self.min_window_bytes < 1:
+            raise ValueError(f"channel.min_window_bytes must be >= 1, got {self.min_window_bytes}")
+        if self.max_window_bytes < self.min_window_bytes:
+            raise ValueError("channel.max_window_bytes must be >= channel.min_window_bytes")
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"channel.stall_timeout_s must be > 0, got {self.stall_timeout_s}")
+
+    @property
+    def transfer(self) -> TransferConfig:
+        """The flow control of chunked messages on this channel (``comm.transport``)."""
+        window = max(self.min_window_bytes, self.chunk_bytes)
+        return TransferConfig(
+            chunk_bytes=self.chunk_bytes,
+            initial_credit_bytes=window,
+            min_window_bytes=window,
+            max_window_bytes=max(self.max_window_bytes, window),
+            max_transfer_bytes=self.max_transfer_bytes,
+            stall_timeout_s=self.stall_timeout_s,
+        )
+
+    @property
+    def max_message_bytes(self) -> int:
+        """Largest unchunked message accepted: one chunk plus its header."""
+        return self.chunk_bytes + (64 << 10)
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+def _apply_profile(sock: zmq.Socket[Any], cfg: ChannelConfig, *, server: bool) -> None:
+    sock.setsockopt(zmq.LINGER, _ms(cfg.linger_s))
+    # Room for two credit windows of chunks (one queued before a reconnect, one resent after
+    # it): a sender keeping to its window never blocks on the high-water mark.
+    hwm = max(cfg.high_water_mark, cfg.transfer.high_water_mark)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.SNDTIMEO, _ms(cfg.send_timeout_s))
+    sock.setsockopt(zmq.MAXMSGSIZE, 4 * cfg.max_message_bytes)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(cfg.heartbeat_interval_s))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(cfg.heartbeat_timeout_s))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, _ms(cfg.heartbeat_timeout_s))
+    sock.setsockopt(zmq.RECONNECT_IVL, _ms(cfg.reconnect_interval_s))
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, _ms(cfg.reconnect_interval_max_s))
+    if cfg.curve is not None:
+        sock.setsockopt(zmq.ZAP_DOMAIN, b"crossdc")
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, cfg.curve.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, cfg.curve.secret)
+        if server:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+        else:
+            if cfg.curve.server_public is None:
+                raise ValueError("a client's CurveKeys need server_public")
+            sock.setsockopt(zmq.CURVE_SERVERKEY, cfg.curve.server_public)

@@ -1,0 +1,99 @@
+"""The coordinator's ROUTER channel: one socket, many sites, each frame's peer identity."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import zmq
+
+from comm.security.identity import PeerIdentity, peer_of
+from comm.transport.endpoint import _Endpoint
+from comm.transport.profile import _PEER_GONE, ChannelConfig, RejectHook, _apply_profile
+from comm.wire.schema import ErrorCode, Message
+
+log = logging.getLogger(__name__)
+
+
+class RouterChannel(_Endpoint):
+    """The coordinator's listening socket; peers are addressed by their routing id."""
+
+    def __init__(
+        self,
+        cfg: ChannelConfig,
+        *,
+        context: zmq.Context[Any] | None = None,
+        on_reject: RejectHook | None = None,
+    ) -> None:
+        ctx = context or zmq.Context.instance()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        _apply_profile(sock, cfg, server=True)
+        super().__init__(sock, cfg, on_reject)
+        self.identities: dict[bytes, PeerIdentity] = {}
+        """The ZAP-certified identity of each sender (CURVE mode only)."""
+
+    def bind(self, endpoint: str) -> str:
+        """Bind (``tcp://127.0.0.1:0`` picks a port) and return the endpoint actually bound."""
+        if endpoint.endswith(":0"):
+            endpoint = endpoint[:-2] + ":*"
+        self._sock.bind(endpoint)
+        bound = self._sock.getsockopt(zmq.LAST_ENDPOINT)
+        assert isinstance(bound, bytes)
+        return bound.decode()
+
+    def _prefix_for(self, peer: bytes) -> list[bytes]:
+        return [peer]
+
+    def send(self, peer: bytes, msg: Message) -> bool:
+        """Send to one peer; False when the peer is not connected (never raises for that).
+
+        A large message is under way when this returns: its first credit window is queued and
+        the rest follows as the peer acknowledges, inside :meth:`recv` and :meth:`flush`.
+        Messages sent while one is under way wait behind it (True: the peer was there when that
+        one started); they are dropped with it if it makes no progress for ``send_timeout_s``.
+        """
+        try:
+            self._send_frames(peer, msg)
+        except zmq.ZMQError as exc:
+            if exc.errno in _PEER_GONE:
+                log.info("peer %r unreachable: %s", peer, exc)
+                return False
+            raise
+        return True
+
+    def recv(self, timeout_s: float) -> tuple[bytes, Message] | None:
+        """The next complete, valid message and its sender, or None after ``timeout_s``."""
+        return self._next(timeout_s)
+
+    def _recv_one(self) -> tuple[bytes, Message] | None:
+        frames = self._sock.recv_multipart(copy=False)
+        sender = frames[0].bytes
+        if len(frames) < 2:
+            self._reject(sender, ErrorCode.MALFORMED, "no frames after the routing id")
+            return None
+        if self.cfg.curve is not None:
+            peer = peer_of(frames[1])
+            if peer is None:
+                self._reject(sender, ErrorCode.UNAUTHENTICATED, "no certified identity")
+                return None
+            # Routing ids are "<site_id>/<random>": a certified site may not take over
+            # another site's routing id (ROUTER_HANDOVER would let it).
+            if sender.split(b"/", 1)[0] != peer.site_id.encode():
+                self._reject(
+                    sender, ErrorCode.UNAUTHENTICATED, f"routing id is not {peer.site_id}'s"
+                )
+                return None
+            self.identities[sender] = peer
+        msg = self._parse(sender, [f.buffer for f in frames[1:]])
+        return None if msg is None else (sender, msg)
+
+    def forget(self, peer: bytes) -> None:
+        """Drop a departed peer's transfers, both directions, what was measured about it, and
+        its replay state (the routing id names one site process: a restart gets a new one)."""
+        self._drop_peer_transfers(peer)
+        self.replay.forget(peer)
+        self.identities.pop(peer, None)
+        self.links.pop(peer, None)
+        self.send_links.pop(peer, None)

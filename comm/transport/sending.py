@@ -1,0 +1,287 @@
+"""The sending half of a channel endpoint: flow-controlled chunking, per-peer order, stalls.
+
+Messages whose frames exceed ``chunk_bytes`` travel as digested chunks under credit-based flow
+control: only what the receiver's credit allows goes out at once, the rest as acknowledgements
+arrive. Messages to one peer go out in the order they were sent (heartbeats may overtake). A
+transfer whose acknowledgements stop advancing resumes from the last acknowledged chunk; one
+that makes no progress for ``send_timeout_s`` is dropped and counted, with what waits behind it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from comm.transport.credit import stall_timeout_s
+from comm.transport.linkest import LinkEstimator
+from comm.transport.profile import _PEER_GONE, ChannelConfig, RejectHook
+from comm.transport.receiver import TransferReceiver
+from comm.transport.sender import TransferSender
+from comm.transport.stats import ChannelStats
+from comm.wire.frames import (
+    ReplayGuard,
+    WireError,
+    frames_nbytes,
+    to_wire,
+)
+from comm.wire.schema import ChunkAck, ErrorCode, Heartbeat, Message
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Outgoing:
+    """A large message being sent: where to, its transfer state, when it last made progress."""
+
+    peer: bytes
+    prefix: list[bytes]
+    """The routing frames that address the peer."""
+    tx: TransferSender
+    progress_at: float
+    """When the acknowledged index last advanced (or the transfer began)."""
+
+
+class _SendSide:
+    """The state every channel endpoint holds, and its sending: flow-controlled chunking,
+    per-peer ordering, acknowledgements out, stall recovery. :class:`_Endpoint` adds receiving."""
+
+    def __init__(self, sock: zmq.Socket[Any], cfg: ChannelConfig, on_reject: RejectHook | None):
+        self._sock = sock
+        self.cfg = cfg
+        self.stats = ChannelStats()
+        self._on_reject = on_reject
+        self.transfer_cfg = cfg.transfer
+        self._receiver = TransferReceiver(self.transfer_cfg)
+        # Per peer, messages go out in the order they were sent: while a large one is in
+        # transfer (one per peer at most), later ones wait behind it (heartbeats excepted).
+        self._outgoing: dict[bytes, _Outgoing] = {}
+        self._queued: dict[bytes, deque[Message]] = {}
+        self.links: dict[bytes, LinkEstimator] = {}
+        """Per peer: the path's RTT and the goodput of what the peer sends here, which sizes the
+        credit window granted to it."""
+        self.send_links: dict[bytes, LinkEstimator] = {}
+        """Per peer: the path's RTT and the goodput of what is sent to it (bytes acknowledged),
+        which sizes the stall timeout of transfers to it."""
+        # Complete messages received while flush() serviced acknowledgements; recv returns them.
+        self._backlog: deque[tuple[bytes, Message]] = deque()
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        # First-chunk arrival per transfer: goodput = bytes after the first chunk / time since.
+        self._transfer_start: dict[tuple[bytes, str], tuple[float, int]] = {}
+        # Replay protection: our session and sequence on every frame list we send; per sender,
+        # the sessions seen and the last sequence of the current one (bounded, see ReplayGuard).
+        self.session = os.urandom(8).hex()
+        self._seq = 0
+        self.replay = ReplayGuard()
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    # -- link estimates -------------------------------------------------------------------
+
+    def link(self, peer: bytes) -> LinkEstimator:
+        """The estimator of what ``peer`` sends here (RTT included); created on first use."""
+        found = self.links.get(peer)
+        if found is None:
+            found = self.links[peer] = LinkEstimator()
+        return found
+
+    def send_link(self, peer: bytes) -> LinkEstimator:
+        """The estimator of what is sent to ``peer`` (RTT included); created on first use."""
+        found = self.send_links.get(peer)
+        if found is None:
+            found = self.send_links[peer] = LinkEstimator()
+        return found
+
+    def rtt_sample(self, peer: bytes, seconds: float, now: float) -> None:
+        """One measured round trip to ``peer`` (the path's, so both directions' estimators)."""
+        self.link(peer).on_rtt_sample(seconds, now)
+        self.send_link(peer).on_rtt_sample(seconds, now)
+
+    # -- sending --------------------------------------------------------------------------
+
+    @property
+    def pending_transfers(self) -> int:
+        """Large messages still being sent (not every chunk acknowledged yet)."""
+        return len(self._outgoing)
+
+    @property
+    def queued_messages(self) -> int:
+        """Messages waiting behind a large one to the same peer."""
+        return sum(len(q) for q in self._queued.values())
+
+    def outgoing(self, peer: bytes | None = None) -> list[TransferSender]:
+        """The transfer state of the large messages being sent (to ``peer``, or to anyone)."""
+        return [o.tx for p, o in self._outgoing.items() if peer is None or p == peer]
+
+    def _send_frames(self, peer: bytes, msg: Message) -> None:
+        """Send ``msg`` to ``peer`` now, or queue it behind a large message still in transfer
+        to that peer (messages arrive in the order they were sent). A heartbeat carries only
+        liveness and may overtake. Raises ``zmq.ZMQError`` when the peer is unreachable."""
+        if not isinstance(msg, Heartbeat) and (peer in self._outgoing or peer in self._queued):
+            self._queued.setdefault(peer, deque()).append(msg)
+            return
+        self._transmit(peer, msg, block=True)
+
+    def _transmit(self, peer: bytes, msg: Message, *, block: bool) -> None:
+        prefix = self._prefix_for(peer)
+        flags = 0 if block else zmq.NOBLOCK
+        frames = to_wire(msg, session=self.session, seq=self._next_seq())
+        if frames_nbytes(frames) <= self.cfg.chunk_bytes:
+            self._sock.send_multipart([*prefix, *frames], copy=False, flags=flags)
+            self.stats.bytes_sent += frames_nbytes(frames)
+            self.stats.messages_sent += 1
+            return
+        # The inner message keeps its sequence number; every chunk gets its own as well. Only
+        # what the receiver's credit allows goes now: its acks (handled in recv and flush)
+        # release the rest, and a stall resumes from the last acknowledged chunk (_tick).
+        now = time.monotonic()
+        tx = TransferSender(
+            frames,
+            chunk_bytes=self.transfer_cfg.chunk_bytes,
+            initial_credit_bytes=self.transfer_cfg.initial_credit_bytes,
+        )
+        out = _Outgoing(peer=peer, prefix=prefix, tx=tx, progress_at=now)
+        self._outgoing[peer] = out
+        try:
+            self._pump(out, now, block=block)
+        except zmq.ZMQError:
+            del self._outgoing[peer]
+            raise
+        self.stats.messages_sent += 1
+
+    def _release(self, peer: bytes) -> None:
+        """Send what waits for ``peer`` up to (and including the start of) the next large one."""
+        waiting = self._queued.get(peer)
+        while waiting and peer not in self._outgoing:
+            try:
+                self._transmit(peer, waiting[0], block=False)
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EAGAIN:
+                    return  # not draining right now: the next tick tries again
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                self._drop_queue(peer, "the peer is unreachable")
+                return
+            waiting.popleft()
+        if waiting is not None and not waiting:
+            del self._queued[peer]
+
+    def _drop_queue(self, peer: bytes, why: str) -> int:
+        waiting = self._queued.pop(peer, None)
+        if not waiting:
+            return 0
+        self.stats.messages_dropped += len(waiting)
+        log.warning("peer %r: dropped %d queued message(s): %s", peer[:32], len(waiting), why)
+        return len(waiting)
+
+    def _pump(self, out: _Outgoing, now: float, *, block: bool) -> None:
+        """Send every chunk of ``out`` its credit allows. ``block``: a send that fails raises
+        (the caller's send); otherwise a peer that is gone or not draining ends the pump, the
+        unsent chunk counts as lost and the stall timer resends it."""
+        tx = out.tx
+        resent_before = tx.chunks_resent
+        try:
+            for chunk in tx.pending_chunks(now):
+                parts = to_wire(chunk, session=self.session, seq=self._next_seq())
+                try:
+                    self._sock.send_multipart(
+                        [*out.prefix, *parts], copy=False, flags=0 if block else zmq.NOBLOCK
+                    )
+                except zmq.ZMQError as exc:
+                    if block or exc.errno not in _PEER_GONE:
+                        raise
+                    return
+                self.stats.bytes_sent += frames_nbytes(parts)
+                self.stats.chunks_sent += 1
+        finally:
+            self.stats.chunks_resent += tx.chunks_resent - resent_before
+
+    def _send_ack(self, peer: bytes, ack: ChunkAck) -> None:
+        frames = to_wire(ack, session=self.session, seq=self._next_seq())
+        try:
+            self._sock.send_multipart([*self._prefix_for(peer), *frames], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno not in _PEER_GONE:
+                raise
+            # The peer is gone or not draining: its stall timer recovers what this ack said.
+            self.stats.acks_dropped += 1
+            return
+        self.stats.bytes_sent += frames_nbytes(frames)
+
+    def _prefix_for(self, peer: bytes) -> list[bytes]:
+        """The routing frames that address ``peer`` (none on a DEALER)."""
+        raise NotImplementedError
+
+    def _on_ack(self, peer: bytes, ack: ChunkAck) -> None:
+        out = self._outgoing.get(peer)
+        if out is None or out.tx.transfer_id != ack.transfer_id:
+            return  # a late ack of a finished, dropped or forgotten transfer
+        tx = out.tx
+        now = time.monotonic()
+        acked_before = tx.acked_bytes
+        try:
+            rtt_s = tx.on_ack(ack.transfer_id, ack.next_index, ack.credit_bytes, now)
+        except ValueError as exc:
+            raise WireError(ErrorCode.MALFORMED, f"ack: {exc}") from None
+        if rtt_s is not None:
+            self.rtt_sample(peer, rtt_s, now)
+        if tx.acked_bytes > acked_before:
+            out.progress_at = now
+            self.send_link(peer).on_bytes_acked(tx.acked_bytes - acked_before, now)
+        if tx.done:
+            del self._outgoing[peer]
+            self._release(peer)
+        else:
+            self._pump(out, now, block=False)
+
+    def _tick(self, now: float) -> None:
+        """Resume stalled transfers from their last acknowledged chunk; drop hopeless ones."""
+        for peer in [p for p in self._queued if p not in self._outgoing]:
+            self._release(peer)  # a queued send that found the peer not draining
+        for peer, out in list(self._outgoing.items()):
+            tx = out.tx
+            stall_s = stall_timeout_s(self.transfer_cfg, self.send_link(out.peer).snapshot())
+            if not tx.stalled(now, stall_s):
+                continue
+            tag = f"[transfer={tx.transfer_id} peer={out.peer[:32]!r}]"
+            if now - out.progress_at >= max(self.cfg.send_timeout_s, 3 * stall_s):
+                del self._outgoing[peer]
+                self.stats.messages_dropped += 1
+                log.warning(
+                    "%s no progress for %.1f s: dropped at chunk %d of %d",
+                    tag,
+                    now - out.progress_at,
+                    tx.acked_index,
+                    tx.num_chunks,
+                )
+                self._drop_queue(peer, "a large message before them was dropped")
+                continue
+            log.info(
+                "%s no ack for %.2f s: resuming at chunk %d (sent up to %d of %d)",
+                tag,
+                stall_s,
+                tx.acked_index,
+                tx.high_water_index,
+                tx.num_chunks,
+            )
+            tx.resume(now=now)
+            self.stats.transfer_resumes += 1
+            self._pump(out, now, block=False)
+
+    def _drop_peer_transfers(self, peer: bytes) -> int:
+        """Forget every transfer to and from ``peer`` and what waits behind them; return how many
+        messages to it were given up."""
+        self._receiver.drop_sender(peer)
+        for key in [k for k in self._transfer_start if k[0] == peer]:
+            del self._transfer_start[key]
+        dropped = int(self._outgoing.pop(peer, None) is not None)
+        waiting = self._queued.pop(peer, None)
+        return dropped + (len(waiting) if waiting else 0)
