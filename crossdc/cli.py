@@ -79,8 +79,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    from comm.configio import ConfigError
-    from comm.observe import ObserveServer
+    from comm.ops.configio import ConfigError
+    from comm.ops.observe import ObserveServer
     from coordinator.config import load_coordinator_config
     from coordinator.service import Coordinator
 
@@ -116,7 +116,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from comm.configio import ConfigError
+    from comm.ops.configio import ConfigError
     from site_agent.agent import build_agent, run_pipeline_site, torchrun_argv, under_torchrun
     from site_agent.config import load_site_config
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comm.configio import dump_toml
+from comm.ops.configio import dump_toml
 from comm.wanem import PRESETS, LinkEmulator, LinkProfile, parse_profile
 
 SITE_NAMES = ("eu", "us", "ap", "sa", "af", "me", "oc", "na")

@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from comm.codecs.feedback import ErrorFeedback
 from comm.codecs.registry import get_codec
-from comm.observe import ObserveServer
+from comm.ops.observe import ObserveServer
 from comm.security.kits import SiteKit, load_site_kit
 from comm.security.masking import x25519_from_curve_secret
 from comm.security.secagg import SecAggSession

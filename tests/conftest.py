@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from comm.configio import dump_toml
+from comm.ops.configio import dump_toml
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from comm.configio import ConfigError, build, dump_toml, env_overrides, load_section
+from comm.ops.configio import ConfigError, build, dump_toml, env_overrides, load_section
 from coordinator.config import CoordinatorConfig
 from site_agent.config import SiteConfig
 

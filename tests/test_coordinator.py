@@ -19,7 +19,7 @@ import zmq
 
 from comm.codecs.base import EncodedTensor
 from comm.codecs.floats import Fp32Codec
-from comm.observe import ObserveServer
+from comm.ops.observe import ObserveServer
 from comm.security.kits import SecurityConfig
 from comm.transport.dealer import DealerChannel
 from comm.transport.profile import ChannelConfig

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from comm.codecs.base import EncodedTensor
-from comm.configio import dump_toml
+from comm.ops.configio import dump_toml
 from comm.security.kits import SecurityConfig
 from comm.transport.profile import ChannelConfig
 from comm.wire.schema import Message, StepGrad

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from comm.observe import ObserveServer
+from comm.ops.observe import ObserveServer
 from coordinator.metrics import CoordinatorMetrics
 from crossdc.cli import EXIT_BAD_CONFIG
 from site_agent.authwatch import EXIT_AUTH_REFUSED

@@ -24,7 +24,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from comm.configio import dump_toml
+from comm.ops.configio import dump_toml
 from comm.security.kits import SecurityConfig, init_kit, issue_site, revoke_site
 from comm.wire.chunking import split_frames
 from comm.wire.frames import WireError, from_wire, to_wire

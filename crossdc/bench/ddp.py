@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from comm.configio import dump_toml
+from comm.ops.configio import dump_toml
 from comm.wanem import LinkEmulator
 from crossdc.demo_roles import (
     DEMO_MODEL,

@@ -35,7 +35,7 @@ def _setup_logging(level: str) -> None:
 
 def run_coordinator(config: str) -> int:
     """Serve one run; 0 when it completed."""
-    from comm.configio import ConfigError
+    from comm.ops.configio import ConfigError
     from crossdc.ddp.coordinator import DDPCoordinator, log
     from crossdc.ddp.decision import load_ddp_config
 
@@ -63,7 +63,7 @@ def run_coordinator(config: str) -> int:
 
 def run_site(config: str) -> int:
     """One baseline site; 0 after a clean Shutdown."""
-    from comm.configio import ConfigError
+    from comm.ops.configio import ConfigError
     from crossdc.ddp.site import build_ddp_site, log
     from site_agent.config import load_site_config
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from comm.configio import load_section
+from comm.ops.configio import load_section
 from comm.transport.profile import ChannelConfig
 from comm.wire.schema import ErrorCode, Join, RoundStart, StepGrad
 from coordinator.strategy import Arrays, weighted_mean
