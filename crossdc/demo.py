@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from comm.wanem import LinkEmulator, LinkProfile
 from coordinator.config import CoordinatorConfig
 from coordinator.history_log import RoundLog, read_history
 from crossdc.demo_roles import (
@@ -34,6 +33,8 @@ from crossdc.demo_roles import (
     write_coordinator_config,
     write_site_configs,
 )
+from crossdc.lab.profiles import LinkProfile
+from crossdc.lab.wanem import LinkEmulator
 
 
 def add_outer_rule_arguments(p: argparse.ArgumentParser) -> None:
@@ -224,7 +225,7 @@ def _full_report(
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    logging.getLogger("comm.wanem").setLevel(logging.WARNING)
+    logging.getLogger("crossdc.lab").setLevel(logging.WARNING)
     # SIGTERM unwinds like Ctrl-C, so the roles this launcher started are stopped with it.
     signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(143))
     problem = _argument_problem(args)

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from comm.ops.configio import dump_toml
-from comm.wanem import PRESETS, LinkEmulator, LinkProfile, parse_profile
+from crossdc.lab.profiles import PRESETS, LinkProfile, parse_profile
+from crossdc.lab.wanem import LinkEmulator
 
 SITE_NAMES = ("eu", "us", "ap", "sa", "af", "me", "oc", "na")
 

@@ -1,7 +1,7 @@
 """Flow-controlled large messages over the real channels: ROUTER <-> DEALER over tcp loopback.
 
 A large message arrives bit-identical while the sender never exceeds the credit the receiver
-granted; a cut connection (``comm.wanem``) resumes from the last acknowledged chunk; a peer that
+granted; a cut connection (``crossdc.lab.wanem``) resumes from the last acknowledged chunk; a peer that
 vanishes mid-transfer never makes ``recv`` raise; a replayed chunk or acknowledgement is rejected;
 ``SiteLink`` keeps transfers moving on its I/O thread and flushes them on close.
 """
@@ -25,10 +25,11 @@ from comm.transport.dealer import DealerChannel, SiteLink
 from comm.transport.profile import ChannelConfig
 from comm.transport.router import RouterChannel
 from comm.transport.sender import TransferSender
-from comm.wanem import LinkEmulator, LinkProfile
 from comm.wire.chunking import split_frames
 from comm.wire.frames import from_wire, to_wire
 from comm.wire.schema import ChunkAck, Heartbeat, InitParams, Leave, Message
+from crossdc.lab.profiles import LinkProfile
+from crossdc.lab.wanem import LinkEmulator
 
 WAIT_S = 30.0  # bound on waiting for something that must happen; never a speed assertion
 CHUNK = 256 << 10

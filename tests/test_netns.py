@@ -1,4 +1,4 @@
-"""Tests for comm.netns: HTB shape validation everywhere; with root, ``ip`` and ``tc``, real
+"""Tests for crossdc.lab.netns: HTB shape validation everywhere; with root, ``ip`` and ``tc``, real
 namespace pairs: addressing, running code inside, cleanup, and that the kernel shaping holds a
 TCP transfer to its rate."""
 
@@ -13,15 +13,8 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-import comm.netns
-from comm.netns import (
-    HtbShape,
-    NetnsError,
-    NetnsPair,
-    Side,
-    netns_available,
-    run_in_netns,
-)
+import crossdc.lab.netns
+from crossdc.lab.netns import HtbShape, NetnsError, NetnsPair, Side, netns_available, run_in_netns
 
 WAIT_S = 10.0
 
@@ -180,14 +173,14 @@ def test_close_deletes_everything_even_after_an_error(netns_here: None) -> None:
 
 @pytest.mark.timeout(60)
 def test_failed_start_cleans_up(netns_here: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_run = comm.netns._run
+    real_run = crossdc.lab.netns._run
 
     def failing_tc(argv: Sequence[str], **kwargs: float) -> str:
         if argv[0] == "tc":
             raise NetnsError("tc refused")
         return real_run(argv, **kwargs)
 
-    monkeypatch.setattr(comm.netns, "_run", failing_tc)
+    monkeypatch.setattr(crossdc.lab.netns, "_run", failing_tc)
     pair = NetnsPair(a_to_b=HtbShape(rate_bps=1e6))
     with pytest.raises(NetnsError, match="tc refused"):
         pair.start()

@@ -30,10 +30,11 @@ from comm.transport.drivers import KIND_CHUNK, ZmqTransferReceiver, ZmqTransferS
 from comm.transport.linkest import LinkEstimate, LinkEstimator, LinkEstimatorConfig
 from comm.transport.receiver import TransferReceiver
 from comm.transport.sender import TransferSender
-from comm.wanem import LinkEmulator, LinkProfile
 from comm.wire.chunking import chunk_digest
 from comm.wire.frames import WireError, to_wire
 from comm.wire.schema import Chunk, ChunkAck, ErrorCode
+from crossdc.lab.profiles import LinkProfile
+from crossdc.lab.wanem import LinkEmulator
 
 WAIT_S = 20.0  # bound on waiting for something that must happen; never a speed assertion
 

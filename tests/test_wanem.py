@@ -1,4 +1,4 @@
-"""Tests for comm.wanem: profiles and their parser, the pure token bucket and delay line, and the
+"""Tests for crossdc.lab (the WAN emulator): profiles and their parser, the pure token bucket and delay line, and the
 proxy itself over real loopback TCP (integrity, rate cap, delay, cuts, ZeroMQ reconnect)."""
 
 from __future__ import annotations
@@ -17,16 +17,9 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from comm.wanem import (
-    DEFAULT_BURST_BYTES,
-    PRESETS,
-    UNLIMITED,
-    DelayLine,
-    LinkEmulator,
-    LinkProfile,
-    TokenBucket,
-    parse_profile,
-)
+from crossdc.lab.profiles import DEFAULT_BURST_BYTES, PRESETS, UNLIMITED, LinkProfile, parse_profile
+from crossdc.lab.shaping import DelayLine, TokenBucket
+from crossdc.lab.wanem import LinkEmulator
 
 WAIT_S = 10.0  # upper bound on waiting for an event that must happen; never a speed assertion
 

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comm.wanem import LinkEmulator
 from crossdc.demo import add_demo_arguments
 from crossdc.demo_roles import (
     DemoRun,
@@ -33,6 +32,7 @@ from crossdc.demo_roles import (
     write_coordinator_config,
     write_site_configs,
 )
+from crossdc.lab.wanem import LinkEmulator
 
 RESTART_SEC = 3.0
 """systemd's ``RestartSec=`` in the shipped units' spirit: seconds before a restart."""
@@ -135,7 +135,7 @@ class Federation:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        logging.getLogger("comm.wanem").setLevel(logging.WARNING)
+        logging.getLogger("crossdc.lab").setLevel(logging.WARNING)
         self.workdir.mkdir(parents=True, exist_ok=True)
         args = demo_args(self.spec)
         if not (self.workdir / "kit").exists():

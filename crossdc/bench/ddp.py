@@ -1,7 +1,7 @@
 """``crossdc bench ddp``: the synchronous data-parallel baseline over the demo's emulated WAN.
 
 Launches ``python -m crossdc.ddp coordinator`` and one ``python -m crossdc.ddp site`` per site as real
-processes, each site behind the :class:`~comm.wanem.LinkEmulator` profile the demo gives it (the
+processes, each site behind the :class:`~crossdc.lab.wanem.LinkEmulator` profile the demo gives it (the
 eu/us/ap presets, overridable with ``--link``), on the demo's model, data shards and batch size.
 Every inner step moves each site's full fp32 gradient up and the mean back down, so the numbers
 to compare with ``crossdc demo`` are WAN bytes per inner step, compute utilization and wall time
@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from comm.ops.configio import dump_toml
-from comm.wanem import LinkEmulator
 from crossdc.demo_roles import (
     DEMO_MODEL,
     DemoRun,
@@ -32,6 +31,7 @@ from crossdc.demo_roles import (
     site_ids,
     write_site_configs,
 )
+from crossdc.lab.wanem import LinkEmulator
 
 RESULT_FILE = "ddp-result.json"  # written by crossdc.ddp.site into each site's state dir
 
@@ -70,7 +70,7 @@ def run_ddp(
     """
     if sites < 1 or steps < 1:
         raise ValueError(f"sites and steps must be >= 1, got sites={sites} steps={steps}")
-    logging.getLogger("comm.wanem").setLevel(logging.WARNING)
+    logging.getLogger("crossdc.lab").setLevel(logging.WARNING)
     ids = site_ids(sites)
     demo_args = argparse.Namespace(
         sites=sites, stages=1, batch_size=batch_size, link=list(links or []), insecure=True

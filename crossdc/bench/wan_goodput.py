@@ -1,7 +1,7 @@
 """WAN goodput benchmark: a credit-controlled chunked transfer against the link's rate.
 
 Two network namespaces joined by a veth whose ends are shaped with ``tc`` HTB to ``rate_mbit``
-(``comm.netns``): the sender (a ZeroMQ DEALER) lives in one, the receiver (a ROUTER) in the
+(``crossdc.lab.netns``): the sender (a ZeroMQ DEALER) lives in one, the receiver (a ROUTER) in the
 other, and a ``size_mib`` MiB message travels as ``comm.transport`` chunks under the receiver's
 credit window. ``goodput_ratio`` = payload bits / elapsed seconds / link rate, elapsed from the
 sender's first byte (the RTT ping included) to the receiver holding the whole message. Raw TCP
@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import zmq
 
-from comm.netns import HtbShape, NetnsPair, netns_available
 from comm.transport.credit import TransferConfig
 from comm.transport.drivers import ZmqTransferReceiver, ZmqTransferSender
+from crossdc.lab.netns import HtbShape, NetnsPair, netns_available
 
 WAIT_S = 120.0  # a bound on anything that must happen; the link may be slow
 

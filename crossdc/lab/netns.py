@@ -1,6 +1,6 @@
 """Kernel-level WAN shaping: two network namespaces joined by a veth pair shaped with ``tc`` HTB.
 
-This module owns the real-rate-limit alternative to the userspace proxy in ``comm.wanem``: the
+This module owns the real-rate-limit alternative to the userspace proxy in ``crossdc.lab.wanem``: the
 kernel enforces the rate on every packet, so goodput, TCP's congestion control and socket buffers
 behave as they do across a real bottleneck. :class:`NetnsPair` creates namespaces ``a`` and ``b``,
 a veth pair with one end (and one address) in each, an HTB class on each end's egress (``a_to_b``
