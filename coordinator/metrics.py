@@ -1,4 +1,4 @@
-"""The coordinator's Prometheus metrics, declared once (DESIGN.md §6).
+"""The coordinator's Prometheus metrics, declared once (docs/architecture.md, "Observability").
 
 Each :class:`CoordinatorMetrics` owns its registry, so several coordinators can live in one
 process (tests) without colliding.

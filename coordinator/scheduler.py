@@ -2,9 +2,10 @@
 
 ``plan_round(now, sites, policy)`` chooses, per site, the codec of its pseudo-gradient, and for
 the round the downlink codec, the inner steps per sync slot and the fragment count, so that a
-sync fits inside the compute it overlaps (DESIGN.md §4). Codecs are tried from least to most
-compressed (the ladder); a site gets the first one whose sync fits its budget. When none fits,
-the slot is lengthened (more inner steps, up to a bound). The reason says which constraint bound.
+sync fits inside the compute it overlaps (docs/architecture.md, "WAN awareness"). Codecs are
+tried from least to most compressed (the ladder); a site gets the first one whose sync fits its
+budget. When none fits, the slot is lengthened (more inner steps, up to a bound). The reason says
+which constraint bound.
 
 Arrival alignment: a round closes when its last update lands, so a site whose update arrived
 early waits for the others (blocking), or trains on while its result is pending and merges it

@@ -1,4 +1,4 @@
-"""A site agent's Prometheus metrics, declared once (DESIGN.md §6)."""
+"""A site agent's Prometheus metrics, declared once (docs/architecture.md, "Observability")."""
 
 from __future__ import annotations
 

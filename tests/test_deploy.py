@@ -411,8 +411,9 @@ def test_dashboard_uses_only_declared_metrics() -> None:
 
 @pytest.mark.timeout(30)
 def test_dashboard_covers_the_design() -> None:
-    """DESIGN.md §6: rounds, durations, membership, loss, WAN bytes, compression, rejections,
-    site efficiency, link, error feedback and privacy are all on the dashboard."""
+    """docs/architecture.md, "Observability": rounds, durations, membership, loss, WAN bytes,
+    compression, rejections, site efficiency, link, error feedback and privacy are all on the
+    dashboard."""
     used = set().union(*(promql_metric_names(q) for _, q in dashboard_queries()))
     for name in (
         "crossdc_rounds_total",
