@@ -71,11 +71,19 @@ def test_range_outside_transfer_is_rejected() -> None:
     assert info.value.code is ErrorCode.MALFORMED
 
 
-def test_pending_transfers_are_bounded_and_expire() -> None:
+def test_pending_transfers_are_bounded_per_sender_and_expire_when_idle() -> None:
     r = Reassembler(max_transfer_bytes=1 << 20, max_pending=2)
     for tid in ("a", "b"):
         r.add(b"p", next(split_frames([b"x" * 100], 10, transfer_id=tid)), 0.0)
-    with pytest.raises(WireError):
+    with pytest.raises(WireError) as info:
         r.add(b"p", next(split_frames([b"x" * 100], 10, transfer_id="c")), 0.0)
-    assert r.expire(now=100.0, max_age_s=10.0) == 2
-    assert r.pending == 0
+    assert info.value.code is ErrorCode.OVERSIZE and "this sender" in info.value.detail
+    # The bound is per sender: forty others open theirs while "p" holds two.
+    for i in range(40):
+        r.add(f"s{i}".encode(), next(split_frames([b"x" * 100], 10, transfer_id="a")), 0.0)
+    assert r.pending == 42
+    # Idle time counts from the latest new chunk, not from the start.
+    chunks = list(split_frames([b"x" * 100], 10, transfer_id="a"))
+    r.add(b"s0", chunks[1], 9.0)
+    assert r.expire(now=15.0, max_idle_s=10.0) == 41 and r.pending == 1
+    assert r.expire(now=20.0, max_idle_s=10.0) == 1 and r.pending == 0

@@ -8,6 +8,7 @@ import re
 import signal
 import socket
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -69,29 +70,50 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_coordinator_sigkill_resumes_without_reusing_round_ids(
-    procs: Procs, tmp_path: Path
-) -> None:
+def _kill_after_open_3_and_resume(
+    procs: Procs, tmp_path: Path, *, overlap: bool
+) -> tuple[dict[str, int], dict[str, Any]]:
+    """A federation of 5 rounds whose coordinator SIGKILLs itself right after it announced
+    round 3, then restarts on the same address and state dir; its durable meta at the crash and
+    its final status."""
     # A restarted coordinator must come back on the same address the sites know.
     bind = f"tcp://127.0.0.1:{_free_port()}"
-    _start_federation(
-        procs, tmp_path, max_rounds=5, bind=bind, overlap=False, faults={"kill_after_open_round": 3}
-    )
+    crash = {"kill_after_open_round": 3}
+    _start_federation(procs, tmp_path, max_rounds=5, bind=bind, overlap=overlap, faults=crash)
     assert procs.procs["coordinator"].wait(timeout=240) == -signal.SIGKILL, procs.log("coordinator")
     meta = json.loads((tmp_path / "coordinator" / "meta.json").read_text())
-    assert (meta["global_version"], meta["round_counter"]) == (2, 3)
     # Restart on the same state dir without the fault: it resumes from its last durable round.
-    cfg = write_coordinator_config(tmp_path, max_rounds=5, bind=bind, overlap=False)
+    cfg = write_coordinator_config(tmp_path, max_rounds=5, bind=bind, overlap=overlap)
     procs.start("coordinator", "coordinator", "--config", str(cfg))
     assert procs.procs["coordinator"].wait(timeout=240) == 0, procs.log("coordinator")
     status = read_status(tmp_path)
     assert status is not None and status["finished"] and status["rounds_completed"] == 5
+    for site in ("site-eu", "site-us"):
+        assert procs.procs[site].wait(timeout=60) == 0, procs.log(site)
+    return meta, status
+
+
+def test_coordinator_sigkill_resumes_without_reusing_round_ids(
+    procs: Procs, tmp_path: Path
+) -> None:
+    meta, status = _kill_after_open_3_and_resume(procs, tmp_path, overlap=False)
+    assert (meta["global_version"], meta["round_counter"]) == (2, 3)
     ids = [h["round_id"] for h in status["history"]]
     assert ids == [1, 2, 4, 5, 6], ids  # round 3 was announced, then lost: its id is never reused
     assert [h["base_version"] for h in status["history"]] == [0, 1, 2, 4, 5]
     assert "resumed global_version=2 round_counter=3" in procs.log("coordinator")
-    for site in ("site-eu", "site-us"):
-        assert procs.procs[site].wait(timeout=60) == 0, procs.log(site)
+
+
+def test_overlapped_sites_drop_the_dead_coordinators_rounds_and_go_on(
+    procs: Procs, tmp_path: Path
+) -> None:
+    # With overlap, round 3 opens the moment round 1 closes, while round 2 is in flight: the
+    # sites train round 3's slot and then wait for v2, which dies with the coordinator. After
+    # the restart they must drop rounds 2 and 3 (the new coordinator knows neither) and train
+    # the new rounds from v1, instead of waiting for v2 forever.
+    meta, status = _kill_after_open_3_and_resume(procs, tmp_path, overlap=True)
+    assert (meta["global_version"], meta["round_counter"]) == (1, 3)
+    assert [h["round_id"] for h in status["history"]] == [1, 4, 5, 6, 7]
 
 
 def test_garbage_frames_are_rejected_while_training_continues(procs: Procs, tmp_path: Path) -> None:
@@ -254,28 +276,3 @@ def test_differential_privacy_reports_epsilon_and_still_learns(
             gaussian_epsilon(0.002, 3, 1e-5), rel=1e-9
         )
         assert "clipped to 2" in procs.log(f"site-{site}")
-
-
-def test_overlapped_sites_drop_the_dead_coordinators_rounds_and_go_on(
-    procs: Procs, tmp_path: Path
-) -> None:
-    # With overlap, round 3 opens the moment round 1 closes, while round 2 is in flight: the
-    # sites train round 3's slot and then wait for v2, which dies with the coordinator. After
-    # the restart they must drop rounds 2 and 3 (the new coordinator knows neither) and train
-    # the new rounds from v1, instead of waiting for v2 forever.
-    bind = f"tcp://127.0.0.1:{_free_port()}"
-    _start_federation(
-        procs, tmp_path, max_rounds=5, bind=bind, overlap=True, faults={"kill_after_open_round": 3}
-    )
-    assert procs.procs["coordinator"].wait(timeout=240) == -signal.SIGKILL, procs.log("coordinator")
-    meta = json.loads((tmp_path / "coordinator" / "meta.json").read_text())
-    assert (meta["global_version"], meta["round_counter"]) == (1, 3)
-    cfg = write_coordinator_config(tmp_path, max_rounds=5, bind=bind, overlap=True)
-    procs.start("coordinator", "coordinator", "--config", str(cfg))
-    assert procs.procs["coordinator"].wait(timeout=240) == 0, procs.log("coordinator")
-    status = read_status(tmp_path)
-    assert status is not None and status["finished"] and status["rounds_completed"] == 5
-    ids = [h["round_id"] for h in status["history"]]
-    assert ids == [1, 4, 5, 6, 7], ids
-    for site in ("site-eu", "site-us"):
-        assert procs.procs[site].wait(timeout=60) == 0, procs.log(site)

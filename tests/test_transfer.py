@@ -354,8 +354,9 @@ def test_receiver_drop_and_expire() -> None:
     assert receiver.pending == 2
     receiver.drop_sender(b"a")
     assert receiver.pending == 1 and receiver.next_index(b"a", "t1") is None
-    assert receiver.expire(now=6.0, max_age_s=10.0) == 0
-    assert receiver.expire(now=16.0, max_age_s=10.0) == 1 and receiver.pending == 0
+    assert receiver.expire(now=6.0, max_idle_s=10.0) == 0
+    assert receiver.expire(now=16.0, max_idle_s=10.0) == 1 and receiver.pending == 0
+    assert receiver.stats.transfers_expired == 1
 
 
 @pytest.mark.timeout(10)

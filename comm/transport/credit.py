@@ -61,7 +61,10 @@ class TransferConfig:
     max_transfer_bytes: int = 4 << 30
     """Largest transfer a receiver accepts; bounds its reassembly buffer."""
     max_pending: int = 16
-    """Transfers a receiver keeps open at once (over all senders)."""
+    """Transfers a receiver keeps open at once from one sender (each sender has its own)."""
+    idle_expire_s: float = 300.0
+    """A partly received transfer with no new chunk for this long is dropped and its buffer
+    freed (its sender gave up, or vanished without leaving)."""
     max_chunks: int = 1 << 20
     """Most chunks one transfer may be cut into; bounds a receiver's per-transfer bookkeeping
     (4 GiB in 4 KiB chunks)."""
@@ -91,6 +94,8 @@ class TransferConfig:
             raise ValueError(f"transfer.window_factor must be >= 1, got {self.window_factor!r}")
         if not (math.isfinite(self.stall_timeout_s) and self.stall_timeout_s > 0):
             raise ValueError(f"transfer.stall_timeout_s must be > 0, got {self.stall_timeout_s!r}")
+        if not (math.isfinite(self.idle_expire_s) and self.idle_expire_s > 0):
+            raise ValueError(f"transfer.idle_expire_s must be > 0, got {self.idle_expire_s!r}")
 
     @property
     def high_water_mark(self) -> int:

@@ -87,6 +87,21 @@ class _Endpoint(_SendSide):
             if self._receiver.next_index(*key) is None:
                 del self._transfer_start[key]
 
+    def _expire_idle(self, now: float) -> None:
+        """About once a second: drop partly received transfers that stopped making progress
+        (their sender gave up or vanished), so their buffers do not stay forever."""
+        if now < self._expire_at:
+            return
+        self._expire_at = now + 1.0
+        dropped = self._receiver.expire(now)
+        if dropped:
+            self.stats.rejected["transfer_idle"] += dropped
+            log.warning(
+                "dropped %d partly received transfer(s) idle for over %.0f s",
+                dropped,
+                self.transfer_cfg.idle_expire_s,
+            )
+
     def _recv_one(self) -> tuple[bytes, Message] | None:
         """Read one frame list (one is waiting) and handle it; a complete message is returned."""
         raise NotImplementedError
@@ -97,6 +112,7 @@ class _Endpoint(_SendSide):
         while True:
             now = time.monotonic()
             self._tick(now)
+            self._expire_idle(now)
             slice_s = min(deadline - now, 0.05)
             if self._poller.poll(max(0, int(slice_s * 1000))):
                 return True

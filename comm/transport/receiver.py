@@ -28,6 +28,7 @@ class _Incoming:
     edge: int
     started_at: float
     received: bytearray  # one flag per chunk
+    last_at: float = 0.0  # when its latest new chunk arrived
     next_index: int = 0
 
 
@@ -47,6 +48,7 @@ class ReceiverStats:
     chunks_received: int = 0
     duplicates: int = 0
     transfers_completed: int = 0
+    transfers_expired: int = 0
 
 
 def _stride_of(chunk: Chunk, nbytes: int) -> int:
@@ -138,6 +140,8 @@ class TransferReceiver:
             )
             self._incoming[key] = state
         self._count(state, chunk.index, duplicate)
+        if not duplicate:
+            state.last_at = now
         if link is not None and not duplicate:
             link.on_bytes_acked(nbytes, now)
         if frames is not None:
@@ -196,10 +200,13 @@ class TransferReceiver:
         for key in [k for k in self._incoming if k[0] == sender]:
             del self._incoming[key]
 
-    def expire(self, now: float, max_age_s: float) -> int:
-        """Forget transfers started more than ``max_age_s`` ago; return how many."""
-        self._reassembler.expire(now, max_age_s)
-        old = [k for k, s in self._incoming.items() if now - s.started_at > max_age_s]
+    def expire(self, now: float, max_idle_s: float | None = None) -> int:
+        """Forget the transfers that got no new chunk for ``max_idle_s`` (default: the config's
+        ``idle_expire_s``), freeing their buffers; return how many."""
+        idle_s = self.config.idle_expire_s if max_idle_s is None else max_idle_s
+        self._reassembler.expire(now, idle_s)
+        old = [k for k, s in self._incoming.items() if now - s.last_at > idle_s]
         for key in old:
             del self._incoming[key]
+        self.stats.transfers_expired += len(old)
         return len(old)

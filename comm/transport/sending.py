@@ -74,6 +74,7 @@ class _SendSide:
         self._poller.register(sock, zmq.POLLIN)
         # First-chunk arrival per transfer: goodput = bytes after the first chunk / time since.
         self._transfer_start: dict[tuple[bytes, str], tuple[float, int]] = {}
+        self._expire_at = 0.0  # next sweep of idle partly received transfers
         # Replay protection: our session and sequence on every frame list we send; per sender,
         # the sessions seen and the last sequence of the current one (bounded, see ReplayGuard).
         self.session = os.urandom(8).hex()

@@ -79,10 +79,13 @@ class _Partial:
     received: set[int]
     filled: int
     started: float
+    last: float
+    """When its latest new chunk arrived."""
 
 
 class Reassembler:
-    """Collects chunks per (sender, transfer id); bounded in bytes and concurrent transfers."""
+    """Collects chunks per (sender, transfer id); bounded in bytes per transfer and in open
+    transfers per sender (so many senders do not crowd each other out)."""
 
     def __init__(self, *, max_transfer_bytes: int, max_pending: int = 16) -> None:
         self.max_transfer_bytes = max_transfer_bytes
@@ -97,9 +100,10 @@ class Reassembler:
         for key in [k for k in self._partial if k[0] == sender]:
             del self._partial[key]
 
-    def expire(self, now: float, max_age_s: float) -> int:
-        """Forget transfers older than ``max_age_s``; return how many were dropped."""
-        old = [k for k, p in self._partial.items() if now - p.started > max_age_s]
+    def expire(self, now: float, max_idle_s: float) -> int:
+        """Forget transfers that received no new chunk for ``max_idle_s`` (their memory is
+        freed); return how many were dropped."""
+        old = [k for k, p in self._partial.items() if now - p.last > max_idle_s]
         for k in old:
             del self._partial[k]
         return len(old)
@@ -121,10 +125,17 @@ class Reassembler:
         key = (sender, chunk.transfer_id)
         part = self._partial.get(key)
         if part is None:
-            if len(self._partial) >= self.max_pending:
-                raise WireError(ErrorCode.OVERSIZE, f"more than {self.max_pending} open transfers")
+            if sum(1 for k in self._partial if k[0] == sender) >= self.max_pending:
+                detail = f"more than {self.max_pending} open transfers from this sender"
+                raise WireError(ErrorCode.OVERSIZE, detail)
             part = _Partial(
-                chunk.num_chunks, chunk.total_bytes, bytearray(chunk.total_bytes), set(), 0, now
+                chunk.num_chunks,
+                chunk.total_bytes,
+                bytearray(chunk.total_bytes),
+                set(),
+                0,
+                now,
+                now,
             )
             self._partial[key] = part
         if (part.num_chunks, part.total_bytes) != (chunk.num_chunks, chunk.total_bytes):
@@ -135,6 +146,7 @@ class Reassembler:
         part.buffer[chunk.offset : chunk.offset + data.nbytes] = data
         part.received.add(chunk.index)
         part.filled += data.nbytes
+        part.last = now
         if len(part.received) < part.num_chunks:
             return None
         del self._partial[key]
