@@ -65,6 +65,14 @@ from comm.wire.schema import Leave
 
 DAY = 86400.0
 NOW = time.time()
+"""The tests' "now"; refreshed before each test (below): certificates are issued at the real
+time, and the suite may reach this module minutes after collecting it."""
+
+
+@pytest.fixture(autouse=True)
+def _fresh_now() -> None:
+    global NOW
+    NOW = time.time()
 
 
 @pytest.fixture
