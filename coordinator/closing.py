@@ -164,7 +164,6 @@ def history_entry(
         "compute_seconds_max": max((u.compute_seconds for u in fresh), default=0.0),
         "duration_s": now - r.opened_at,
         "finished_unix": time.time(),
-        "wire_bytes_in": c.chan.stats.bytes_received - c._round_bytes_at_open[r.round_id][0],
     }
 
 
@@ -174,7 +173,6 @@ def announce(c: Coordinator, a: Announcement) -> None:
     r, merged, why = a.decision.round, a.decision.merged, a.decision.why
     entry, result, late, encoded = a.entry, a.result, a.late, a.encoded
     c.cfg.faults.point("close", r.round_id)
-    opened_out = c._round_bytes_at_open.pop(r.round_id)[1]
     digest = c._hash(a.state)
     in_sync = c.book.in_sync(a.base_version)
     last = a.decision.final
@@ -202,7 +200,13 @@ def announce(c: Coordinator, a: Announcement) -> None:
             msg = full_global(c, a.state, r.round_id, wants_eval and evaluator is None)
         ok = c._send(m.peer, msg)
         c.book.holds(site_id, r.round_id, in_sync=ok)
-    entry["wire_bytes_out"] = c.chan.stats.bytes_sent - opened_out
+    # Everything on the socket since the previous round's result went out (the first round:
+    # since the start), joins, control and heartbeats included: the rounds' figures add up to
+    # the socket's totals.
+    received, sent = c.chan.stats.bytes_received, c.chan.stats.bytes_sent
+    entry["wire_bytes_in"] = received - c._bytes_mark[0]
+    entry["wire_bytes_out"] = sent - c._bytes_mark[1]
+    c._bytes_mark = (received, sent)
     entry["broadcast_bytes"] = c.chan.stats.bytes_sent - out_before
     payload_bytes = sum(enc.nbytes for enc in encoded)
     c.metrics.payload_bytes.labels(direction="out").inc(payload_bytes * len(in_sync))

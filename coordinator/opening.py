@@ -85,7 +85,6 @@ def abort(c: Coordinator, decision: Abort) -> None:
         c._masking.pop(round_id, None)
         c._masked.pop(round_id, None)
         c._round_plan.pop(round_id, None)
-        c._round_bytes_at_open.pop(round_id, None)
     for m in c.book.members.values():
         c._send(m.peer, RoundCancel(round_ids=ids, reason=decision.why))
 
@@ -157,10 +156,6 @@ def open(c: Coordinator, now: float, decision: Open) -> None:
         )
         c._masking[round_id] = masking
         secagg = secagg_plan_message(c, masking)
-    c._round_bytes_at_open[round_id] = (
-        c.chan.stats.bytes_received,
-        c.chan.stats.bytes_sent,
-    )
     evaluate_base = not c.state.history and c.state.global_version not in c.state.val_losses
     log.info(
         "[coordinator round=%d] open: %s; fragment %d/%d on v%d; plan: %s",

@@ -98,7 +98,9 @@ class Coordinator:
         self._early_extra: dict[str, int] = {}
         self._early_round = 0
         self._fragment_names: list[list[str]] = []
-        self._round_bytes_at_open: dict[int, tuple[int, int]] = {}
+        # The socket's byte counters when the latest round's result went out: a round's bytes
+        # are those since (two rounds in flight overlap in time, their bytes must not).
+        self._bytes_mark = (0, 0)
         # Secure aggregation: each site's announced masking keys, each round's masking plan
         # (its current attempt), and the masked vectors of that attempt.
         self._secagg_peers: dict[str, Peer] = {}

@@ -434,6 +434,15 @@ def test_extra_steps_already_planned_count_against_the_earliness() -> None:
         # the 0.4 s left give floor(0.8 x 0.4 / 0.3) = 1 extra step for round 4. After round 3:
         # 1 s early, round 4's step takes 0.3 s: floor(0.8 x 0.7 / 0.3) = 1 for round 5.
         assert steps == [5, 4, 4]
+        # Two rounds were in flight at once, yet no byte is counted twice and none is left out:
+        # a round counts what crossed the socket since the previous result went out (the first,
+        # since the start: the joins and the initial model). Everything received came before
+        # the last close; after the last result, only RoundStarts went out.
+        assert h.coord.state is not None and h.coord.chan is not None
+        history, stats = h.coord.state.history, h.coord.chan.stats
+        assert all(e["wire_bytes_in"] > 0 and e["wire_bytes_out"] > 0 for e in history)
+        assert sum(e["wire_bytes_in"] for e in history) == stats.bytes_received
+        assert sum(e["wire_bytes_out"] for e in history) <= stats.bytes_sent
 
 
 class GatedStore(MemoryStateStore):
