@@ -85,6 +85,7 @@ def on_join(c: Coordinator, peer: bytes, msg: Join) -> None:
     )
     record_secagg_peer(c, peer, msg)
     c.book.join(now, msg.site_id, peer, in_sync_version=msg.global_version if in_sync else None)
+    c._claims[msg.site_id] = (msg.global_version, msg.state_hash)
     c.metrics.joins.inc()
     c.metrics.members.set(len(c.book.members))
     need_init = False
@@ -160,8 +161,15 @@ def on_init(c: Coordinator, peer: bytes, msg: InitParams) -> None:
     )
     c.book.set_model(0)
     c.book.holds(msg.site_id, 0, in_sync=True)
+    digest = c._hash()
     for site_id, other in sorted(c.book.members.items()):
-        if not other.in_sync:
+        if other.in_sync:
+            continue
+        if c._claims.get(site_id) == (0, digest):
+            # It built the same θ0 from the federation's seed and proved it by hash at its
+            # join: nothing to download.
+            c.book.holds(site_id, 0, in_sync=True)
+        else:
             c._send_full(site_id)
     c._publish_status()
 

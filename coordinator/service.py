@@ -101,6 +101,9 @@ class Coordinator:
         # The socket's byte counters when the latest round's result went out: a round's bytes
         # are those since (two rounds in flight overlap in time, their bytes must not).
         self._bytes_mark = (0, 0)
+        # What each site said it holds at its join (version, state hash): before the initial
+        # model exists, a site that built the same θ0 is in sync once it does.
+        self._claims: dict[str, tuple[int, str]] = {}
         # Secure aggregation: each site's announced masking keys, each round's masking plan
         # (its current attempt), and the masked vectors of that attempt.
         self._secagg_peers: dict[str, Peer] = {}

@@ -172,6 +172,10 @@ class SiteAgent:
     def start(self) -> None:
         self.cfg.state_path.mkdir(parents=True, exist_ok=True)
         self._load_checkpoint()
+        if self.global_version < 0:
+            # A fresh site holds θ0 as the federation's seed and model config build it; it says
+            # so at its join with the state hash, and downloads nothing when the hash matches.
+            self.global_version = 0
         endpoint = self.cfg.coordinator or read_endpoint_file(
             self.cfg.coordinator_endpoint_file, timeout_s=120
         )

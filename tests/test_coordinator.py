@@ -482,3 +482,31 @@ def test_a_slow_save_leaves_the_loop_serving_and_holds_announcements() -> None:
         assert result.global_version == 1
         assert store.state is not None and store.state.global_version == 1
         assert isinstance(h.expect(eu, Heartbeat), Heartbeat)
+
+
+def test_a_site_that_built_the_same_initial_model_downloads_nothing(harness: Harness) -> None:
+    h = harness
+    eu, us = h.site("eu"), h.site("us")
+    # eu is asked for the initial parameters; before they arrive, us joins saying it holds v0
+    # with θ0's hash (it built θ0 from the federation's seed).
+    assert join(h, eu).need_init
+    assert not join(h, us, version=0, digest=state_hash(PARAMS)).need_init
+    eu.send(
+        InitParams(
+            site_id="eu", model_fingerprint="fp", payload=encode_tensors(PARAMS, Fp32Codec())
+        )
+    )
+    got: list[Message] = []
+    for _ in range(400):
+        h.coord.step(0.005)
+        while (msg := us.chan.recv(0.0)) is not None:
+            got.append(msg)
+        if any(isinstance(m, RoundStart) for m in got):
+            break
+    # No model went to us: the round started on the θ0 it proved by hash.
+    assert [type(m) for m in got] == [RoundStart], got
+    assert got[0].global_version == 0 and got[0].participants == ("eu", "us")
+    ap = h.site("ap")
+    assert not join(h, ap, version=0, digest="not-theta0").need_init
+    full = h.expect(ap, Global)  # a site whose θ0 differs gets the model
+    assert full.is_full and full.state_hash == state_hash(PARAMS)
