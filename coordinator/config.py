@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,8 +52,20 @@ class CoordinatorConfig:
     """Codec of the broadcast global delta (with error feedback); ``auto``: the scheduler's."""
     codec_ladder: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
     """Codecs the scheduler may choose, least compressed first."""
+    codec_loss_costs: dict[str, float] = field(
+        default_factory=lambda: {"fp32": 0.0, "fp16": 0.0, "int8": 0.0009, "int4": 0.0031}
+    )
+    """Measured cost of each codec in validation loss, relative to fp32 (0.003 = +0.3%), as
+    ``crossdc bench convergence`` reports it (defaults: its run at the demo's scale, with error
+    feedback). Bytes first: the scheduler takes the ladder codec with the fewest bytes whose cost
+    is within ``codec_loss_budget``; a codec missing here is never chosen that way. With no
+    ladder codec within the budget it falls back to the least compressed codec whose sync fits
+    (``sync_fraction``, ``unmeasured_codec``)."""
+    codec_loss_budget: float = 0.005
+    """Largest loss cost (relative, see ``codec_loss_costs``) a codec may have to be chosen."""
     unmeasured_codec: str = "int8"
-    """The scheduler's choice for a site whose link is not measured yet."""
+    """Fallback (no codec within the loss budget): the choice for a site whose link is not
+    measured yet."""
     num_fragments: int = 1
     """Streaming sync: the model is synced in this many fragments, staggered over H steps."""
     overlap: bool = True
@@ -60,9 +73,9 @@ class CoordinatorConfig:
     target_utilization: float = 0.95
     """Compute utilization the scheduler aims for when it sizes codecs and slots."""
     sync_fraction: float = 0.25
-    """With overlap, the scheduler gives a site the least compressed codec whose sync takes at
-    most this fraction of a slot's compute (else the most compressed): results merge at most that
-    far into the next slot, and staler merges cost more loss than coarser codecs do."""
+    """Fallback (no codec within the loss budget), with overlap: the scheduler gives a site the
+    least compressed codec whose sync takes at most this fraction of a slot's compute (else the
+    most compressed)."""
     max_inner_steps: int = 2000
     """Upper bound on H when the scheduler lengthens slots to fit a slow link."""
     align_arrivals: bool = True
@@ -181,6 +194,19 @@ class CoordinatorConfig:
             if getattr(self, name) != "auto":
                 specs[name] = getattr(self, name)
         specs.update({f"site_uplink_codecs.{k}": v for k, v in self.site_uplink_codecs.items()})
+        specs.update({f"codec_loss_costs.{k}": k for k in self.codec_loss_costs})
+        for name, cost in self.codec_loss_costs.items():
+            if (
+                isinstance(cost, bool)
+                or not isinstance(cost, int | float)
+                or not math.isfinite(cost)
+            ):
+                raise ValueError(
+                    f"coordinator.codec_loss_costs.{name} must be a number, got {cost!r}"
+                )
+        budget = self.codec_loss_budget
+        if isinstance(budget, bool) or not (isinstance(budget, int | float) and budget >= 0):
+            raise ValueError(f"coordinator.codec_loss_budget must be >= 0, got {budget!r}")
         for name, spec in specs.items():
             if not isinstance(spec, str):
                 raise ValueError(f"coordinator.{name} must be a codec name, got {spec!r}")

@@ -99,6 +99,8 @@ def schedule(c: Coordinator, now: float, participants: tuple[str, ...]) -> tuple
         target_utilization=cfg.target_utilization,
         sync_fraction=cfg.sync_fraction,
         ladder=cfg.codec_ladder,
+        loss_costs=cfg.codec_loss_costs,
+        loss_budget=cfg.codec_loss_budget,
         fixed_uplink=cfg.site_uplink_codecs,
         default_uplink=None if cfg.uplink_codec == "auto" else cfg.uplink_codec,
         fixed_downlink=None if cfg.downlink_codec == "auto" else cfg.downlink_codec,

@@ -2,10 +2,14 @@
 
 ``plan_round(now, sites, policy)`` chooses, per site, the codec of its pseudo-gradient, and for
 the round the downlink codec, the inner steps per sync slot and the fragment count, so that a
-sync fits inside the compute it overlaps (docs/architecture.md, "WAN awareness"). Codecs are
-tried from least to most compressed (the ladder); a site gets the first one whose sync fits its
-budget. When none fits, the slot is lengthened (more inner steps, up to a bound). The reason says
-which constraint bound.
+sync fits inside the compute it overlaps (docs/architecture.md, "WAN awareness").
+
+Bytes first: bytes are what users pay for, so a site gets the ladder codec with the fewest bytes
+whose measured loss cost (``loss_costs``, from ``crossdc bench convergence``) is within
+``loss_budget``, on any link; its sync is then the shortest too, and the slot is lengthened (more
+inner steps, up to a bound) only when even that sync does not fit. Without a measured codec
+within the budget, the ladder is walked from least to most compressed and a site gets the first
+codec whose sync fits its budget. The reason says which constraint bound.
 
 Arrival alignment: a round closes when its last update lands, so a site whose update arrived
 early waits for the others (blocking), or trains on while its result is pending and merges it
@@ -45,6 +49,10 @@ class SchedulePolicy:
     target_utilization: float = 0.95
     ladder: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
     """Codecs from least to most compressed."""
+    loss_costs: Mapping[str, float] = field(default_factory=dict)
+    """Measured loss cost of each codec relative to fp32 (``bench convergence``)."""
+    loss_budget: float = 0.005
+    """Bytes first: the ladder codec with the fewest bytes whose loss cost is within this."""
     fixed_uplink: Mapping[str, str] = field(default_factory=dict)
     """Sites whose uplink codec is fixed by configuration."""
     default_uplink: str | None = None
@@ -110,6 +118,35 @@ def _lengthened_slot(
     return slot
 
 
+def within_budget(policy: SchedulePolicy) -> tuple[str, ...]:
+    """The ladder's codecs whose measured loss cost is within the budget, least compressed
+    first (the last has the fewest bytes)."""
+    costs, budget = policy.loss_costs, policy.loss_budget
+    return tuple(c for c in policy.ladder if costs.get(c, math.inf) <= budget)
+
+
+def _fewest_bytes(
+    v: SiteView, codec: str, slot: int, numel: int, policy: SchedulePolicy, reasons: list[str]
+) -> int:
+    """Bytes first: ``codec`` has the fewest bytes within the loss budget, so its sync is the
+    shortest too; the slot is lengthened only when even that sync does not fit it."""
+    cost = policy.loss_costs[codec]
+    if not (v.step_seconds > 0 and v.goodput_bps > 0):
+        reasons.append(f"{v.site_id}: {codec} (fewest bytes within loss {cost:+.2%})")
+        return slot
+    compute_s = slot * v.step_seconds
+    if policy.overlap:
+        limit = policy.margin * compute_s
+    else:
+        limit = compute_s * (1 - policy.target_utilization) / policy.target_utilization
+    need = _sync_seconds(v, codec, codec, numel)
+    reasons.append(
+        f"{v.site_id}: {codec} (fewest bytes within loss {cost:+.2%}; sync {need:.2f}s "
+        f"vs {limit:.2f}s)"
+    )
+    return _lengthened_slot(v, need, slot, policy, reasons) if need > limit else slot
+
+
 def _choose_uplink(
     v: SiteView, slot: int, numel: int, policy: SchedulePolicy, reasons: list[str]
 ) -> tuple[str, int, int]:
@@ -120,6 +157,10 @@ def _choose_uplink(
     if fixed is not None:
         reasons.append(f"{v.site_id}: {fixed} (configured)")
         return fixed, ladder.index(fixed) if fixed in ladder else 0, slot
+    allowed = within_budget(policy)
+    if allowed:
+        codec = allowed[-1]
+        return codec, ladder.index(codec), _fewest_bytes(v, codec, slot, numel, policy, reasons)
     if not (v.step_seconds > 0 and v.goodput_bps > 0):
         reasons.append(f"{v.site_id}: {policy.unmeasured_codec} (link not measured yet)")
         return policy.unmeasured_codec, ladder.index(policy.unmeasured_codec), slot
@@ -177,8 +218,11 @@ def plan_round(
     levels: dict[str, int] = {}
     for v in sorted(sites, key=lambda s: s.site_id):
         uplink[v.site_id], levels[v.site_id], slot = _choose_uplink(v, slot, numel, policy, reasons)
+    allowed = within_budget(policy)
     if policy.fixed_downlink is not None:
         downlink = policy.fixed_downlink
+    elif allowed:
+        downlink = allowed[-1]
     elif levels:
         downlink = policy.ladder[max(levels.values())]
     else:

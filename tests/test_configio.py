@@ -41,6 +41,9 @@ def test_build_nested_and_explicit_wins() -> None:
         ({"sync_fraction": 0}, "coordinator.sync_fraction must be in"),
         ({"align_arrivals": "yes"}, "coordinator.align_arrivals"),
         ({"uplink_codec": "zip9"}, "coordinator.uplink_codec"),
+        ({"codec_loss_costs": {"zip9": 0.0}}, "coordinator.codec_loss_costs.zip9"),
+        ({"codec_loss_costs": {"int4": "low"}}, "coordinator.codec_loss_costs.int4 must be"),
+        ({"codec_loss_budget": -0.1}, "coordinator.codec_loss_budget must be >= 0"),
         ({"channel": {"chunk_bytes": 1}}, "channel.chunk_bytes"),
     ],
 )

@@ -121,3 +121,41 @@ def test_the_site_with_the_fewest_extra_steps_trains_the_plain_slot() -> None:
     plan, reason = plan_round(0.0, views, policy())
     assert plan.extra_steps == {"eu": 12, "us": 4} and plan.site_steps("ap") == 100, reason
     assert "less 4" in reason
+
+
+COSTS = {"fp32": 0.0, "fp16": 0.0, "int8": 0.0009, "int4": 0.0031}
+
+
+@pytest.mark.parametrize(
+    ("view", "budget", "codec", "slot"),
+    [
+        # Bytes first: on any link, the fewest bytes whose loss cost is within the budget.
+        (SiteView("lan", 0.1, 0.001, 10e9), 0.005, "int4", 100),
+        (SiteView("new", 0.0, 0.0, 0.0), 0.005, "int4", 100),  # not measured: bytes are known
+        (SiteView("lan", 0.1, 0.001, 10e9), 0.001, "int8", 100),  # int4 costs 0.31% > 0.1%
+        (SiteView("lan", 0.1, 0.001, 10e9), 0.0, "fp16", 100),  # fp16 as good as fp32, half
+        # int4 of 1M values is about 4.25 Mbit each way: 8.53 s at 1 Mbit/s with the RTT, over
+        # 0.8 x 5 s of 50 steps x 0.1 s, so the slot grows to ceil(8.53 / (0.1 x 0.8)) = 107.
+        (SiteView("thin", 0.1, 0.03, 1e6), 0.005, "int4", 107),
+    ],
+)
+def test_bytes_first_takes_the_fewest_bytes_within_the_loss_budget(
+    view: SiteView, budget: float, codec: str, slot: int
+) -> None:
+    steps = 100 if slot == 100 else 50
+    plan, reason = plan_round(
+        0.0, [view], policy(num_inner_steps=steps, loss_costs=COSTS, loss_budget=budget)
+    )
+    assert plan.uplink[view.site_id] == codec and plan.downlink == codec, reason
+    assert plan.num_inner_steps == slot, reason
+    assert "fewest bytes within loss" in reason
+
+
+def test_bytes_first_never_takes_a_codec_it_has_no_measurement_for() -> None:
+    view = SiteView("eu", 0.1, 0.04, 200e6)
+    costs = {"fp32": 0.0, "int8": 0.0009}  # int4 not measured
+    plan, _ = plan_round(0.0, [view], policy(loss_costs=costs))
+    assert plan.uplink["eu"] == "int8"
+    # Nothing measured within the budget: the least compressed codec whose sync fits, as before.
+    plan, reason = plan_round(0.0, [view], policy(loss_costs={"int4": 0.5}, margin=0.5))
+    assert plan.uplink["eu"] == "fp32" and "fewest bytes" not in reason
