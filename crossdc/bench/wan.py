@@ -15,15 +15,15 @@ Four measurements, each on real processes and real sockets:
    uses every site's batch; with arrival alignment a site may train extra steps in a round, so
    the count is the sites' merged tokens over one step's, at least rounds x inner steps), for its
    validation loss curve; its math does not depend on links, so its time to a loss on the WAN is
-   that step count times the measured WAN step time.
+   *estimated* as that step count times the measured WAN step time (the fields say so).
 
-Derived: ``bytes_ratio_vs_ddp`` (baseline / crossdc WAN bytes per inner step; crossdc's counted
-as its sync traffic, every update and broadcast, without the one-time model download when a site
-joins, which the baseline does not perform since its sites start from the same seed; the total
-including it is reported too), ``val_loss_gap``
-((crossdc − baseline) / baseline at equal tokens) and ``time_to_target_ratio`` (baseline WAN
-time / crossdc time to reach the worse of the two final losses); the last two, and the target
-and times they use, are null when either run's final validation loss never arrived.
+Derived: ``bytes_ratio_vs_ddp`` (baseline / crossdc WAN bytes per inner step, both counting every
+byte on the coordinator's socket: joins, the initial model, control, heartbeats, every update and
+broadcast; ``sync_bytes_ratio_vs_ddp`` compares crossdc's updates and broadcasts only),
+``val_loss_gap`` ((crossdc − baseline) / baseline at equal tokens) and
+``time_to_target_ratio_estimate`` (the baseline's estimated WAN time / crossdc's measured time to
+reach the worse of the two final losses); the last two, and the target and times they use, are
+null when either run's final validation loss never arrived.
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.rounds * args.inner_steps,
         math.ceil(ours["tokens_merged"] / (args.sites * site_step_tokens)),
     )
-    ours_bytes_per_step = ours["sync_bytes"] / inner_steps
+    ours_bytes_per_step = ours["wan_bytes_total"] / inner_steps
+    ours_sync_bytes_per_step = ours["sync_bytes"] / inner_steps
     ddp_wan = run_ddp(sites=args.sites, steps=args.ddp_wan_steps, eval_every=0, wan=True)
     ddp_eq = run_ddp(sites=args.sites, steps=inner_steps, eval_every=args.ddp_eval_every, wan=False)
     ddp_losses = {int(k): v for k, v in ddp_eq["val_loss_by_step"].items()}
@@ -110,9 +111,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "ddp_compute_utilization": ddp_wan["compute_utilization"],
             "crossdc_wan_bytes_per_inner_step": ours_bytes_per_step,
             "crossdc_wan_bytes_total": ours["wan_bytes_total"],
-            "crossdc_wan_bytes_total_per_inner_step": ours["wan_bytes_total"] / inner_steps,
+            "crossdc_sync_bytes_per_inner_step": ours_sync_bytes_per_step,
             "ddp_wan_bytes_per_inner_step": ddp_wan["wan_bytes_per_inner_step"],
             "bytes_ratio_vs_ddp": ddp_wan["wan_bytes_per_inner_step"] / ours_bytes_per_step,
+            "sync_bytes_ratio_vs_ddp": (
+                ddp_wan["wan_bytes_per_inner_step"] / ours_sync_bytes_per_step
+            ),
             "inner_steps": inner_steps,
             "val_loss_crossdc": ours_final,
             "val_loss_ddp_equal_tokens": ddp_final,
@@ -121,8 +125,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "crossdc_seconds_to_target": ours["train_seconds"] if both else None,
             "ddp_step_seconds_wan": ddp_step_s,
             "ddp_steps_to_target": ddp_steps_to_target,
-            "ddp_seconds_to_target": ddp_s_to_target,
-            "time_to_target_ratio": (
+            "ddp_seconds_to_target_estimate": ddp_s_to_target,
+            "time_to_target_ratio_estimate": (
                 ddp_s_to_target / ours["train_seconds"] if ddp_s_to_target is not None else None
             ),
             "links": ours.get("links"),
