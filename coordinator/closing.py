@@ -109,17 +109,22 @@ def close(c: Coordinator, now: float, decision: Close) -> None:
 def gather(
     c: Coordinator, decision: Close
 ) -> tuple[list[Accepted], list[Accepted], list[tuple[str, float, Arrays]]]:
-    """The round's on-time and late updates, and what the strategy merges: each late update
-    once, down-weighted by how many syncs of its fragment it missed; with secure aggregation,
-    only the unmasked weighted mean (the sites' updates are never seen)."""
+    """The round's on-time and late updates, and what the strategy merges: the running mean of
+    the on-time ones, and each late update once, down-weighted by how many syncs of its fragment
+    it missed (late updates of one round share that weight, so they come as one mean); with
+    secure aggregation, only the unmasked weighted mean (the sites' updates are never seen)."""
     r = decision.round
     accepted = c._accepted.pop(r.round_id, {})
     fresh = [accepted[s] for s in decision.merged]
     late = [c._late.pop((u.site_id, u.round_id)) for u in decision.late]
-    updates = [(u.site_id, u.weight, u.delta) for u in fresh]
-    for u in late:
-        staleness = max(1, (r.round_id - u.round_id) // c.cfg.num_fragments)
-        updates.append((f"{u.site_id}@{u.round_id}", u.weight / (1 + staleness), u.delta))
+    updates: list[tuple[str, float, Arrays]] = []
+    on_time = c._sums.pop(r.round_id, None)
+    if on_time is not None and on_time.count:
+        updates.append((f"round {r.round_id}", on_time.weight, on_time.mean()))
+    for origin in sorted({u.round_id for u in late}):
+        late_sum = c._late_sums.pop(origin)
+        staleness = max(1, (r.round_id - origin) // c.cfg.num_fragments)
+        updates.append((f"late@{origin}", late_sum.weight / (1 + staleness), late_sum.mean()))
     if c.cfg.secure_aggregation is not None:
         masked = c._masked.pop(r.round_id)
         masking = c._masking.pop(r.round_id)

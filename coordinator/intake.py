@@ -31,6 +31,7 @@ from comm.wire.schema import (
     Welcome,
 )
 from comm.wire.tensors import decode_tensors
+from coordinator.aggregate import RunningSum
 from coordinator.decisions import (
     Refusal,
 )
@@ -50,12 +51,12 @@ log = logging.getLogger("crossdc.coordinator")
 
 @dataclass(frozen=True)
 class Accepted:
-    """An update taken in: its decoded delta and what the round's summary needs of it."""
+    """An update taken in, as the round's summary needs it (its tensors went into the round's
+    running sum)."""
 
     site_id: str
     round_id: int
     weight: float
-    delta: Arrays
     train_loss: float
     compute_seconds: float
     nbytes: int
@@ -224,13 +225,7 @@ def record_update(
     nbytes = sum(enc.nbytes for enc in msg.payload)
     raw = sum(4 * int(np.prod(enc.shape)) for enc in msg.payload)
     acc = Accepted(
-        msg.site_id,
-        msg.round_id,
-        msg.weight,
-        delta,
-        msg.train_loss,
-        msg.compute_seconds,
-        nbytes,
+        msg.site_id, msg.round_id, msg.weight, msg.train_loss, msg.compute_seconds, nbytes
     )
     c.metrics.updates_accepted.labels(site=msg.site_id).inc()
     c.metrics.update_size.observe(nbytes)
@@ -238,6 +233,10 @@ def record_update(
     c.metrics.payload_raw_bytes.labels(direction="in").inc(raw)
     now = c.clock()
     c.book.accept(now, msg.site_id, msg.round_id)
+    # Folded in at once: the coordinator never keeps a site's update (memory O(model)). Late
+    # updates of one round share their staleness weight, so they share one sum too.
+    sums = c._late_sums if late else c._sums
+    sums.setdefault(msg.round_id, RunningSum()).add(msg.weight, delta)
     if late:
         c._late[(msg.site_id, msg.round_id)] = acc
         c.metrics.late_updates.inc()
@@ -297,7 +296,6 @@ def on_masked_update(
         msg.site_id,
         r.round_id,
         msg.weight,
-        {},
         msg.train_loss,
         msg.compute_seconds,
         sum(enc.nbytes for enc in msg.payload),

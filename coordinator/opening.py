@@ -49,6 +49,7 @@ def rerun_or_abandon(c: Coordinator, now: float, r: OpenRound, received: tuple[s
     c._masking[r.round_id] = rerun
     c._masked.pop(r.round_id, None)
     c._accepted.pop(r.round_id, None)
+    c._sums.pop(r.round_id, None)
     survivors = tuple(sorted(rerun.participants))
     c.book.rerun(now, r.round_id, survivors)
     log.warning("[coordinator round=%d] secure aggregation: %s", r.round_id, why)
@@ -81,6 +82,7 @@ def abort(c: Coordinator, decision: Abort) -> None:
     c.metrics.rounds_aborted.inc()
     for round_id in ids:
         c._accepted.pop(round_id, None)
+        c._sums.pop(round_id, None)
         c._arrived.pop(round_id, None)
         c._masking.pop(round_id, None)
         c._masked.pop(round_id, None)

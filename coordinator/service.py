@@ -32,6 +32,7 @@ from comm.transport.router import RouterChannel
 from comm.wire.schema import ERROR_MEANINGS, Error, ErrorCode, Message
 from comm.wire.tensors import fragments, state_hash
 from coordinator import closing, intake, opening
+from coordinator.aggregate import RunningSum
 from coordinator.config import CoordinatorConfig
 from coordinator.decisions import Abort, Close, Open, Remove, Rerun
 from coordinator.file_store import FileStateStore
@@ -88,6 +89,10 @@ class Coordinator:
         # Decoded updates: on time per open round, and late ones by (site, round).
         self._accepted: dict[int, dict[str, Accepted]] = {}
         self._late: dict[tuple[str, int], Accepted] = {}
+        # Running weighted sums of the updates: per open round, and per closed round whose
+        # late updates wait for their fragment's next sync (never the updates themselves).
+        self._sums: dict[int, RunningSum] = {}
+        self._late_sums: dict[int, RunningSum] = {}
         self._views: dict[str, SiteView] = {}
         self._round_plan: dict[int, RoundPlan] = {}
         # Arrival alignment: when each on-time update landed, per open round; how early each
