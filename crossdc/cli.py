@@ -308,6 +308,7 @@ def _add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser])
             "ddp",
             "equal_tokens",
             "pipeline",
+            "scale",
             "wan",
             "wan_goodput",
         ],

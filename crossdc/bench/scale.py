@@ -1,0 +1,281 @@
+"""``crossdc bench scale``: one real coordinator against many simulated sites, by model size.
+
+The coordinator is a real ``crossdc coordinator`` process (its own config, state dir and socket).
+The sites are clients in this process, each with its own ZeroMQ DEALER channel, speaking the real
+wire protocol: the first joins and uploads θ0, the others join proving θ0 by hash; in every round
+each sends an int4 update of the whole model and takes the result, without training (the bench
+measures the coordinator, not the sites). Per case it reports the coordinator's peak resident
+memory (``VmHWM``), how long each round took from its RoundStart to the last site's result,
+messages the coordinator refused, and WAN bytes per round (everything on its socket, divided by
+the rounds). ``docs/scaling.md`` has the figures and what they mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from comm.codecs.base import EncodedTensor
+from comm.codecs.registry import get_codec
+from comm.ops.configio import dump_toml
+from comm.transport.dealer import DealerChannel
+from comm.transport.profile import ChannelConfig
+from comm.wire.schema import (
+    Eval,
+    Global,
+    InitParams,
+    Join,
+    Message,
+    RoundStart,
+    Shutdown,
+    Update,
+    Welcome,
+)
+from comm.wire.tensors import encode_tensors, state_hash
+from crossdc.bench import print_report
+
+TENSOR_NUMEL = 1 << 22  # the model is cut into tensors of at most 4M values
+FINGERPRINT = "bench-scale"
+
+
+def model(numel: int) -> dict[str, np.ndarray]:
+    """A model of ``numel`` float32 values in tensors of at most TENSOR_NUMEL."""
+    rng = np.random.default_rng(0)
+    sizes = [TENSOR_NUMEL] * (numel // TENSOR_NUMEL) + [numel % TENSOR_NUMEL]
+    return {
+        f"t{i:03d}": rng.standard_normal(n).astype(np.float32) for i, n in enumerate(sizes) if n
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _peak_rss(pid: int) -> int:
+    """The process's peak resident set (VmHWM) in bytes; 0 once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def write_config(workdir: Path, *, sites: int, rounds: int, port: int) -> Path:
+    table = {
+        "bind": f"tcp://127.0.0.1:{port}",
+        "state_dir": str(workdir / "coordinator"),
+        "metrics_port": 0,
+        "min_sites": sites,
+        "max_rounds": rounds,
+        "num_inner_steps": 10,
+        "overlap": False,
+        "uplink_codec": "int4",
+        "downlink_codec": "int4",
+        "align_arrivals": False,
+        "round_deadline_s": 1800.0,
+        "site_timeout_s": 1800.0,
+        "final_eval_wait_s": 60.0,
+        "keep_checkpoints": 1,
+        "max_update_norm": 1e12,
+        "security": {"insecure": True},
+    }
+    path = workdir / "coordinator.toml"
+    path.write_text(dump_toml({"coordinator": table}))
+    return path
+
+
+@dataclass
+class _Site:
+    site_id: str
+    chan: DealerChannel
+    done: bool = False
+    version: int = 0
+
+
+@dataclass
+class _Run:
+    """The simulated sites' view of one case."""
+
+    theta0: dict[str, np.ndarray]
+    update: tuple[EncodedTensor, ...]
+    sites: list[_Site] = field(default_factory=list)
+    opened: dict[int, float] = field(default_factory=dict)
+    closed: dict[int, float] = field(default_factory=dict)
+    peak_rss: int = 0
+
+
+def _answer(run: _Run, site: _Site, msg: Message) -> None:
+    """What a site sends back: InitParams when asked, an update per round, Eval when asked."""
+    if isinstance(msg, Welcome) and msg.need_init:
+        site.chan.send(
+            InitParams(
+                site_id=site.site_id,
+                model_fingerprint=FINGERPRINT,
+                payload=encode_tensors(run.theta0, get_codec("fp32")),
+            )
+        )
+    elif isinstance(msg, RoundStart):
+        run.opened.setdefault(msg.round_id, time.monotonic())
+        site.chan.send(
+            Update(
+                site_id=site.site_id,
+                round_id=msg.round_id,
+                global_version=msg.fragment_base_version,
+                fragment=msg.fragment,
+                weight=1.0,
+                train_loss=1.0,
+                compute_seconds=0.0,
+                step_seconds=0.0,
+                link_rtt_s=0.0,
+                link_goodput_bps=0.0,
+                payload=run.update,
+            )
+        )
+    elif isinstance(msg, Global):
+        run.closed[msg.round_id] = time.monotonic()
+        site.version = msg.global_version
+        if msg.evaluate:
+            site.chan.send(
+                Eval(
+                    site_id=site.site_id,
+                    global_version=msg.global_version,
+                    val_loss=1.0,
+                    num_tokens=1,
+                )
+            )
+    elif isinstance(msg, Shutdown):
+        site.done = True
+
+
+def _serve(run: _Run, coord: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Drive every site's channel until all got Shutdown (or the coordinator exited)."""
+    deadline = time.monotonic() + timeout_s
+    last_rss = 0.0
+    while not all(s.done for s in run.sites):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no Shutdown within {timeout_s:.0f}s")
+        if coord.poll() is not None:
+            raise RuntimeError(f"the coordinator exited with {coord.returncode}")
+        busy = False
+        for site in run.sites:
+            msg = site.chan.recv(0.0)
+            if msg is not None:
+                busy = True
+                _answer(run, site, msg)
+        if time.monotonic() - last_rss > 0.2:
+            run.peak_rss, last_rss = max(run.peak_rss, _peak_rss(coord.pid)), time.monotonic()
+        if not busy:
+            time.sleep(0.002)
+
+
+def run_case(
+    sites: int, numel: int, rounds: int, workdir: Path, timeout_s: float
+) -> dict[str, Any]:
+    workdir.mkdir(parents=True)
+    port = _free_port()
+    cfg = write_config(workdir, sites=sites, rounds=rounds, port=port)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = open(workdir / "coordinator.log", "wb")  # noqa: SIM115 (closed below)
+    coord = subprocess.Popen(
+        [sys.executable, "-m", "crossdc", "coordinator", "--config", str(cfg)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    theta0 = model(numel)
+    rng = np.random.default_rng(1)
+    delta = {k: (1e-3 * rng.standard_normal(v.size)).astype(np.float32) for k, v in theta0.items()}
+    run = _Run(theta0=theta0, update=encode_tensors(delta, get_codec("int4")))
+    channel = ChannelConfig(max_transfer_bytes=max(1 << 30, 8 * numel))
+    try:
+        for i in range(sites):
+            chan = DealerChannel(channel, identity=f"site{i:02d}")
+            chan.connect(f"tcp://127.0.0.1:{port}")
+            run.sites.append(_Site(f"site{i:02d}", chan))
+        digest = state_hash(theta0)
+        for i, site in enumerate(run.sites):
+            # The first joins with nothing and is asked for θ0; the others prove it by hash.
+            site.chan.send(
+                Join(
+                    site_id=site.site_id,
+                    model_fingerprint=FINGERPRINT,
+                    global_version=0 if i else -1,
+                    state_hash=digest if i else "",
+                )
+            )
+            if i == 0:
+                time.sleep(0.5)  # the first join is the one asked for the initial model
+        started = time.monotonic()
+        _serve(run, coord, timeout_s)
+        wall = time.monotonic() - started
+        coord.wait(timeout=120)
+    finally:
+        for site in run.sites:
+            site.chan.close(flush_timeout_s=0)
+        if coord.poll() is None:
+            coord.kill()
+            coord.wait()
+        log.close()
+    status = json.loads((workdir / "coordinator" / "status.json").read_text())
+    wan = int(status.get("wire_bytes_in", 0)) + int(status.get("wire_bytes_out", 0))
+    closes = [run.closed[r] - run.opened[r] for r in sorted(run.closed) if r in run.opened]
+    return {
+        "sites": sites,
+        "params": numel,
+        "rounds": int(status.get("rounds_completed", 0)),
+        "coordinator_peak_rss_bytes": run.peak_rss,
+        "round_close_seconds": [round(s, 3) for s in closes],
+        "messages_refused": int(sum(status.get("rejected", {}).values())),
+        "wan_bytes_per_round": wan / max(1, int(status.get("rounds_completed", 0))),
+        "wan_bytes_total": wan,
+        "wall_seconds": round(wall, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="crossdc bench scale", description=__doc__.splitlines()[0])
+    p.add_argument("--sites", default="2,8,32,64", help="comma-separated site counts")
+    p.add_argument("--params", default="1000000,10000000,50000000", help="model sizes")
+    p.add_argument("--rounds", type=int, default=2, help="rounds per case")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
+    p.add_argument("--workdir", default="", help="keep configs, state and logs here")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        site_counts = [int(s) for s in args.sites.split(",")]
+        sizes = [int(float(s)) for s in args.params.split(",")]
+    except ValueError:
+        print(
+            "crossdc bench scale: --sites and --params take comma-separated numbers",
+            file=sys.stderr,
+        )
+        return 2
+    if min(site_counts) < 1 or min(sizes) < 1 or args.rounds < 1:
+        print("crossdc bench scale: sites, params and rounds must be >= 1", file=sys.stderr)
+        return 2
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="crossdc-scale-") as tmp:
+        root = Path(args.workdir or tmp)
+        for numel in sizes:
+            for sites in site_counts:
+                workdir = root / f"p{numel}-s{sites}"
+                runs.append(run_case(sites, numel, args.rounds, workdir, args.timeout))
+                if not args.json:
+                    print(json.dumps(runs[-1]), file=sys.stderr)
+    print_report({"runs": runs}, as_json=args.json)
+    return 0

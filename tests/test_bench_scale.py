@@ -1,0 +1,30 @@
+"""``crossdc bench scale`` on a small case: a real coordinator process, simulated sites."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from crossdc.bench import scale
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_a_small_case_runs_every_round_and_refuses_nothing(tmp_path: Path) -> None:
+    out = scale.run_case(3, 100_000, 2, tmp_path / "case", timeout_s=240)
+    assert out["rounds"] == 2 and out["messages_refused"] == 0
+    assert len(out["round_close_seconds"]) == 2
+    assert out["coordinator_peak_rss_bytes"] > 0
+    # Every byte on the coordinator's socket: at least θ0 up once, and per round three int4
+    # updates up and three int4 results down (about half a byte per value each).
+    assert out["wan_bytes_total"] >= 4 * 100_000 + 2 * 6 * 100_000 // 2
+    assert out["wan_bytes_per_round"] == out["wan_bytes_total"] / 2
+    log = (tmp_path / "case" / "coordinator.log").read_text()
+    assert "sent full model" not in log  # the other sites proved θ0 by hash
+
+
+def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert scale.main(["--sites", "two"]) == 2
+    assert scale.main(["--params", "0"]) == 2
+    assert "crossdc bench scale" in capsys.readouterr().err
