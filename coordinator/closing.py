@@ -174,19 +174,57 @@ def history_entry(
 
 def announce(c: Coordinator, a: Announcement) -> None:
     """Send a closed round's result (its state is durable) and account for it."""
-    assert c.state is not None and c.chan is not None
-    r, merged, why = a.decision.round, a.decision.merged, a.decision.why
-    entry, result, late, encoded = a.entry, a.result, a.late, a.encoded
+    assert c.chan is not None
+    r, entry = a.decision.round, a.entry
     c.cfg.faults.point("close", r.round_id)
+    out_before = c.chan.stats.bytes_sent
+    in_sync = broadcast(c, a)
+    # Everything on the socket since the previous round's result went out (the first round:
+    # since the start), joins, control and heartbeats included: the rounds' figures add up to
+    # the socket's totals.
+    received, sent = c.chan.stats.bytes_received, c.chan.stats.bytes_sent
+    entry["wire_bytes_in"] = received - c._bytes_mark[0]
+    entry["wire_bytes_out"] = sent - c._bytes_mark[1]
+    c._bytes_mark = (received, sent)
+    entry["broadcast_bytes"] = sent - out_before
+    payload_bytes = sum(enc.nbytes for enc in a.encoded)
+    c.metrics.payload_bytes.labels(direction="out").inc(payload_bytes * len(in_sync))
+    c.metrics.payload_raw_bytes.labels(direction="out").inc(
+        sum(4 * v.size for v in a.delta.values()) * len(in_sync)
+    )
+    c.metrics.rounds.inc()
+    c.metrics.round_duration.observe(entry["duration_s"])
+    c.metrics.quorum_size.set(len(a.decision.merged))
+    c.metrics.outer_grad_norm.set(a.result.outer_grad_norm)
+    c.metrics.train_loss.set(entry["train_loss"])
+    c.metrics.global_version.set(r.round_id)
+    log.info(
+        "[coordinator round=%d] closed: %s; merged=%s late=%d loss=%.4f outer_norm=%.4g "
+        "outer=%s %.1fs",
+        r.round_id,
+        a.decision.why,
+        a.decision.merged,
+        len(a.late),
+        entry["train_loss"],
+        a.result.outer_grad_norm,
+        a.result.rule,
+        entry["duration_s"],
+    )
+    c._publish_status()
+
+
+def broadcast(c: Coordinator, a: Announcement) -> list[str]:
+    """The result to every member: the compressed delta to those holding the round's base, the
+    whole model to the others; one site on time is asked to evaluate. Returns the sites that
+    held the base (they got the delta)."""
+    r, merged = a.decision.round, a.decision.merged
     digest = c._hash(a.state)
     in_sync = c.book.in_sync(a.base_version)
-    last = a.decision.final
-    wants_eval = r.round_id % c.cfg.eval_every_rounds == 0 or last
+    wants_eval = r.round_id % c.cfg.eval_every_rounds == 0 or a.decision.final
     # Ask a site that was on time: evaluating costs the evaluator some compute.
     candidates = [s for s in in_sync if s in merged] or in_sync
     evaluator = candidates[0] if candidates and wants_eval else None
-    merged_all = tuple(merged) + tuple(f"{u.site_id}@{u.round_id}" for u in late)
-    out_before = c.chan.stats.bytes_sent
+    merged_all = tuple(merged) + tuple(f"{u.site_id}@{u.round_id}" for u in a.late)
     for site_id, m in sorted(c.book.members.items()):
         if site_id in in_sync:
             msg: Global = Global(
@@ -199,44 +237,13 @@ def announce(c: Coordinator, a: Announcement) -> None:
                 state_hash=digest,
                 signature=sign(c, r.round_id, a.base_version, r.fragment, digest),
                 evaluate=site_id == evaluator,
-                payload=encoded,
+                payload=a.encoded,
             )
         else:
             msg = full_global(c, a.state, r.round_id, wants_eval and evaluator is None)
         ok = c._send(m.peer, msg)
         c.book.holds(site_id, r.round_id, in_sync=ok)
-    # Everything on the socket since the previous round's result went out (the first round:
-    # since the start), joins, control and heartbeats included: the rounds' figures add up to
-    # the socket's totals.
-    received, sent = c.chan.stats.bytes_received, c.chan.stats.bytes_sent
-    entry["wire_bytes_in"] = received - c._bytes_mark[0]
-    entry["wire_bytes_out"] = sent - c._bytes_mark[1]
-    c._bytes_mark = (received, sent)
-    entry["broadcast_bytes"] = c.chan.stats.bytes_sent - out_before
-    payload_bytes = sum(enc.nbytes for enc in encoded)
-    c.metrics.payload_bytes.labels(direction="out").inc(payload_bytes * len(in_sync))
-    c.metrics.payload_raw_bytes.labels(direction="out").inc(
-        sum(4 * v.size for v in a.delta.values()) * len(in_sync)
-    )
-    c.metrics.rounds.inc()
-    c.metrics.round_duration.observe(entry["duration_s"])
-    c.metrics.quorum_size.set(len(merged))
-    c.metrics.outer_grad_norm.set(result.outer_grad_norm)
-    c.metrics.train_loss.set(entry["train_loss"])
-    c.metrics.global_version.set(r.round_id)
-    log.info(
-        "[coordinator round=%d] closed: %s; merged=%s late=%d loss=%.4f outer_norm=%.4g "
-        "outer=%s %.1fs",
-        r.round_id,
-        why,
-        merged,
-        len(late),
-        entry["train_loss"],
-        result.outer_grad_norm,
-        result.rule,
-        entry["duration_s"],
-    )
-    c._publish_status()
+    return in_sync
 
 
 def maybe_finish(c: Coordinator, now: float) -> None:

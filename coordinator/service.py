@@ -86,7 +86,26 @@ class Coordinator:
         self.book = Lifecycle(lifecycle_config(cfg))
         self.session_id = os.urandom(8).hex()
         self.state: GlobalState | None = None
-        # Decoded updates: on time per open round, and late ones by (site, round).
+        self._init_round_records()
+        self._init_site: str | None = None
+        self._init_fingerprint: str | None = None
+        self._finish_started: float | None = None
+        self.finished = False
+        self.endpoint = ""
+        self.chan: RouterChannel | None = None
+        self._ctx: zmq.Context[Any] | None = None
+        self._hash_cache: tuple[int, str] | None = None
+        # Saves run on a writer thread; whatever reveals a state waits until it is durable.
+        self.outbox: Outbox | None = None
+        self._status = StatusBoard(
+            self.cfg.state_path / "status.json" if self.cfg.state_dir else None, self.clock
+        )
+
+    def _init_round_records(self) -> None:
+        """What the service keeps per round and per site beside the lifecycle (never a site's
+        update: those go into running sums)."""
+        # What each accepted update says (no tensors): on time per open round, late by
+        # (site, round).
         self._accepted: dict[int, dict[str, Accepted]] = {}
         self._late: dict[tuple[str, int], Accepted] = {}
         # Running weighted sums of the updates: per open round, and per closed round whose
@@ -114,19 +133,6 @@ class Coordinator:
         self._secagg_peers: dict[str, Peer] = {}
         self._masking: dict[int, MaskingPlan] = {}
         self._masked: dict[int, dict[str, dict[str, np.ndarray]]] = {}
-        self._init_site: str | None = None
-        self._init_fingerprint: str | None = None
-        self._finish_started: float | None = None
-        self.finished = False
-        self.endpoint = ""
-        self.chan: RouterChannel | None = None
-        self._ctx: zmq.Context[Any] | None = None
-        self._hash_cache: tuple[int, str] | None = None
-        # Saves run on a writer thread; whatever reveals a state waits until it is durable.
-        self.outbox: Outbox | None = None
-        self._status = StatusBoard(
-            self.cfg.state_path / "status.json" if self.cfg.state_dir else None, self.clock
-        )
 
     @property
     def members(self) -> dict[str, Member]:

@@ -183,6 +183,14 @@ def _serve(run: _Run, coord: subprocess.Popen[bytes], timeout_s: float) -> None:
             time.sleep(0.002)
 
 
+def _new_run(numel: int) -> _Run:
+    """θ0 of ``numel`` values and the one int4 update every simulated site sends."""
+    theta0 = model(numel)
+    rng = np.random.default_rng(1)
+    delta = {k: (1e-3 * rng.standard_normal(v.size)).astype(np.float32) for k, v in theta0.items()}
+    return _Run(theta0=theta0, update=encode_tensors(delta, get_codec("int4")))
+
+
 def run_case(
     sites: int, numel: int, rounds: int, workdir: Path, timeout_s: float
 ) -> dict[str, Any]:
@@ -197,17 +205,14 @@ def run_case(
         stderr=subprocess.STDOUT,
         env=env,
     )
-    theta0 = model(numel)
-    rng = np.random.default_rng(1)
-    delta = {k: (1e-3 * rng.standard_normal(v.size)).astype(np.float32) for k, v in theta0.items()}
-    run = _Run(theta0=theta0, update=encode_tensors(delta, get_codec("int4")))
+    run = _new_run(numel)
     channel = ChannelConfig(max_transfer_bytes=max(1 << 30, 8 * numel))
     try:
         for i in range(sites):
             chan = DealerChannel(channel, identity=f"site{i:02d}")
             chan.connect(f"tcp://127.0.0.1:{port}")
             run.sites.append(_Site(f"site{i:02d}", chan))
-        digest = state_hash(theta0)
+        digest = state_hash(run.theta0)
         for i, site in enumerate(run.sites):
             # The first joins with nothing and is asked for θ0; the others prove it by hash.
             site.chan.send(
@@ -231,17 +236,23 @@ def run_case(
             coord.kill()
             coord.wait()
         log.close()
+    return _figures(run, workdir, sites, numel, wall)
+
+
+def _figures(run: _Run, workdir: Path, sites: int, numel: int, wall: float) -> dict[str, Any]:
+    """The case's report, from the coordinator's status file and the sites' observations."""
     status = json.loads((workdir / "coordinator" / "status.json").read_text())
     wan = int(status.get("wire_bytes_in", 0)) + int(status.get("wire_bytes_out", 0))
+    rounds = int(status.get("rounds_completed", 0))
     closes = [run.closed[r] - run.opened[r] for r in sorted(run.closed) if r in run.opened]
     return {
         "sites": sites,
         "params": numel,
-        "rounds": int(status.get("rounds_completed", 0)),
+        "rounds": rounds,
         "coordinator_peak_rss_bytes": run.peak_rss,
         "round_close_seconds": [round(s, 3) for s in closes],
         "messages_refused": int(sum(status.get("rejected", {}).values())),
-        "wan_bytes_per_round": wan / max(1, int(status.get("rounds_completed", 0))),
+        "wan_bytes_per_round": wan / max(1, rounds),
         "wan_bytes_total": wan,
         "wall_seconds": round(wall, 2),
     }
