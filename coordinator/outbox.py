@@ -40,8 +40,9 @@ class Outbox:
         return bool(self._queue)
 
     def settled(self) -> bool:
-        """Nothing waits: an action may run now (also while queued actions are running, which
-        keeps them in order)."""
+        """Nothing waits: an action may run now. Also while a queued action runs: it was
+        written for the state its save made durable, and what it sends must go out in its
+        place (queued again, it would land behind the actions of later saves)."""
         return self._running or (not self._queue and self.durable)
 
     def later(self, action: Callable[[], None]) -> None:
