@@ -42,6 +42,7 @@ from comm.wire.schema import (
     RoundCancel,
     RoundStart,
     Shutdown,
+    Update,
     Welcome,
 )
 from comm.wire.tensors import encode_tensors
@@ -111,7 +112,8 @@ class SiteAgent:
         self.cfg = cfg
         self.clock = clock
         self.auth = AuthWatch()
-        self._echoes_seen = 0
+        self._echoes_seen, self._last_echo_at = 0, clock()
+        self._unanswered: dict[int, Update] = {}  # sent, no result yet: resent after a gap
         self.trainer = trainer
         self.val_batches = val_batches
         self.metrics = metrics or SiteMetrics(cfg.site_id)
@@ -350,6 +352,7 @@ class SiteAgent:
     _send_masked = sync.send_masked
     _remask = sync.remask
     _mask_and_send = sync.mask_and_send
+    _resend_unanswered = sync.resend_unanswered
 
     def _publish_link_metrics(self) -> None:
         if self.link is None:
@@ -357,6 +360,10 @@ class SiteAgent:
         if self.link.stats.echoes_received != self._echoes_seen:
             self._echoes_seen = self.link.stats.echoes_received
             self.auth.accepted()  # the coordinator echoes only a member's heartbeats
+            now = self.clock()
+            if now - self._last_echo_at > 3 * self.cfg.channel.heartbeat_interval_s:
+                self._resend_unanswered(now - self._last_echo_at)
+            self._last_echo_at = now
         sent, received = self.link.stats.bytes_sent, self.link.stats.bytes_received
         self.metrics.wire(sent - self._bytes_seen[0], received - self._bytes_seen[1])
         self._bytes_seen = (sent, received)

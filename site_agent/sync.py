@@ -127,21 +127,24 @@ def send_update_message(
 ) -> None:
     """Send one round's update with this site's measurements, and account for it."""
     assert self.link is not None
-    self._send(
-        Update(
-            site_id=self.site_id,
-            round_id=rs.round_id,
-            global_version=self.global_version,
-            fragment=rs.fragment,
-            weight=weight,
-            train_loss=stats.loss_mean,
-            compute_seconds=stats.compute_seconds,
-            step_seconds=stats.compute_seconds / max(1, stats.steps),
-            link_rtt_s=self.link.stats.rtt_s,
-            link_goodput_bps=self.link.stats.goodput_bps,
-            payload=payload,
-        )
+    msg = Update(
+        site_id=self.site_id,
+        round_id=rs.round_id,
+        global_version=self.global_version,
+        fragment=rs.fragment,
+        weight=weight,
+        train_loss=stats.loss_mean,
+        compute_seconds=stats.compute_seconds,
+        step_seconds=stats.compute_seconds / max(1, stats.steps),
+        link_rtt_s=self.link.stats.rtt_s,
+        link_goodput_bps=self.link.stats.goodput_bps,
+        payload=payload,
     )
+    self._send(msg)
+    # Kept until the round's result arrives (bounded: at most a few rounds are in flight).
+    self._unanswered[rs.round_id] = msg
+    while len(self._unanswered) > 4:
+        del self._unanswered[min(self._unanswered)]
     self._rounds_sent += 1
     self.metrics.round_sent()
     self._last_send_at = time.monotonic()
@@ -236,3 +239,22 @@ def mask_and_send(
         attempt,
     )
     return True
+
+
+def resend_unanswered(self: SiteAgent, silent_s: float) -> None:
+    """The link was silent (cut, or the coordinator away) and is back: what was in flight
+    may be lost, and a lost update would hold its round until the deadline. Send again the
+    updates whose round has no result yet (a copy that did arrive is refused as a
+    duplicate, harmlessly)."""
+    done = self.global_version
+    self._unanswered = {
+        r: m for r, m in self._unanswered.items() if r > done and r not in self.rounds.cancelled
+    }
+    for round_id, msg in sorted(self._unanswered.items()):
+        log.warning(
+            "[site=%s round=%d] link back after %.1fs of silence: sending the update again",
+            self.site_id,
+            round_id,
+            silent_s,
+        )
+        self._send(msg)

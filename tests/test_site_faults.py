@@ -370,3 +370,55 @@ def test_a_plan_naming_a_newer_global_makes_the_site_ask_for_the_model(tmp_path:
     assert not link.stuck, "the site waited for a result that was lost"
     assert link.updates() == [1, 2]
     assert sum(isinstance(m, SyncRequest) for m in link.sent) == 1
+
+
+# ---- an update lost in a link cut is sent again when the link comes back -------------------
+
+
+def test_an_update_is_sent_again_when_the_link_comes_back_after_a_silence(
+    tmp_path: Path,
+) -> None:
+    now = [0.0]
+
+    def updates_of(round_id: int) -> Gate:
+        return lambda sent: sum(isinstance(m, Update) and m.round_id == round_id for m in sent) >= 2
+
+    class CutLink(ScriptedLink):
+        """Once round 1's update is out, the link goes silent for 10 s (a cut: no heartbeat
+        echo), then an echo arrives again."""
+
+        cut = False
+
+        def recv(self, timeout_s: float) -> Message | None:
+            if not self.cut and self.updates() == [1]:
+                self.cut = True
+                now[0] += 10.0
+                self.stats.echoes_received += 1
+            return super().recv(timeout_s)
+
+    agent = make_agent(
+        tmp_path,
+        [
+            (always, welcome()),
+            (always, round_start(1, overlap=True)),
+            (updates_of(1), Shutdown(reason="done")),
+        ],
+        clock=lambda: now[0],
+    )
+    link = CutLink(agent.link.script)  # type: ignore[union-attr]
+    agent.link = link  # type: ignore[assignment]
+    assert agent.run() == EXIT_OK
+    assert not link.stuck, "the update was never sent again"
+    assert link.updates() == [1, 1]
+
+
+def test_a_short_pause_between_echoes_sends_nothing_again(tmp_path: Path) -> None:
+    code, link = run_script(
+        tmp_path,
+        [
+            (always, welcome()),
+            (always, round_start(1, overlap=True)),
+            (after_update(1), Shutdown(reason="done")),
+        ],
+    )
+    assert code == EXIT_OK and link.updates() == [1]
