@@ -263,7 +263,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report = run_chaos(args, spec, workdir)
     fault_free: dict[str, Any] = {"rounds": None, "val_loss": None}
     if not args.skip_fault_free and report["rounds_completed"] > 0:
-        timeout = max(300.0, time.monotonic() - started)
+        # As long as the chaos run took, twice over (rounds without overlap are long, and a
+        # busy machine makes them longer), and at least ten minutes.
+        timeout = max(600.0, 2.0 * (time.monotonic() - started))
         fault_free = run_fault_free(spec, report["rounds_completed"], workdir, timeout)
     report["val_loss_fault_free"] = fault_free["val_loss"]
     report["fault_free_rounds"] = fault_free["rounds"]
