@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +48,7 @@ from comm.wire.schema import (
     Welcome,
 )
 from comm.wire.tensors import decode_tensors, encode_tensors, spec_of, state_hash
+from coordinator.durable import atomic_write
 from crossdc.ddp.trainer import Batch, DDPTrainer
 from site_agent.agent import (
     EXIT_FATAL,
@@ -66,20 +65,6 @@ from site_agent.model import model_fingerprint
 log = logging.getLogger("crossdc.site.ddp")
 
 RESULT_FILE = "ddp-result.json"
-
-
-def _atomic_write_json(path: Path, doc: Mapping[str, Any]) -> None:
-    body = json.dumps(doc, indent=1, sort_keys=True).encode()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(body)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class _Stop(Exception):
@@ -370,7 +355,8 @@ class DDPSite:
         }
 
     def _write_result(self) -> None:
-        _atomic_write_json(self.state_path / RESULT_FILE, self.result())
+        body = json.dumps(self.result(), indent=1, sort_keys=True).encode()
+        atomic_write(self.state_path / RESULT_FILE, lambda fh: fh.write(body))
 
 
 def build_ddp_site(cfg: SiteConfig) -> DDPSite:
