@@ -18,7 +18,7 @@ from hypothesis.extra import numpy as hnp
 
 from comm.codecs import base
 from comm.codecs.base import EncodedTensor, NonFiniteError, PayloadCodec, check_finite
-from comm.codecs.quantize import Int4Codec, Int8Codec
+from comm.codecs.quantize import Int2Codec, Int4Codec, Int8Codec
 from comm.codecs.registry import (
     CODEC_IDS,
     codec_from_id,
@@ -39,11 +39,20 @@ EXACT_SPECS = [
     "int8:block=128",
     "int4",
     "int4:block=32",
+    "int2",
+    "int2:block=128",
     "topk:0.01",
     "topk:0.25,values=fp16",
 ]
-ALL_SPECS = [*EXACT_SPECS, "int8+zstd", "int4:block=32+zstd:level=9", "topk:0.01+zstd", "fp16+zstd"]
-CHUNKABLE = ["fp32", "fp16", "bf16", "int8", "int8:block=128", "int4", "int4:block=32"]
+ALL_SPECS = [
+    *EXACT_SPECS,
+    "int8+zstd",
+    "int4:block=32+zstd:level=9",
+    "int2+zstd",
+    "topk:0.01+zstd",
+    "fp16+zstd",
+]
+CHUNKABLE = ["fp32", "fp16", "bf16", "int8", "int8:block=128", "int4", "int4:block=32", "int2"]
 
 
 def _sample(n: int, seed: int = 0) -> npt.NDArray[np.float32]:
@@ -88,8 +97,8 @@ def assert_within_bound(codec: PayloadCodec, x: npt.NDArray[Any], enc: EncodedTe
         assert np.all(err <= np.maximum(np.abs(x64) * 2.0**-11, 2.0**-25))
     elif name == "bf16":
         assert np.all(err <= np.abs(x64) * 2.0**-8 + 2.0**-134)
-    elif name in ("int8", "int4"):
-        qmax = 127.0 if name == "int8" else 7.0
+    elif name in ("int8", "int4", "int2"):
+        qmax = {"int8": 127.0, "int4": 7.0, "int2": 1.0}[name]
         block = enc.meta["block"]
         raw = codec if codec.exact_size else get_codec(codec.spec.partition("+")[0])
         scales = _scales(raw.encode("x", x32))
@@ -157,11 +166,13 @@ def test_encoded_size_formulas() -> None:
     assert get_codec("bf16").encoded_size(n) == 2 * n
     assert get_codec("int8").encoded_size(n) == n + 2 * math.ceil(n / 256)
     assert get_codec("int4").encoded_size(n) == math.ceil(n / 2) + 2 * math.ceil(n / 64)
+    assert get_codec("int2").encoded_size(n) == math.ceil(n / 4) + 2 * math.ceil(n / 64)
     assert get_codec("topk:0.01").encoded_size(n) == 10_000 * 8
     assert get_codec("topk:0.01,values=fp16").encoded_size(n) == 10_000 * 6
     # The ratios the docs promise for large tensors.
     assert 4 * n / get_codec("int8").encoded_size(n) >= 3.9
     assert 4 * n / get_codec("int4").encoded_size(n) >= 7.5
+    assert 4 * n / get_codec("int2").encoded_size(n) >= 14.2
 
 
 def test_int8_golden_bytes() -> None:
@@ -182,10 +193,30 @@ def test_int4_golden_nibbles() -> None:
     assert np.frombuffer(odd.buffers[0], dtype=np.uint8).tolist() == [0x1F, 0x88]
 
 
+def test_int2_golden_crumbs() -> None:
+    # q = [1, -1, 0, 1 | 0, -1, ...]: element 4i + k in bits 2k of byte i, stored as q + 1.
+    x = np.array([1.0, -1.0, 0.2, 0.8, 0.1, -1.0], dtype=np.float32)
+    enc = Int2Codec(block=4).encode("w", x)
+    # byte 0: 2 + 0*4 + 1*16 + 2*64 = 146; byte 1: 1 + 0*4 + pad 1*16 + 1*64 = 81.
+    assert np.frombuffer(enc.buffers[0], dtype=np.uint8).tolist() == [146, 81]
+    assert _scales(enc).tolist() == [1.0, 1.0]
+    assert Int2Codec(block=4).decode(enc).tolist() == [1.0, -1.0, 0.0, 1.0, 0.0, -1.0]
+
+
+def test_int2_zstd_codes_ternary_values_near_their_entropy() -> None:
+    # Gaussian values per 64-block: about 3/4 of them round to 0, so the 2-bit crumbs carry about
+    # one bit of information each, and zstd's entropy stage gets close to that.
+    x = np.random.default_rng(5).standard_normal(1 << 20).astype(np.float32)
+    plain, packed = get_codec("int2").encode("w", x), get_codec("int2+zstd").encode("w", x)
+    assert plain.nbytes == get_codec("int2").encoded_size(x.size)
+    assert packed.nbytes * 8 / x.size < 1.5 < plain.nbytes * 8 / x.size
+    assert np.array_equal(get_codec("int2+zstd").decode(packed), get_codec("int2").decode(plain))
+
+
 def test_zero_blocks_have_zero_scale_and_decode_exactly() -> None:
     x = np.zeros(600, dtype=np.float32)
     x[300:310] = np.linspace(-2, 2, 10)
-    for spec in ("int8", "int4"):
+    for spec in ("int8", "int4", "int2"):
         codec = get_codec(spec)
         enc = codec.encode("w", x)
         y = codec.decode(enc)
@@ -196,11 +227,19 @@ def test_zero_blocks_have_zero_scale_and_decode_exactly() -> None:
 def test_tiny_blocks_keep_a_nonzero_scale() -> None:
     # absmax / 127 is below the smallest fp16 subnormal: the scale rounds up, never to 0.
     x = np.array([3e-9, -1e-9, 2e-9, 0.0], dtype=np.float32)
-    for spec in ("int8:block=4", "int4:block=4"):
+    for spec in ("int8:block=4", "int4:block=4", "int2:block=4"):
         codec = get_codec(spec)
         enc = codec.encode("w", x)
         assert _scales(enc)[0] == 2.0**-24
         assert_within_bound(codec, x, enc)
+
+
+def test_subnormal_blocks_keep_a_nonzero_scale() -> None:
+    # absmax / qmax underflows float32 itself: the scale still rounds up to the fp16 subnormal.
+    x = np.array([1e-45, 0.0, 0.0, 0.0], dtype=np.float32)
+    for spec in ("int8:block=4", "int4:block=4", "int2:block=4"):
+        enc = get_codec(spec).encode("w", x)
+        assert _scales(enc)[0] == 2.0**-24
 
 
 def test_quantized_values_stay_in_range() -> None:
@@ -210,6 +249,9 @@ def test_quantized_values_stay_in_range() -> None:
     packed = np.frombuffer(get_codec("int4").encode("w", x).buffers[0], dtype=np.uint8)
     nibbles = np.concatenate([packed & 15, packed >> 4])
     assert nibbles.min() >= 1 and nibbles.max() <= 15
+    packed2 = np.frombuffer(get_codec("int2").encode("w", x).buffers[0], dtype=np.uint8)
+    crumbs = np.concatenate([(packed2 >> k) & 3 for k in (0, 2, 4, 6)])
+    assert crumbs.max() <= 2 and set(np.unique(crumbs)) == {0, 1, 2}
 
 
 def test_int_scale_overflow_is_a_value_error() -> None:
@@ -490,7 +532,15 @@ def test_specs_are_canonical_and_round_trip() -> None:
 
 
 def test_codec_ids_are_stable() -> None:
-    assert CODEC_IDS == {"fp32": 1, "fp16": 2, "bf16": 3, "int8": 4, "int4": 5, "topk": 6}
+    assert CODEC_IDS == {
+        "fp32": 1,
+        "fp16": 2,
+        "bf16": 3,
+        "int8": 4,
+        "int4": 5,
+        "topk": 6,
+        "int2": 7,
+    }
     assert get_codec("int8+zstd").codec_id == 0x14
     assert get_codec("int4:block=32").codec_id == 5
     for spec in ALL_SPECS:
@@ -515,6 +565,7 @@ def test_codec_from_id_decodes_any_parameters() -> None:
         ("int8:block=0", r"block must be in \[1"),
         ("int8:block=2000000", r"block must be in \[1"),
         ("int4:block=33", "block must be even"),
+        ("int2:block=6", "block must be a multiple of 4"),
         ("int8:size=4", "unknown parameter 'size'"),
         ("int8:block=4,block=8", "given twice"),
         ("int8:128", "unexpected parameter '128'"),
@@ -537,7 +588,7 @@ def test_bad_specs_name_the_problem(spec: str, message: str) -> None:
         get_codec(spec)
 
 
-@pytest.mark.parametrize("codec_id", [0, 7, 0x10, 0x17, 99, -1, True])
+@pytest.mark.parametrize("codec_id", [0, 8, 0x10, 0x18, 99, -1, True])
 def test_unknown_codec_id(codec_id: int) -> None:
     with pytest.raises(ValueError, match="unknown codec id"):
         codec_from_id(codec_id)

@@ -10,8 +10,8 @@ Codecs, by spec string (see ``docs/compression.md`` for sizes and error bounds):
 - ``fp32``: the float32 bytes (lossless).
 - ``fp16``: IEEE half precision; values beyond +-65504 saturate.
 - ``bf16``: bfloat16 bit patterns as uint16, round to nearest even.
-- ``int8[:block=N]`` / ``int4[:block=N]``: blockwise symmetric absmax quantization, one fp16
-  scale per block, int4 packed two values per byte.
+- ``int8[:block=N]`` / ``int4[:block=N]`` / ``int2[:block=N]``: blockwise symmetric absmax
+  quantization, one fp16 scale per block; int4 packs two values per byte, int2 (ternary) four.
 - ``topk:F[,values=fp16]``: the ``round(F * numel)`` largest magnitudes with uint32 indices.
 - any of the above followed by ``+zstd[:level=L]``: a lossless zstandard stage over each buffer.
 

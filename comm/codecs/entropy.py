@@ -20,7 +20,7 @@ from comm.codecs.base import (
 )
 from comm.codecs.floats import Bf16Codec, Fp16Codec, Fp32Codec
 from comm.codecs.plumbing import _check_buffers, _check_family, _check_shape, _read_buffer
-from comm.codecs.quantize import Int4Codec, Int8Codec
+from comm.codecs.quantize import Int2Codec, Int4Codec, Int8Codec
 from comm.codecs.sparse import TopKCodec
 
 # --------------------------------------------------------------------------------------------
@@ -33,7 +33,7 @@ def _zstd_bound(size: int) -> int:
     return size + (size >> 8) + small
 
 
-_InnerCodec = Fp32Codec | Fp16Codec | Bf16Codec | Int8Codec | Int4Codec | TopKCodec
+_InnerCodec = Fp32Codec | Fp16Codec | Bf16Codec | Int8Codec | Int4Codec | Int2Codec | TopKCodec
 
 
 @dataclass(frozen=True)

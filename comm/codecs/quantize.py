@@ -1,6 +1,7 @@
-"""Blockwise symmetric absmax quantization: ``int8`` and ``int4``, one fp16 scale per block.
+"""Blockwise symmetric absmax quantization: ``int8``, ``int4`` and ternary ``int2``, one fp16
+scale per block.
 
-int4 packs two values per byte. Work on CPU runs in tiles of ``base._TILE_ELEMS`` values.
+int4 packs two values per byte, int2 four. Work on CPU runs in tiles of ``base._TILE_ELEMS`` values.
 """
 
 from __future__ import annotations
@@ -52,10 +53,13 @@ def _block_scales(
     absmax = torch.maximum(torch.amax(cols, dim=0), torch.amin(cols, dim=0).neg_())
     if not bool(torch.isfinite(absmax).all()):
         _raise_non_finite(name, x2d, stage="before encoding")
+    nonzero = absmax > 0
     scale = absmax.div_(qmax)
     s16 = scale.to(torch.float16)
-    # For non-negative halves the next representable value is the next bit pattern.
-    s16.view(torch.int16).add_((s16.to(torch.float32) < scale).to(torch.int16))
+    # For non-negative halves the next representable value is the next bit pattern. A nonzero
+    # block whose absmax / qmax underflows float32 (an fp32 subnormal absmax) rounds up too.
+    up = (s16.to(torch.float32) < scale).logical_or_(nonzero.logical_and_(s16 == 0))
+    s16.view(torch.int16).add_(up.to(torch.int16))
     s32 = s16.to(torch.float32)
     if not bool(torch.isfinite(s32).all()):
         raise ValueError(
@@ -85,6 +89,8 @@ def _validate_block(family: str, block: int) -> None:
         raise ValueError(f"{family}: block must be in [1, {_MAX_BLOCK}], got {block}")
     if family == "int4" and block % 2:
         raise ValueError(f"int4: block must be even (two values per byte), got {block}")
+    if family == "int2" and block % 4:
+        raise ValueError(f"int2: block must be a multiple of 4 (four values per byte), got {block}")
 
 
 class _BlockCodec(_Codec):
@@ -270,3 +276,46 @@ class Int4Codec(_BlockCodec):
         q = wide.view(torch.int8).sub_(_NIBBLE_BIAS)
         out2d.copy_(q.view(out2d.shape))
         out2d.mul_(s32[:, None])
+
+
+# Crumb layout: element 4i + k in bits 2k..2k+1 of byte i, stored as q + 1 (0, 1 or 2; 1 is
+# zero). A tail's unused crumbs hold 1.
+_CRUMB_WEIGHTS = (1.0, 4.0, 16.0, 64.0)
+
+
+@dataclass(frozen=True)
+class Int2Codec(_BlockCodec):
+    """Ternary per block of ``block`` values: q = round(x / s) in {-1, 0, 1}, s = absmax
+    stored as fp16, packed four values per byte. Values below half the block's absmax become 0
+    (error feedback carries them to a later sync), so most crumbs are 1 and a ``+zstd`` stage
+    entropy-codes them to about one bit per value."""
+
+    block: int = 64
+    name: ClassVar[str] = "int2"
+    codec_id: ClassVar[int] = 7
+    qmax: ClassVar[float] = 1.0
+    default_block: ClassVar[int] = 64
+    value_dtype: ClassVar[np.dtype[Any]] = np.dtype(np.uint8)
+
+    def _value_count(self, numel: int) -> int:
+        return (numel + 3) // 4
+
+    def _pack_tile(self, q2d: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> None:
+        quads = q2d.view(-1, 4)
+        # Σ (q_k + 1) 4^k is at most 170: exact in float32, then one cast to uint8.
+        sums = work[: quads.shape[0]]
+        torch.add(quads[:, 0], quads[:, 1], alpha=_CRUMB_WEIGHTS[1], out=sums)
+        sums.add_(quads[:, 2], alpha=_CRUMB_WEIGHTS[2]).add_(quads[:, 3], alpha=_CRUMB_WEIGHTS[3])
+        sums.add_(sum(_CRUMB_WEIGHTS))
+        out.copy_(sums)
+
+    def _unpack_tile(
+        self, values: torch.Tensor, s32: torch.Tensor, out2d: torch.Tensor, scratch: torch.Tensor
+    ) -> None:
+        wide = scratch[: values.numel()]
+        wide.copy_(values)
+        crumbs = torch.stack(
+            [wide & 3, (wide >> 2) & 3, (wide >> 4) & 3, wide >> 6], dim=1
+        )  # byte i's four values, in element order
+        out2d.copy_(crumbs.view(out2d.shape))
+        out2d.sub_(1).mul_(s32[:, None])

@@ -17,14 +17,15 @@ import numpy as np
 from comm.codecs.base import _ZSTD_FLAG, EncodedTensor, FloatArray, PayloadCodec, TensorLike
 from comm.codecs.entropy import ZstdCodec, _InnerCodec
 from comm.codecs.floats import Bf16Codec, Fp16Codec, Fp32Codec
-from comm.codecs.quantize import Int4Codec, Int8Codec
+from comm.codecs.quantize import Int2Codec, Int4Codec, Int8Codec
 from comm.codecs.sparse import TopKCodec
 
 # --------------------------------------------------------------------------------------------
 # Registry and spec strings
 
 CODEC_IDS: dict[str, int] = {
-    c.name: c.codec_id for c in (Fp32Codec, Fp16Codec, Bf16Codec, Int8Codec, Int4Codec, TopKCodec)
+    c.name: c.codec_id
+    for c in (Fp32Codec, Fp16Codec, Bf16Codec, Int8Codec, Int4Codec, TopKCodec, Int2Codec)
 }
 """Stable wire ids of the codec families; ``+zstd`` sets bit 0x10 (``int8+zstd`` is 0x14)."""
 
@@ -72,12 +73,12 @@ def _parse_base(text: str) -> _InnerCodec:
     if family in ("fp32", "fp16", "bf16"):
         _reject_extra(family, positional, keywords, set())
         return Fp32Codec() if family == "fp32" else Fp16Codec() if family == "fp16" else Bf16Codec()
-    if family in ("int8", "int4"):
+    if family in ("int8", "int4", "int2"):
         _reject_extra(family, positional, keywords, {"block"})
-        cls = Int8Codec if family == "int8" else Int4Codec
-        if "block" in keywords:
-            return cls(block=_int_param(family, "block", keywords["block"]))
-        return cls()
+        block = {"block": _int_param(family, "block", keywords["block"])} if keywords else {}
+        if family == "int8":
+            return Int8Codec(**block)
+        return Int4Codec(**block) if family == "int4" else Int2Codec(**block)
     if family == "topk":
         if len(positional) > 1 or (positional and "k" in keywords):
             raise ValueError(f"topk: give the fraction once, got {params!r}")
