@@ -5,12 +5,27 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from comm.ops.configio import load_section
 from comm.security.kits import SecurityConfig
 from comm.security.masking import SecAggConfig
 from comm.transport.profile import ChannelConfig
 from coordinator.faults import FaultPlan
+
+
+@dataclass(frozen=True, kw_only=True)
+class InitialModelConfig:
+    """θ0 from the federation's seed and model config, built at the coordinator's start exactly
+    as every site builds it: no site uploads it, and each proves by hash at its join that it
+    holds the same. Without this table the first site to join uploads its parameters as θ0 (for
+    a model that cannot be rebuilt from a seed, e.g. a user's checkpoint)."""
+
+    seed: int
+    """The sites' ``site.seed``."""
+    model: dict[str, Any] = field(default_factory=dict)
+    """The sites' ``[site.model]`` table (the embedded default model); its keys are checked
+    against the model's config when the coordinator starts."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +122,8 @@ class CoordinatorConfig:
     """Pairwise-masked updates: the coordinator learns only the sum (sites must agree)."""
     faults: FaultPlan = field(default_factory=FaultPlan)
     """Deterministic crash points for fault drills; all off by default."""
+    initial_model: InitialModelConfig | None = None
+    """Build θ0 from a seed instead of taking the first site's upload (see the table's doc)."""
 
     def __post_init__(self) -> None:
         self._check_rounds()

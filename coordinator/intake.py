@@ -38,9 +38,6 @@ from coordinator.decisions import (
 from coordinator.membership import Member
 from coordinator.rounds import OpenRound
 from coordinator.scheduler import SiteView
-from coordinator.state import (
-    GlobalState,
-)
 from coordinator.strategy import Arrays, global_norm
 
 if TYPE_CHECKING:
@@ -142,25 +139,7 @@ def on_init(c: Coordinator, peer: bytes, msg: InitParams) -> None:
     except WireError as exc:
         c._reject(peer, exc.code, exc.detail, msg.site_id)
         return
-    params = {k: np.array(v, dtype=np.float32) for k, v in params.items()}
-    zeros = {k: np.zeros_like(v) for k, v in params.items()}
-    c.state = GlobalState(
-        params=params,
-        momentum=zeros,
-        residual={k: v.copy() for k, v in zeros.items()},
-        global_version=0,
-        round_counter=0,
-        model_fingerprint=msg.model_fingerprint,
-    )
-    c._persist(c.state)
-    c._set_model()
-    log.info(
-        "[coordinator site=%s] initial model: %d tensors, %d parameters",
-        msg.site_id,
-        len(params),
-        sum(v.size for v in params.values()),
-    )
-    c.book.set_model(0)
+    c.install_initial(params, msg.model_fingerprint)
     c.book.holds(msg.site_id, 0, in_sync=True)
     digest = c._hash()
     for site_id, other in sorted(c.book.members.items()):

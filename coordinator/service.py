@@ -16,8 +16,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,15 @@ from coordinator.strategy import DiLoCo, Strategy
 log = logging.getLogger("crossdc.coordinator")
 
 
+@dataclass(frozen=True)
+class InitialModel:
+    """θ_0 handed to the coordinator at its start (built from the federation's seed by its
+    launcher), so that no site has to upload it."""
+
+    params: Mapping[str, np.ndarray]
+    fingerprint: str
+
+
 class Coordinator:
     """One federation's coordinator. ``start``, then ``run`` (or ``step``), then ``close``.
 
@@ -66,8 +75,10 @@ class Coordinator:
         strategy: Strategy | None = None,
         metrics: CoordinatorMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        initial: InitialModel | None = None,
     ) -> None:
         self.cfg = cfg
+        self.initial = initial
         self.kit: CoordinatorKit | None = (
             load_coordinator_kit(cfg.security.kit_dir) if cfg.security.kit_dir else None
         )
@@ -147,6 +158,28 @@ class Coordinator:
         """The oldest round in flight."""
         return self.book.open_rounds[0] if self.book.open_rounds else None
 
+    def install_initial(self, params: Mapping[str, np.ndarray], fingerprint: str) -> None:
+        """θ_0: the global model at version 0, zero momentum and residual, saved durably."""
+        arrays = {k: np.array(v, dtype=np.float32) for k, v in params.items()}
+        zeros = {k: np.zeros_like(v) for k, v in arrays.items()}
+        self.state = GlobalState(
+            params=arrays,
+            momentum=zeros,
+            residual={k: v.copy() for k, v in zeros.items()},
+            global_version=0,
+            round_counter=0,
+            model_fingerprint=fingerprint,
+        )
+        self._persist(self.state)
+        self._set_model()
+        self.book.set_model(0)
+        log.info(
+            "[coordinator] initial model %s: %d tensors, %d parameters",
+            fingerprint,
+            len(arrays),
+            sum(v.size for v in arrays.values()),
+        )
+
     def _set_model(self) -> None:
         """Fragment layout of the model (a pure function of its tensor names)."""
         assert self.state is not None
@@ -158,6 +191,18 @@ class Coordinator:
         """Load durable state, bind the socket; return the bound endpoint."""
         self.state = self.store.load()
         self.outbox = Outbox(self.store)
+        if self.state is None and self.initial is not None:
+            self.install_initial(self.initial.params, self.initial.fingerprint)
+        elif (
+            self.state is not None
+            and self.initial is not None
+            and self.initial.fingerprint != self.state.model_fingerprint
+        ):
+            raise ValueError(
+                f"coordinator.initial_model describes model {self.initial.fingerprint}, but "
+                f"{self.cfg.state_dir or 'the state store'} holds model "
+                f"{self.state.model_fingerprint}"
+            )
         if self.state is not None:
             self._set_model()
             self.book = Lifecycle.resume(

@@ -7,6 +7,7 @@ exits with code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -15,7 +16,11 @@ import sys
 import threading
 import urllib.request
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from coordinator.config import InitialModelConfig
+    from coordinator.service import InitialModel
 
 EXIT_BAD_CONFIG = 2
 
@@ -78,6 +83,27 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _initial_model(cfg: InitialModelConfig | None) -> InitialModel | None:
+    """θ0 as every site builds it from ``[coordinator.initial_model]`` (the embedded model)."""
+    if cfg is None:
+        return None
+    from coordinator.service import InitialModel
+    from site_agent.model import ModelConfig, initial_parameters, model_fingerprint
+
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(cfg.model) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown key coordinator.initial_model.model.{unknown[0]} "
+            f"(known: {', '.join(sorted(known))})"
+        )
+    try:
+        model_cfg = ModelConfig(**cfg.model)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"coordinator.initial_model.model: {exc}") from None
+    return InitialModel(initial_parameters(model_cfg, cfg.seed), model_fingerprint(model_cfg))
+
+
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from comm.ops.configio import ConfigError
     from comm.ops.observe import ObserveServer
@@ -90,13 +116,23 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         print(f"crossdc coordinator: bad config: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     try:
-        coord = Coordinator(cfg)  # loads the key kit and the durable state's store
+        initial = _initial_model(cfg.initial_model)
+    except ValueError as exc:
+        print(f"crossdc coordinator: bad config: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    try:
+        coord = Coordinator(cfg, initial=initial)  # loads the key kit and the state's store
     except (ValueError, OSError) as exc:  # AuthError is a ValueError
         print(f"crossdc coordinator: cannot start: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     stop = threading.Event()
     _stop_on_signals(stop)
-    coord.start()
+    try:
+        coord.start()
+    except ValueError as exc:  # the state dir holds another model than initial_model builds
+        coord.close()
+        print(f"crossdc coordinator: cannot start: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
     http = None
     if cfg.metrics_port:
         http = ObserveServer(

@@ -22,6 +22,8 @@ SITE_NAMES = ("eu", "us", "ap", "sa", "af", "me", "oc", "na")
 
 # The embedded default: a small byte-level GPT that learns visibly within two minutes on 2 cores.
 DEMO_MODEL = {"context_len": 128, "num_layers": 4, "d_model": 128, "num_heads": 4}
+DEMO_SEED = 1234
+"""The sites' model seed; the coordinator builds the same θ0 from it (no upload at the join)."""
 
 
 def link_profiles(args: argparse.Namespace, site_ids: list[str]) -> dict[str, LinkProfile]:
@@ -102,9 +104,14 @@ def site_ids(num_sites: int) -> list[str]:
 
 
 def write_coordinator_config(
-    args: argparse.Namespace, workdir: Path, *, overrides: dict[str, Any] | None = None
+    args: argparse.Namespace,
+    workdir: Path,
+    *,
+    overrides: dict[str, Any] | None = None,
+    model: dict[str, int] | None = None,
 ) -> Path:
-    """The coordinator's config; ``overrides`` replaces keys of its ``[coordinator]`` table."""
+    """The coordinator's config; ``overrides`` replaces keys of its ``[coordinator]`` table;
+    ``model`` (default DEMO_MODEL) is the sites' model, whose θ0 the coordinator builds."""
     coord_dir = workdir / "coordinator"
     coordinator = {
         "coordinator": {
@@ -126,6 +133,7 @@ def write_coordinator_config(
             "round_deadline_s": 600.0,
             "site_timeout_s": 60.0,
             "security": _security(args, workdir, None),
+            "initial_model": {"seed": DEMO_SEED, "model": model or DEMO_MODEL},
             **_secagg(args),
         }
     }
@@ -151,6 +159,7 @@ def write_site_configs(
                 "site_id": site_id,
                 "coordinator": endpoints[site_id],
                 "state_dir": str(workdir / f"site-{site_id}"),
+                "seed": DEMO_SEED,
                 "num_threads": 1,
                 "device": "cpu",
                 "stages": args.stages,

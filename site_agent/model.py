@@ -17,6 +17,7 @@ import json
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -180,6 +181,13 @@ def build_model(cfg: ModelConfig, seed: int, *, device: str | torch.device = "cp
     assert initialised == {name for name, _ in model.named_parameters()}
     assert not list(model.buffers()), "every state_dict entry must be a parameter"
     return model.to(device)
+
+
+def initial_parameters(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    """θ0 of ``build_model(cfg, seed)`` as float32 arrays in ``state_dict`` order: what every
+    site starts from, and what a coordinator builds instead of taking an upload."""
+    model = build_model(cfg, seed)
+    return {name: t.detach().numpy().copy() for name, t in model.state_dict().items()}
 
 
 def param_spec(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:

@@ -147,3 +147,30 @@ def test_cli_missing_key_kit_prints_one_line_and_exits_2(tmp_path: Path) -> None
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and str(missing) in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("table", "named"),
+    [
+        ("seed = 1\n[coordinator.initial_model.model]\nnum_layer = 2\n", "model.num_layer"),
+        ("seed = 1\n[coordinator.initial_model.model]\nnum_heads = 0\n", "num_heads"),
+        ("sed = 1\n", "initial_model.sed"),
+    ],
+)
+def test_cli_bad_initial_model_prints_one_line_and_exits_2(
+    tmp_path: Path, table: str, named: str
+) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(
+        f'[coordinator]\nstate_dir = "{tmp_path}/state"\nmetrics_port = 0\n'
+        f"[coordinator.security]\ninsecure = true\n[coordinator.initial_model]\n{table}"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "crossdc", "coordinator", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0], lines

@@ -37,7 +37,7 @@ from comm.wire.schema import (
 )
 from comm.wire.tensors import encode_tensors, fragments, state_hash
 from coordinator.config import CoordinatorConfig
-from coordinator.service import Coordinator, next_fragment
+from coordinator.service import Coordinator, InitialModel, next_fragment
 from coordinator.state import GlobalState, MemoryStateStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -84,6 +84,7 @@ class Harness:
 def running(
     store: MemoryStateStore | None = None,
     clock: Callable[[], float] | None = None,
+    initial: InitialModel | None = None,
     **overrides: Any,
 ) -> Iterator[Harness]:
     """A started coordinator on a free port with the test defaults, and a ZeroMQ context;
@@ -106,6 +107,7 @@ def running(
     coord = Coordinator(
         CoordinatorConfig(**{**defaults, **overrides}),
         store=store or MemoryStateStore(),
+        initial=initial,
         **({} if clock is None else {"clock": clock}),
     )
     coord.start()
@@ -510,3 +512,66 @@ def test_a_site_that_built_the_same_initial_model_downloads_nothing(harness: Har
     assert not join(h, ap, version=0, digest="not-theta0").need_init
     full = h.expect(ap, Global)  # a site whose θ0 differs gets the model
     assert full.is_full and full.state_hash == state_hash(PARAMS)
+
+
+def test_a_coordinator_given_theta0_asks_no_site_to_upload_it() -> None:
+    store = MemoryStateStore()
+    with running(store=store, initial=InitialModel(PARAMS, "fp")) as h:
+        # θ0 becomes durable at version 0 without any site.
+        h.until(lambda: store.load() is not None)
+        saved = store.load()
+        assert saved is not None and saved.global_version == 0
+        assert saved.model_fingerprint == "fp" and state_hash(saved.params) == state_hash(PARAMS)
+        eu, us = h.site("eu"), h.site("us")
+        assert not join(h, eu, version=0, digest=state_hash(PARAMS)).need_init
+        assert not join(h, us, version=0, digest=state_hash(PARAMS)).need_init
+        got: list[Message] = []
+        for _ in range(400):
+            h.coord.step(0.005)
+            while (msg := us.chan.recv(0.0)) is not None:
+                got.append(msg)
+            if any(isinstance(m, RoundStart) for m in got):
+                break
+        assert [type(m) for m in got] == [RoundStart], got  # no model travelled
+        ap = h.site("ap")
+        assert not join(h, ap, version=0, digest="not-theta0").need_init
+        full = h.expect(ap, Global)  # a site whose θ0 differs gets the model
+        assert full.is_full and full.state_hash == state_hash(PARAMS)
+        # An unrequested upload changes nothing.
+        before = rejected(h.coord, "unexpected")
+        zeros = {k: np.zeros_like(v) for k, v in PARAMS.items()}
+        eu.send(
+            InitParams(
+                site_id="eu", model_fingerprint="fp", payload=encode_tensors(zeros, Fp32Codec())
+            )
+        )
+        h.expect(eu, Error)
+        assert rejected(h.coord, "unexpected") == before + 1
+        assert h.coord.state is not None and state_hash(h.coord.state.params) == state_hash(PARAMS)
+
+
+def test_a_site_of_another_model_is_refused_when_theta0_is_built() -> None:
+    with running(initial=InitialModel(PARAMS, "fp-built")) as h:
+        eu = h.site("eu")
+        eu.send(Join(site_id="eu", model_fingerprint="fp", global_version=0, state_hash=""))
+        err: Error = h.expect(eu, Error)
+        assert err.code == ErrorCode.MODEL_MISMATCH and "fp-built" in err.detail
+
+
+def test_a_state_dir_of_another_model_than_the_built_theta0_refuses_to_start() -> None:
+    store = MemoryStateStore()
+    with running(store=store, initial=InitialModel(PARAMS, "fp")):
+        pass
+    cfg = CoordinatorConfig(
+        bind="tcp://127.0.0.1:0",
+        state_dir="",
+        metrics_port=0,
+        security=SecurityConfig(insecure=True),
+    )
+    coord = Coordinator(cfg, store=store, initial=InitialModel(PARAMS, "other"))
+    try:
+        with pytest.raises(ValueError, match="initial_model describes model other.*holds model fp"):
+            coord.start()
+        assert coord.chan is None  # refused before binding anything
+    finally:
+        coord.close()

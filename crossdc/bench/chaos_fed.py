@@ -149,7 +149,9 @@ class Federation:
             "round_deadline_s": self.spec.round_deadline_s,
             "metrics_port": 0,
         }
-        coord_cfg = write_coordinator_config(args, self.workdir, overrides=overrides)
+        coord_cfg = write_coordinator_config(
+            args, self.workdir, overrides=overrides, model=self.spec.model
+        )
         endpoints = {}
         for site_id, profile in link_profiles(args, self.site_ids).items():
             link = LinkEmulator("127.0.0.1", self.port, profile=profile, name=f"link-{site_id}")
