@@ -39,6 +39,7 @@ EXACT_SPECS = [
     "int8:block=128",
     "int4",
     "int4:block=32",
+    "int3",
     "int2",
     "int2:block=128",
     "topk:0.01",
@@ -48,6 +49,7 @@ ALL_SPECS = [
     *EXACT_SPECS,
     "int8+zstd",
     "int4:block=32+zstd:level=9",
+    "int3+zstd",
     "int2+zstd",
     "topk:0.01+zstd",
     "fp16+zstd",
@@ -97,8 +99,8 @@ def assert_within_bound(codec: PayloadCodec, x: npt.NDArray[Any], enc: EncodedTe
         assert np.all(err <= np.maximum(np.abs(x64) * 2.0**-11, 2.0**-25))
     elif name == "bf16":
         assert np.all(err <= np.abs(x64) * 2.0**-8 + 2.0**-134)
-    elif name in ("int8", "int4", "int2"):
-        qmax = {"int8": 127.0, "int4": 7.0, "int2": 1.0}[name]
+    elif name in ("int8", "int4", "int3", "int2"):
+        qmax = {"int8": 127.0, "int4": 7.0, "int3": 3.0, "int2": 1.0}[name]
         block = enc.meta["block"]
         raw = codec if codec.exact_size else get_codec(codec.spec.partition("+")[0])
         scales = _scales(raw.encode("x", x32))
@@ -249,6 +251,9 @@ def test_quantized_values_stay_in_range() -> None:
     packed = np.frombuffer(get_codec("int4").encode("w", x).buffers[0], dtype=np.uint8)
     nibbles = np.concatenate([packed & 15, packed >> 4])
     assert nibbles.min() >= 1 and nibbles.max() <= 15
+    packed3 = np.frombuffer(get_codec("int3").encode("w", x).buffers[0], dtype=np.uint8)
+    nibbles3 = np.concatenate([packed3 & 15, packed3 >> 4])
+    assert nibbles3.min() >= 5 and nibbles3.max() <= 11
     packed2 = np.frombuffer(get_codec("int2").encode("w", x).buffers[0], dtype=np.uint8)
     crumbs = np.concatenate([(packed2 >> k) & 3 for k in (0, 2, 4, 6)])
     assert crumbs.max() <= 2 and set(np.unique(crumbs)) == {0, 1, 2}
@@ -540,6 +545,7 @@ def test_codec_ids_are_stable() -> None:
         "int4": 5,
         "topk": 6,
         "int2": 7,
+        "int3": 8,
     }
     assert get_codec("int8+zstd").codec_id == 0x14
     assert get_codec("int4:block=32").codec_id == 5
@@ -566,6 +572,7 @@ def test_codec_from_id_decodes_any_parameters() -> None:
         ("int8:block=2000000", r"block must be in \[1"),
         ("int4:block=33", "block must be even"),
         ("int2:block=6", "block must be a multiple of 4"),
+        ("int3:block=7", "int3: block must be even"),
         ("int8:size=4", "unknown parameter 'size'"),
         ("int8:block=4,block=8", "given twice"),
         ("int8:128", "unexpected parameter '128'"),
@@ -588,7 +595,7 @@ def test_bad_specs_name_the_problem(spec: str, message: str) -> None:
         get_codec(spec)
 
 
-@pytest.mark.parametrize("codec_id", [0, 8, 0x10, 0x18, 99, -1, True])
+@pytest.mark.parametrize("codec_id", [0, 9, 0x10, 0x19, 99, -1, True])
 def test_unknown_codec_id(codec_id: int) -> None:
     with pytest.raises(ValueError, match="unknown codec id"):
         codec_from_id(codec_id)

@@ -1,7 +1,7 @@
-"""Blockwise symmetric absmax quantization: ``int8``, ``int4`` and ternary ``int2``, one fp16
-scale per block.
+"""Blockwise symmetric absmax quantization: ``int8``, ``int4``, ``int3`` and ternary ``int2``,
+one fp16 scale per block.
 
-int4 packs two values per byte, int2 four. Work on CPU runs in tiles of ``base._TILE_ELEMS`` values.
+int4 and int3 pack two values per byte, int2 four. Work on CPU runs in tiles of ``base._TILE_ELEMS`` values.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def _tile_rows(block: int, nrows: int, device: torch.device) -> int:
 def _validate_block(family: str, block: int) -> None:
     if not (1 <= block <= _MAX_BLOCK):
         raise ValueError(f"{family}: block must be in [1, {_MAX_BLOCK}], got {block}")
-    if family == "int4" and block % 2:
-        raise ValueError(f"int4: block must be even (two values per byte), got {block}")
+    if family in ("int4", "int3") and block % 2:
+        raise ValueError(f"{family}: block must be even (two values per byte), got {block}")
     if family == "int2" and block % 4:
         raise ValueError(f"int2: block must be a multiple of 4 (four values per byte), got {block}")
 
@@ -276,6 +276,17 @@ class Int4Codec(_BlockCodec):
         q = wide.view(torch.int8).sub_(_NIBBLE_BIAS)
         out2d.copy_(q.view(out2d.shape))
         out2d.mul_(s32[:, None])
+
+
+@dataclass(frozen=True)
+class Int3Codec(Int4Codec):
+    """Symmetric 3-bit codes per block of ``block`` values: q = round(x / s) in [-3, 3],
+    s = absmax / 3 stored as fp16, in int4's nibble layout. Alone it is as large as int4; its
+    seven levels are what a ``+zstd`` stage entropy-codes to about 2.5 bits a value."""
+
+    name: ClassVar[str] = "int3"
+    codec_id: ClassVar[int] = 8
+    qmax: ClassVar[float] = 3.0
 
 
 # Crumb layout: element 4i + k in bits 2k..2k+1 of byte i, stored as q + 1 (0, 1 or 2; 1 is

@@ -17,7 +17,7 @@ import numpy as np
 from comm.codecs.base import _ZSTD_FLAG, EncodedTensor, FloatArray, PayloadCodec, TensorLike
 from comm.codecs.entropy import ZstdCodec, _InnerCodec
 from comm.codecs.floats import Bf16Codec, Fp16Codec, Fp32Codec
-from comm.codecs.quantize import Int2Codec, Int4Codec, Int8Codec
+from comm.codecs.quantize import Int2Codec, Int3Codec, Int4Codec, Int8Codec
 from comm.codecs.sparse import TopKCodec
 
 # --------------------------------------------------------------------------------------------
@@ -25,7 +25,16 @@ from comm.codecs.sparse import TopKCodec
 
 CODEC_IDS: dict[str, int] = {
     c.name: c.codec_id
-    for c in (Fp32Codec, Fp16Codec, Bf16Codec, Int8Codec, Int4Codec, TopKCodec, Int2Codec)
+    for c in (
+        Fp32Codec,
+        Fp16Codec,
+        Bf16Codec,
+        Int8Codec,
+        Int4Codec,
+        TopKCodec,
+        Int2Codec,
+        Int3Codec,
+    )
 }
 """Stable wire ids of the codec families; ``+zstd`` sets bit 0x10 (``int8+zstd`` is 0x14)."""
 
@@ -73,11 +82,13 @@ def _parse_base(text: str) -> _InnerCodec:
     if family in ("fp32", "fp16", "bf16"):
         _reject_extra(family, positional, keywords, set())
         return Fp32Codec() if family == "fp32" else Fp16Codec() if family == "fp16" else Bf16Codec()
-    if family in ("int8", "int4", "int2"):
+    if family in ("int8", "int4", "int3", "int2"):
         _reject_extra(family, positional, keywords, {"block"})
         block = {"block": _int_param(family, "block", keywords["block"])} if keywords else {}
         if family == "int8":
             return Int8Codec(**block)
+        if family == "int3":
+            return Int3Codec(**block)
         return Int4Codec(**block) if family == "int4" else Int2Codec(**block)
     if family == "topk":
         if len(positional) > 1 or (positional and "k" in keywords):
