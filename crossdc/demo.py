@@ -215,10 +215,18 @@ def _full_report(
     report = build_report(args, status, wall, read_history(workdir / "coordinator"))
     sites_status = {s: _read_status(workdir / f"site-{s}" / "status.json") or {} for s in ids}
     report["dp_epsilon"] = {s: st.get("dp_epsilon") for s, st in sites_status.items()}
-    report["site_compute_utilization"] = {
-        s: st.get("compute_utilization", 0.0) for s, st in sites_status.items()
+    # Per site: inner steps per second over its training period / its rate with no sync of its
+    # in flight, both measured in this run (null where a site measured neither).
+    util = {s: st.get("compute_utilization") for s, st in sites_status.items()}
+    report["site_compute_utilization"] = util
+    known = [u for u in util.values() if u is not None]
+    report["compute_utilization"] = sum(known) / len(known) if known else None
+    report["site_steps_per_second"] = {
+        s: st.get("steps_per_second") for s, st in sites_status.items()
     }
-    report["compute_utilization"] = sum(report["site_compute_utilization"].values()) / len(ids)
+    report["site_sync_free_steps_per_second"] = {
+        s: st.get("sync_free_steps_per_second") for s, st in sites_status.items()
+    }
     report["links"] = {s: p.to_spec() for s, p in profiles.items()}
     report["link_bytes"] = link_bytes
     return report
@@ -336,6 +344,10 @@ def _fmt_loss(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.4f}"
 
 
+def _fmt_share(v: float | None) -> str:
+    return "n/a" if v is None else f"{v * 100:.1f}%"
+
+
 def _print_summary(r: dict[str, Any]) -> None:
     v0, v1 = r["val_loss_initial"], r["val_loss_final"]
     drop = f"{(1 - v1 / v0) * 100:.1f}% lower" if v0 and v1 is not None else "n/a"
@@ -344,5 +356,6 @@ def _print_summary(r: dict[str, Any]) -> None:
         f"{r['num_parameters']:,} parameters\n"
         f"  validation loss {_fmt_loss(v0)} -> {_fmt_loss(v1)} ({drop})\n"
         f"  WAN bytes {_fmt_bytes(r['wan_bytes_total'])} in {r['wall_seconds']:.1f}s wall\n"
-        f"  compute utilization {r['compute_utilization'] * 100:.1f}% (mean over sites)"
+        f"  compute utilization {_fmt_share(r['compute_utilization'])} (mean over sites: "
+        "steps/s against each site's steps/s with no sync in flight)"
     )

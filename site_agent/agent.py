@@ -155,6 +155,11 @@ class SiteAgent:
         self._last_val: float | None = None
         self._rounds_sent = 0
         self._last_send_at: float | None = None
+        self._steps_at_last_send = 0
+        # Inner steps trained while none of this site's syncs was in flight, and their wall
+        # seconds: the site's rate with no sync running, measured in the same run.
+        self._free_steps = 0
+        self._free_s = 0.0
 
     @property
     def global_version(self) -> int:
@@ -373,9 +378,12 @@ class SiteAgent:
         self._send(Leave(site_id=self.site_id, reason=reason))
 
     def status(self) -> dict[str, Any]:
-        # Utilization counts the training period: the first round's start to the last send.
-        end = self._last_send_at or time.monotonic()
-        wall = end - self._first_round_at if self._first_round_at else 0.0
+        # The training period: the first round's start to the last send.
+        end = self._last_send_at if self._last_send_at is not None else self.clock()
+        wall = end - self._first_round_at if self._first_round_at is not None else 0.0
+        steps = self._steps_at_last_send if self._last_send_at is not None else self._steps_done
+        rate = steps / wall if wall > 0 else None
+        free_rate = self._free_steps / self._free_s if self._free_s > 0 else None
         return {
             "site_id": self.site_id,
             "session_id": self.session_id,
@@ -385,7 +393,12 @@ class SiteAgent:
             "stall_seconds": self._stall_s,
             "eval_seconds": self._eval_s,
             "wall_seconds": wall,
-            "compute_utilization": self._compute_s / wall if wall else 0.0,
+            "compute_fraction": self._compute_s / wall if wall else 0.0,
+            "steps_per_second": rate,
+            "sync_free_steps_per_second": free_rate,
+            # Inner steps per second over the training period against the same site's rate
+            # while no sync of its was in flight; null until both are measured.
+            "compute_utilization": rate / free_rate if rate and free_rate else None,
             "val_loss": self._last_val,
             "dp_epsilon": self.accountant.epsilon() if self.accountant else None,
             "link_rtt_s": self.link.stats.rtt_s if self.link else 0.0,

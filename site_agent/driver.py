@@ -48,7 +48,7 @@ def run(self: SiteAgent) -> int:
 
 def play_round(self: SiteAgent, rs: RoundStart) -> int | None:
     if self._first_round_at is None:
-        self._first_round_at = time.monotonic()
+        self._first_round_at = self.clock()
     if rs.evaluate and self.global_version == rs.global_version:
         self._evaluate()
     stats, code = self._train_slot(rs.num_inner_steps)
@@ -73,11 +73,16 @@ def train_slot(self: SiteAgent, num_steps: int) -> tuple[TrainStats, int | None]
     loss_sum = seconds = last = 0.0
     while steps < num_steps:
         n = min(self.cfg.steps_per_poll, num_steps - steps)
+        sync_free = not self._sent  # nothing of ours on the wire or waiting for its result
+        t0 = self.clock()
         s = self.trainer.train_steps(n)
         if self.cfg.fault_slow_step_s:
             # A deliberately slow accelerator: its extra time counts as compute.
             time.sleep(self.cfg.fault_slow_step_s * s.steps)
             s = replace(s, compute_seconds=s.compute_seconds + self.cfg.fault_slow_step_s * s.steps)
+        if sync_free:
+            self._free_steps += s.steps
+            self._free_s += self.clock() - t0
         steps += s.steps
         self._steps_done += s.steps
         tokens += s.tokens

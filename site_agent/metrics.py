@@ -44,7 +44,7 @@ class SiteMetrics:
         """Where the time goes: compute, utilization and stalls on the coordinator."""
         self._compute_util = Gauge(
             "crossdc_site_compute_utilization",
-            "Fraction of wall time since start spent in inner-step compute",
+            "Inner steps per second over the training period / the rate with no sync in flight",
             lab,
             registry=r,
         )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -147,8 +146,11 @@ def send_update_message(
         del self._unanswered[min(self._unanswered)]
     self._rounds_sent += 1
     self.metrics.round_sent()
-    self._last_send_at = time.monotonic()
-    self.metrics.utilization(self.status()["compute_utilization"])
+    self._last_send_at = self.clock()
+    self._steps_at_last_send = self._steps_done
+    utilization = self.status()["compute_utilization"]
+    if utilization is not None:
+        self.metrics.utilization(utilization)
     self._write_site_status()
 
 

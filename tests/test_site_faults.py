@@ -422,3 +422,76 @@ def test_a_short_pause_between_echoes_sends_nothing_again(tmp_path: Path) -> Non
         ],
     )
     assert code == EXIT_OK and link.updates() == [1]
+
+
+# ---- compute utilization: the federation's step rate against the sync-free rate ------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_utilization_compares_the_step_rate_with_the_rate_when_no_sync_is_in_flight(
+    tmp_path: Path,
+) -> None:
+    from comm.codecs.floats import Fp32Codec
+    from comm.wire.schema import Global
+    from comm.wire.tensors import encode_tensors, state_hash
+
+    clock = FakeClock()
+    v1 = {"a": np.full(4, 0.5, np.float32), "b": np.full(3, -0.5, np.float32)}
+    full_v1 = Global(
+        round_id=1,
+        base_version=0,
+        global_version=1,
+        fragment=-1,
+        merged=("eu",),
+        is_full=True,
+        state_hash=state_hash(v1),
+        signature=b"",
+        evaluate=False,
+        payload=encode_tensors(v1, Fp32Codec()),
+    )
+    asks = {"n": 0}
+
+    def second_ask_after_update_1(sent: list[Message]) -> bool:
+        if not after_update(1)(sent):
+            return False
+        asks["n"] += 1
+        return asks["n"] >= 2
+
+    plan_2 = RoundStart(**{**round_start(2, overlap=True).__dict__, "global_version": 0})
+    agent = make_agent(
+        tmp_path,
+        [
+            (always, welcome()),
+            (always, round_start(1, overlap=True)),
+            (after_update(1), plan_2),
+            (second_ask_after_update_1, full_v1),
+            (after_update(2), Shutdown(reason="done")),
+        ],
+        clock,
+    )
+    trainer = agent.trainer
+    assert isinstance(trainer, FakeTrainer)
+    train = trainer.train_steps
+
+    def timed(num_steps: int) -> TrainStats:
+        # One second a step; two while an update of ours is in flight (communication threads
+        # taking the cores).
+        clock.now += num_steps * (2.0 if agent._sent else 1.0)
+        return train(num_steps)
+
+    trainer.train_steps = timed  # type: ignore[method-assign]
+    assert agent.run() == EXIT_OK
+    st = agent.status()
+    assert st["rounds_sent"] == 2
+    # Only the steps with nothing in flight count for the sync-free rate.
+    assert st["sync_free_steps_per_second"] == 1.0
+    # Round 2 trained at least one step while round 1's update was in flight.
+    assert st["steps_per_second"] < 1.0
+    assert st["compute_utilization"] == pytest.approx(st["steps_per_second"] / 1.0, rel=1e-12)

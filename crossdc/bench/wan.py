@@ -7,10 +7,13 @@ Four measurements, each on real processes and real sockets:
    (``crossdc.bench.wan_goodput``; raw TCP reaches about 0.95 there).
 2. crossdc: the demo federation (3 sites behind the eu/us/ap WAN emulator profiles, overlapped
    sync, the scheduler) for ``rounds`` rounds of ``inner_steps``: its compute utilization
-   (fraction of each site's training period spent in inner steps, mean over sites), its WAN
+   (each site's inner steps per second over its training period divided by its own rate while
+   none of its syncs was in flight, both measured in the run; mean over sites), its WAN
    bytes per inner step and its final validation loss.
 3. The synchronous data-parallel baseline over the same emulated links for a few steps: its
-   compute utilization, WAN bytes per step and wall seconds per step.
+   compute utilization (compute seconds over wall seconds: it never computes while its
+   all-reduce is in flight, so this is the same ratio of rates), WAN bytes per step and wall
+   seconds per step.
 4. The baseline on loopback for as many steps as crossdc's inner steps (equal tokens: every step
    uses every site's batch; with arrival alignment a site may train extra steps in a round, so
    the count is the sites' merged tokens over one step's, at least rounds x inner steps), for its
