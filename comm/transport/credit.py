@@ -12,6 +12,14 @@ flight never exceed the granted window. The receiver grants ``max(min_window, fa
 x RTT)`` from the link estimator (``comm.transport.linkest``), clamped to ``max_window``, and never moves
 its own edge back either.
 
+A receiver also bounds what it reassembles at once, over all its senders
+(``receive_max_transfers``, ``receive_budget_bytes``): a transfer beyond that waits. Its sender
+sends its initial credit, the receiver holds those chunks and acknowledges them with no further
+credit, so the sender has nothing in flight and nothing to resend; the receiver acknowledges it
+again every half stall timeout (an acknowledgement while every sent chunk is acknowledged counts
+as progress, so the sender neither resumes nor gives up), and grants a window once it admits
+the transfer. With a small initial credit, a waiting sender costs the receiver at most that.
+
 Loss only happens when a connection breaks (ZeroMQ over one TCP connection delivers in order, but
 drops what the old connection had taken). A sender that sees no acknowledgement advance for a
 stall timeout calls ``TransferSender.resume``: it goes back to the last acknowledged chunk,
@@ -72,7 +80,19 @@ class TransferConfig:
     """Finished transfers a receiver remembers, to answer late duplicates of their chunks."""
     stall_timeout_s: float = 1.0
     """Least time without an advancing acknowledgement before a sender resumes from the last
-    acknowledged chunk (see :func:`stall_timeout_s`)."""
+    acknowledged chunk (see :func:`stall_timeout_s`). A receiver re-sends the acknowledgement of
+    a transfer that got no chunk for half of it (see :meth:`TransferReceiver.acks_due`)."""
+    receive_max_transfers: int = 8
+    """Transfers a receiver reassembles at once, over all its senders. Another one waits: its
+    first chunks (up to the initial credit) are held, acknowledged, and no more credit is granted
+    until a transfer being reassembled finishes. Waiting senders hold (nothing in flight, kept
+    alive by the receiver's acknowledgements) and resend nothing."""
+    receive_budget_bytes: int = 1 << 30
+    """Bytes a receiver reassembles at once, over all its senders (the sizes of the transfers it
+    admitted). A transfer that would exceed it waits like one over ``receive_max_transfers``;
+    one is always admitted when none is being reassembled, so a transfer larger than the budget
+    still arrives (alone). Transfers no larger than the initial credit never wait: their sender
+    may send them whole before any acknowledgement."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -81,6 +101,8 @@ class TransferConfig:
             "max_pending",
             "max_chunks",
             "completed_memory",
+            "receive_max_transfers",
+            "receive_budget_bytes",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -250,8 +250,15 @@ class ZmqTransferReceiver:
             # The peer's connection is gone: its stall timer recovers what this answer said.
             self.acks_dropped += 1
 
+    def _send_due(self, now: float) -> None:
+        """The receiver's grants and keepalives (its receive budget, ``comm.transport.receiver``)."""
+        for peer, ack in self.receiver.acks_due(now):
+            self._reply(peer, [KIND_ACK, encode_ack(ack)])
+            self.acks_sent += 1
+
     def poll_once(self, timeout_s: float) -> tuple[bytes, list[memoryview]] | None:
         """Handle at most one incoming message; return ``(peer, frames)`` when one completes."""
+        self._send_due(self._clock())
         if not self._sock.poll(max(0, math.ceil(timeout_s * 1000)), zmq.POLLIN):
             return None
         frames: list[zmq.Frame] = self._sock.recv_multipart(copy=False)
@@ -286,6 +293,7 @@ class ZmqTransferReceiver:
         self.max_credit_bytes = max(self.max_credit_bytes, got.ack.credit_bytes)
         self._reply(peer, [KIND_ACK, encode_ack(got.ack)])
         self.acks_sent += 1
+        self._send_due(now)
         return None if got.frames is None else (peer, got.frames)
 
     def serve(

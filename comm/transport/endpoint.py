@@ -3,6 +3,8 @@
 Every received frame list is parsed by the frame codec; anything malformed, oversize, replayed
 or of the wrong version is dropped, counted, and reported through ``on_reject`` without raising
 to the caller. Chunks are reassembled and acknowledged; acknowledgements release what waits.
+The receiver's other acknowledgements (grants when its receive budget admits a waiting transfer,
+keepalives to transfers it holds back) go out after every chunk and on every poll slice.
 """
 
 from __future__ import annotations
@@ -60,10 +62,16 @@ class _Endpoint(_SendSide):
             if isinstance(msg, Chunk):
                 now = time.monotonic()
                 key = (sender, msg.transfer_id)
-                got = self._receiver.on_chunk(sender, msg, now, self.link(sender))
+                try:
+                    got = self._receiver.on_chunk(sender, msg, now, self.link(sender))
+                finally:
+                    self._send_receiver_acks(now)  # grants to transfers admitted meanwhile
                 self._send_ack(sender, got.ack)
-                if not got.duplicate and got.frames is None and key not in self._transfer_start:
-                    self._transfer_start[key] = (now, size)
+                new = not got.duplicate and got.frames is None and not got.waiting
+                if new and key not in self._transfer_start:
+                    # Goodput from here on: a transfer's time waiting for the budget is not
+                    # the link's.
+                    self._transfer_start[key] = (now, msg.offset + memoryview(msg.data).nbytes)
                     if len(self._transfer_start) > 4 * self.transfer_cfg.max_pending:
                         self._prune_transfer_starts()
                 if got.frames is None:
@@ -80,6 +88,16 @@ class _Endpoint(_SendSide):
             return None
         self.stats.messages_received += 1
         return msg
+
+    def _send_receiver_acks(self, now: float) -> None:
+        """Send what the receiver owes beyond the chunk at hand (grants to transfers it admitted,
+        keepalives to those it holds back), and copy its figures into the stats."""
+        for peer, ack in self._receiver.acks_due(now):
+            self._send_ack(peer, ack)
+        receiver, stats = self._receiver, self.stats
+        stats.transfers_waited = receiver.stats.transfers_waited
+        stats.transfers_waiting = receiver.waiting
+        stats.reassembly_peak_bytes = receiver.stats.peak_held_bytes
 
     def _prune_transfer_starts(self) -> None:
         """Forget the start times of transfers the receiver no longer holds (it refused them)."""
@@ -113,6 +131,7 @@ class _Endpoint(_SendSide):
             now = time.monotonic()
             self._tick(now)
             self._expire_idle(now)
+            self._send_receiver_acks(now)
             slice_s = min(deadline - now, 0.05)
             if self._poller.poll(max(0, int(slice_s * 1000))):
                 return True

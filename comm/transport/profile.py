@@ -50,8 +50,18 @@ class ChannelConfig:
     curve: CurveKeys | None = None
     """CURVE keys; None runs unencrypted (insecure mode)."""
     min_window_bytes: int = 8 << 20
-    """Smallest credit window a receiver grants for a chunked message, and what a sender may
-    send before the first acknowledgement (at least one chunk)."""
+    """Smallest credit window a receiver grants for a chunked message (at least one chunk)."""
+    initial_credit_bytes: int = 1 << 20
+    """What a sender may send of a chunked message before its first acknowledgement (at least
+    one chunk); both ends must agree. Small, so that a receiver holding transfers back for its
+    receive budget is not sent more than this by each sender that waits."""
+    receive_max_transfers: int = 8
+    """Chunked messages a receiver reassembles at once, over all its peers; further ones wait
+    (their senders hold, resending nothing) until one finishes. With model-sized updates this
+    bounds a coordinator's reassembly memory to a few updates, whatever the number of sites."""
+    receive_budget_bytes: int = 1 << 30
+    """Bytes of chunked messages a receiver reassembles at once, over all its peers (one message
+    is always let through alone, however large)."""
     max_window_bytes: int = 256 << 20
     """Largest credit window a receiver grants, whatever the link estimate says."""
     stall_timeout_s: float = 1.0
@@ -73,8 +83,15 @@ class ChannelConfig:
             raise ValueError("channel.max_transfer_bytes must be >= channel.chunk_bytes")
         if self.high_water_mark < 16:
             raise ValueError("channel.high_water_mark must be >= 16")
-        if self.min_window_bytes < 1:
-            raise ValueError(f"channel.min_window_bytes must be >= 1, got {self.min_window_bytes}")
+        for name in (
+            "min_window_bytes",
+            "initial_credit_bytes",
+            "receive_max_transfers",
+            "receive_budget_bytes",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"channel.{name} must be an integer >= 1, got {value!r}")
         if self.max_window_bytes < self.min_window_bytes:
             raise ValueError("channel.max_window_bytes must be >= channel.min_window_bytes")
         if not self.stall_timeout_s > 0:
@@ -86,11 +103,13 @@ class ChannelConfig:
         window = max(self.min_window_bytes, self.chunk_bytes)
         return TransferConfig(
             chunk_bytes=self.chunk_bytes,
-            initial_credit_bytes=window,
+            initial_credit_bytes=max(self.initial_credit_bytes, self.chunk_bytes),
             min_window_bytes=window,
             max_window_bytes=max(self.max_window_bytes, window),
             max_transfer_bytes=self.max_transfer_bytes,
             stall_timeout_s=self.stall_timeout_s,
+            receive_max_transfers=self.receive_max_transfers,
+            receive_budget_bytes=self.receive_budget_bytes,
         )
 
     @property

@@ -108,6 +108,13 @@ class TransferSender:
     def can_send(self) -> bool:
         return self._next < self.num_chunks and self._end(self._next) <= self._edge
 
+    @property
+    def waiting_for_credit(self) -> bool:
+        """Every chunk sent was acknowledged and the window is used up: the receiver holds the
+        transfer but grants no more yet (its receive budget is taken). Nothing is in flight, so
+        there is nothing to resend; an acknowledgement while waiting counts as progress."""
+        return not self.done and self._next == self._acked and not self.can_send()
+
     def stalled(self, now: float, timeout_s: float) -> bool:
         """Whether nothing advanced for ``timeout_s`` while chunks are unacknowledged."""
         if self.done or self._progress_at is None:
@@ -154,7 +161,9 @@ class TransferSender:
         newly covers a chunk sent only once (a resent chunk's sample would be ambiguous).
 
         Acknowledgements that arrive late (``next_index`` below the last one) are ignored except
-        for their credit, which can only move the right edge forward.
+        for their credit, which can only move the right edge forward. One that does not advance
+        but grants more credit, or comes while :attr:`waiting_for_credit`, counts as progress
+        (:attr:`last_progress_at`) without being a new acknowledgement.
         """
         if transfer_id != self.transfer_id:
             raise ValueError(f"ack for transfer {transfer_id!r}, this is {self.transfer_id!r}")
@@ -162,8 +171,14 @@ class TransferSender:
             raise ValueError(f"ack index {next_index}/{self.num_chunks} credit {credit_bytes}")
         if next_index > self._high:
             raise ValueError(f"ack of chunk {next_index - 1}, never sent (sent {self._high})")
-        self._edge = max(self._edge, self._start(next_index) + credit_bytes)
+        edge = self._start(next_index) + credit_bytes
+        granted = edge > self._edge
+        self._edge = max(self._edge, edge)
         if next_index <= self._acked:
+            if now is not None and (granted or self.waiting_for_credit):
+                # A grant, or the receiver's keepalive while it holds the transfer back: it is
+                # there and has everything sent, so the stall timer starts again.
+                self._progress_at = now
             return None
         sample: float | None = None
         sent_at = self._sent_at.get(next_index - 1)

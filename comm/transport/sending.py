@@ -5,6 +5,8 @@ control: only what the receiver's credit allows goes out at once, the rest as ac
 arrive. Messages to one peer go out in the order they were sent (heartbeats may overtake). A
 transfer whose acknowledgements stop advancing resumes from the last acknowledged chunk; one
 that makes no progress for ``send_timeout_s`` is dropped and counted, with what waits behind it.
+A transfer the receiver holds back for its receive budget (every chunk sent acknowledged, no
+credit left) waits without resending: the receiver's periodic acknowledgements keep it alive.
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ class _Outgoing:
     """The routing frames that address the peer."""
     tx: TransferSender
     progress_at: float
-    """When the acknowledged index last advanced (or the transfer began)."""
+    """When the acknowledged index last advanced, more credit came, or the receiver answered
+    while holding the transfer back (or the transfer began)."""
+    waited: bool = False
+    """It waited for credit with every chunk acknowledged (the receiver's budget was taken)."""
 
 
 class _SendSide:
@@ -228,15 +233,22 @@ class _SendSide:
         tx = out.tx
         now = time.monotonic()
         acked_before = tx.acked_bytes
+        progress_before = tx.last_progress_at
         try:
             rtt_s = tx.on_ack(ack.transfer_id, ack.next_index, ack.credit_bytes, now)
         except ValueError as exc:
             raise WireError(ErrorCode.MALFORMED, f"ack: {exc}") from None
         if rtt_s is not None:
             self.rtt_sample(peer, rtt_s, now)
-        if tx.acked_bytes > acked_before:
+        if tx.last_progress_at != progress_before:
+            # Acknowledged further, granted more credit, or held by a receiver that has all of it
+            # so far (waiting for its receive budget): alive, not a stall.
             out.progress_at = now
+        if tx.acked_bytes > acked_before:
             self.send_link(peer).on_bytes_acked(tx.acked_bytes - acked_before, now)
+        if tx.waiting_for_credit and not out.waited:
+            out.waited = True
+            self.stats.credit_waits += 1
         if tx.done:
             del self._outgoing[peer]
             self._release(peer)
@@ -265,6 +277,8 @@ class _SendSide:
                 )
                 self._drop_queue(peer, "a large message before them was dropped")
                 continue
+            if tx.waiting_for_credit:
+                continue  # nothing in flight, nothing to resend: the receiver's keepalives are late
             log.info(
                 "%s no ack for %.2f s: resuming at chunk %d (sent up to %d of %d)",
                 tag,

@@ -32,6 +32,17 @@ class ChannelStats:
     """Acknowledgements that could not be sent (peer gone or not draining)."""
     echoes_received: int = 0
     """Heartbeats the peer echoed back (a coordinator echoes only a member's heartbeats)."""
+    credit_waits: int = 0
+    """Large messages sent from here that waited for credit with every chunk acknowledged: the
+    receiver held them back for its receive budget (they resent nothing meanwhile)."""
+    transfers_waited: int = 0
+    """Large messages received here that waited for this end's receive budget before they were
+    reassembled."""
+    transfers_waiting: int = 0
+    """Large messages waiting for this end's receive budget now."""
+    reassembly_peak_bytes: int = 0
+    """The most bytes this end held at once for messages being received in chunks (reassembly
+    buffers plus the chunks waiting messages hold)."""
 
     def rtt_sample(self, seconds: float, alpha: float = 0.2) -> None:
         self.rtt_s = seconds if self.rtt_s == 0 else (1 - alpha) * self.rtt_s + alpha * seconds

@@ -100,6 +100,10 @@ class Reassembler:
         for key in [k for k in self._partial if k[0] == sender]:
             del self._partial[key]
 
+    def discard(self, sender: bytes, transfer_id: str) -> None:
+        """Forget one partly received transfer (nothing if it is not open)."""
+        self._partial.pop((sender, transfer_id), None)
+
     def expire(self, now: float, max_idle_s: float) -> int:
         """Forget transfers that received no new chunk for ``max_idle_s`` (their memory is
         freed); return how many were dropped."""
