@@ -254,6 +254,10 @@ def _figures(run: _Run, workdir: Path, sites: int, numel: int, wall: float) -> d
         "messages_refused": int(sum(status.get("rejected", {}).values())),
         "wan_bytes_per_round": wan / max(1, rounds),
         "wan_bytes_total": wan,
+        # The sites' side of the coordinator's receive budget: uploads it held back (they waited
+        # with every chunk acknowledged) and chunks sent again after a stall.
+        "uploads_waited": sum(s.chan.stats.credit_waits for s in run.sites),
+        "chunks_resent": sum(s.chan.stats.chunks_resent for s in run.sites),
         "wall_seconds": round(wall, 2),
     }
 
