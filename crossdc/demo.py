@@ -24,6 +24,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.history_log import RoundLog, read_history
 from crossdc.demo_roles import (
     DEMO_MODEL,
+    DEMO_SEED,
     DemoRun,
     _read_status,
     _wait_endpoint,
@@ -58,6 +59,12 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=8, help="outer rounds to train (default 8)")
     p.add_argument("--inner-steps", type=int, default=50, help="H: inner steps per round")
     p.add_argument("--batch-size", type=int, default=8, help="inner batch size per site")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=DEMO_SEED,
+        help=f"seed of θ0 and of the sites' sampling (default {DEMO_SEED})",
+    )
     p.add_argument(
         "--uplink-codec", default="auto", help="codec for site updates (auto: the scheduler's)"
     )

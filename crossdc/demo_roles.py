@@ -90,6 +90,11 @@ def _privacy(args: argparse.Namespace) -> dict[str, Any]:
     return {"privacy": {"clip_norm": args.dp_clip, "noise_multiplier": noise}}
 
 
+def _seed(args: argparse.Namespace) -> int:
+    seed: int = getattr(args, "seed", DEMO_SEED)  # callers with their own arguments: the default
+    return seed
+
+
 def make_kits(workdir: Path, sites: list[str]) -> None:
     """A fresh federation kit for the demo: a CA, coordinator keys, one startup kit per site."""
     from comm.security.kits import init_kit, issue_site
@@ -133,7 +138,7 @@ def write_coordinator_config(
             "round_deadline_s": 600.0,
             "site_timeout_s": 60.0,
             "security": _security(args, workdir, None),
-            "initial_model": {"seed": DEMO_SEED, "model": model or DEMO_MODEL},
+            "initial_model": {"seed": _seed(args), "model": model or DEMO_MODEL},
             **_secagg(args),
         }
     }
@@ -159,7 +164,7 @@ def write_site_configs(
                 "site_id": site_id,
                 "coordinator": endpoints[site_id],
                 "state_dir": str(workdir / f"site-{site_id}"),
-                "seed": DEMO_SEED,
+                "seed": _seed(args),
                 "num_threads": 1,
                 "device": "cpu",
                 "stages": args.stages,

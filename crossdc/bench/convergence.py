@@ -1,9 +1,12 @@
 """``crossdc bench convergence``: validation loss after equal rounds, per codec, against fp32.
 
 Runs the demo federation (real processes, the embedded default corpus, blocking sync so that runs
-are deterministic) once per codec, the codec applied to both directions (site updates with the sites' error feedback, the global delta with the
-coordinator's), with identical seeds, and reports each codec's final validation loss, its relative
-gap to fp32, and the WAN bytes it took.
+are deterministic) once per codec and seed, the codec applied to both directions (site updates
+with the sites' error feedback, the global delta with the coordinator's), and reports each
+codec's final validation loss (the mean over the seeds), its relative gap to fp32's mean, the
+gap per seed, and the WAN bytes it took (mean over the seeds). One seed's trajectory differs
+from another's by about as much as the codecs differ, so costs for the scheduler's table
+(``coordinator.codec_loss_costs``) want several seeds.
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-DEFAULT_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "topk:0.1")
+DEFAULT_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int3+zstd", "int2+zstd", "topk:0.1")
 
 
-def run_one(codec: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def run_one(codec: str, seed: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     argv = [
         sys.executable,
         "-m",
@@ -32,12 +35,16 @@ def run_one(codec: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
         str(args.rounds),
         "--inner-steps",
         str(args.inner_steps),
+        "--batch-size",
+        str(args.batch_size),
+        "--seed",
+        str(seed),
         "--uplink-codec",
         codec,
         "--downlink-codec",
         codec,
         "--workdir",
-        str(workdir / codec.replace(":", "_")),
+        str(workdir / f"{codec.replace(':', '_')}-{seed}"),
         # Blocking sync: with overlap the inner step at which a result is merged depends on
         # timing, a noise larger than the differences between codecs.
         "--no-overlap",
@@ -53,28 +60,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     codecs = [c for c in args.codecs.split(",") if c]
     if "fp32" not in codecs:
         codecs.insert(0, "fp32")
-    results: dict[str, dict[str, Any]] = {}
+    seeds = [int(x) for x in args.seeds.split(",") if x]
+    results: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="crossdc-conv-") as tmp:
         for codec in codecs:
-            results[codec] = run_one(codec, args, Path(tmp))
-    base = results["fp32"]["val_loss_final"]
+            results[codec] = [run_one(codec, seed, args, Path(tmp)) for seed in seeds]
+    base = [r["val_loss_final"] for r in results["fp32"]]
+    base_mean = sum(base) / len(base)
+    fp32_bytes = sum(r["wan_bytes_total"] for r in results["fp32"]) / len(seeds)
     rows = []
-    for codec, r in results.items():
+    for codec, runs in results.items():
+        losses = [r["val_loss_final"] for r in runs]
+        mean = sum(losses) / len(losses)
+        wan_bytes = sum(r["wan_bytes_total"] for r in runs) / len(runs)
         rows.append(
             {
                 "codec": codec,
-                "val_loss_final": r["val_loss_final"],
-                "val_loss_gap": (r["val_loss_final"] - base) / base,
-                "wan_bytes_total": r["wan_bytes_total"],
-                "bytes_ratio_vs_fp32": results["fp32"]["wan_bytes_total"] / r["wan_bytes_total"],
-                "wall_seconds": r["wall_seconds"],
+                "val_loss_final": mean,
+                "val_loss_gap": (mean - base_mean) / base_mean,
+                "val_loss_gap_by_seed": [(v - b) / b for v, b in zip(losses, base, strict=True)],
+                "wan_bytes_total": wan_bytes,
+                "bytes_ratio_vs_fp32": fp32_bytes / wan_bytes,
+                "wall_seconds": sum(r["wall_seconds"] for r in runs),
             }
         )
     return {
         "sites": args.sites,
         "rounds": args.rounds,
         "inner_steps": args.inner_steps,
-        "val_loss_initial": results["fp32"]["val_loss_initial"],
+        "batch_size": args.batch_size,
+        "seeds": seeds,
+        "val_loss_initial": results["fp32"][0]["val_loss_initial"],
         "codecs": rows,
     }
 
@@ -85,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sites", type=int, default=3)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--inner-steps", type=int, default=50)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seeds", default="1234", help="comma-separated demo seeds (mean over them)")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -96,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in out["codecs"]:
             print(
                 f"{r['codec']:>10} {r['val_loss_final']:9.4f} {r['val_loss_gap'] * 100:7.2f}% "
-                f"{r['wan_bytes_total']:12d} {r['bytes_ratio_vs_fp32']:6.2f}"
+                f"{r['wan_bytes_total']:12.0f} {r['bytes_ratio_vs_fp32']:6.2f}"
             )
     return 0
 
