@@ -7,6 +7,7 @@ queries and rules are checked by promtool and by a real Prometheus scraping a li
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -478,6 +479,24 @@ def test_units_run_the_cli_with_restart_and_hardening() -> None:
         assert _unit_values(text, "NoNewPrivileges") == ["yes"]
         assert _unit_values(text, "ProtectSystem") == ["strict"]
         assert _unit_values(text, "User") == ["crossdc"]
+
+
+@pytest.mark.timeout(30)
+def test_the_example_coordinator_builds_the_example_sites_theta0() -> None:
+    """The coordinator's [initial_model] names the seed and model every example site builds, so
+    the sites join in sync and nothing is uploaded."""
+    from coordinator.config import load_coordinator_config
+    from site_agent.config import load_site_config
+
+    initial = load_coordinator_config(CONFIGS / "coordinator.toml").initial_model
+    assert initial is not None
+    for path in sorted(CONFIGS.glob("site-*.toml")):
+        site = load_site_config(path)
+        assert site.seed == initial.seed, path.name
+        assert dataclasses.asdict(site.model) == {
+            **dataclasses.asdict(type(site.model)()),
+            **initial.model,
+        }, path.name
 
 
 @pytest.mark.timeout(30)
