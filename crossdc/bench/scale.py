@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             for sites in site_counts:
                 workdir = root / f"p{numel}-s{sites}"
                 runs.append(run_case(sites, numel, args.rounds, workdir, args.timeout))
-                if not args.json:
-                    print(json.dumps(runs[-1]), file=sys.stderr)
+                # Each case as it finishes (a long run that fails later keeps what it measured).
+                print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     print_report({"runs": runs}, as_json=args.json)
     return 0
