@@ -83,6 +83,22 @@ class CoordinatorMetrics:
             buckets=SIZE_BUCKETS,
             registry=r,
         )
+        # The receive budget: chunked messages reassembled at once are bounded; others wait.
+        self.transfers_waiting = Gauge(
+            "crossdc_transfers_waiting",
+            "Chunked messages waiting for the receive budget (their senders hold, resending nothing)",
+            registry=r,
+        )
+        self.transfers_waited = Counter(
+            "crossdc_transfers_waited_total",
+            "Chunked messages that waited for the receive budget before they were reassembled",
+            registry=r,
+        )
+        self.reassembly_peak_bytes = Gauge(
+            "crossdc_reassembly_peak_bytes",
+            "Most bytes held at once for chunked messages being received, since the start",
+            registry=r,
+        )
 
     def _declare_model(self, r: CollectorRegistry) -> None:
         """The model: outer gradient norm, validation and training loss."""

@@ -106,6 +106,7 @@ class Coordinator:
         self.chan: RouterChannel | None = None
         self._ctx: zmq.Context[Any] | None = None
         self._hash_cache: tuple[int, str] | None = None
+        self._transfers_waited_seen = 0  # the channel's count, as far as the metric has it
         # Saves run on a writer thread; whatever reveals a state waits until it is durable.
         self.outbox: Outbox | None = None
         self._status = StatusBoard(
@@ -401,7 +402,18 @@ class Coordinator:
 
     # ---- status ----------------------------------------------------------------------------
 
+    def _observe_transfers(self) -> None:
+        """The receive budget's figures (``comm/transport/receiver.py``) into the metrics."""
+        if self.chan is None:
+            return
+        stats = self.chan.stats
+        self.metrics.transfers_waiting.set(stats.transfers_waiting)
+        self.metrics.reassembly_peak_bytes.set(stats.reassembly_peak_bytes)
+        self.metrics.transfers_waited.inc(stats.transfers_waited - self._transfers_waited_seen)
+        self._transfers_waited_seen = stats.transfers_waited
+
     def _publish_status(self) -> None:
+        self._observe_transfers()
         if self.outbox is not None and not self.outbox.durable:
             return  # the status shows durable states only; the next tick publishes this one
         st = self.state
@@ -422,6 +434,8 @@ class Coordinator:
             "wire_bytes_in": chan.stats.bytes_received if chan else 0,
             "wire_bytes_out": chan.stats.bytes_sent if chan else 0,
             "rejected": dict(chan.stats.rejected) if chan else {},
+            "transfers_waited": chan.stats.transfers_waited if chan else 0,
+            "reassembly_peak_bytes": chan.stats.reassembly_peak_bytes if chan else 0,
             "num_parameters": int(sum(v.size for v in st.params.values())) if st else 0,
         }
         self._status.publish(status)
