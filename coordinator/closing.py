@@ -225,20 +225,22 @@ def broadcast(c: Coordinator, a: Announcement) -> list[str]:
     candidates = [s for s in in_sync if s in merged] or in_sync
     evaluator = candidates[0] if candidates and wants_eval else None
     merged_all = tuple(merged) + tuple(f"{u.site_id}@{u.round_id}" for u in a.late)
+    delta = Global(
+        round_id=r.round_id,
+        base_version=a.base_version,
+        global_version=r.round_id,
+        fragment=r.fragment,
+        merged=merged_all,
+        is_full=False,
+        state_hash=digest,
+        signature=sign(c, r.round_id, a.base_version, r.fragment, digest),
+        evaluate=False,
+        payload=a.encoded,
+    )
+    c.deltas.record(delta)  # for sites that rejoin behind
     for site_id, m in sorted(c.book.members.items()):
         if site_id in in_sync:
-            msg: Global = Global(
-                round_id=r.round_id,
-                base_version=a.base_version,
-                global_version=r.round_id,
-                fragment=r.fragment,
-                merged=merged_all,
-                is_full=False,
-                state_hash=digest,
-                signature=sign(c, r.round_id, a.base_version, r.fragment, digest),
-                evaluate=site_id == evaluator,
-                payload=a.encoded,
-            )
+            msg = replace(delta, evaluate=site_id == evaluator)
         else:
             msg = full_global(c, a.state, r.round_id, wants_eval and evaluator is None)
         ok = c._send(m.peer, msg)

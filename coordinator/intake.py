@@ -108,7 +108,7 @@ def on_join(c: Coordinator, peer: bytes, msg: Join) -> None:
         ),
     )
     if c.state is not None and not in_sync:
-        c._send_full(msg.site_id)
+        c._send_catch_up(msg.site_id, msg.global_version, msg.state_hash)
 
 
 def record_secagg_peer(c: Coordinator, peer: bytes, msg: Join) -> None:

@@ -120,6 +120,11 @@ class CoordinatorMetrics:
             registry=r,
         )
         self.joins = Counter("crossdc_joins_total", "Site joins", registry=r)
+        self.catch_up_deltas = Counter(
+            "crossdc_catch_up_deltas_total",
+            "Broadcast deltas sent again to sites that rejoined behind (instead of the model)",
+            registry=r,
+        )
         self.site_timeouts = Counter(
             "crossdc_site_timeouts_total", "Sites removed for silence", registry=r
         )

@@ -35,6 +35,7 @@ from coordinator import closing, intake, opening
 from coordinator.aggregate import RunningSum
 from coordinator.config import CoordinatorConfig
 from coordinator.decisions import Abort, Close, Open, Remove, Rerun
+from coordinator.deltalog import DeltaLog
 from coordinator.file_store import FileStateStore
 from coordinator.intake import Accepted
 from coordinator.lifecycle import Lifecycle, lifecycle_config, next_fragment
@@ -106,6 +107,7 @@ class Coordinator:
         self.chan: RouterChannel | None = None
         self._ctx: zmq.Context[Any] | None = None
         self._hash_cache: tuple[int, str] | None = None
+        self.deltas = DeltaLog(0)  # sized and started with the model (``_set_model``)
         self._transfers_waited_seen = 0  # the channel's count, as far as the metric has it
         # Saves run on a writer thread; whatever reveals a state waits until it is durable.
         self.outbox: Outbox | None = None
@@ -185,6 +187,9 @@ class Coordinator:
         """Fragment layout of the model (a pure function of its tensor names)."""
         assert self.state is not None
         self._fragment_names = fragments(list(self.state.params), self.cfg.num_fragments)
+        # A chain of deltas is worth sending only while it is smaller than the model itself.
+        self.deltas = DeltaLog(sum(4 * v.size for v in self.state.params.values()))
+        self.deltas.start(self.state.global_version, self._hash())
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -332,6 +337,33 @@ class Coordinator:
         state = self.state  # the latest save covers it: sent once that save is durable
         assert state is not None
         self._later(lambda: self._send_full_now(site_id, state))
+
+    def _send_catch_up(self, site_id: str, version: int, digest: str) -> None:
+        """Bring a site that holds ``version`` (state hash ``digest``) to the current model: the
+        broadcast deltas since, when the log proves its hash and bridges the gap, else the model."""
+        state = self.state
+        assert state is not None
+        self._later(lambda: self._catch_up_now(site_id, version, digest, state))
+
+    def _catch_up_now(self, site_id: str, version: int, digest: str, state: GlobalState) -> None:
+        m = self.book.members.get(site_id)
+        if m is None or m.in_sync:
+            return  # left, or a broadcast in between brought it up to date
+        chain = self.deltas.chain(version, digest, state.global_version)
+        if chain is None:
+            self._send_full_now(site_id, state)
+            return
+        if all(self._send_now(m.peer, msg) for msg in chain):
+            self.book.holds(site_id, state.global_version, in_sync=True)
+            self.metrics.catch_up_deltas.inc(len(chain))
+            log.info(
+                "[coordinator site=%s] caught up v%d -> v%d with %d deltas (%d bytes)",
+                site_id,
+                version,
+                state.global_version,
+                len(chain),
+                sum(enc.nbytes for msg in chain for enc in msg.payload),
+            )
 
     def _send_full_now(self, site_id: str, state: GlobalState) -> None:
         m = self.book.members.get(site_id)

@@ -575,3 +575,32 @@ def test_a_state_dir_of_another_model_than_the_built_theta0_refuses_to_start() -
         assert coord.chan is None  # refused before binding anything
     finally:
         coord.close()
+
+
+def test_a_site_that_rejoins_behind_gets_the_deltas_since_its_version() -> None:
+    with running(downlink_codec="int8") as h:
+        eu, us, rs = start_round(h)
+        g1 = merge_round(h, eu, us, rs)
+        h.expect(us, Global)
+        rs2: RoundStart = h.expect(eu, RoundStart)
+        h.expect(us, RoundStart)
+        g2 = merge_round(h, eu, us, rs2, base=rs.round_id)
+        h.expect(us, Global)
+        # us restarts from its checkpoint at v1 (it missed nothing else) and joins again.
+        us2 = h.site("us")
+        welcome = join(h, us2, version=g1.global_version, digest=g1.state_hash)
+        assert not welcome.need_init and welcome.global_version == g2.global_version
+        got: Global = h.expect(us2, Global)
+        assert not got.is_full and got.base_version == g1.global_version
+        assert got.global_version == g2.global_version and got.state_hash == g2.state_hash
+        assert not got.evaluate  # the very delta broadcast, without the evaluation request
+        for a, b in zip(got.payload, g2.payload, strict=True):
+            assert a.codec == b.codec == "int8" and a.meta == b.meta
+            assert all(np.array_equal(x, y) for x, y in zip(a.buffers, b.buffers, strict=True))
+        assert h.coord.metrics.registry.get_sample_value("crossdc_catch_up_deltas_total") == 1.0
+        assert h.coord.book.members["us"].in_sync
+        # A site whose v1 is not the federation's gets the whole model instead.
+        ap = h.site("ap")
+        join(h, ap, version=g1.global_version, digest="not-v1")
+        full: Global = h.expect(ap, Global)
+        assert full.is_full and full.state_hash == g2.state_hash
