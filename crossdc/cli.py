@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -25,12 +26,80 @@ if TYPE_CHECKING:
 EXIT_BAD_CONFIG = 2
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMATS = ("text", "json")
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object a line: time (UTC, ISO 8601), level, logger, message (and the
+    exception's traceback when there is one), for log shippers that parse lines."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def _setup_logging(level: str, fmt: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        formatter: logging.Formatter = JsonLogFormatter()
+        formatter.converter = time.gmtime
+    else:
+        formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+    handler.setFormatter(formatter)
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)
+
+
+def _choice(kind: str, allowed: Sequence[str]) -> Any:
+    """An argparse type: one of ``allowed``, any case; otherwise an error naming them."""
+
+    def parse(value: str) -> str:
+        v = value.strip().lower()
+        if v not in allowed:
+            raise argparse.ArgumentTypeError(
+                f"{kind} must be one of {', '.join(allowed)}, got {value!r}"
+            )
+        return v
+
+    parse.__name__ = kind
+    return parse
+
+
+def _global_options(*, suppress: bool) -> argparse.ArgumentParser:
+    """``--log-level`` and ``--log-format``: before the command or after it (``suppress``: the
+    command's copy leaves the value given before it alone unless it is given again)."""
+    g = argparse.ArgumentParser(add_help=False)
+    level = os.environ.get("CROSSDC_LOG_LEVEL", "info")
+    fmt = os.environ.get("CROSSDC_LOG_FORMAT", "text")
+    g.add_argument(
+        "--log-level",
+        type=_choice("log level", LOG_LEVELS),
+        default=argparse.SUPPRESS if suppress else level,
+        help=f"{', '.join(LOG_LEVELS)} (default {level}; env CROSSDC_LOG_LEVEL)",
     )
+    g.add_argument(
+        "--log-format",
+        type=_choice("log format", LOG_FORMATS),
+        default=argparse.SUPPRESS if suppress else fmt,
+        help=f"text or json, one object a line (default {fmt}; env CROSSDC_LOG_FORMAT)",
+    )
+    return g
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("crossdc")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _stop_on_signals(stop: threading.Event) -> None:
@@ -267,9 +336,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return rc
 
 
+def _command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, **kw: Any
+) -> argparse.ArgumentParser:
+    """A (sub)command that takes the global options after its name too."""
+    return sub.add_parser(name, parents=[_global_options(suppress=True)], **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="crossdc", description=__doc__.splitlines()[0])
-    p.add_argument("--log-level", default=os.environ.get("CROSSDC_LOG_LEVEL", "info"))
+    p = argparse.ArgumentParser(
+        prog="crossdc",
+        description=__doc__.splitlines()[0],
+        parents=[_global_options(suppress=False)],
+    )
+    p.add_argument("--version", action="version", version=f"crossdc {package_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     _add_role_commands(sub)
     _add_keys_command(sub)
@@ -280,19 +360,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_role_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``coordinator``, ``agent`` and ``demo``."""
-    c = sub.add_parser("coordinator", help="run the coordinator service")
+    c = _command(sub, "coordinator", help="run the coordinator service")
     c.add_argument("--config", required=True, help="TOML file with a [coordinator] table")
     c.add_argument("--insecure", action="store_true", help="no CURVE, no certificates (loopback)")
     c.set_defaults(func=cmd_coordinator)
 
-    a = sub.add_parser("agent", help="run a site agent")
+    a = _command(sub, "agent", help="run a site agent")
     a.add_argument("--config", required=True, help="TOML file with a [site] table")
     a.add_argument("--insecure", action="store_true", help="no CURVE, no certificates (loopback)")
     a.add_argument("--stages", type=int, default=None, help="pipeline stages (overrides config)")
     a.add_argument("--replicas", type=int, default=None, help="data-parallel replicas (overrides)")
     a.set_defaults(func=cmd_agent)
 
-    d = sub.add_parser("demo", help="a coordinator and N sites on this machine")
+    d = _command(sub, "demo", help="a coordinator and N sites on this machine")
     from crossdc.demo import add_demo_arguments
 
     add_demo_arguments(d)
@@ -301,19 +381,19 @@ def _add_role_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 def _add_keys_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``keys init``, ``keys issue`` and ``keys revoke``."""
-    k = sub.add_parser("keys", help="federation keys: CA, coordinator and site kits")
+    k = _command(sub, "keys", help="federation keys: CA, coordinator and site kits")
     ksub = k.add_subparsers(dest="keys_command", required=True)
-    ki = ksub.add_parser("init", help="create a federation kit (CA and coordinator keys)")
+    ki = _command(ksub, "init", help="create a federation kit (CA and coordinator keys)")
     ki.add_argument("kit_dir")
     ki.add_argument("--json", action="store_true")
-    ks = ksub.add_parser("issue", help="issue a site its keys, certificate and startup kit")
+    ks = _command(ksub, "issue", help="issue a site its keys, certificate and startup kit")
     ks.add_argument("--kit", required=True)
     ks.add_argument("--site", required=True)
     ks.add_argument("--days", type=float, default=90.0)
     ks.add_argument("--out", default=None, help="where the site's startup kit goes")
     ks.add_argument("--endpoint", default="tcp://COORDINATOR_HOST:7710")
     ks.add_argument("--json", action="store_true")
-    kr = ksub.add_parser("revoke", help="revoke every certificate of a site")
+    kr = _command(ksub, "revoke", help="revoke every certificate of a site")
     kr.add_argument("--kit", required=True)
     kr.add_argument("--site", required=True)
     kr.add_argument("--json", action="store_true")
@@ -321,7 +401,7 @@ def _add_keys_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _add_status_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    s = sub.add_parser("status", help="show a running role's /status")
+    s = _command(sub, "status", help="show a running role's /status")
     s.add_argument("--url", default="http://127.0.0.1:9710")
     s.add_argument(
         "--state-dir", default="", help="read a coordinator's status.json here instead of --url"
@@ -334,7 +414,7 @@ def _add_status_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def _add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    b = sub.add_parser("bench", help="benchmarks (print JSON with --json)")
+    b = _command(sub, "bench", help="benchmarks (print JSON with --json)")
     b.add_argument(
         "suite",
         choices=[
@@ -354,8 +434,13 @@ def _add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    _setup_logging(args.log_level)
+    parser = build_parser()
+    for name, allowed in (("CROSSDC_LOG_LEVEL", LOG_LEVELS), ("CROSSDC_LOG_FORMAT", LOG_FORMATS)):
+        value = os.environ.get(name)
+        if value is not None and value.strip().lower() not in allowed:
+            parser.error(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    args = parser.parse_args(argv)
+    _setup_logging(args.log_level, args.log_format)
     rc: int = args.func(args)
     return rc
 
