@@ -31,6 +31,7 @@ from comm.ops.observe import ObserveServer
 from coordinator.metrics import CoordinatorMetrics
 from crossdc.cli import EXIT_BAD_CONFIG
 from site_agent.authwatch import EXIT_AUTH_REFUSED
+from site_agent.launch import EXIT_FATAL
 from site_agent.metrics import SiteMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -472,7 +473,7 @@ def test_units_run_the_cli_with_restart_and_hardening() -> None:
     )
     assert _unit_values(coord, "RestartPreventExitStatus") == [str(EXIT_BAD_CONFIG)]
     assert _unit_values(agent, "RestartPreventExitStatus") == [
-        f"{EXIT_BAD_CONFIG} {EXIT_AUTH_REFUSED}"
+        f"{EXIT_BAD_CONFIG} {EXIT_FATAL} {EXIT_AUTH_REFUSED}"
     ]
     for text in (coord, agent):
         assert _unit_values(text, "Restart") == ["on-failure"]
