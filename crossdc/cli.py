@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from coordinator.config import InitialModelConfig
     from coordinator.service import InitialModel
+    from site_agent.config import SiteConfig
 
 EXIT_BAD_CONFIG = 2
 
@@ -220,6 +221,33 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _supervise_torchrun(cfg: SiteConfig, command: list[str]) -> int:
+    """Run a pipelined site's torchrun as a child: SIGTERM and SIGINT go to it (so under
+    ``KillMode=mixed`` the leader drains and sends LEAVE), and the exit status is the leader's
+    own (2, 3, 4, ...), not torchrun's "a worker failed"."""
+    import subprocess
+
+    from site_agent.launch import leader_exit_path, read_leader_exit
+
+    log = logging.getLogger("crossdc")
+    cfg.state_path.mkdir(parents=True, exist_ok=True)
+    leader_exit_path(cfg).unlink(missing_ok=True)
+    log.info("[site=%s] launching %s", cfg.site_id, " ".join(command))
+    child = subprocess.Popen(command)
+
+    def forward(signum: int, _frame: Any) -> None:
+        child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    torchrun_code = child.wait()
+    code = read_leader_exit(cfg)
+    if code is None:
+        log.error("[site=%s] torchrun exited %d before the leader did", cfg.site_id, torchrun_code)
+        return torchrun_code or 1
+    return code
+
+
 def cmd_agent(args: argparse.Namespace) -> int:
     from comm.ops.configio import ConfigError
     from site_agent.agent import build_agent, run_pipeline_site, torchrun_argv, under_torchrun
@@ -237,9 +265,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         # The site spans several processes: become torchrun, which starts them all.
         argv = ["agent", "--config", args.config, f"--stages={cfg.stages}"]
         argv += [f"--replicas={cfg.replicas}"] + (["--insecure"] if args.insecure else [])
-        command = torchrun_argv(cfg, argv)
-        logging.getLogger("crossdc").info("[site=%s] launching %s", cfg.site_id, " ".join(command))
-        os.execv(command[0], command)
+        return _supervise_torchrun(cfg, torchrun_argv(cfg, argv))
     if pipelined:
         return run_pipeline_site(cfg)
     try:

@@ -160,6 +160,7 @@ class SiteAgent:
         # seconds: the site's rate with no sync running, measured in the same run.
         self._free_steps = 0
         self._free_s = 0.0
+        self.stop_reason: str | None = None  # set by request_stop
 
     @property
     def global_version(self) -> int:
@@ -373,6 +374,10 @@ class SiteAgent:
         self.metrics.wire(sent - self._bytes_seen[0], received - self._bytes_seen[1])
         self._bytes_seen = (sent, received)
         self.metrics.link(self.link.stats.rtt_s, self.link.stats.goodput_bps)
+
+    def request_stop(self, reason: str) -> None:
+        """Leave at the next point between inner steps (safe to call from a signal handler)."""
+        self.stop_reason = reason
 
     def leave(self, reason: str) -> None:
         self._send(Leave(site_id=self.site_id, reason=reason))

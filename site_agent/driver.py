@@ -98,9 +98,23 @@ def train_slot(self: SiteAgent, num_steps: int) -> tuple[TrainStats, int | None]
     return stats, None
 
 
+def stop_if_requested(self: SiteAgent) -> int | None:
+    """A stop asked for from outside (a signal to a pipelined site's leader): leave the
+    federation between two inner steps, so the other ranks are never left inside a step."""
+    if self.stop_reason is None:
+        return None
+    log.info("[site=%s] stopping: %s", self.site_id, self.stop_reason)
+    self.leave(self.stop_reason)
+    self.save_checkpoint()
+    self._write_site_status()
+    return EXIT_OK
+
+
 def drain(self: SiteAgent) -> int | None:
     """Handle every queued message without waiting; an exit code ends the run."""
     assert self.link is not None
+    if (code := stop_if_requested(self)) is not None:
+        return code
     while (msg := self.link.recv(0.0)) is not None:
         code = self._dispatch(msg)
         if code is not None:
@@ -112,6 +126,8 @@ def drain(self: SiteAgent) -> int | None:
 def wait(self: SiteAgent, timeout_s: float) -> int | None:
     """Block for the next message (time counted as stalled on sync once rounds run)."""
     assert self.link is not None
+    if (code := stop_if_requested(self)) is not None:
+        return code
     t0 = time.monotonic()
     msg = self.link.recv(timeout_s)
     waited = time.monotonic() - t0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -193,18 +194,46 @@ def run_pipeline_site(cfg: SiteConfig) -> int:
     )
     try:
         if env.rank != 0:
+            # A stop is the leader's to carry out, between steps (it then releases us): a worker
+            # that died on SIGTERM would leave the leader inside a collective.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             worker_loop(job, data.train, device=env.device)
             return EXIT_OK
         val = eval_batches(data.val, cfg.eval_batches, cfg.eval_batch_size, cfg.model.context_len)
         with PipelineTrainer.start(job, data.train, device=env.device) as trainer:
             agent = SiteAgent(cfg, trainer=trainer, val_batches=val)
+            signal.signal(signal.SIGTERM, lambda *_: agent.request_stop("stopped by signal"))
             agent.start()
             try:
-                return agent.run()
+                code = agent.run()
             finally:
                 agent.close()
+            write_leader_exit(cfg, code)
+            return code
     finally:
         dist.destroy_process_group()
+
+
+def leader_exit_path(cfg: SiteConfig) -> Path:
+    """Where a pipelined site's leader leaves its exit code: torchrun reports only "a worker
+    failed", and the supervisor's restart rules need the code itself."""
+    return cfg.state_path / "leader-exit.json"
+
+
+def write_leader_exit(cfg: SiteConfig, code: int) -> None:
+    path = leader_exit_path(cfg)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"exit_code": code}))
+    os.replace(tmp, path)
+
+
+def read_leader_exit(cfg: SiteConfig) -> int | None:
+    """The code the leader of the last run left, if it got that far."""
+    try:
+        code = json.loads(leader_exit_path(cfg).read_text())["exit_code"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, int) else None
 
 
 @dataclass

@@ -475,6 +475,7 @@ def test_units_run_the_cli_with_restart_and_hardening() -> None:
     assert _unit_values(agent, "RestartPreventExitStatus") == [
         f"{EXIT_BAD_CONFIG} {EXIT_FATAL} {EXIT_AUTH_REFUSED}"
     ]
+    assert _unit_values(agent, "KillMode") == ["mixed"]  # the leader drains, then the rest
     for text in (coord, agent):
         assert _unit_values(text, "Restart") == ["on-failure"]
         assert _unit_values(text, "NoNewPrivileges") == ["yes"]

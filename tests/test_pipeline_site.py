@@ -1,12 +1,22 @@
-"""A pipelined site (2 stages under torchrun) learns like a single-process one."""
+"""A pipelined site (2 stages under torchrun) learns like a single-process one, leaves the
+federation on SIGTERM, and exits with its leader's status."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import Procs, read_status, write_coordinator_config, write_site_config
+from site_agent.launch import EXIT_FATAL
+from tests.conftest import (
+    TINY_MODEL,
+    Procs,
+    read_status,
+    wait_for,
+    write_coordinator_config,
+    write_site_config,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -42,3 +52,40 @@ def test_two_stage_sites_learn_like_single_process_sites(procs: Procs, tmp_path:
     assert piped[2] < 0.9 * piped[0]
     # Same samples, same math up to micro-batch summation order.
     assert piped[2] == pytest.approx(single[2], rel=2e-3)
+
+
+def test_a_pipelined_site_leaves_on_sigterm_to_its_main_process(
+    procs: Procs, tmp_path: Path
+) -> None:
+    cfg = write_coordinator_config(tmp_path, min_sites=1, max_rounds=0, num_inner_steps=4)
+    procs.start("coordinator", "coordinator", "--config", str(cfg))
+    site = write_site_config(tmp_path, "eu", 0, 1, stages=2, microbatches=2)
+    main = procs.start("site-eu", "agent", "--config", str(site))
+    wait_for(
+        lambda: (read_status(tmp_path) or {}).get("rounds_completed", 0) >= 1,
+        timeout_s=200,
+        what="a round",
+        procs=procs,
+    )
+    # As systemd does with KillMode=mixed: SIGTERM to the main process alone.
+    main.send_signal(signal.SIGTERM)
+    assert main.wait(timeout=90) == 0, procs.log("site-eu")
+    assert "stopping: stopped by signal" in procs.log("site-eu")
+    wait_for(
+        lambda: "left: stopped by signal" in procs.log("coordinator"),
+        timeout_s=30,
+        what="the coordinator to see the LEAVE",
+    )
+
+
+def test_a_pipelined_site_exits_with_its_leaders_status(procs: Procs, tmp_path: Path) -> None:
+    # The coordinator builds θ0 of another model: the site's is refused (status 3), and
+    # torchrun's own "a worker failed" must not replace that status.
+    other = {**TINY_MODEL, "num_layers": TINY_MODEL["num_layers"] + 1}
+    cfg = write_coordinator_config(
+        tmp_path, min_sites=1, initial_model={"seed": 1234, "model": other}
+    )
+    procs.start("coordinator", "coordinator", "--config", str(cfg))
+    site = write_site_config(tmp_path, "eu", 0, 1, stages=2, microbatches=2)
+    main = procs.start("site-eu", "agent", "--config", str(site))
+    assert main.wait(timeout=200) == EXIT_FATAL, procs.log("site-eu")
