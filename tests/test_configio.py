@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -174,3 +175,70 @@ def test_cli_bad_initial_model_prints_one_line_and_exits_2(
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and named in lines[0], lines
+
+
+def _code_default(cls: Any, parts: list[str]) -> Any:
+    """The code's default for the dotted key ``parts`` under dataclass ``cls`` (``NO_DEFAULT``
+    for a required field); an optional table (default None) is descended into its class."""
+    import dataclasses
+    import typing
+
+    from site_agent.model import ModelConfig
+
+    hints = typing.get_type_hints(cls)
+    f = {f.name: f for f in dataclasses.fields(cls)}[parts[0]]
+    if len(parts) > 1:
+        kind = hints[f.name]
+        inner = [a for a in (kind, *typing.get_args(kind)) if dataclasses.is_dataclass(a)]
+        if inner:
+            return _code_default(inner[0], parts[1:])
+        assert f.name == "model", f"no table {parts[0]} in {cls.__name__}"
+        return _code_default(ModelConfig, parts[1:])  # initial_model.model: the sites' model
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return NO_DEFAULT
+
+
+NO_DEFAULT = object()
+
+
+@pytest.mark.parametrize(
+    "name", sorted(p.name for p in (Path(__file__).parent.parent / "deploy" / "config").iterdir())
+)
+def test_example_config_values_are_the_code_defaults_unless_noted(name: str) -> None:
+    """Every value in an example config equals the code's default, or its line says
+    ``default: X`` with X the code's default: the examples cannot drift from the code."""
+    import re
+    import tomllib
+
+    path = Path(__file__).parent.parent / "deploy" / "config" / name
+    doc = tomllib.loads(path.read_text())
+    ((section, _),) = doc.items()
+    cls = CoordinatorConfig if section == "coordinator" else SiteConfig
+    table: list[str] = []
+    checked = 0
+    for line in path.read_text().splitlines():
+        if header := re.match(r"^\[([\w.]+)\]", line):
+            table = header.group(1).split(".")
+            continue
+        key = re.match(r"^(\w+)\s*=", line)
+        if not key:
+            continue
+        parts = [*table[1:], key.group(1)]
+        value: Any = doc[table[0]]
+        for part in parts:
+            value = value[part]
+        default = _code_default(cls, parts)
+        if isinstance(default, tuple):
+            default = list(default)
+        note = re.search(r"\(default: (.*)\)$", line) or re.search(r"# default: (.*)$", line)
+        where = f"{name}: {'.'.join([*table, key.group(1)])}"
+        if note:
+            stated = tomllib.loads(f"v = {note.group(1)}")["v"]
+            assert stated == default, f"{where} says default {stated!r}, the code's is {default!r}"
+        elif default is not NO_DEFAULT:
+            assert value == default, f"{where} = {value!r} but the default is {default!r}"
+        checked += 1
+    assert checked >= 10
