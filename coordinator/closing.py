@@ -133,6 +133,13 @@ def gather(
     return fresh, late, updates
 
 
+def _bytes_by_site(updates: list[Accepted]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for u in updates:
+        out[u.site_id] = out.get(u.site_id, 0) + u.nbytes
+    return out
+
+
 def history_entry(
     c: Coordinator,
     now: float,
@@ -166,6 +173,7 @@ def history_entry(
         "uplink_codecs": {s: plan.uplink[s] for s in merged},
         "downlink_codec": plan.downlink,
         "update_bytes": sum(u.nbytes for u in fresh + late),
+        "update_bytes_by_site": _bytes_by_site(fresh + late),
         "compute_seconds_max": max((u.compute_seconds for u in fresh), default=0.0),
         "duration_s": now - r.opened_at,
         "finished_unix": time.time(),

@@ -354,6 +354,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from crossdc.plot import main as plot_main
+
+    rc: int = plot_main(args.rest)
+    return rc
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -381,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_keys_command(sub)
     _add_status_command(sub)
     _add_bench_command(sub)
+    pl = _command(sub, "plot", help="PNG figures of a run directory (crossdc plot RUN_DIR)")
+    pl.add_argument("rest", nargs=argparse.REMAINDER)
+    pl.set_defaults(func=cmd_plot)
     return p
 
 

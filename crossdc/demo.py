@@ -279,6 +279,9 @@ def run_demo(args: argparse.Namespace) -> int:
         )
         return 1
     report = _full_report(args, progress.status, wall, workdir, profiles, link_bytes)
+    # The pictures go next to the report (or into the run's directory without one).
+    figures_dir = Path(args.report).resolve().parent if args.report else workdir
+    report["figures"] = [str(p) for p in _figures(workdir, figures_dir)]
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
     if args.json:
@@ -286,6 +289,16 @@ def run_demo(args: argparse.Namespace) -> int:
     else:
         _print_summary(report)
     return 0
+
+
+def _figures(workdir: Path, out_dir: Path) -> list[Path]:
+    from crossdc.plot import plot_run
+
+    try:
+        return plot_run(workdir, out_dir)
+    except (ValueError, OSError) as exc:  # no completed round: nothing to draw
+        print(f"crossdc demo: no figures: {exc}", file=sys.stderr)
+        return []
 
 
 def _print_rounds(status: dict[str, Any], shown: int, state_dir: Path) -> int:

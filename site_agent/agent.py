@@ -408,6 +408,8 @@ class SiteAgent:
             "dp_epsilon": self.accountant.epsilon() if self.accountant else None,
             "link_rtt_s": self.link.stats.rtt_s if self.link else 0.0,
             "link_goodput_bps": self.link.stats.goodput_bps if self.link else 0.0,
+            "wire_bytes_sent": self.link.stats.bytes_sent if self.link else 0,
+            "wire_bytes_received": self.link.stats.bytes_received if self.link else 0,
         }
 
     def _write_site_status(self) -> None:

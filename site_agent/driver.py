@@ -73,7 +73,9 @@ def train_slot(self: SiteAgent, num_steps: int) -> tuple[TrainStats, int | None]
     loss_sum = seconds = last = 0.0
     while steps < num_steps:
         n = min(self.cfg.steps_per_poll, num_steps - steps)
-        sync_free = not self._sent  # nothing of ours on the wire or waiting for its result
+        # Nothing of ours on the wire or waiting for its result; the run's first call is
+        # warm-up (allocations, first kernels), no measure of the steady rate.
+        sync_free = not self._sent and self._steps_done > 0
         t0 = self.clock()
         s = self.trainer.train_steps(n)
         if self.cfg.fault_slow_step_s:

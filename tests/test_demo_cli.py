@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from coordinator.status_board import StatusBoard
 from crossdc import demo
 from crossdc.bench import wan
 from crossdc.cli import build_parser, main
+from crossdc.plot import FIGURES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -242,3 +244,28 @@ def test_bench_wan_without_a_final_validation_loss(
     # Every byte against every byte; the sync traffic alone is its own, named, ratio.
     assert out["bytes_ratio_vs_ddp"] == pytest.approx(1000.0 / (5000 / 40))
     assert out["sync_bytes_ratio_vs_ddp"] == pytest.approx(1000.0 / (4000 / 40))
+
+
+@pytest.mark.timeout(400)
+def test_a_real_demo_run_reports_and_draws(tmp_path: Path) -> None:
+    """The demo end to end (real processes, no WAN emulation, no keys): θ0 built on both sides
+    (nothing uploaded), the report's figures written next to it."""
+    report = tmp_path / "out" / "report.json"
+    report.parent.mkdir()
+    argv = ["demo", "--sites", "2", "--rounds", "2", "--inner-steps", "4", "--batch-size", "4"]
+    argv += ["--no-wan", "--insecure", "--workdir", str(tmp_path / "run"), "--report", str(report)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "crossdc", *argv], capture_output=True, text=True, timeout=380
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(report.read_text())
+    assert r["rounds_completed"] == 2 and r["val_loss_final"] < r["val_loss_initial"]
+    assert sorted(Path(f).name for f in r["figures"]) == sorted(FIGURES)
+    assert all(Path(f).parent == report.parent and Path(f).stat().st_size > 0 for f in r["figures"])
+    log = (tmp_path / "run" / "coordinator.log").read_text()
+    assert "initial model" in log and "need_init=True" not in log
+    # Both ways the scheduler's codec; the socket's bytes are the rounds' bytes, every one.
+    hist = [
+        json.loads(line) for line in (tmp_path / "run" / "coordinator" / "history.jsonl").open()
+    ]
+    assert sum(h["wire_bytes_in"] + h["wire_bytes_out"] for h in hist) <= r["wan_bytes_total"]

@@ -1,0 +1,153 @@
+"""``crossdc plot RUN_DIR``: pictures of a run, as PNG files.
+
+A run directory is what ``crossdc demo`` (or a deployment) leaves: the coordinator's state dir
+``coordinator/`` (its round history and validation losses) and one ``site-<id>/`` per site with
+that site's ``status.json``. Four figures:
+
+- ``val_loss_vs_time.png``: validation loss of each global version against the wall seconds
+  since the first round opened;
+- ``val_loss_vs_wan_bytes.png``: the same losses against the WAN bytes on the coordinator's
+  socket up to that version (every byte: joins, control, heartbeats, updates, broadcasts);
+- ``bytes_per_round.png``: per round, each site's update bytes and the broadcast;
+- ``compute_utilization.png``: per site, inner steps per second over the training period
+  against its own rate with no sync in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from coordinator.history_log import read_history
+
+FIGURES = (
+    "val_loss_vs_time.png",
+    "val_loss_vs_wan_bytes.png",
+    "bytes_per_round.png",
+    "compute_utilization.png",
+)
+
+
+def _site_status(run_dir: Path) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for path in sorted(run_dir.glob("site-*/status.json")):
+        try:
+            status = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        out[str(status.get("site_id") or path.parent.name.removeprefix("site-"))] = status
+    return out
+
+
+def _loss_points(
+    history: Sequence[dict[str, Any]], val_losses: dict[int, float]
+) -> tuple[list[float], list[float], list[float]]:
+    """(seconds since the start, WAN bytes so far, loss) per version with a loss; version 0 at
+    the start with the bytes of nothing."""
+    start = history[0]["finished_unix"] - history[0]["duration_s"]
+    seconds, wan_bytes, losses = [], [], []
+    if 0 in val_losses:
+        seconds.append(0.0)
+        wan_bytes.append(0.0)
+        losses.append(val_losses[0])
+    total = 0.0
+    for h in history:
+        total += h.get("wire_bytes_in", 0) + h.get("wire_bytes_out", 0)
+        version = int(h["global_version"])
+        if version in val_losses:
+            seconds.append(h["finished_unix"] - start)
+            wan_bytes.append(total)
+            losses.append(val_losses[version])
+    return seconds, wan_bytes, losses
+
+
+def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
+    """Write the four figures of the run in ``run_dir`` into ``out_dir`` (default: the run
+    directory); return their paths. Raises ``ValueError`` when the run completed no round."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a display
+    import matplotlib.pyplot as plt
+
+    run = Path(run_dir)
+    out = Path(out_dir) if out_dir is not None else run
+    log = read_history(run / "coordinator")
+    history = list(log.history)
+    if not history:
+        raise ValueError(f"{run / 'coordinator'} holds no completed round")
+    out.mkdir(parents=True, exist_ok=True)
+    sites = _site_status(run)
+    seconds, wan_bytes, losses = _loss_points(history, log.val_losses)
+    paths = [out / name for name in FIGURES]
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(seconds, losses, marker="o")
+    ax.set(xlabel="wall seconds since the first round", ylabel="validation loss")
+    ax.set_title("Validation loss against time")
+    ax.grid(alpha=0.3)
+    fig.savefig(paths[0], dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([b / 1e6 for b in wan_bytes], losses, marker="o")
+    ax.set(xlabel="WAN MB on the coordinator's socket (every byte)", ylabel="validation loss")
+    ax.set_title("Validation loss against WAN bytes")
+    ax.grid(alpha=0.3)
+    fig.savefig(paths[1], dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+    rounds = [int(h["round_id"]) for h in history]
+    by_site = [h.get("update_bytes_by_site") for h in history]
+    series: dict[str, list[float]] = {}
+    if all(b is not None for b in by_site):
+        for site in sorted({s for b in by_site if b for s in b}):
+            series[f"{site} update"] = [(b or {}).get(site, 0) / 1e6 for b in by_site]
+    else:  # a history from before per-site counts: the sites' updates together
+        series["updates (all sites)"] = [h.get("update_bytes", 0) / 1e6 for h in history]
+    width = 0.8 / (len(series) + 1)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar([r + i * width for r in rounds], values, width, label=label)
+    broadcast = [h.get("broadcast_bytes", 0) / 1e6 for h in history]
+    ax.bar([r + len(series) * width for r in rounds], broadcast, width, label="broadcast (all)")
+    ax.set(xlabel="round", ylabel="MB")
+    ax.set_title("Bytes per round")
+    ax.legend(fontsize="small")
+    fig.savefig(paths[2], dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    util = {s: st.get("compute_utilization") for s, st in sites.items()}
+    measured = {s: u for s, u in util.items() if u is not None}
+    ax.bar(list(measured), [100 * u for u in measured.values()])
+    ax.axhline(100, color="grey", linewidth=0.8)
+    ax.set(ylabel="% of the sync-free step rate", xlabel="site")
+    unmeasured = sorted(set(util) - set(measured))
+    title = "Compute utilization" + (f" (not measured: {', '.join(unmeasured)})" * bool(unmeasured))
+    ax.set_title(title)
+    fig.savefig(paths[3], dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="crossdc plot", description=__doc__.splitlines()[0])
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="where the PNGs go (default: RUN_DIR)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        paths = plot_run(args.run_dir, args.out)
+    except (ValueError, OSError) as exc:
+        print(f"crossdc plot: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"figures": [str(x) for x in paths]}, indent=1))
+    else:
+        for path in paths:
+            print(path)
+    return 0
