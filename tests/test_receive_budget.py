@@ -445,3 +445,43 @@ def test_a_router_receives_many_uploads_within_its_budget(ctx: zmq.Context[Any])
         for dealer in dealers:
             dealer.close(flush_timeout_s=0)
         router.close(flush_timeout_s=0)
+
+
+@pytest.mark.timeout(60)
+def test_resumes_back_off_while_a_receiver_stays_silent(ctx: zmq.Context[Any]) -> None:
+    """A receiver that takes chunks but acknowledges nothing (a slow one, or a cut link): each
+    resume doubles the wait before the next, up to 16 stall timeouts, and the message is still
+    dropped once it made no progress for the send timeout. Time is passed in, not slept."""
+    cfg = ChannelConfig(
+        chunk_bytes=64 << 10,
+        initial_credit_bytes=256 << 10,
+        stall_timeout_s=1.0,
+        send_timeout_s=60.0,
+        linger_s=0.0,
+    )
+    silent: zmq.Socket[Any] = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    dealer = DealerChannel(cfg, identity="s0", context=ctx)
+    try:
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.send(_upload(0, 1 << 20))
+        (tx,) = dealer.outgoing()
+        start = tx.last_progress_at
+        assert start is not None
+        resumed_at: list[float] = []
+        for tenth in range(1, 700):
+            now = start + tenth / 10
+            before = dealer.stats.transfer_resumes
+            dealer._tick(now)
+            if dealer.stats.transfer_resumes > before:
+                resumed_at.append(round(now - start, 1))
+            if dealer.pending_transfers == 0:
+                break
+        # 1 s, then 2, 4, 8, 16 and 16 s after each resume: every chunk resent six times, not 60.
+        assert resumed_at == [1.0, 3.0, 7.0, 15.0, 31.0, 47.0]
+        assert dealer.pending_transfers == 0 and dealer.stats.messages_dropped == 1
+        assert round(now - start, 1) == 63.0  # the send timeout, checked at the next stall
+    finally:
+        dealer.close(flush_timeout_s=0)
+        silent.close(linger=0)

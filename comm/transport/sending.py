@@ -3,7 +3,9 @@
 Messages whose frames exceed ``chunk_bytes`` travel as digested chunks under credit-based flow
 control: only what the receiver's credit allows goes out at once, the rest as acknowledgements
 arrive. Messages to one peer go out in the order they were sent (heartbeats may overtake). A
-transfer whose acknowledgements stop advancing resumes from the last acknowledged chunk; one
+transfer whose acknowledgements stop advancing resumes from the last acknowledged chunk (each
+resume without progress since doubles the wait before the next, up to 16 stall timeouts: one
+TCP connection loses nothing unless it breaks, so a slow receiver needs time, not resends); one
 that makes no progress for ``send_timeout_s`` is dropped and counted, with what waits behind it.
 A transfer the receiver holds back for its receive budget (every chunk sent acknowledged, no
 credit left) waits without resending: the receiver's periodic acknowledgements keep it alive.
@@ -50,6 +52,12 @@ class _Outgoing:
     while holding the transfer back (or the transfer began)."""
     waited: bool = False
     """It waited for credit with every chunk acknowledged (the receiver's budget was taken)."""
+    resumes_in_a_row: int = 0
+    """Resumes since the last progress: each doubles the stall timeout before the next (up to
+    ``2**_MAX_BACKOFF`` times), so a receiver slow to acknowledge is not flooded with resends."""
+
+
+_MAX_BACKOFF = 4
 
 
 class _SendSide:
@@ -244,6 +252,7 @@ class _SendSide:
             # Acknowledged further, granted more credit, or held by a receiver that has all of it
             # so far (waiting for its receive budget): alive, not a stall.
             out.progress_at = now
+            out.resumes_in_a_row = 0
         if tx.acked_bytes > acked_before:
             self.send_link(peer).on_bytes_acked(tx.acked_bytes - acked_before, now)
         if tx.waiting_for_credit and not out.waited:
@@ -261,11 +270,12 @@ class _SendSide:
             self._release(peer)  # a queued send that found the peer not draining
         for peer, out in list(self._outgoing.items()):
             tx = out.tx
-            stall_s = stall_timeout_s(self.transfer_cfg, self.send_link(out.peer).snapshot())
+            base_s = stall_timeout_s(self.transfer_cfg, self.send_link(out.peer).snapshot())
+            stall_s = base_s * 2 ** min(out.resumes_in_a_row, _MAX_BACKOFF)
             if not tx.stalled(now, stall_s):
                 continue
             tag = f"[transfer={tx.transfer_id} peer={out.peer[:32]!r}]"
-            if now - out.progress_at >= max(self.cfg.send_timeout_s, 3 * stall_s):
+            if now - out.progress_at >= max(self.cfg.send_timeout_s, 3 * base_s):
                 del self._outgoing[peer]
                 self.stats.messages_dropped += 1
                 log.warning(
@@ -288,6 +298,7 @@ class _SendSide:
                 tx.num_chunks,
             )
             tx.resume(now=now)
+            out.resumes_in_a_row += 1
             self.stats.transfer_resumes += 1
             self._pump(out, now, block=False)
 
