@@ -162,6 +162,25 @@ def _answer(run: _Run, site: _Site, msg: Message) -> None:
         site.done = True
 
 
+FRAMES_PER_PASS = 64
+"""Frame lists one site reads per pass over the sites: a real site's I/O thread drains its
+socket; one read per pass would let a site fall behind what its socket receives."""
+
+
+def _drain(run: _Run, site: _Site) -> bool:
+    """Read what waits on one site's socket (up to FRAMES_PER_PASS); True if there was any."""
+    busy = False
+    for _ in range(FRAMES_PER_PASS):
+        before = site.chan.stats.bytes_received
+        msg = site.chan.recv(0.0)
+        if msg is not None:
+            _answer(run, site, msg)
+        elif site.chan.stats.bytes_received == before:
+            return busy  # nothing came in
+        busy = True
+    return busy
+
+
 def _serve(run: _Run, coord: subprocess.Popen[bytes], timeout_s: float) -> None:
     """Drive every site's channel until all got Shutdown (or the coordinator exited)."""
     deadline = time.monotonic() + timeout_s
@@ -173,10 +192,7 @@ def _serve(run: _Run, coord: subprocess.Popen[bytes], timeout_s: float) -> None:
             raise RuntimeError(f"the coordinator exited with {coord.returncode}")
         busy = False
         for site in run.sites:
-            msg = site.chan.recv(0.0)
-            if msg is not None:
-                busy = True
-                _answer(run, site, msg)
+            busy = _drain(run, site) or busy
         if time.monotonic() - last_rss > 0.2:
             run.peak_rss, last_rss = max(run.peak_rss, _peak_rss(coord.pid)), time.monotonic()
         if not busy:
