@@ -44,6 +44,7 @@ def test_costs_are_gaps_of_the_means_over_seeds(
     assert rows["int4"]["val_loss_gap_by_seed"] == pytest.approx([0.01, 0.0])
     assert rows["int4"]["bytes_ratio_vs_fp32"] == 8.0
     assert out["seeds"] == [1, 2] and out["batch_size"] == 4
+    assert out["overlap"] is False and out["wan_emulation"] is True
 
 
 def test_the_demo_command_names_codec_seed_and_batch(
@@ -61,8 +62,14 @@ def test_the_demo_command_names_codec_seed_and_batch(
         return Done()
 
     monkeypatch.setattr(convergence.subprocess, "run", fake_subprocess_run)
-    args = argparse.Namespace(sites=3, rounds=2, inner_steps=5, batch_size=16, timeout=10.0)
+    args = argparse.Namespace(
+        sites=3, rounds=2, inner_steps=5, batch_size=16, timeout=10.0, overlap=False, no_wan=False
+    )
     convergence.run_one("int3+zstd", 7, args, tmp_path)
+    convergence.run_one(
+        "int3+zstd", 7, argparse.Namespace(**{**vars(args), "overlap": True}), tmp_path
+    )
+    assert "--no-overlap" not in seen[1] and "--no-wan" not in seen[1]
     argv = seen[0]
     pairs = dict(zip(argv[4::1], argv[5::1], strict=False))
     assert pairs["--uplink-codec"] == pairs["--downlink-codec"] == "int3+zstd"

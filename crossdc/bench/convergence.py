@@ -45,10 +45,13 @@ def run_one(codec: str, seed: int, args: argparse.Namespace, workdir: Path) -> d
         codec,
         "--workdir",
         str(workdir / f"{codec.replace(':', '_')}-{seed}"),
-        # Blocking sync: with overlap the inner step at which a result is merged depends on
-        # timing, a noise larger than the differences between codecs.
-        "--no-overlap",
     ]
+    # Blocking sync by default: with overlap the inner step at which a result is merged depends
+    # on timing, a noise of its own; --overlap measures the default mode, noise and all.
+    if not args.overlap:
+        argv.append("--no-overlap")
+    if args.no_wan:
+        argv.append("--no-wan")
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"demo with {codec} failed: {proc.stderr.strip()[-2000:]}")
@@ -90,6 +93,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "inner_steps": args.inner_steps,
         "batch_size": args.batch_size,
         "seeds": seeds,
+        "overlap": args.overlap,
+        "wan_emulation": not args.no_wan,
         "val_loss_initial": results["fp32"][0]["val_loss_initial"],
         "codecs": rows,
     }
@@ -103,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inner-steps", type=int, default=50)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seeds", default="1234", help="comma-separated demo seeds (mean over them)")
+    p.add_argument("--overlap", action="store_true", help="overlapped sync (the demo's default)")
+    p.add_argument("--no-wan", action="store_true", help="loopback links, no WAN emulation")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
