@@ -73,6 +73,10 @@ def run_crossdc(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     # Sync traffic: every update and every broadcast, not the one-time model download at join.
     report["sync_bytes"] = sum(h["update_bytes"] + h["broadcast_bytes"] for h in history)
     report["tokens_merged"] = sum(int(h["tokens"]) for h in history)
+    used = {c for h in history for c in h.get("uplink_codecs", {}).values()}
+    report["codecs_used"] = sorted(
+        used | {h["downlink_codec"] for h in history if "downlink_codec" in h}
+    )
     return report
 
 
@@ -133,6 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ddp_s_to_target / ours["train_seconds"] if ddp_s_to_target is not None else None
             ),
             "links": ours.get("links"),
+            "codecs_used": ours.get("codecs_used"),
         }
     )
     return out
@@ -143,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sites", type=int, default=3)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--inner-steps", type=int, default=150)
-    p.add_argument("--codec", default="int4", help="crossdc's codec, both directions")
+    p.add_argument(
+        "--codec",
+        default="auto",
+        help="crossdc's codec, both directions (default auto: the scheduler's, bytes first)",
+    )
     p.add_argument("--ddp-wan-steps", type=int, default=20)
     p.add_argument("--ddp-eval-every", type=int, default=50)
     p.add_argument("--skip-goodput", action="store_true")
