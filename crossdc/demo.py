@@ -81,6 +81,11 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         "--no-overlap", action="store_true", help="block each site on every sync (no overlap)"
     )
     p.add_argument(
+        "--no-align-arrivals",
+        action="store_true",
+        help="every site trains exactly the planned steps (no extra steps for early sites)",
+    )
+    p.add_argument(
         "--eval-every", type=int, default=1, help="validation loss every N rounds (and the last)"
     )
     p.add_argument("--stages", type=int, default=1, help="pipeline stages per site")
@@ -219,7 +224,9 @@ def _full_report(
 ) -> dict[str, Any]:
     """``build_report`` plus what the sites and the links say."""
     ids = site_ids(args.sites)
-    report = build_report(args, status, wall, read_history(workdir / "coordinator"))
+    log = read_history(workdir / "coordinator")
+    report = build_report(args, status, wall, log)
+    report["tokens_merged"] = sum(float(h.get("tokens", 0.0)) for h in log.history)
     sites_status = {s: _read_status(workdir / f"site-{s}" / "status.json") or {} for s in ids}
     report["dp_epsilon"] = {s: st.get("dp_epsilon") for s, st in sites_status.items()}
     # Per site: inner steps per second over its training period / its rate with no sync of its

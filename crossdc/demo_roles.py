@@ -134,6 +134,7 @@ def write_coordinator_config(
             "outer_warmup_steps": args.outer_warmup_steps,
             "outer_final_mean": args.outer_final_mean,
             "overlap": not args.no_overlap,
+            "align_arrivals": not getattr(args, "no_align_arrivals", False),
             "eval_every_rounds": args.eval_every,
             "round_deadline_s": 600.0,
             "site_timeout_s": 60.0,

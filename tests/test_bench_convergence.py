@@ -75,3 +75,4 @@ def test_the_demo_command_names_codec_seed_and_batch(
     assert pairs["--uplink-codec"] == pairs["--downlink-codec"] == "int3+zstd"
     assert pairs["--seed"] == "7" and pairs["--batch-size"] == "16"
     assert "--no-overlap" in argv and pairs["--workdir"].endswith("int3+zstd-7")
+    assert "--no-align-arrivals" in argv  # equal tokens for every codec

@@ -46,8 +46,11 @@ def run_one(codec: str, seed: int, args: argparse.Namespace, workdir: Path) -> d
         "--workdir",
         str(workdir / f"{codec.replace(':', '_')}-{seed}"),
     ]
-    # Blocking sync by default: with overlap the inner step at which a result is merged depends
-    # on timing, a noise of its own; --overlap measures the default mode, noise and all.
+    # Equal tokens: arrival alignment gives sites that land early extra steps, and how many
+    # depends on each codec's sync time (fp32 on a slow link trains the others longer), so it
+    # is off. Blocking sync by default: with overlap the inner step at which a result is merged
+    # depends on timing, a noise of its own; --overlap measures the default mode, noise and all.
+    argv.append("--no-align-arrivals")
     if not args.overlap:
         argv.append("--no-overlap")
     if args.no_wan:
@@ -93,6 +96,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "inner_steps": args.inner_steps,
         "batch_size": args.batch_size,
         "seeds": seeds,
+        "tokens_by_codec": {
+            c: [r.get("tokens_merged") for r in runs] for c, runs in results.items()
+        },
         "overlap": args.overlap,
         "wan_emulation": not args.no_wan,
         "val_loss_initial": results["fp32"][0]["val_loss_initial"],
@@ -109,7 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seeds", default="1234", help="comma-separated demo seeds (mean over them)")
     p.add_argument("--overlap", action="store_true", help="overlapped sync (the demo's default)")
-    p.add_argument("--no-wan", action="store_true", help="loopback links, no WAN emulation")
+    p.add_argument(
+        "--no-wan",
+        action="store_true",
+        help="loopback links (without overlap and alignment the losses do not depend on links)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
