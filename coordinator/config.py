@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from comm.ops.configio import load_section
+from comm.ops.httpsec import HttpSecurityConfig
 from comm.security.kits import SecurityConfig
 from comm.security.masking import SecAggConfig
 from comm.transport.profile import ChannelConfig
@@ -40,6 +41,8 @@ class CoordinatorConfig:
     """HTTP port for /metrics and /status; 0 turns it off."""
     metrics_host: str = "127.0.0.1"
     """Address the HTTP server listens on."""
+    http: HttpSecurityConfig = field(default_factory=HttpSecurityConfig)
+    """TLS and basic auth for the HTTP port (``[coordinator.http]``); plain HTTP without it."""
     min_sites: int = 2
     """A round opens only when at least this many sites are joined and in sync."""
     quorum_fraction: float = 1.0

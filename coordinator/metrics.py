@@ -6,11 +6,47 @@ process (tests) without colliding.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from comm.ops.observe import crossdc_version, register_process_collectors
 
 # Round and transfer durations on a WAN range from seconds to tens of minutes.
 DURATION_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, float("inf"))
 SIZE_BUCKETS = tuple(float(4**i) for i in range(5, 17)) + (float("inf"),)
+
+CertificateSource = Callable[[], Iterable[tuple[str, str, float]]]
+"""What the coordinator trusts now, as ``(site, serial, not_after)``: read at each scrape."""
+
+
+class _CertificateExpiry(Collector):
+    """``crossdc_certificate_expiry_timestamp_seconds{site, serial}``, one per certificate the
+    coordinator accepts (issued, CA-signed, not revoked), read from the source at each scrape."""
+
+    NAME = "crossdc_certificate_expiry_timestamp_seconds"
+
+    def __init__(self) -> None:
+        self.source: CertificateSource | None = None
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            self.NAME,
+            "Expiry (not_after, unix seconds) of each site certificate the coordinator accepts",
+            labels=["site", "serial"],
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        if self.source is not None:
+            for site, serial, not_after in self.source():
+                family.add_metric([site, serial], float(not_after))
+        yield family
 
 
 class CoordinatorMetrics:
@@ -21,6 +57,7 @@ class CoordinatorMetrics:
         self._declare_traffic(r)
         self._declare_model(r)
         self._declare_events(r)
+        self._declare_process(r)
 
     def _declare_rounds(self, r: CollectorRegistry) -> None:
         """Rounds: completed, aborted, their duration, the global version, quorum and members."""
@@ -128,3 +165,26 @@ class CoordinatorMetrics:
         self.site_timeouts = Counter(
             "crossdc_site_timeouts_total", "Sites removed for silence", registry=r
         )
+
+    def _declare_process(self, r: CollectorRegistry) -> None:
+        """The process and its build, the certificates it trusts, refused HTTP requests."""
+        register_process_collectors(r)
+        self.build_info = Gauge(
+            "crossdc_build_info", "Always 1; the crossdc version running", ["version"], registry=r
+        )
+        self.build_info.labels(version=crossdc_version()).set(1)
+        self._certificates = _CertificateExpiry()
+        r.register(self._certificates)
+        self.http_refused = Counter(
+            "crossdc_http_refused_total",
+            "Requests to /metrics or /status refused (TLS handshake, missing or wrong credentials)",
+            ["reason"],
+            registry=r,
+        )
+
+    def watch_certificates(self, source: CertificateSource) -> None:
+        """Expose the expiry of the certificates ``source()`` returns, at every scrape."""
+        self._certificates.source = source
+
+    def refused(self, reason: str) -> None:
+        self.http_refused.labels(reason=reason).inc()

@@ -228,6 +228,7 @@ class Coordinator:
         channel_cfg = self.cfg.channel
         if self.kit is not None:
             self.registry = CertificateRegistry.from_kit(self.kit.kit_dir)
+            self.metrics.watch_certificates(self._trusted_certificates)
             self._zap = ZapHandler(self._ctx, self.registry, on_reject=self._on_auth_reject)
             self._zap.start()  # before the bind: no handshake may race the handler
             channel_cfg = replace(channel_cfg, curve=self.kit.curve)
@@ -291,6 +292,13 @@ class Coordinator:
         self.outbox.later(action)
 
     # ---- helpers ---------------------------------------------------------------------------
+
+    def _trusted_certificates(self) -> list[tuple[str, str, float]]:
+        """(site, serial, not_after) of each certificate the registry trusts (HTTP thread)."""
+        registry = self.registry
+        if registry is None:
+            return []
+        return [(c.site_id, c.serial, c.not_after) for c in registry.trusted_certificates()]
 
     def _on_wire_reject(self, peer: bytes, code: ErrorCode, detail: str) -> None:
         self.metrics.rejected.labels(reason=code.name.lower()).inc()

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import ssl
+
     from coordinator.config import InitialModelConfig
     from coordinator.service import InitialModel
     from site_agent.config import SiteConfig
@@ -195,6 +197,21 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:  # AuthError is a ValueError
         print(f"crossdc coordinator: cannot start: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    http = None
+    if cfg.metrics_port:
+        try:  # reads the TLS and password files: a bad one is a bad config, before any bind
+            http = ObserveServer(
+                registry=coord.metrics.registry,
+                status=coord.status,
+                host=cfg.metrics_host,
+                port=cfg.metrics_port,
+                security=cfg.http,
+                on_refused=coord.metrics.refused,
+            )
+        except (ValueError, OSError) as exc:
+            coord.close()
+            print(f"crossdc coordinator: cannot start: {exc}", file=sys.stderr)
+            return EXIT_BAD_CONFIG
     stop = threading.Event()
     _stop_on_signals(stop)
     try:
@@ -203,14 +220,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         coord.close()
         print(f"crossdc coordinator: cannot start: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    http = None
-    if cfg.metrics_port:
-        http = ObserveServer(
-            registry=coord.metrics.registry,
-            status=coord.status,
-            host=cfg.metrics_host,
-            port=cfg.metrics_port,
-        )
+    if http is not None:
         http.start()
     try:
         coord.run(stop)
@@ -297,6 +307,33 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _status_request(url: str, args: argparse.Namespace) -> urllib.request.Request:
+    """The GET of ``url``, with basic auth from ``--user`` and ``--password-file``."""
+    import base64
+    from pathlib import Path
+
+    request = urllib.request.Request(url)
+    if bool(args.user) != bool(args.password_file):
+        raise ValueError("--user and --password-file go together")
+    if args.user:
+        try:
+            password = Path(args.password_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read --password-file {args.password_file}: {exc}") from None
+        token = base64.b64encode(f"{args.user}:{password}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    return request
+
+
+def _status_tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """For https URLs: the system's trusted CAs, or only ``--ca-file``'s."""
+    import ssl
+
+    if not args.url.startswith("https://"):
+        return None
+    return ssl.create_default_context(cafile=args.ca_file or None)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """A role's status from its ``/status`` URL, or a coordinator's from its state directory
     (``--state-dir``). A status carries the last rounds only; ``--history`` adds every round
@@ -321,7 +358,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         url = args.url.rstrip("/") + "/status"
         try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
+            request = _status_request(url, args)
+        except ValueError as exc:
+            print(f"crossdc status: {exc}", file=sys.stderr)
+            return EXIT_BAD_CONFIG
+        try:
+            with urllib.request.urlopen(
+                request, timeout=5, context=_status_tls_context(args)
+            ) as resp:
                 status = json.load(resp)
         except OSError as exc:
             print(f"crossdc status: cannot reach {url}: {exc}", file=sys.stderr)
@@ -439,6 +483,9 @@ def _add_keys_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def _add_status_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s = _command(sub, "status", help="show a running role's /status")
     s.add_argument("--url", default="http://127.0.0.1:9710")
+    s.add_argument("--ca-file", default="", help="PEM CA to verify an https --url against")
+    s.add_argument("--user", default="", help="basic auth user ([*.http] basic_auth_user)")
+    s.add_argument("--password-file", default="", help="file holding the basic auth password")
     s.add_argument(
         "--state-dir", default="", help="read a coordinator's status.json here instead of --url"
     )

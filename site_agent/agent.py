@@ -132,6 +132,18 @@ class SiteAgent:
             if cfg.security.kit_dir
             else None
         )
+        if self.kit is not None:
+            self.metrics.certificate_expiry(self.kit.certificate.not_after)
+        # Built (its TLS and password files read) here, so a bad one fails before the start.
+        if cfg.metrics_port:
+            self.http = ObserveServer(
+                registry=self.metrics.registry,
+                status=self.status,
+                host=cfg.metrics_host,
+                port=cfg.metrics_port,
+                security=cfg.http,
+                on_refused=self.metrics.refused,
+            )
         self.accountant = PrivacyAccountant(cfg.privacy) if cfg.privacy is not None else None
         # Secure aggregation: one X25519 key per process, announced at join; the masking session
         # is bound to the coordinator's session (every site derives pair keys from the same id).
@@ -206,13 +218,7 @@ class SiteAgent:
             on_reject=lambda _p, code, _d: self.metrics.rejected(code.name.lower()),
         )
         self.link.start()
-        if self.cfg.metrics_port:
-            self.http = ObserveServer(
-                registry=self.metrics.registry,
-                status=self.status,
-                host=self.cfg.metrics_host,
-                port=self.cfg.metrics_port,
-            )
+        if self.http is not None:
             self.http.start()
         log.info(
             "[site=%s] connecting to %s; v%d; %d parameters",
@@ -373,7 +379,13 @@ class SiteAgent:
         sent, received = self.link.stats.bytes_sent, self.link.stats.bytes_received
         self.metrics.wire(sent - self._bytes_seen[0], received - self._bytes_seen[1])
         self._bytes_seen = (sent, received)
-        self.metrics.link(self.link.stats.rtt_s, self.link.stats.goodput_bps)
+        # The channel's averages stay 0 until their first sample: not a measurement yet.
+        rtt_s, goodput_bps = self.link.stats.rtt_s, self.link.stats.goodput_bps
+        self.metrics.link(
+            rtt_s=rtt_s,
+            goodput_bytes_per_s=goodput_bps / 8.0,
+            measured=rtt_s > 0 and goodput_bps > 0,
+        )
 
     def request_stop(self, reason: str) -> None:
         """Leave at the next point between inner steps (safe to call from a signal handler)."""

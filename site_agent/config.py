@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from comm.ops.configio import load_section
+from comm.ops.httpsec import HttpSecurityConfig
 from comm.security.kits import SecurityConfig
 from comm.security.masking import SecAggConfig
 from comm.transport.profile import ChannelConfig
@@ -65,6 +66,9 @@ class SiteConfig:
     metrics_port: int = 0
     """HTTP port for /metrics and /status; 0 turns it off."""
     metrics_host: str = "127.0.0.1"
+    """Address the HTTP server listens on."""
+    http: HttpSecurityConfig = field(default_factory=HttpSecurityConfig)
+    """TLS and basic auth for the HTTP port (``[site.http]``); plain HTTP without it."""
     seed: int = 1234
     """Seed of the initial model (all sites use the same) and, offset by the site, of sampling."""
     device: str = "auto"

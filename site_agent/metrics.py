@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from comm.ops.observe import crossdc_version, register_process_collectors
+
 DURATION_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, float("inf"))
 STEP_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, float("inf"))
 
@@ -17,6 +19,7 @@ class SiteMetrics:
         self._declare_compute(r, lab)
         self._declare_wire(r, lab)
         self._declare_sync(r, lab)
+        self._declare_process(r, lab)
 
     def _declare_progress(self, r: CollectorRegistry, lab: list[str]) -> None:
         """Training progress: steps, tokens, rounds, losses and the global version held."""
@@ -86,8 +89,14 @@ class SiteMetrics:
             registry=r,
         )
         self._link_goodput = Gauge(
-            "crossdc_site_link_goodput_bits_per_second",
-            "Measured goodput of transfers from the coordinator",
+            "crossdc_site_link_goodput_bytes_per_second",
+            "Measured goodput of transfers from the coordinator, bytes per second",
+            lab,
+            registry=r,
+        )
+        self._link_measured = Gauge(
+            "crossdc_site_link_measured",
+            "1 once the link's RTT and goodput are both measured; 0: they are not yet (no sample)",
             lab,
             registry=r,
         )
@@ -108,6 +117,29 @@ class SiteMetrics:
             "Inner steps between sending a fragment's update and merging its result",
             lab,
             buckets=STEP_BUCKETS,
+            registry=r,
+        )
+
+    def _declare_process(self, r: CollectorRegistry, lab: list[str]) -> None:
+        """The process and its build, the site's certificate, refused HTTP requests."""
+        register_process_collectors(r)
+        self._build_info = Gauge(
+            "crossdc_build_info",
+            "Always 1; the crossdc version running",
+            ["site", "version"],
+            registry=r,
+        )
+        self._build_info.labels(site=self.site_id, version=crossdc_version()).set(1)
+        self._cert_expiry = Gauge(
+            "crossdc_site_certificate_expiry_timestamp_seconds",
+            "Expiry (not_after, unix seconds) of this site's certificate",
+            lab,
+            registry=r,
+        )
+        self._http_refused = Counter(
+            "crossdc_site_http_refused_total",
+            "Requests to /metrics or /status refused (TLS handshake, missing or wrong credentials)",
+            ["site", "reason"],
             registry=r,
         )
 
@@ -141,9 +173,17 @@ class SiteMetrics:
     def rejected(self, reason: str) -> None:
         self._rejected.labels(site=self.site_id, reason=reason).inc()
 
-    def link(self, rtt_s: float, goodput_bps: float) -> None:
+    def link(self, *, rtt_s: float, goodput_bytes_per_s: float, measured: bool) -> None:
+        """The link's figures; ``measured`` False while they are not measurements yet."""
         self._link_rtt.labels(site=self.site_id).set(rtt_s)
-        self._link_goodput.labels(site=self.site_id).set(goodput_bps)
+        self._link_goodput.labels(site=self.site_id).set(goodput_bytes_per_s)
+        self._link_measured.labels(site=self.site_id).set(1 if measured else 0)
+
+    def certificate_expiry(self, not_after: float) -> None:
+        self._cert_expiry.labels(site=self.site_id).set(not_after)
+
+    def refused(self, reason: str) -> None:
+        self._http_refused.labels(site=self.site_id, reason=reason).inc()
 
     def dp_epsilon(self, value: float) -> None:
         self._dp_epsilon.labels(site=self.site_id).set(value)

@@ -55,10 +55,14 @@ needs_prometheus = pytest.mark.skipif(
     PROMETHEUS is None, reason=f"prometheus is not installed ({INSTALL_HINT})"
 )
 
+DAY_S = 86400.0
 WAIT_S = 45.0  # upper bound on waiting for Prometheus to scrape or evaluate; never a speed check
 
 # Series Prometheus makes itself for every target; everything else must be declared in metrics.py.
 PROMETHEUS_SERIES = {"up"}
+# prometheus-client's process and platform collectors, on both roles' registries: their names are
+# the client's, not crossdc_.
+STANDARD_PREFIXES = ("process_", "python_")
 SEVERITIES = {"critical", "warning"}
 
 # Values for Grafana's built-in variables when a query is run outside Grafana.
@@ -109,7 +113,9 @@ def test_declared_names_follow_the_design() -> None:
     assert "crossdc_rounds_total" in names
     assert "crossdc_round_duration_seconds_bucket" in names
     assert "crossdc_site_compute_utilization" in names
-    assert all(n.startswith("crossdc_") for n in names)
+    assert "crossdc_build_info" in names
+    assert "process_cpu_seconds_total" in names and "python_info" in names
+    assert all(n.startswith(("crossdc_", *STANDARD_PREFIXES)) for n in names)
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,6 +330,102 @@ def test_alerts_use_only_declared_metrics() -> None:
     assert not mentioned - declared.keys(), mentioned - declared.keys()
 
 
+# Synthetic series for `promtool test rules` (promql_expr_test: an expression's result at one
+# time, annotations aside): alert name -> (input series, values), the samples its expr must give
+# at EVAL_S seconds after time 0.
+EVAL_S = 600
+_SITE = 'job="crossdc-site",instance="s-{0}:9711",site="{0}"'
+_COORD = 'job="crossdc-coordinator",instance="c:9710"'
+_NOT_AFTER = {"eu": EVAL_S + 3 * DAY_S, "us-old": EVAL_S + 2 * DAY_S, "us": EVAL_S + 80 * DAY_S}
+EXPR_CASES: dict[str, tuple[list[tuple[str, str]], list[tuple[str, float]]]] = {
+    # Low goodput counts only once measured: "us" has no sample yet, "ap" is fast.
+    "CrossdcSiteGoodputLow": (
+        [
+            (f"crossdc_site_link_goodput_bytes_per_second{{{_SITE.format('eu')}}}", "5e5x20"),
+            (f"crossdc_site_link_measured{{{_SITE.format('eu')}}}", "1x20"),
+            (f"crossdc_site_link_goodput_bytes_per_second{{{_SITE.format('us')}}}", "0x20"),
+            (f"crossdc_site_link_measured{{{_SITE.format('us')}}}", "0x20"),
+            (f"crossdc_site_link_goodput_bytes_per_second{{{_SITE.format('ap')}}}", "5e6x20"),
+            (f"crossdc_site_link_measured{{{_SITE.format('ap')}}}", "1x20"),
+        ],
+        [(f"crossdc_site_link_goodput_bytes_per_second{{{_SITE.format('eu')}}}", 5e5)],
+    ),
+    # The newest certificate of each site counts: "us" was renewed, "ap" has expired.
+    "CrossdcCertificateExpiring": (
+        [
+            (
+                f'crossdc_certificate_expiry_timestamp_seconds{{{_COORD},site="{site}",'
+                f'serial="{serial}"}}',
+                f"{value:.0f}x20",
+            )
+            for site, serial, value in [
+                ("eu", "1", _NOT_AFTER["eu"]),
+                ("us", "2", _NOT_AFTER["us-old"]),
+                ("us", "3", _NOT_AFTER["us"]),
+                ("ap", "4", 0.0),
+            ]
+        ],
+        [
+            (f'{{{_COORD},site="eu"}}', 3 * DAY_S),
+            (f'{{{_COORD},site="ap"}}', -float(EVAL_S)),
+        ],
+    ),
+    "CrossdcSiteCertificateExpiring": (
+        [
+            (
+                f"crossdc_site_certificate_expiry_timestamp_seconds{{{_SITE.format('eu')}}}",
+                f"{_NOT_AFTER['eu']:.0f}x20",
+            ),
+            (
+                f"crossdc_site_certificate_expiry_timestamp_seconds{{{_SITE.format('us')}}}",
+                f"{_NOT_AFTER['us']:.0f}x20",
+            ),
+        ],
+        [(f"{{{_SITE.format('eu')}}}", 3 * DAY_S)],
+    ),
+    # Two versions among three processes.
+    "CrossdcVersionMismatch": (
+        [
+            (f'crossdc_build_info{{{_COORD},version="0.2.0"}}', "1x20"),
+            (f'crossdc_build_info{{{_SITE.format("eu")},version="0.2.0"}}', "1x20"),
+            (f'crossdc_build_info{{{_SITE.format("us")},version="0.1.0"}}', "1x20"),
+        ],
+        [("{}", 2.0)],
+    ),
+}
+
+
+@needs_promtool
+@pytest.mark.timeout(60)
+def test_alert_expressions_select_what_they_should(tmp_path: Path) -> None:
+    """`promtool test rules` evaluates the expressions of the alerts whose logic is more than a
+    threshold (measured-only goodput, the newest certificate per site, distinct versions) on
+    synthetic series, and the result must be exactly the expected samples."""
+    assert PROMTOOL is not None
+    rules = {r.name: r for r in alert_rules()}
+    tests = [
+        {
+            "interval": "1m",
+            "input_series": [{"series": series, "values": values} for series, values in inputs],
+            "promql_expr_test": [
+                {
+                    "expr": rules[name].expr,
+                    "eval_time": f"{EVAL_S}s",
+                    "exp_samples": [{"labels": lab, "value": value} for lab, value in samples],
+                }
+            ],
+        }
+        for name, (inputs, samples) in EXPR_CASES.items()
+    ]
+    path = tmp_path / "expr-tests.yml"
+    path.write_text(json.dumps({"evaluation_interval": "1m", "tests": tests}, indent=1))
+    proc = subprocess.run(
+        [PROMTOOL, "test", "rules", str(path)], capture_output=True, text=True, timeout=45
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SUCCESS" in proc.stdout + proc.stderr
+
+
 @pytest.mark.timeout(30)
 def test_jobs_named_in_queries_are_scraped() -> None:
     jobs = set(scrape_jobs())
@@ -430,7 +532,10 @@ def test_dashboard_covers_the_design() -> None:
         "crossdc_site_compute_utilization",
         "crossdc_site_sync_stall_seconds_total",
         "crossdc_site_link_rtt_seconds",
-        "crossdc_site_link_goodput_bits_per_second",
+        "crossdc_site_link_goodput_bytes_per_second",
+        "crossdc_site_link_measured",
+        "crossdc_site_certificate_expiry_timestamp_seconds",
+        "crossdc_certificate_expiry_timestamp_seconds",
         "crossdc_site_error_feedback_norm",
         "crossdc_site_dp_epsilon",
     ):
@@ -609,7 +714,19 @@ def _populate(coord: CoordinatorMetrics, site: SiteMetrics) -> None:
     site.stalled(1.0)
     site.wire(sent=1_000_000, received=2_000_000)
     site.rejected("remote_stale_round")
-    site.link(rtt_s=0.08, goodput_bps=1e8)
+    site.link(rtt_s=0.08, goodput_bytes_per_s=5e5, measured=True)  # CrossdcSiteGoodputLow
+    now = time.time()
+    site.certificate_expiry(now + 3 * DAY_S)  # CrossdcSiteCertificateExpiring
+    # Site "eu"'s only certificate expires in 3 days (CrossdcCertificateExpiring); "us" has an
+    # old one that does too, but a newer one it is renewed with (quiet: only the newest counts).
+    certificates = [
+        ("eu", "eu-1", now + 3 * DAY_S),
+        ("us", "us-1", now + 2 * DAY_S),
+        ("us", "us-2", now + 80 * DAY_S),
+    ]
+    coord.watch_certificates(lambda: certificates)
+    coord.refused("wrong_credentials")
+    site.refused("wrong_credentials")
     site.dp_epsilon(1.2)
     site.ef_norm(0.3)
     site.merge_delay(6)
@@ -635,9 +752,18 @@ EXPECTED_PENDING = [
     ("CrossdcSiteDown", {"site": "ap"}),
     ("CrossdcRejectedSurge", {"reason": "stale_round"}),
     ("CrossdcSiteRejectedSurge", {"site": "eu", "reason": "remote_stale_round"}),
+    ("CrossdcSiteGoodputLow", {"site": "eu"}),
+    ("CrossdcSiteCertificateExpiring", {"site": "eu"}),
+    ("CrossdcCertificateExpiring", {"site": "eu", "job": "crossdc-coordinator"}),
 ]
-# Alerts the fixture's values must not raise.
-EXPECTED_QUIET = ["CrossdcCoordinatorDown", "CrossdcNoRoundCompleted", "CrossdcValLossIncreasing"]
+# Alerts the fixture's values must not raise (alertname, labels of the alerts that must not be).
+EXPECTED_QUIET = [
+    ("CrossdcCoordinatorDown", {}),
+    ("CrossdcNoRoundCompleted", {}),
+    ("CrossdcValLossIncreasing", {}),
+    ("CrossdcVersionMismatch", {}),  # both roles run this checkout's version
+    ("CrossdcCertificateExpiring", {"site": "us"}),  # its newest certificate has 80 days left
+]
 
 
 def _matching(alerts: list[dict[str, Any]], name: str, labels: dict[str, str]) -> bool:
@@ -657,7 +783,7 @@ def _wait(predicate: Any, what: str, prom: subprocess.Popen[bytes], log: Path) -
             )
         try:
             value = predicate()
-        except OSError:
+        except (OSError, ValueError):  # not listening yet, or a 503 (not JSON) while it starts
             value = None
         if value:
             return value
@@ -831,8 +957,8 @@ def test_alerts_fire_on_matching_data(live_prometheus: LivePrometheus) -> None:
         time.sleep(0.5)
     got = sorted({(a["labels"]["alertname"], a["labels"].get("site", "")) for a in alerts})
     assert not missing, f"not pending: {missing}; active: {got}\n{live_prometheus.log_tail()}"
-    for name in EXPECTED_QUIET:
-        assert not _matching(alerts, name, {}), f"{name} should not be active: {got}"
+    for name, labels in EXPECTED_QUIET:
+        assert not _matching(alerts, name, labels), f"{name} {labels} should not be active: {got}"
     for alert in alerts:
         for key, text in alert["annotations"].items():
             assert "error expanding template" not in text, f"{alert['labels']}: {key}: {text}"

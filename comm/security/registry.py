@@ -174,6 +174,14 @@ class CertificateRegistry:
         assert failure is not None
         raise failure
 
+    def trusted_certificates(self) -> list[Certificate]:
+        """Every certificate that verifies against the CA and is not revoked, whether valid now,
+        expired or not yet valid: what the registry would authorize a key with at some time."""
+        self._maybe_reload()
+        snap = self._snap
+        revoked = snap.revocations.serials
+        return [c for c in snap.by_serial.values() if c.serial not in revoked]
+
     def certificate(self, serial: str) -> Certificate | None:
         """The (unverified) certificate with this serial, if the kit holds one."""
         self._maybe_reload()
