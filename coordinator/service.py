@@ -251,7 +251,10 @@ class Coordinator:
             self.outbox = None
             self._publish_status()  # the last state, now durable
         if self.chan is not None:
-            self.chan.close()
+            # Finished: the last results, and the Shutdown queued behind each, go out in full
+            # (a site that stops acknowledging is dropped after channel.send_timeout_s without
+            # progress), within a round's deadline; otherwise the usual linger.
+            self.chan.close(flush_timeout_s=self.cfg.round_deadline_s if self.finished else None)
             self.chan = None
         if self._zap is not None:
             self._zap.close()
