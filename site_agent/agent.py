@@ -373,7 +373,10 @@ class SiteAgent:
             self._echoes_seen = self.link.stats.echoes_received
             self.auth.accepted()  # the coordinator echoes only a member's heartbeats
             now = self.clock()
-            if now - self._last_echo_at > 3 * self.cfg.channel.heartbeat_interval_s:
+            # Only a silence as long as the heartbeat timeout (the connection was given up and
+            # made again) can have lost what was in flight; a coordinator slow to echo for a few
+            # seconds (busy, or starved of CPU) lost nothing, and resending would only add bytes.
+            if now - self._last_echo_at >= self.cfg.channel.heartbeat_timeout_s:
                 self._resend_unanswered(now - self._last_echo_at)
             self._last_echo_at = now
         sent, received = self.link.stats.bytes_sent, self.link.stats.bytes_received

@@ -412,6 +412,56 @@ def test_an_update_is_sent_again_when_the_link_comes_back_after_a_silence(
     assert link.updates() == [1, 1]
 
 
+@pytest.mark.parametrize("silence_s", [10.0, 30.0])
+def test_a_silence_of_the_heartbeat_timeout_sends_the_update_again(
+    tmp_path: Path, silence_s: float
+) -> None:
+    assert _silence(tmp_path, silence_s) == [1, 1]
+
+
+@pytest.mark.parametrize("silence_s", [3.5, 9.0])
+def test_a_slow_echo_short_of_the_heartbeat_timeout_sends_nothing_again(
+    tmp_path: Path, silence_s: float
+) -> None:
+    # A coordinator starved of CPU echoes late; its connection never broke, nothing was lost.
+    assert _silence(tmp_path, silence_s) == [1]
+
+
+def _silence(tmp_path: Path, silence_s: float) -> list[int]:
+    """Round 1's update goes out, the link is silent for ``silence_s``, an echo arrives, and
+    the round's result never comes; returns the updates sent (until the script ends)."""
+    now = [0.0]
+    polls = {"n": 0}
+
+    class SilentLink(ScriptedLink):
+        cut = False
+
+        def recv(self, timeout_s: float) -> Message | None:
+            if not self.cut and self.updates() == [1]:
+                self.cut = True
+                now[0] += silence_s
+                self.stats.echoes_received += 1
+            return super().recv(timeout_s)
+
+    def later(sent: list[Message]) -> bool:
+        polls["n"] += 1
+        return polls["n"] > 20 or sum(isinstance(m, Update) for m in sent) >= 2
+
+    agent = make_agent(
+        tmp_path,
+        [
+            (always, welcome()),
+            (always, round_start(1, overlap=True)),
+            (later, Shutdown(reason="done")),
+        ],
+        clock=lambda: now[0],
+    )
+    link = SilentLink(agent.link.script)  # type: ignore[union-attr]
+    agent.link = link  # type: ignore[assignment]
+    assert agent.run() == EXIT_OK
+    return link.updates()
+
+
 def test_a_short_pause_between_echoes_sends_nothing_again(tmp_path: Path) -> None:
     code, link = run_script(
         tmp_path,
