@@ -195,7 +195,9 @@ def _bench_wan(
     }
     monkeypatch.setattr(wan, "run_crossdc", lambda _args, _workdir: ours)
 
-    def fake_ddp(*, sites: int, steps: int, eval_every: int, wan: bool) -> dict[str, Any]:
+    def fake_ddp(
+        *, sites: int, steps: int, eval_every: int, wan: bool, timeout_s: float
+    ) -> dict[str, Any]:
         losses = {0: 5.0, 20: 4.6, steps: 4.4} if ddp_final else {0: 5.0, 20: 4.6}
         return {
             "run_seconds": 50.0,

@@ -89,6 +89,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["goodput_skipped"] = goodput["skipped"]
     with tempfile.TemporaryDirectory(prefix="crossdc-wan-") as tmp:
         ours = run_crossdc(args, Path(tmp) / "crossdc")
+    # Kept on stderr as soon as measured: a baseline run that fails later loses nothing of it.
+    print(json.dumps({"crossdc": ours}, default=str), file=sys.stderr, flush=True)
     # Equal tokens: sites that landed early trained extra steps (arrival alignment), so the
     # baseline runs as many steps as the sites' merged tokens fill, never fewer than the plan's.
     site_step_tokens = ours["batch_size"] * ours["context_len"]
@@ -98,8 +100,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     ours_bytes_per_step = ours["wan_bytes_total"] / inner_steps
     ours_sync_bytes_per_step = ours["sync_bytes"] / inner_steps
-    ddp_wan = run_ddp(sites=args.sites, steps=args.ddp_wan_steps, eval_every=0, wan=True)
-    ddp_eq = run_ddp(sites=args.sites, steps=inner_steps, eval_every=args.ddp_eval_every, wan=False)
+    ddp_wan = run_ddp(
+        sites=args.sites, steps=args.ddp_wan_steps, eval_every=0, wan=True, timeout_s=args.timeout
+    )
+    ddp_eq = run_ddp(
+        sites=args.sites,
+        steps=inner_steps,
+        eval_every=args.ddp_eval_every,
+        wan=False,
+        timeout_s=args.timeout,
+    )
     ddp_losses = {int(k): v for k, v in ddp_eq["val_loss_by_step"].items()}
     ddp_final = ddp_losses.get(inner_steps)
     ours_final = ours["val_loss_final"]
