@@ -68,14 +68,30 @@ class CoordinatorConfig:
     """Codec the sites use for pseudo-gradients; ``auto`` lets the scheduler choose per site."""
     downlink_codec: str = "auto"
     """Codec of the broadcast global delta (with error feedback); ``auto``: the scheduler's."""
-    codec_ladder: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
+    codec_ladder: tuple[str, ...] = (
+        "fp32",
+        "fp16",
+        "int8",
+        "int4",
+        "int4+zstd",
+        "int3+zstd",
+    )
     """Codecs the scheduler may choose, least compressed first."""
     codec_loss_costs: dict[str, float] = field(
-        default_factory=lambda: {"fp32": 0.0, "fp16": 0.0, "int8": 0.0009, "int4": 0.0031}
+        default_factory=lambda: {
+            "fp32": 0.0,
+            "fp16": 0.0,
+            "int8": 0.0009,
+            "int4": 0.0024,
+            "int4+zstd": 0.0024,
+            "int3+zstd": 0.0067,
+            "int2+zstd": 0.048,
+        }
     )
     """Measured cost of each codec in validation loss, relative to fp32 (0.003 = +0.3%), as
-    ``crossdc bench convergence`` reports it (defaults: its run at the demo's scale, with error
-    feedback). Bytes first: the scheduler takes the ladder codec with the fewest bytes whose cost
+    ``crossdc bench convergence`` reports it (defaults: its runs at the demo's scale, two seeds,
+    equal tokens, with error feedback; ``+zstd`` is lossless, so int4+zstd costs what int4 does;
+    see docs/wan.md). Bytes first: the scheduler takes the ladder codec with the fewest bytes whose cost
     is within ``codec_loss_budget``; a codec missing here is never chosen that way. With no
     ladder codec within the budget it falls back to the least compressed codec whose sync fits
     (``sync_fraction``, ``unmeasured_codec``)."""
