@@ -3,11 +3,12 @@ sockets on loopback (a ROUTER configured as ``comm.transport`` configures it, DE
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import queue
+import shutil
 import stat
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,17 +17,28 @@ from typing import Any
 import pytest
 import zmq
 import zmq.utils.monitor as zmon
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from comm.security.certs import Certificate, load_revocations, parse_revocations
+from comm.security import legacy
+from comm.security.certs import (
+    CURVE_KEY_OID,
+    Certificate,
+    load_ca_certificate,
+    load_revocations,
+    make_site_certificate,
+    parse_revocations,
+)
 from comm.security.common import (
+    CA_CERT,
     CA_KEY,
-    CA_PUB,
     CERTS_DIR,
     COORDINATOR_CURVE_KEY,
     COORDINATOR_CURVE_PUB,
     COORDINATOR_SIGN_KEY,
+    CRL,
     MANIFEST,
-    REVOCATIONS,
     SITE_CERT,
     SITE_CURVE_KEY,
     SITE_CURVE_PUB,
@@ -34,8 +46,6 @@ from comm.security.common import (
     SITES_DIR,
     AuthError,
     _b64,
-    _canonical,
-    _unb64,
     curve_raw,
     key_fingerprint,
 )
@@ -46,13 +56,14 @@ from comm.security.kits import (
     issued_certificates,
     load_coordinator_kit,
     load_site_kit,
+    migrate_kit,
     revoke_site,
 )
 from comm.security.registry import CertificateRegistry
 from comm.security.signing import (
     blob_digest,
     generate_signing_key,
-    load_public_key,
+    load_private_key,
     sign_blob,
     verify_blob,
     verify_digest,
@@ -62,6 +73,7 @@ from comm.transport.dealer import DealerChannel
 from comm.transport.profile import ChannelConfig
 from comm.wire.frames import from_wire
 from comm.wire.schema import Leave
+from crossdc import cli
 
 DAY = 86400.0
 NOW = time.time()
@@ -84,13 +96,14 @@ def _reason(exc: pytest.ExceptionInfo[AuthError]) -> str:
     return exc.value.reason
 
 
-def _retext(cert_text: str, **body_changes: Any) -> str:
-    """A certificate whose body was edited after signing (the signature kept)."""
-    kind, body, sig = cert_text.strip().split(".")
-    doc = json.loads(_unb64(body))
-    doc.update(body_changes)
-    raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-    return f"{kind}.{_b64(raw)}.{sig}"
+def _ca(kit: Path) -> Ed25519PublicKey:
+    return load_ca_certificate(kit / CA_CERT).public_key
+
+
+def _tampered(cert: Certificate, old: bytes, new: bytes) -> Certificate:
+    """The certificate with bytes inside its signed part replaced (the signature kept)."""
+    assert len(old) == len(new) and cert.der.count(old) == 1
+    return Certificate.from_x509(x509.load_der_x509_certificate(cert.der.replace(old, new)))
 
 
 # ----------------------------------------------------------------------------- keys and certs
@@ -100,13 +113,13 @@ def _retext(cert_text: str, **body_changes: Any) -> str:
 def test_issue_and_verify_auth(kit: Path) -> None:
     issued = issue_site(kit, "eu", 30)
     site = load_site_kit(issued.site_kit_dir, site_id="eu")
-    ca = load_public_key(kit / CA_PUB)
+    ca = _ca(kit)
     site.certificate.verify(ca, NOW, site_id="eu")
     assert site.certificate == issued.certificate
     assert site.curve.server_public == (kit / COORDINATOR_CURVE_PUB).read_bytes().strip()
     assert zmq.curve_public(site.curve.secret) == site.certificate.curve_public
-    # The kit's certificate round-trips through its text form and the coordinator's copy.
-    assert Certificate.from_text(issued.certificate.to_text()) == issued.certificate
+    # The kit's certificate round-trips through PEM and the coordinator's copy.
+    assert Certificate.from_pem(issued.certificate.to_pem()) == issued.certificate
     [recorded] = issued_certificates(kit)
     assert recorded == issued.certificate
     registry = CertificateRegistry.from_kit(kit)
@@ -121,44 +134,93 @@ def test_issue_and_verify_auth(kit: Path) -> None:
 @pytest.mark.timeout(30)
 def test_tampered_cert_bad_signature(kit: Path, tmp_path: Path) -> None:
     issued = issue_site(kit, "eu", 30)
-    ca = load_public_key(kit / CA_PUB)
-    text = issued.certificate.to_text()
-    forged = Certificate.from_text(_retext(text, site_id="us"))
+    ca = _ca(kit)
+    cert = issued.certificate
+    forged = _tampered(cert, b"\x0c\x02eu", b"\x0c\x02us")  # the subject's CN
+    assert forged.site_id == "us"
     with pytest.raises(AuthError) as exc:
         forged.verify(ca, NOW)
     assert _reason(exc) == "bad_signature"
-    longer = Certificate.from_text(_retext(text, not_after=issued.certificate.not_after + 1))
-    with pytest.raises(AuthError) as exc:
-        longer.verify(ca, NOW)
+    other_key = zmq.curve_keypair()[0]
+    with pytest.raises(AuthError, match="subject public key differ") as exc:
+        _tampered(cert, cert.curve_public, other_key)  # the CURVE key extension alone
     assert _reason(exc) == "bad_signature"
-    flipped = dataclasses.replace(
-        issued.certificate,
-        signature=bytes([issued.certificate.signature[0] ^ 1]) + issued.certificate.signature[1:],
-    )
+    flipped = _tampered(cert, cert.der[-8:], bytes([cert.der[-8] ^ 1]) + cert.der[-7:])
     with pytest.raises(AuthError) as exc:
         flipped.verify(ca, NOW)
     assert _reason(exc) == "bad_signature"
-    other_ca = load_public_key(init_kit(tmp_path / "other") / CA_PUB)
+    other_ca = _ca(init_kit(tmp_path / "other"))
     with pytest.raises(AuthError) as exc:
-        issued.certificate.verify(other_ca, NOW)
+        cert.verify(other_ca, NOW)
     assert _reason(exc) == "bad_signature"
-    for garbage in ("", "crossdc-cert-v1.x.y", text.replace("crossdc-cert-v1", "crossdc-cert-v2")):
+    for garbage in (b"", b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n"):
         with pytest.raises(AuthError) as exc:
-            Certificate.from_text(garbage)
+            Certificate.from_pem(garbage)
         assert _reason(exc) == "bad_signature"
-    # A forged certificate dropped into certs/ is skipped: the key stays unknown.
+    with pytest.raises(AuthError, match="not a crossdc site certificate"):
+        Certificate.from_pem((kit / CA_CERT).read_bytes())  # a CA, with no CURVE key
+    # A certificate for another key, signed by another CA, dropped into certs/ is skipped.
     forged_key = zmq.curve_keypair()[0]
-    (kit / CERTS_DIR / "us-forged.cert").write_text(
-        _retext(text, site_id="us", curve_public=forged_key.decode())
+    stranger = make_site_certificate(
+        load_private_key(tmp_path / "other" / CA_KEY),
+        site_id="us",
+        curve_public=forged_key,
+        not_before=int(NOW) - 60,
+        not_after=int(NOW + DAY),
+        serial="ab" * 16,
     )
+    (kit / CERTS_DIR / f"us-{stranger.serial}.pem").write_bytes(stranger.to_pem())
     with pytest.raises(AuthError) as exc:
         CertificateRegistry.from_kit(kit).authorize(forged_key, NOW)
     assert _reason(exc) == "unknown_key"
 
 
 @pytest.mark.timeout(30)
+def test_site_certificate_is_x509_with_the_curve_key(kit: Path) -> None:
+    cert = issue_site(kit, "eu", 30).certificate
+    parsed = x509.load_pem_x509_certificate(cert.to_pem())
+    assert parsed.subject.rfc4514_string() == "CN=eu"
+    assert parsed.issuer == load_ca_certificate(kit / CA_CERT).name
+    assert f"{parsed.serial_number:032x}" == cert.serial
+    assert int(parsed.not_valid_after_utc.timestamp()) == cert.not_after
+    extension = parsed.extensions.get_extension_for_oid(CURVE_KEY_OID)
+    assert not extension.critical  # other tools must not reject the certificate for it
+    assert extension.value.value[2:] == cert.curve_public
+    assert parsed.extensions.get_extension_for_class(x509.KeyUsage).value.key_agreement
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_openssl_verifies_issued_and_rejects_revoked(kit: Path) -> None:
+    """Standard PKI tools read the kit: openssl accepts an issued site certificate against the
+    CA, and with the CRL rejects a revoked one (and still accepts the others)."""
+    eu = issue_site(kit, "eu", 30).site_kit_dir / SITE_CERT
+    us = issue_site(kit, "us", 30).site_kit_dir / SITE_CERT
+    revoke_site(kit, "us")
+
+    def openssl(*args: str | Path) -> subprocess.CompletedProcess[str]:
+        argv = ["openssl", *map(str, args)]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+
+    ca, crl = kit / CA_CERT, kit / CRL
+    for site in (eu, us):
+        done = openssl("verify", "-CAfile", ca, site)
+        assert done.returncode == 0 and done.stdout.strip() == f"{site}: OK", done.stderr
+    assert openssl("verify", "-crl_check", "-CAfile", ca, "-CRLfile", crl, eu).returncode == 0
+    refused = openssl("verify", "-crl_check", "-CAfile", ca, "-CRLfile", crl, us)
+    assert refused.returncode != 0
+    assert "certificate revoked" in refused.stdout + refused.stderr
+    shown = openssl("x509", "-in", eu, "-noout", "-text").stdout
+    assert "Subject: CN = eu" in shown and "X25519" in shown
+    assert (kit / SITES_DIR / "eu" / SITE_CURVE_PUB).read_text().strip() in shown
+    assert "CA:TRUE" in openssl("x509", "-in", ca, "-noout", "-text").stdout
+    other = init_kit(kit.parent / "other") / CA_CERT
+    assert openssl("verify", "-CAfile", other, eu).returncode != 0
+
+
+@pytest.mark.timeout(30)
 def test_expired_and_not_yet_valid_certificates(kit: Path) -> None:
-    ca = load_public_key(kit / CA_PUB)
+    ca = _ca(kit)
     old = issue_site(kit, "old", 1, now=NOW - 10 * DAY).certificate
     with pytest.raises(AuthError) as exc:
         old.verify(ca, NOW)
@@ -179,7 +241,7 @@ def test_expired_and_not_yet_valid_certificates(kit: Path) -> None:
 
 @pytest.mark.timeout(30)
 def test_revoked_certificate(kit: Path) -> None:
-    ca = load_public_key(kit / CA_PUB)
+    ca = _ca(kit)
     first = issue_site(kit, "eu", 30).certificate
     second = issue_site(kit, "eu", 30, out_dir=kit / "eu-renewed").certificate
     issue_site(kit, "us", 30)
@@ -187,7 +249,7 @@ def test_revoked_certificate(kit: Path) -> None:
     assert registry.authorize(first.curve_public, NOW).site_id == "eu"
     assert sorted(revoke_site(kit, "eu")) == sorted([first.serial, second.serial])
     assert revoke_site(kit, "eu") == []  # idempotent
-    revocations = load_revocations(kit / REVOCATIONS, ca)
+    revocations = load_revocations(kit / CRL, ca)
     assert revocations.serials == {first.serial, second.serial}
     assert revocations.version == 1
     with pytest.raises(AuthError) as exc:
@@ -202,35 +264,40 @@ def test_revoked_certificate(kit: Path) -> None:
 
 
 @pytest.mark.timeout(30)
-def test_revocation_list_is_signed_and_never_rolls_back(kit: Path) -> None:
-    ca = load_public_key(kit / CA_PUB)
+def test_revocation_list_is_signed_and_never_rolls_back(kit: Path, tmp_path: Path) -> None:
+    ca = _ca(kit)
     eu = issue_site(kit, "eu", 30).certificate
     registry = CertificateRegistry.from_kit(kit, reload_interval_s=0)
-    before = (kit / REVOCATIONS).read_text()
+    before = (kit / CRL).read_bytes()
     revoke_site(kit, "eu")
-    after = (kit / REVOCATIONS).read_text()
-    kind, body, sig = after.strip().split(".")
-    doc = json.loads(_unb64(body))
-    doc["revoked"] = []
-    unrevoked = f"{kind}.{_b64(_canonical(doc))}.{sig}"
-    with pytest.raises(AuthError) as exc:
-        parse_revocations(unrevoked, ca)
-    assert _reason(exc) == "bad_signature"
+    after = (kit / CRL).read_bytes()
+    # The same CRL signed by another CA, or with its signature broken, does not parse.
+    other = init_kit(tmp_path / "other")
+    der = x509.load_pem_x509_crl(after).public_bytes(serialization.Encoding.DER)
+    broken = x509.load_der_x509_crl(der[:-1] + bytes([der[-1] ^ 1]))
+    for text in (
+        (other / CRL).read_bytes(),
+        broken.public_bytes(serialization.Encoding.PEM),
+        b"not a CRL",
+    ):
+        with pytest.raises(AuthError) as exc:
+            parse_revocations(text, ca)
+        assert _reason(exc) == "bad_signature"
     with pytest.raises(AuthError) as exc:
         registry.authorize(eu.curve_public, NOW)
     assert _reason(exc) == "revoked"
     # Putting back the older (validly signed) list, or deleting it, does not un-revoke.
-    (kit / REVOCATIONS).write_text(before)
+    (kit / CRL).write_bytes(before)
     registry.reload()
     assert eu.serial in registry.revoked_serials
-    (kit / REVOCATIONS).unlink()
+    (kit / CRL).unlink()
     registry.reload()
     assert eu.serial in registry.revoked_serials
 
 
 @pytest.mark.timeout(30)
 def test_wrong_site_certificate(kit: Path) -> None:
-    ca = load_public_key(kit / CA_PUB)
+    ca = _ca(kit)
     issued = issue_site(kit, "eu", 30)
     with pytest.raises(AuthError) as exc:
         issued.certificate.verify(ca, NOW, site_id="us")
@@ -259,7 +326,7 @@ def test_private_key_files_are_0600(kit: Path) -> None:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     for path in (kit, issued.site_kit_dir):
         assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
-    public = [kit / CA_PUB, issued.site_kit_dir / SITE_CERT]
+    public = [kit / CA_CERT, kit / CRL, issued.site_kit_dir / SITE_CERT]
     for path in public:
         assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
     # No key material in the manifest, and a loosened private key file is refused.
@@ -269,6 +336,103 @@ def test_private_key_files_are_0600(kit: Path) -> None:
     os.chmod(kit / COORDINATOR_SIGN_KEY, 0o644)
     with pytest.raises(ValueError, match="chmod 600"):
         load_coordinator_kit(kit)
+
+
+def _seal(kind: str, body: dict[str, Any], key: Ed25519PrivateKey) -> str:
+    """A format-1 one-line document, as kits before X.509 held them."""
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    signature = key.sign(kind.encode() + b"\0" + raw)
+    return f"{kind}.{_b64(raw)}.{_b64(signature)}"
+
+
+def _as_format1(kit: Path) -> None:
+    """Rewrite a kit the way crossdc laid kits out before X.509 (format 1)."""
+    ca = load_private_key(kit / CA_KEY)
+    fingerprint = key_fingerprint(ca.public_key())
+    public_pem = ca.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    revocations = load_revocations(kit / CRL, ca.public_key())
+    revoked = [
+        {"serial": e.serial, "site_id": "x", "revoked_at": e.revoked_at}
+        for e in revocations.entries
+    ]
+    body = {"v": 1, "version": revocations.version, "issued_at": 1, "revoked": revoked}
+    (kit / legacy.REVOCATIONS).write_text(_seal(legacy.REVOCATIONS_KIND, body, ca) + "\n")
+
+    def old_cert(cert: Certificate) -> str:
+        body = {
+            "v": 1,
+            "site_id": cert.site_id,
+            "curve_public": cert.curve_public.decode(),
+            "not_before": cert.not_before,
+            "not_after": cert.not_after,
+            "serial": cert.serial,
+            "issuer": fingerprint,
+        }
+        return _seal(legacy.CERT_KIND, body, ca) + "\n"
+
+    for cert in issued_certificates(kit):
+        (kit / CERTS_DIR / f"{cert.site_id}-{cert.serial}.cert").write_text(old_cert(cert))
+        (kit / CERTS_DIR / f"{cert.site_id}-{cert.serial}.pem").unlink()
+    for site_dir in [*(kit / SITES_DIR).iterdir(), *kit.parent.glob("shipped-*")]:
+        cert = Certificate.from_pem((site_dir / SITE_CERT).read_bytes())
+        (site_dir / legacy.SITE_CERT).write_text(old_cert(cert))
+        (site_dir / legacy.CA_PUB).write_bytes(public_pem)
+        (site_dir / SITE_CERT).unlink()
+        (site_dir / CA_CERT).unlink()
+    (kit / legacy.CA_PUB).write_bytes(public_pem)
+    for name in (CA_CERT, CRL):
+        (kit / name).unlink()
+    manifest = json.loads((kit / MANIFEST).read_text())
+    (kit / MANIFEST).write_text(json.dumps({**manifest, "format": 1}))
+
+
+@pytest.mark.timeout(60)
+def test_format1_kits_are_refused_clearly_and_migrate_keeping_identities(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kit = init_kit(tmp_path / "kit")
+    eu = issue_site(kit, "eu", 30).certificate
+    shipped = issue_site(kit, "us", 30, out_dir=tmp_path / "shipped-us").certificate
+    gone = issue_site(kit, "gone", 30).certificate
+    revoke_site(kit, "gone")
+    _as_format1(kit)
+    for load in (load_coordinator_kit, CertificateRegistry.from_kit):
+        with pytest.raises(ValueError, match="format-1 kit.*crossdc keys migrate"):
+            load(kit)
+    with pytest.raises(ValueError, match="format-1 kit.*crossdc keys migrate"):
+        issue_site(kit, "ap", 30)
+    with pytest.raises(ValueError, match="format-1 site kit.*site.pem"):
+        load_site_kit(tmp_path / "shipped-us")
+    before = sorted(p.name for p in (kit / CERTS_DIR).iterdir())
+
+    assert cli.main(["keys", "migrate", "--kit", str(kit), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["certificates"] == 3 and report["revoked_serials"] == [gone.serial]
+    assert sorted(p.name for p in (kit / "format1-backup" / CERTS_DIR).iterdir()) == before
+    # Same keys, serials and validity; the revoked one stays revoked; the CA key is the same.
+    registry = CertificateRegistry.from_kit(kit)
+    for cert in (eu, shipped):
+        again = registry.authorize(cert.curve_public, NOW)
+        assert (again.site_id, again.serial, again.not_after) == (
+            cert.site_id,
+            cert.serial,
+            cert.not_after,
+        )
+    with pytest.raises(AuthError) as exc:
+        registry.authorize(gone.curve_public, NOW)
+    assert _reason(exc) == "revoked"
+    assert load_site_kit(kit / SITES_DIR / "eu", site_id="eu").certificate.serial == eu.serial
+    # A kit already shipped gets the two files migrate wrote for its site, and loads.
+    for path in report["site_files"]["us"]:
+        shutil.copy(path, tmp_path / "shipped-us" / Path(path).name)
+    assert load_site_kit(tmp_path / "shipped-us", site_id="us").certificate.serial == shipped.serial
+    issue_site(kit, "ap", 30)  # a migrated kit issues X.509 certificates
+    with pytest.raises(ValueError, match="only format-1 kits migrate"):
+        migrate_kit(kit)
+    assert cli.main(["keys", "migrate", "--kit", str(kit)]) == 2
+    assert "only format-1" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(30)

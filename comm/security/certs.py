@@ -1,39 +1,218 @@
-"""Site certificates and the revocation list, both signed by the federation CA.
+"""X.509 identities: the federation CA, site certificates and the revocation list (a CRL).
 
-A :class:`Certificate` binds ``(site_id, CURVE public key, validity, serial)``; the
-:class:`RevocationList` names the serials that are no longer trusted.
+Every identity document is standard X.509 so that existing PKI tools issue, inspect and verify
+it (``openssl x509 -text``, ``openssl verify -crl_check -CAfile ca.pem -CRLfile crl.pem``):
+
+- The CA certificate is self-signed with the CA's Ed25519 key, ``CN=crossdc federation CA
+  <fingerprint>``, ``basicConstraints CA:TRUE, pathlen:0``, key usage ``keyCertSign, cRLSign``.
+- A site certificate is signed by the CA; its subject is ``CN=<site id>``, its subject public key
+  is the site's CURVE key (X25519, key usage ``keyAgreement``), the same key is carried in the
+  non-critical extension :data:`CURVE_KEY_OID` as its Z85 text (what ZeroMQ configures), its
+  validity is ``notBefore``/``notAfter`` and its serial number is what the CRL names.
+- The revocation list is a CRL signed by the CA whose ``cRLNumber`` is its version: it only ever
+  grows, so a coordinator refuses an older list put back in place of a newer one.
+
+:class:`Certificate` is the parsed, structurally checked form of a site certificate; it proves
+nothing until :meth:`Certificate.verify` passes.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+import zmq.utils.z85 as z85
+from cryptography import x509
 from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import x25519
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.x509.oid import NameOID, SignatureAlgorithmOID
 
-from comm.security.common import (
-    CERT_KIND,
-    REVOCATIONS_KIND,
-    AuthError,
-    _b64,
-    _canonical,
-    _signed_message,
-    key_fingerprint,
+from comm.security.common import AuthError, check_site_id, curve_raw, key_fingerprint
+
+CURVE_KEY_OID = x509.ObjectIdentifier("2.25.170210122487860488820739161179313113323")
+"""The site certificate extension holding the site's CURVE public key as a UTF8String of its
+40 Z85 characters (an OID under the UUID arc 2.25, which needs no registration)."""
+
+_MAX_SERIAL = 1 << 128
+_NO_USAGE = dict.fromkeys(
+    (
+        "digital_signature",
+        "content_commitment",
+        "key_encipherment",
+        "data_encipherment",
+        "key_agreement",
+        "key_cert_sign",
+        "crl_sign",
+        "encipher_only",
+        "decipher_only",
+    ),
+    False,
 )
-from comm.security.signing import _field, _seal, _unseal
+
+
+def _utc(seconds: int) -> dt.datetime:
+    return dt.datetime.fromtimestamp(seconds, tz=dt.UTC)
+
+
+def _unix(when: dt.datetime) -> int:
+    return int(when.timestamp())
+
+
+def serial_text(number: int) -> str:
+    """A certificate serial number as crossdc writes it: 32 lower-case hex digits."""
+    return f"{number:032x}"
+
+
+def _serial_number(serial: str) -> int:
+    try:
+        number = int(serial, 16)
+    except ValueError:
+        raise ValueError(f"a certificate serial is hex digits, got {serial!r}") from None
+    if not 0 < number < _MAX_SERIAL:
+        raise ValueError(f"a certificate serial is 1 to 32 hex digits, not zero, got {serial!r}")
+    return number
+
+
+def _pem(obj: x509.Certificate | x509.CertificateRevocationList) -> bytes:
+    return obj.public_bytes(serialization.Encoding.PEM)
+
+
+def _curve_extension(curve_public: bytes) -> x509.UnrecognizedExtension:
+    text = z85.encode(curve_raw(curve_public))
+    return x509.UnrecognizedExtension(CURVE_KEY_OID, b"\x0c" + bytes([len(text)]) + text)
+
 
 # ---------------------------------------------------------------------------------------------
-# Certificates
+# The CA certificate
+
+
+def ca_name(ca_public_key: Ed25519PublicKey) -> x509.Name:
+    """The CA's subject (and every site certificate's issuer): names the CA key's fingerprint."""
+    return x509.Name(
+        [
+            x509.NameAttribute(
+                NameOID.COMMON_NAME, f"crossdc federation CA {key_fingerprint(ca_public_key)}"
+            )
+        ]
+    )
+
+
+def make_ca_certificate(
+    ca_key: Ed25519PrivateKey, *, not_before: int, not_after: int, serial: str
+) -> bytes:
+    """The CA's self-signed certificate (PEM)."""
+    public = ca_key.public_key()
+    name = ca_name(public)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(public)
+        .serial_number(_serial_number(serial))
+        .not_valid_before(_utc(not_before))
+        .not_valid_after(_utc(not_after))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(**{**_NO_USAGE, "key_cert_sign": True, "crl_sign": True}),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
+        .sign(ca_key, None)
+    )
+    return _pem(cert)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CACertificate:
+    """The federation CA as a running role trusts it: its key and its validity."""
+
+    public_key: Ed25519PublicKey
+    name: x509.Name
+    not_before: int
+    not_after: int
+
+    @property
+    def fingerprint(self) -> str:
+        return key_fingerprint(self.public_key)
+
+
+def parse_ca_certificate(data: bytes) -> CACertificate:
+    """Parse and check the CA certificate: self-signed Ed25519, ``CA:TRUE``. Raises
+    :class:`AuthError` (``bad_signature``) naming what is wrong."""
+    try:
+        cert = x509.load_pem_x509_certificate(data)
+    except ValueError as exc:
+        raise AuthError("bad_signature", f"the CA certificate is not PEM X.509: {exc}") from None
+    public = cert.public_key()
+    if not isinstance(public, Ed25519PublicKey):
+        raise AuthError("bad_signature", "the CA certificate's key is not Ed25519")
+    try:
+        public.verify(cert.signature, cert.tbs_certificate_bytes)
+        constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+    except (InvalidSignature, x509.ExtensionNotFound):
+        raise AuthError(
+            "bad_signature", "the CA certificate is not a self-signed CA certificate"
+        ) from None
+    if not constraints.ca or cert.subject != cert.issuer:
+        raise AuthError("bad_signature", "the CA certificate does not say CA:TRUE")
+    return CACertificate(
+        public_key=public,
+        name=cert.subject,
+        not_before=_unix(cert.not_valid_before_utc),
+        not_after=_unix(cert.not_valid_after_utc),
+    )
+
+
+def load_ca_certificate(path: str | Path) -> CACertificate:
+    """Read and check ``ca.pem`` (see :func:`parse_ca_certificate`)."""
+    return parse_ca_certificate(Path(path).read_bytes())
+
+
+# ---------------------------------------------------------------------------------------------
+# Site certificates
+
+
+def make_site_certificate(
+    ca_key: Ed25519PrivateKey,
+    *,
+    site_id: str,
+    curve_public: bytes,
+    not_before: int,
+    not_after: int,
+    serial: str,
+) -> Certificate:
+    """Sign a site certificate for the CURVE key ``curve_public`` (raw or Z85)."""
+    check_site_id(site_id)
+    raw = curve_raw(curve_public)
+    ca_public = ca_key.public_key()
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, site_id)]))
+        .issuer_name(ca_name(ca_public))
+        .public_key(x25519.X25519PublicKey.from_public_bytes(raw))
+        .serial_number(_serial_number(serial))
+        .not_valid_before(_utc(not_before))
+        .not_valid_after(_utc(not_after))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(**{**_NO_USAGE, "key_agreement": True}), critical=True)
+        .add_extension(_curve_extension(raw), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_public), critical=False
+        )
+        .sign(ca_key, None)
+    )
+    return Certificate.from_x509(cert)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Certificate:
-    """A CA's statement "CURVE key ``curve_public`` is site ``site_id`` from ``not_before`` to
-    ``not_after`` (unix seconds)", with a unique ``serial``. Build with :func:`issue_site` or
-    :meth:`from_text`; a Certificate proves nothing until :meth:`verify` passes."""
+    """A site certificate: the CA's statement "CURVE key ``curve_public`` is site ``site_id``
+    from ``not_before`` to ``not_after`` (unix seconds)", with a unique ``serial``. Build with
+    :func:`make_site_certificate` or :meth:`from_pem`; it proves nothing until :meth:`verify`."""
 
     site_id: str
     curve_public: bytes
@@ -42,55 +221,86 @@ class Certificate:
     not_after: int
     serial: str
     """32 hex digits, random; what the revocation list names."""
-    issuer: str
-    """Fingerprint of the CA key that signed it."""
-    signature: bytes = b""
-
-    def body(self) -> bytes:
-        """The canonical bytes the signature covers."""
-        return _canonical(
-            {
-                "v": 1,
-                "site_id": self.site_id,
-                "curve_public": self.curve_public.decode("ascii"),
-                "not_before": self.not_before,
-                "not_after": self.not_after,
-                "serial": self.serial,
-                "issuer": self.issuer,
-            }
-        )
+    der: bytes
+    """The certificate as DER (what the signature covers is inside)."""
 
     @property
     def fingerprint(self) -> str:
         """The fingerprint of the certified CURVE key (for logs)."""
         return key_fingerprint(self.curve_public)
 
-    def to_text(self) -> str:
-        return f"{CERT_KIND}.{_b64(self.body())}.{_b64(self.signature)}"
+    def to_pem(self) -> bytes:
+        return _pem(x509.load_der_x509_certificate(self.der))
 
     @classmethod
-    def from_text(cls, text: str) -> Certificate:
-        """Parse a certificate; raises :class:`AuthError` (``bad_signature``) if malformed."""
-        raw, body, signature = _unseal(CERT_KIND, text)
-        what = "certificate"
-        cert = cls(
-            site_id=_field(body, "site_id", str, what),
-            curve_public=_field(body, "curve_public", str, what).encode("ascii", "replace"),
-            not_before=_field(body, "not_before", int, what),
-            not_after=_field(body, "not_after", int, what),
-            serial=_field(body, "serial", str, what),
-            issuer=_field(body, "issuer", str, what),
-            signature=signature,
+    def from_pem(cls, data: bytes | str) -> Certificate:
+        """Parse a PEM site certificate; raises :class:`AuthError` (``bad_signature``) if it
+        is not one (malformed, or not in the shape :func:`make_site_certificate` gives)."""
+        raw = data.encode("ascii", "replace") if isinstance(data, str) else data
+        try:
+            cert = x509.load_pem_x509_certificate(raw)
+        except ValueError as exc:
+            raise AuthError("bad_signature", f"not a PEM X.509 certificate: {exc}") from None
+        return cls.from_x509(cert)
+
+    @classmethod
+    def from_x509(cls, cert: x509.Certificate) -> Certificate:
+        def bad(what: str) -> AuthError:
+            return AuthError(
+                "bad_signature",
+                f"certificate serial={serial_text(cert.serial_number)} is not a crossdc site "
+                f"certificate: {what}",
+            )
+
+        try:
+            names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+            extension = cert.extensions.get_extension_for_oid(CURVE_KEY_OID).value
+            constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+            subject_key = cert.public_key()
+        except (x509.ExtensionNotFound, ValueError) as exc:
+            raise bad(str(exc)) from None
+        if len(names) != 1 or not isinstance(names[0].value, str):
+            raise bad("its subject needs exactly one CN, the site id")
+        site_id = names[0].value
+        try:
+            check_site_id(site_id)
+        except ValueError as exc:
+            raise bad(str(exc)) from None
+        if constraints.ca:
+            raise bad("it says CA:TRUE")
+        value = getattr(extension, "value", b"")
+        if len(value) != 42 or value[:2] != b"\x0c\x28":
+            raise bad("its CURVE key extension is not 40 Z85 characters")
+        curve_public = bytes(value[2:])
+        if not isinstance(subject_key, x25519.X25519PublicKey):
+            raise bad("its subject public key is not X25519")
+        spki = subject_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        try:
+            extension_key = curve_raw(curve_public)
+        except ValueError as exc:
+            raise bad(str(exc)) from None
+        if extension_key != spki:
+            raise bad("its CURVE key extension and subject public key differ")
+        if not 0 < cert.serial_number < _MAX_SERIAL:
+            raise bad("its serial number is not 1 to 128 bits")
+        return cls(
+            site_id=site_id,
+            curve_public=curve_public,
+            not_before=_unix(cert.not_valid_before_utc),
+            not_after=_unix(cert.not_valid_after_utc),
+            serial=serial_text(cert.serial_number),
+            der=cert.public_bytes(serialization.Encoding.DER),
         )
-        if cert.body() != raw:
-            # Signing covers the canonical body; anything else was not made by issue_site.
-            raise AuthError("bad_signature", "certificate body is not canonical")
-        return cert
 
     def verify_signature(self, ca_public_key: Ed25519PublicKey) -> None:
         """Raise :class:`AuthError` (``bad_signature``) unless the CA signed this certificate."""
+        cert = x509.load_der_x509_certificate(self.der)
         try:
-            ca_public_key.verify(self.signature, _signed_message(CERT_KIND, self.body()))
+            if cert.signature_algorithm_oid != SignatureAlgorithmOID.ED25519:
+                raise InvalidSignature
+            if cert.issuer != ca_name(ca_public_key):
+                raise InvalidSignature
+            ca_public_key.verify(cert.signature, cert.tbs_certificate_bytes)
         except InvalidSignature:
             raise AuthError(
                 "bad_signature",
@@ -133,8 +343,8 @@ class Certificate:
 
 
 def load_certificate(path: str | Path) -> Certificate:
-    """Read a certificate file (unverified: call :meth:`Certificate.verify`)."""
-    return Certificate.from_text(Path(path).read_text(encoding="ascii", errors="replace"))
+    """Read a PEM site certificate file (unverified: call :meth:`Certificate.verify`)."""
+    return Certificate.from_pem(Path(path).read_bytes())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,14 +354,13 @@ def load_certificate(path: str | Path) -> Certificate:
 @dataclass(frozen=True, kw_only=True)
 class Revocation:
     serial: str
-    site_id: str
     revoked_at: int
 
 
 @dataclass(frozen=True, kw_only=True)
 class RevocationList:
-    """The CA-signed list of revoked certificate serials. ``version`` only ever grows, so a
-    coordinator can refuse an older list put back in place of a newer one."""
+    """The CA-signed list of revoked certificate serials (a CRL; ``version`` is its
+    ``cRLNumber``). ``version`` only ever grows."""
 
     version: int
     issued_at: int
@@ -161,51 +370,51 @@ class RevocationList:
     def serials(self) -> frozenset[str]:
         return frozenset(e.serial for e in self.entries)
 
-    def _body(self) -> dict[str, Any]:
-        return {
-            "v": 1,
-            "version": self.version,
-            "issued_at": self.issued_at,
-            "revoked": [
-                {"serial": e.serial, "site_id": e.site_id, "revoked_at": e.revoked_at}
-                for e in self.entries
-            ],
-        }
-
-    def seal(self, ca_key: Ed25519PrivateKey) -> str:
-        return _seal(REVOCATIONS_KIND, self._body(), ca_key)
-
-
-def parse_revocations(text: str, ca_public_key: Ed25519PublicKey) -> RevocationList:
-    """Parse and verify a revocation list; raises :class:`AuthError` (``bad_signature``)."""
-    raw, body, signature = _unseal(REVOCATIONS_KIND, text)
-    try:
-        ca_public_key.verify(signature, _signed_message(REVOCATIONS_KIND, raw))
-    except InvalidSignature:
-        raise AuthError(
-            "bad_signature",
-            f"revocation list is not signed by CA {key_fingerprint(ca_public_key)}",
-        ) from None
-    what = "revocation list"
-    items = body.get("revoked")
-    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-        raise AuthError("bad_signature", f"malformed {what}: field 'revoked'")
-    return RevocationList(
-        version=_field(body, "version", int, what),
-        issued_at=_field(body, "issued_at", int, what),
-        entries=tuple(
-            Revocation(
-                serial=_field(i, "serial", str, what),
-                site_id=_field(i, "site_id", str, what),
-                revoked_at=_field(i, "revoked_at", int, what),
+    def to_pem(self, ca_key: Ed25519PrivateKey, *, next_update: int) -> bytes:
+        """Sign as a CRL. ``next_update`` is when ``openssl verify -crl_check`` starts calling
+        the list stale; the kit sets it to the CA's own expiry (a coordinator never does)."""
+        public = ca_key.public_key()
+        builder = (
+            x509.CertificateRevocationListBuilder()
+            .issuer_name(ca_name(public))
+            .last_update(_utc(self.issued_at))
+            .next_update(_utc(max(next_update, self.issued_at)))
+            .add_extension(x509.CRLNumber(self.version), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(public), critical=False
             )
-            for i in items
+        )
+        for entry in self.entries:
+            builder = builder.add_revoked_certificate(
+                x509.RevokedCertificateBuilder()
+                .serial_number(_serial_number(entry.serial))
+                .revocation_date(_utc(entry.revoked_at))
+                .build()
+            )
+        return _pem(builder.sign(ca_key, None))
+
+
+def parse_revocations(data: bytes | str, ca_public_key: Ed25519PublicKey) -> RevocationList:
+    """Parse and verify a CRL; raises :class:`AuthError` (``bad_signature``)."""
+    raw = data.encode("ascii", "replace") if isinstance(data, str) else data
+    try:
+        crl = x509.load_pem_x509_crl(raw)
+        number = crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
+    except (ValueError, x509.ExtensionNotFound) as exc:
+        raise AuthError("bad_signature", f"malformed revocation list (CRL): {exc}") from None
+    fingerprint = key_fingerprint(ca_public_key)
+    if crl.issuer != ca_name(ca_public_key) or not crl.is_signature_valid(ca_public_key):
+        raise AuthError("bad_signature", f"revocation list is not signed by CA {fingerprint}")
+    return RevocationList(
+        version=number,
+        issued_at=_unix(crl.last_update_utc),
+        entries=tuple(
+            Revocation(serial=serial_text(r.serial_number), revoked_at=_unix(r.revocation_date_utc))
+            for r in crl
         ),
     )
 
 
 def load_revocations(path: str | Path, ca_public_key: Ed25519PublicKey) -> RevocationList:
-    """Read and verify a revocation list file (see :func:`parse_revocations`)."""
-    return parse_revocations(
-        Path(path).read_text(encoding="ascii", errors="replace"), ca_public_key
-    )
+    """Read and verify a CRL file (see :func:`parse_revocations`)."""
+    return parse_revocations(Path(path).read_bytes(), ca_public_key)

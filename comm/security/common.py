@@ -23,25 +23,25 @@ import zmq.utils.z85 as z85
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-KIT_FORMAT = 1
+KIT_FORMAT = 2
+"""2: X.509 certificates and a CRL; 1: crossdc's own one-line documents (``comm.security.legacy``)."""
 
 MANIFEST = "kit.json"
 CA_KEY = "ca.key"
-CA_PUB = "ca.pub"
+CA_CERT = "ca.pem"
 COORDINATOR_CURVE_KEY = "coordinator.curve.key"
 COORDINATOR_CURVE_PUB = "coordinator.curve.pub"
 COORDINATOR_SIGN_KEY = "coordinator.sign.key"
 COORDINATOR_SIGN_PUB = "coordinator.sign.pub"
-REVOCATIONS = "revoked.list"
+CRL = "crl.pem"
 CERTS_DIR = "certs"
 SITES_DIR = "sites"
 SITE_CURVE_KEY = "site.curve.key"
 SITE_CURVE_PUB = "site.curve.pub"
-SITE_CERT = "site.cert"
+SITE_CERT = "site.pem"
+CERT_SUFFIX = ".pem"
 SITE_TOML = "site.toml"
 
-CERT_KIND = "crossdc-cert-v1"
-REVOCATIONS_KIND = "crossdc-revocations-v1"
 BLOB_KIND = "crossdc-blob-v1"
 
 _PRIVATE_MODE = 0o600

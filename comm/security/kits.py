@@ -1,22 +1,21 @@
-"""Federation kits on disk: create, issue a site, revoke a site, load a running role's keys.
+"""Federation kits on disk: create, issue a site, revoke a site, migrate, load a role's keys.
 
 A federation kit directory (:func:`init_kit`) holds::
 
-    kit.json                    manifest (public values only)
+    kit.json                    manifest (public values only; "format": 2)
     ca.key        0600          CA Ed25519 private key (PEM; keep offline once sites are issued)
-    ca.pub                      CA Ed25519 public key (PEM)
+    ca.pem                      CA certificate (X.509, self-signed)
     coordinator.curve.key 0600  coordinator CURVE secret (Z85)
     coordinator.curve.pub       coordinator CURVE public key (Z85)
     coordinator.sign.key  0600  coordinator Ed25519 checkpoint-signing key (PEM)
     coordinator.sign.pub        its public key (PEM)
-    revoked.list                CA-signed revocation list
-    certs/<site>-<serial>.cert  every certificate issued (the coordinator trusts these)
+    crl.pem                     CA-signed revocation list (X.509 CRL)
+    certs/<site>-<serial>.pem   every certificate issued (X.509; the coordinator trusts these)
     sites/<site>/               each site's startup kit, to ship to that site and then delete here
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import secrets
@@ -27,29 +26,33 @@ from pathlib import Path
 import zmq
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from comm.security import legacy
 from comm.security.certs import (
     Certificate,
     Revocation,
     RevocationList,
+    load_ca_certificate,
     load_certificate,
     load_revocations,
+    make_ca_certificate,
+    make_site_certificate,
 )
 from comm.security.common import (
     _BACKDATE_S,
     _PRIVATE_MODE,
     _PUBLIC_MODE,
     _SECONDS_PER_DAY,
+    CA_CERT,
     CA_KEY,
-    CA_PUB,
-    CERT_KIND,
+    CERT_SUFFIX,
     CERTS_DIR,
     COORDINATOR_CURVE_KEY,
     COORDINATOR_CURVE_PUB,
     COORDINATOR_SIGN_KEY,
     COORDINATOR_SIGN_PUB,
+    CRL,
     KIT_FORMAT,
     MANIFEST,
-    REVOCATIONS,
     SITE_CERT,
     SITE_CURVE_KEY,
     SITE_CURVE_PUB,
@@ -59,7 +62,6 @@ from comm.security.common import (
     _kit_lock,
     _mkdir_private,
     _read_private,
-    _signed_message,
     _write,
     check_site_id,
     key_fingerprint,
@@ -88,12 +90,34 @@ def _load_curve(secret_path: Path, public_path: Path) -> tuple[bytes, bytes]:
     return public, secret
 
 
-def init_kit(kit_dir: str | Path, *, now: float | None = None) -> Path:
-    """Create a federation kit in ``kit_dir`` (new or empty): the CA, the coordinator's CURVE
-    and signing keys, an empty signed revocation list and the manifest. Returns the directory.
+_DEFAULT_CA_DAYS = 3650.0
+_MAX_DAYS = 100 * 366
+
+
+def _check_days(days: float, what: str) -> None:
+    if not (isinstance(days, int | float) and 0 < days <= _MAX_DAYS):
+        raise ValueError(
+            f"{what} must be a positive number of days up to {_MAX_DAYS}, got {days!r}"
+        )
+
+
+def _new_serial() -> str:
+    while True:
+        serial = secrets.token_hex(16)
+        if int(serial, 16):
+            return serial
+
+
+def init_kit(
+    kit_dir: str | Path, *, now: float | None = None, ca_days: float = _DEFAULT_CA_DAYS
+) -> Path:
+    """Create a federation kit in ``kit_dir`` (new or empty): the CA key and its self-signed
+    X.509 certificate valid for ``ca_days``, the coordinator's CURVE and signing keys, an empty
+    CRL and the manifest. Returns the directory.
 
     Refuses (ValueError naming the path) to touch a directory that already holds anything.
     """
+    _check_days(ca_days, "ca_days")
     kit = Path(kit_dir)
     if kit.exists() and (not kit.is_dir() or any(kit.iterdir())):
         raise ValueError(f"refusing to overwrite {str(kit)!r}: it already exists and is not empty")
@@ -104,25 +128,45 @@ def init_kit(kit_dir: str | Path, *, now: float | None = None) -> Path:
     ca = generate_signing_key()
     signer = generate_signing_key()
     curve_public, curve_secret = zmq.curve_keypair()
+    ca_pem = make_ca_certificate(
+        ca,
+        not_before=issued_at - _BACKDATE_S,
+        not_after=issued_at + int(ca_days * _SECONDS_PER_DAY),
+        serial=_new_serial(),
+    )
     _write(kit / CA_KEY, _private_pem(ca), _PRIVATE_MODE)
-    _write(kit / CA_PUB, _public_pem(ca.public_key()), _PUBLIC_MODE)
+    _write(kit / CA_CERT, ca_pem, _PUBLIC_MODE)
     _write(kit / COORDINATOR_CURVE_KEY, curve_secret + b"\n", _PRIVATE_MODE)
     _write(kit / COORDINATOR_CURVE_PUB, curve_public + b"\n", _PUBLIC_MODE)
     _write(kit / COORDINATOR_SIGN_KEY, _private_pem(signer), _PRIVATE_MODE)
     _write(kit / COORDINATOR_SIGN_PUB, _public_pem(signer.public_key()), _PUBLIC_MODE)
-    empty = RevocationList(version=0, issued_at=issued_at, entries=())
-    _write(kit / REVOCATIONS, (empty.seal(ca) + "\n").encode(), _PUBLIC_MODE)
-    manifest = {
-        "format": KIT_FORMAT,
-        "created_at": issued_at,
-        "ca_fingerprint": key_fingerprint(ca.public_key()),
-        "coordinator_curve_fingerprint": key_fingerprint(curve_public),
-        "coordinator_sign_fingerprint": key_fingerprint(signer.public_key()),
-    }
-    body = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
-    _write(kit / MANIFEST, body.encode(), _PUBLIC_MODE)
-    log.info("created federation kit %s (CA %s)", kit, manifest["ca_fingerprint"])
+    _write_crl(kit, ca, RevocationList(version=0, issued_at=issued_at, entries=()))
+    _write_manifest(
+        kit,
+        {
+            "created_at": issued_at,
+            "ca_fingerprint": key_fingerprint(ca.public_key()),
+            "coordinator_curve_fingerprint": key_fingerprint(curve_public),
+            "coordinator_sign_fingerprint": key_fingerprint(signer.public_key()),
+        },
+    )
+    log.info("created federation kit %s (CA %s)", kit, key_fingerprint(ca.public_key()))
     return kit
+
+
+def _write_manifest(kit: Path, fields: dict[str, object], *, replace: bool = False) -> None:
+    body = json.dumps({**fields, "format": KIT_FORMAT}, indent=1, sort_keys=True) + "\n"
+    _write(kit / MANIFEST, body.encode(), _PUBLIC_MODE, replace=replace)
+
+
+def _write_crl(kit: Path, ca: Ed25519PrivateKey, revocations: RevocationList) -> None:
+    ca_cert = load_ca_certificate(kit / CA_CERT)
+    pem = revocations.to_pem(ca, next_update=ca_cert.not_after)
+    _write(kit / CRL, pem, _PUBLIC_MODE, replace=(kit / CRL).exists())
+
+
+def _cert_path(kit: Path, cert: Certificate) -> Path:
+    return kit / CERTS_DIR / f"{cert.site_id}-{cert.serial}{CERT_SUFFIX}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,42 +197,47 @@ def issue_site(
     coordinator_endpoint: str = "tcp://COORDINATOR_HOST:7710",
     now: float | None = None,
 ) -> IssuedSite:
-    """Issue site ``site_id`` a CURVE keypair and a certificate valid for ``days`` from ``now``
-    (and from 5 minutes before, for clock skew).
+    """Issue site ``site_id`` a CURVE keypair and an X.509 certificate valid for ``days`` from
+    ``now`` (and from 5 minutes before, for clock skew), never past the CA's own expiry.
 
     The certificate is recorded in ``certs/`` (what the coordinator trusts) and a startup kit is
     written to ``out_dir`` (default ``sites/<site_id>`` in the kit; it must not exist yet): the
-    site's CURVE secret (0600) and public key, its certificate, the coordinator's CURVE and
-    signing public keys, the CA public key and a starter ``site.toml``. Needs ``ca.key``.
+    site's CURVE secret (0600) and public key, its certificate ``site.pem``, the CA certificate,
+    the coordinator's CURVE and signing public keys and a starter ``site.toml``. Needs
+    ``ca.key``.
     """
     check_site_id(site_id)
-    if not (days > 0 and days * _SECONDS_PER_DAY < 2**40):
-        raise ValueError(f"days must be a positive number of days, got {days!r}")
-    kit = Path(kit_dir)
+    _check_days(days, "days")
+    kit = _require_format(Path(kit_dir))
     target = Path(out_dir) if out_dir is not None else kit / SITES_DIR / site_id
     if target.exists():
         raise ValueError(f"refusing to overwrite {str(target)!r}: remove it or pass out_dir")
     ca = load_private_key(kit / CA_KEY)
+    ca_cert = load_ca_certificate(kit / CA_CERT)
     with _kit_lock(kit):
         start = int(time.time() if now is None else now)
+        not_after = start + int(days * _SECONDS_PER_DAY)
+        if not_after > ca_cert.not_after:
+            raise ValueError(
+                f"a certificate for {days} days would outlive the CA certificate {CA_CERT}, which "
+                f"expires at {ca_cert.not_after}: issue for fewer days, or renew the CA"
+            )
         curve_public, curve_secret = zmq.curve_keypair()
-        unsigned = Certificate(
+        cert = make_site_certificate(
+            ca,
             site_id=site_id,
             curve_public=curve_public,
             not_before=start - _BACKDATE_S,
-            not_after=start + int(days * _SECONDS_PER_DAY),
-            serial=secrets.token_hex(16),
-            issuer=key_fingerprint(ca.public_key()),
+            not_after=not_after,
+            serial=_new_serial(),
         )
-        signature = ca.sign(_signed_message(CERT_KIND, unsigned.body()))
-        cert = dataclasses.replace(unsigned, signature=signature)
-        cert_text = (cert.to_text() + "\n").encode()
-        _write(kit / CERTS_DIR / f"{site_id}-{cert.serial}.cert", cert_text, _PUBLIC_MODE)
+        cert_pem = cert.to_pem()
+        _write(_cert_path(kit, cert), cert_pem, _PUBLIC_MODE)
         _mkdir_private(target)
         _write(target / SITE_CURVE_KEY, curve_secret + b"\n", _PRIVATE_MODE)
         _write(target / SITE_CURVE_PUB, curve_public + b"\n", _PUBLIC_MODE)
-        _write(target / SITE_CERT, cert_text, _PUBLIC_MODE)
-        for name in (CA_PUB, COORDINATOR_CURVE_PUB, COORDINATOR_SIGN_PUB):
+        _write(target / SITE_CERT, cert_pem, _PUBLIC_MODE)
+        for name in (CA_CERT, COORDINATOR_CURVE_PUB, COORDINATOR_SIGN_PUB):
             _write(target / name, (kit / name).read_bytes(), _PUBLIC_MODE)
         _write(target / SITE_TOML, _site_toml(site_id, coordinator_endpoint).encode(), _PUBLIC_MODE)
     log.info(
@@ -204,7 +253,7 @@ def issue_site(
 def issued_certificates(kit_dir: str | Path) -> list[Certificate]:
     """Every certificate file in the kit's ``certs/`` that parses (unverified), by file name."""
     out: list[Certificate] = []
-    for path in sorted((Path(kit_dir) / CERTS_DIR).glob("*.cert")):
+    for path in sorted((Path(kit_dir) / CERTS_DIR).glob(f"*{CERT_SUFFIX}")):
         try:
             out.append(load_certificate(path))
         except (OSError, AuthError) as exc:
@@ -215,15 +264,15 @@ def issued_certificates(kit_dir: str | Path) -> list[Certificate]:
 def revoke_site(kit_dir: str | Path, site_id: str, *, now: float | None = None) -> list[str]:
     """Revoke every certificate issued to ``site_id``; returns the serials newly revoked.
 
-    Rewrites ``revoked.list`` (signed by the CA, version + 1). A coordinator picks it up on its
+    Rewrites ``crl.pem`` (signed by the CA, cRLNumber + 1). A coordinator picks it up on its
     registry's next reload; connections already authenticated are cut by the per-message check
     (:meth:`CertificateRegistry.check_peer`).
     """
     check_site_id(site_id)
-    kit = Path(kit_dir)
+    kit = _require_format(Path(kit_dir))
     ca = load_private_key(kit / CA_KEY)
     with _kit_lock(kit):
-        current = load_revocations(kit / REVOCATIONS, ca.public_key())
+        current = load_revocations(kit / CRL, ca.public_key())
         serials = [c.serial for c in issued_certificates(kit) if c.site_id == site_id]
         if not serials:
             raise ValueError(f"no certificate was issued to site {site_id!r} in {str(kit)!r}")
@@ -234,12 +283,177 @@ def revoke_site(kit_dir: str | Path, site_id: str, *, now: float | None = None) 
         updated = RevocationList(
             version=current.version + 1,
             issued_at=at,
-            entries=current.entries
-            + tuple(Revocation(serial=s, site_id=site_id, revoked_at=at) for s in new),
+            entries=current.entries + tuple(Revocation(serial=s, revoked_at=at) for s in new),
         )
-        _write(kit / REVOCATIONS, (updated.seal(ca) + "\n").encode(), _PUBLIC_MODE, replace=True)
+        _write_crl(kit, ca, updated)
     log.info("[site=%s] revoked %d certificate(s): %s", site_id, len(new), ", ".join(new))
     return new
+
+
+# ---------------------------------------------------------------------------------------------
+# Kit format: refuse format 1 clearly, and migrate it
+
+
+_MIGRATE_HINT = (
+    "run `crossdc keys migrate --kit FEDERATION_KIT` where the CA key is, then give each site "
+    "the two files it prints for it"
+)
+
+
+def _require_format(kit: Path) -> Path:
+    """A federation kit of this format, or ValueError saying what it is and what to do."""
+    if not (kit / MANIFEST).exists():
+        raise ValueError(f"{str(kit)!r} is not a federation kit (no {MANIFEST})")
+    try:
+        found = json.loads((kit / MANIFEST).read_text()).get("format")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{str(kit / MANIFEST)!r} is not a kit manifest: {exc}") from None
+    if found == legacy.FORMAT:
+        raise ValueError(
+            f"{str(kit)!r} is a format-1 kit (crossdc's own certificates, before X.509); "
+            f"{_MIGRATE_HINT}"
+        )
+    if found != KIT_FORMAT:
+        raise ValueError(f"{str(kit)!r} has kit format {found!r}; this crossdc reads {KIT_FORMAT}")
+    return kit
+
+
+def role_kit(kit: Path, role: str) -> Path:
+    """A running role's kit directory, unless it still holds format-1 identity files."""
+    if (kit / CA_CERT).exists():
+        return kit
+    if (kit / legacy.CA_PUB).exists():
+        if role == "site":
+            raise ValueError(
+                f"{str(kit)!r} is a format-1 site kit ({legacy.SITE_CERT}, {legacy.CA_PUB}); put "
+                f"the {SITE_CERT} and {CA_CERT} that the federation's `crossdc keys migrate` wrote "
+                "for this site into it (its keys stay as they are)"
+            )
+        raise ValueError(
+            f"{str(kit)!r} is a format-1 kit (crossdc's own certificates, before X.509); "
+            f"{_MIGRATE_HINT}"
+        )
+    raise ValueError(f"{str(kit)!r} has no CA certificate {CA_CERT}: is it a crossdc kit?")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Migration:
+    kit_dir: Path
+    certificates: tuple[Certificate, ...]
+    """The re-issued certificates (same site, CURVE key, validity and serial)."""
+    revoked: tuple[str, ...]
+    backup_dir: Path
+    """Where the format-1 files went (nothing is deleted)."""
+    upgrade_dir: Path
+    """``<site>/site.pem`` and ``<site>/ca.pem`` per site: what each site's kit needs."""
+
+
+def migrate_kit(kit_dir: str | Path, *, now: float | None = None) -> Migration:
+    """Convert a format-1 federation kit to X.509 in place, keeping every identity.
+
+    The CA key stays (so its fingerprint does); ``ca.pem`` is made from it. Every format-1
+    certificate that verifies against the CA is re-issued as X.509 with the same site, CURVE
+    key, validity and serial (ones that do not verify are left behind with a warning); the
+    revocation list becomes ``crl.pem`` with the same version and serials. Site kits still in
+    ``sites/`` are converted too, and ``upgrade/<site>/`` holds the ``site.pem`` and ``ca.pem``
+    of each site's newest certificate, to copy into kits already shipped. The format-1 files
+    move to ``format1-backup/``. Refuses a kit that is not format 1.
+    """
+    kit = Path(kit_dir)
+    try:
+        manifest = json.loads((kit / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{str(kit)!r} is not a federation kit: {exc}") from None
+    if manifest.get("format") != legacy.FORMAT:
+        raise ValueError(
+            f"{str(kit)!r} has kit format {manifest.get('format')!r}; only format-1 kits migrate"
+        )
+    ca = load_private_key(kit / CA_KEY)
+    at = int(time.time() if now is None else now)
+    with _kit_lock(kit):
+        old_ca = load_public_key(kit / legacy.CA_PUB)
+        if key_fingerprint(old_ca) != key_fingerprint(ca.public_key()):
+            raise ValueError(f"{legacy.CA_PUB} and {CA_KEY} in {str(kit)!r} do not match")
+        old_certs: list[tuple[Path, legacy.LegacyCertificate]] = []
+        for path in sorted((kit / CERTS_DIR).glob(f"*{legacy.CERT_SUFFIX}")):
+            try:
+                old_certs.append((path, legacy.read_certificate(path, old_ca)))
+            except (OSError, AuthError) as exc:
+                log.warning("not migrating certificate file %s: %s", path.name, exc)
+        version, entries = legacy.read_revocations(kit / legacy.REVOCATIONS, old_ca)
+        latest = max([at, *(c.not_after for _, c in old_certs)])
+        ca_pem = make_ca_certificate(
+            ca,
+            not_before=min([at, *(c.not_before for _, c in old_certs)]) - _BACKDATE_S,
+            not_after=max(latest, at + int(_DEFAULT_CA_DAYS * _SECONDS_PER_DAY)),
+            serial=_new_serial(),
+        )
+        backup = kit / "format1-backup"
+        _mkdir_private(backup / CERTS_DIR)
+        _write(kit / CA_CERT, ca_pem, _PUBLIC_MODE, replace=True)
+        new_certs = []
+        for path, old in old_certs:
+            cert = make_site_certificate(
+                ca,
+                site_id=old.site_id,
+                curve_public=old.curve_public,
+                not_before=old.not_before,
+                not_after=old.not_after,
+                serial=old.serial,
+            )
+            _write(_cert_path(kit, cert), cert.to_pem(), _PUBLIC_MODE, replace=True)
+            path.replace(backup / CERTS_DIR / path.name)
+            new_certs.append(cert)
+        revocations = RevocationList(
+            version=version,
+            issued_at=at,
+            entries=tuple(Revocation(serial=s, revoked_at=t) for s, t in entries),
+        )
+        _write_crl(kit, ca, revocations)
+        (kit / legacy.REVOCATIONS).replace(backup / legacy.REVOCATIONS)
+        (kit / legacy.CA_PUB).replace(backup / legacy.CA_PUB)
+        upgrade = kit / "upgrade"
+        newest: dict[str, Certificate] = {}
+        for cert in sorted(new_certs, key=lambda c: c.not_after):
+            newest[cert.site_id] = cert
+        for site_id, cert in newest.items():
+            _mkdir_private(upgrade / site_id)
+            _write(upgrade / site_id / SITE_CERT, cert.to_pem(), _PUBLIC_MODE, replace=True)
+            _write(upgrade / site_id / CA_CERT, ca_pem, _PUBLIC_MODE, replace=True)
+        for site_dir in sorted(p for p in (kit / SITES_DIR).iterdir() if p.is_dir()):
+            _migrate_site_dir(site_dir, new_certs, ca_pem, backup / SITES_DIR / site_dir.name)
+        _write_manifest(kit, {**manifest, "migrated_at": at}, replace=True)
+    log.info("migrated %s to kit format %d: %d certificate(s)", kit, KIT_FORMAT, len(new_certs))
+    return Migration(
+        kit_dir=kit,
+        certificates=tuple(new_certs),
+        revoked=tuple(s for s, _ in entries),
+        backup_dir=backup,
+        upgrade_dir=upgrade,
+    )
+
+
+def _migrate_site_dir(
+    site_dir: Path, certs: list[Certificate], ca_pem: bytes, backup: Path
+) -> None:
+    """Give a format-1 startup kit still in ``sites/`` its X.509 certificate and the CA's."""
+    if not (site_dir / legacy.SITE_CERT).exists():
+        return
+    try:
+        public = (site_dir / SITE_CURVE_PUB).read_bytes().strip()
+    except OSError:
+        return
+    mine = [c for c in certs if c.curve_public == public]
+    if not mine:
+        log.warning("site kit %s: no migrated certificate names its key; left as it was", site_dir)
+        return
+    cert = max(mine, key=lambda c: c.not_after)
+    _mkdir_private(backup)
+    _write(site_dir / SITE_CERT, cert.to_pem(), _PUBLIC_MODE, replace=True)
+    _write(site_dir / CA_CERT, ca_pem, _PUBLIC_MODE, replace=True)
+    for name in (legacy.SITE_CERT, legacy.CA_PUB):
+        if (site_dir / name).exists():
+            (site_dir / name).replace(backup / name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,13 +495,13 @@ class CoordinatorKit:
 
 
 def load_coordinator_kit(kit_dir: str | Path) -> CoordinatorKit:
-    kit = Path(kit_dir)
+    kit = role_kit(Path(kit_dir), "coordinator")
     public, secret = _load_curve(kit / COORDINATOR_CURVE_KEY, kit / COORDINATOR_CURVE_PUB)
     return CoordinatorKit(
         kit_dir=kit,
         curve=CurveKeys(public=public, secret=secret),
         signing_key=load_private_key(kit / COORDINATOR_SIGN_KEY),
-        ca_public_key=load_public_key(kit / CA_PUB),
+        ca_public_key=load_ca_certificate(kit / CA_CERT).public_key,
     )
 
 
@@ -313,11 +527,11 @@ def load_site_kit(
     """Load and check a site's startup kit: its certificate must be signed by the kit's CA,
     certify the kit's own CURVE key (and ``site_id`` when given) and be valid now; otherwise
     :class:`AuthError` explains why, before any connection is refused for it."""
-    kit = Path(site_kit_dir)
+    kit = role_kit(Path(site_kit_dir), "site")
     at = time.time() if now is None else now
     public, secret = _load_curve(kit / SITE_CURVE_KEY, kit / SITE_CURVE_PUB)
     cert = load_certificate(kit / SITE_CERT)
-    ca_public = load_public_key(kit / CA_PUB)
+    ca_public = load_ca_certificate(kit / CA_CERT).public_key
     cert.verify(ca_public, at, site_id=site_id)
     if cert.curve_public != public:
         raise AuthError("unknown_key", f"{SITE_CERT} in {str(kit)!r} certifies another CURVE key")

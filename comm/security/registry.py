@@ -15,17 +15,21 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from comm.security.certs import Certificate, RevocationList, load_revocations
+from comm.security.certs import (
+    Certificate,
+    RevocationList,
+    load_ca_certificate,
+    load_revocations,
+)
 from comm.security.common import (
-    CA_PUB,
+    CA_CERT,
     CERTS_DIR,
-    REVOCATIONS,
+    CRL,
     AuthError,
     curve_raw,
     key_fingerprint,
 )
-from comm.security.kits import issued_certificates
-from comm.security.signing import load_public_key
+from comm.security.kits import issued_certificates, role_kit
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +50,7 @@ class CertificateRegistry:
     """Which CURVE keys belong to which site now: issued certificates minus revoked ones.
 
     Built from certificates in memory, or from a kit directory with :meth:`from_kit`, in which
-    case it re-reads ``certs/`` and ``revoked.list`` when they change (checked at most every
+    case it re-reads ``certs/`` and ``crl.pem`` when they change (checked at most every
     ``reload_interval_s``) or on :meth:`reload`. Certificates that do not verify against the CA
     are skipped at load with a warning. Revocations only accumulate in a running registry: a
     revocation list that is missing, unsigned or older than the one loaded is refused and the
@@ -76,8 +80,9 @@ class CertificateRegistry:
     def from_kit(
         cls, kit_dir: str | Path, *, reload_interval_s: float = 1.0
     ) -> CertificateRegistry:
-        kit = Path(kit_dir)
-        reg = cls(load_public_key(kit / CA_PUB), kit_dir=kit, reload_interval_s=reload_interval_s)
+        kit = role_kit(Path(kit_dir), "coordinator")
+        ca = load_ca_certificate(kit / CA_CERT)
+        reg = cls(ca.public_key, kit_dir=kit, reload_interval_s=reload_interval_s)
         reg.reload()
         return reg
 
@@ -109,7 +114,7 @@ class CertificateRegistry:
     def _stamp(self) -> tuple[tuple[str, int, int], ...]:
         assert self.kit_dir is not None
         out = []
-        for path in [self.kit_dir / CERTS_DIR, self.kit_dir / REVOCATIONS]:
+        for path in [self.kit_dir / CERTS_DIR, self.kit_dir / CRL]:
             try:
                 st = path.stat()
                 out.append((path.name, st.st_mtime_ns, st.st_size))
@@ -126,7 +131,7 @@ class CertificateRegistry:
             certs = issued_certificates(self.kit_dir)
             revs = self._snap.revocations
             try:
-                loaded = load_revocations(self.kit_dir / REVOCATIONS, self.ca_public_key)
+                loaded = load_revocations(self.kit_dir / CRL, self.ca_public_key)
                 if loaded.version < revs.version:
                     log.error(
                         "refusing revocation list version %d older than loaded version %d",

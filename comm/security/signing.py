@@ -1,18 +1,14 @@
-"""Ed25519 keys, blob signatures and signed one-line documents.
+"""Ed25519 keys and blob signatures.
 
-Signed documents are one line, ``<kind>.<base64url body>.<base64url signature>``; the body is
-canonical JSON and the Ed25519 signature covers ``<kind>\\0<body>`` so that a signature made for
-one kind of document is never valid for another. The coordinator signs global checkpoints with
-:func:`sign_blob`; sites check them with :func:`verify_blob`.
+The coordinator signs global checkpoints with :func:`sign_blob`; sites check them with
+:func:`verify_blob`. A signature covers ``crossdc-blob-v1\\0<context>\\0<SHA-256>``, so one made
+for one context never verifies for another.
 """
 
 from __future__ import annotations
 
-import binascii
 import hashlib
-import json
 from pathlib import Path
-from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -21,11 +17,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from comm.security.common import (
     BLOB_KIND,
     AuthError,
-    _b64,
-    _canonical,
     _read_private,
     _signed_message,
-    _unb64,
     key_fingerprint,
 )
 
@@ -121,35 +114,3 @@ def verify_blob(
 ) -> None:
     """Raise :class:`AuthError` (``bad_signature``) unless ``signature`` signs ``data``."""
     verify_digest(public_key, blob_digest(data), signature, context=context)
-
-
-# ---------------------------------------------------------------------------------------------
-# Signed one-line documents
-
-
-def _seal(kind: str, body: dict[str, Any], key: Ed25519PrivateKey) -> str:
-    raw = _canonical(body)
-    return f"{kind}.{_b64(raw)}.{_b64(key.sign(_signed_message(kind, raw)))}"
-
-
-def _unseal(kind: str, text: str) -> tuple[bytes, dict[str, Any], bytes]:
-    """Split a document into (body bytes, parsed body, signature); nothing is verified yet."""
-    parts = text.strip().split(".")
-    if len(parts) != 3 or parts[0] != kind:
-        raise AuthError("bad_signature", f"not a {kind} document")
-    try:
-        raw = _unb64(parts[1])
-        signature = _unb64(parts[2])
-        body = json.loads(raw)
-    except (binascii.Error, ValueError) as exc:
-        raise AuthError("bad_signature", f"malformed {kind} document: {exc}") from None
-    if not isinstance(body, dict) or body.get("v") != 1 or len(signature) != 64:
-        raise AuthError("bad_signature", f"malformed {kind} document")
-    return raw, body, signature
-
-
-def _field(body: dict[str, Any], name: str, kind: type, what: str) -> Any:
-    value = body.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise AuthError("bad_signature", f"malformed {what}: field {name!r}")
-    return value

@@ -35,7 +35,7 @@ for site in $sites; do
         --endpoint "$endpoint" --out "$out/site-$site"
 done
 mkdir -p "$out/coordinator/certs"
-cp -p "$out/federation/kit.json" "$out/federation/ca.pub" "$out/federation/revoked.list" \
+cp -p "$out/federation/kit.json" "$out/federation/ca.pem" "$out/federation/crl.pem" \
     "$out/federation"/coordinator.* "$out/coordinator/"
-cp -p "$out/federation"/certs/*.cert "$out/coordinator/certs/"
+cp -p "$out/federation"/certs/*.pem "$out/coordinator/certs/"
 echo "kits in $out: coordinator/ and site-*/ to mount, federation/ to keep offline"
