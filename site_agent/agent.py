@@ -409,6 +409,7 @@ class SiteAgent:
             "session_id": self.session_id,
             "global_version": self.global_version,
             "rounds_sent": self._rounds_sent,
+            "inner_steps": self._steps_done,
             "compute_seconds": self._compute_s,
             "stall_seconds": self._stall_s,
             "eval_seconds": self._eval_s,

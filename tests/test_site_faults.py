@@ -529,17 +529,20 @@ def test_utilization_compares_the_step_rate_with_the_rate_when_no_sync_is_in_fli
     trainer = agent.trainer
     assert isinstance(trainer, FakeTrainer)
     train = trainer.train_steps
+    trained: list[int] = []
 
     def timed(num_steps: int) -> TrainStats:
         # One second a step; two while an update of ours is in flight (communication threads
         # taking the cores).
         clock.now += num_steps * (2.0 if agent._sent else 1.0)
+        trained.append(num_steps)
         return train(num_steps)
 
     trainer.train_steps = timed  # type: ignore[method-assign]
     assert agent.run() == EXIT_OK
     st = agent.status()
     assert st["rounds_sent"] == 2
+    assert st["inner_steps"] == sum(trained) > 0  # what a live display shows per site
     # Only the steps with nothing in flight count for the sync-free rate.
     assert st["sync_free_steps_per_second"] == 1.0
     # Round 2 trained at least one step while round 1's update was in flight.
