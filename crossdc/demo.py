@@ -2,7 +2,9 @@
 
 Writes one config per role into a work directory, starts ``crossdc coordinator`` and ``crossdc
 agent`` processes over tcp on loopback, follows the coordinator's ``status.json`` to print one
-line per round, and ends with a summary (and a JSON report with ``--report``). The roles'
+line per round, and ends with a summary (and a JSON report with ``--report``). On a terminal a live
+display on stderr (``crossdc.progress``) shows the rounds, the sites, the latest validation loss,
+the WAN bytes and the elapsed time while it runs. The roles'
 configs, kits, links and processes are built in ``crossdc.demo_roles``.
 """
 
@@ -36,6 +38,13 @@ from crossdc.demo_roles import (
 )
 from crossdc.lab.profiles import LinkProfile
 from crossdc.lab.wanem import LinkEmulator
+from crossdc.progress import (
+    Progress,
+    add_progress_argument,
+    fmt_bytes,
+    open_progress,
+    rounds_view,
+)
 
 
 def add_outer_rule_arguments(p: argparse.ArgumentParser) -> None:
@@ -119,14 +128,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--timeout", type=float, default=1800.0, help="give up after this many s")
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+    add_progress_argument(p)
 
 
 def _argument_problem(args: argparse.Namespace) -> str | None:
@@ -175,18 +177,26 @@ def _start_roles(
 
 @dataclass
 class _Progress:
-    """The coordinator's latest ``status.json`` and how many of its rounds are printed."""
+    """The coordinator's latest ``status.json`` and how many of its rounds are printed; each
+    update goes to ``reporter`` too, with the sites' ``status.json`` (``site_dirs``)."""
 
     path: Path
     quiet: bool
+    reporter: Progress
+    total: int
+    site_dirs: dict[str, Path]
     status: dict[str, Any] | None = None
     shown: int = 0
 
     def update(self) -> None:
         """Read the status again (keeping the last one if unreadable); print new rounds."""
         self.status = _read_status(self.path) or self.status
-        if self.status is not None and not self.quiet:
+        if self.status is None:
+            return
+        if not self.quiet:
             self.shown = _print_rounds(self.status, self.shown, self.path.parent)
+        sites = {s: _read_status(d / "status.json") for s, d in self.site_dirs.items()}
+        self.reporter.rounds(rounds_view(self.status, total=self.total, sites=sites))
 
 
 def _follow(args: argparse.Namespace, run: DemoRun, progress: _Progress, started: float) -> int:
@@ -198,10 +208,10 @@ def _follow(args: argparse.Namespace, run: DemoRun, progress: _Progress, started
             break
         dead = [n for n, p in run.procs.items() if p.poll() not in (None, 0)]
         if dead:
-            print(f"crossdc demo: {dead} exited with an error; see {run.workdir}", file=sys.stderr)
+            progress.reporter.log(f"crossdc demo: {dead} exited with an error; see {run.workdir}")
             return 1
         if time.monotonic() - started > args.timeout:
-            print(f"crossdc demo: timed out after {args.timeout:.0f}s", file=sys.stderr)
+            progress.reporter.log(f"crossdc demo: timed out after {args.timeout:.0f}s")
             return 1
         time.sleep(0.25)
     for name, proc in run.procs.items():
@@ -209,7 +219,7 @@ def _follow(args: argparse.Namespace, run: DemoRun, progress: _Progress, started
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                print(f"crossdc demo: {name} did not stop on shutdown", file=sys.stderr)
+                progress.reporter.log(f"crossdc demo: {name} did not stop on shutdown")
     progress.update()
     return 0
 
@@ -267,13 +277,22 @@ def run_demo(args: argparse.Namespace) -> int:
     coord_cfg = write_coordinator_config(args, workdir)
     run = DemoRun(workdir)
     started = time.monotonic()
-    progress = _Progress(workdir / "coordinator" / "status.json", quiet=args.json)
     if not args.json:
         _print_header(args, workdir, profiles)
+    # Plain lines per round on stderr only with --json: otherwise the table on stdout has them.
+    reporter = open_progress("crossdc demo", no_progress=args.no_progress, round_lines=args.json)
+    progress = _Progress(
+        workdir / "coordinator" / "status.json",
+        quiet=args.json,
+        reporter=reporter,
+        total=args.rounds,
+        site_dirs={s: workdir / f"site-{s}" for s in ids},
+    )
     try:
-        _start_roles(args, run, coord_cfg, profiles)
-        if _follow(args, run, progress, started) != 0:
-            return 1
+        with reporter:
+            _start_roles(args, run, coord_cfg, profiles)
+            if _follow(args, run, progress, started) != 0:
+                return 1
         link_bytes = {s: link.bytes_up + link.bytes_down for s, link in run.links.items()}
     finally:
         run.close()
@@ -331,7 +350,7 @@ def _print_rounds(status: dict[str, Any], shown: int, state_dir: Path) -> int:
         wan = h.get("wire_bytes_in", 0) + h.get("wire_bytes_out", 0)
         val_s = f"{val:9.4f}" if val is not None else f"{'-':>9}"
         print(
-            f"{h['round_id']:>5} {val_s} {h['train_loss']:10.4f} {h['duration_s']:8.1f} {_fmt_bytes(wan):>12}"
+            f"{h['round_id']:>5} {val_s} {h['train_loss']:10.4f} {h['duration_s']:8.1f} {fmt_bytes(wan):>12}"
         )
         shown += 1
     return shown
@@ -382,7 +401,7 @@ def _print_summary(r: dict[str, Any]) -> None:
         f"\ndone: {r['rounds_completed']} rounds, {r['sites']} sites, "
         f"{r['num_parameters']:,} parameters\n"
         f"  validation loss {_fmt_loss(v0)} -> {_fmt_loss(v1)} ({drop})\n"
-        f"  WAN bytes {_fmt_bytes(r['wan_bytes_total'])} in {r['wall_seconds']:.1f}s wall\n"
+        f"  WAN bytes {fmt_bytes(r['wan_bytes_total'])} in {r['wall_seconds']:.1f}s wall\n"
         f"  compute utilization {_fmt_share(r['compute_utilization'])} (mean over sites: "
         "steps/s against each site's steps/s with no sync in flight)"
     )
