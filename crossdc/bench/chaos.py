@@ -29,6 +29,13 @@ from crossdc.bench import chaos_analysis as an
 from crossdc.bench import print_report
 from crossdc.bench.chaos_faults import Injector
 from crossdc.bench.chaos_fed import Federation, FedSpec
+from crossdc.progress import (
+    SILENT,
+    Progress,
+    add_progress_argument,
+    open_progress,
+    pop_no_progress,
+)
 
 TICK_S = 0.25
 START_TIMEOUT_S = 300.0
@@ -54,15 +61,22 @@ def wait_first_round(fed: Federation, samples: list[tuple[float, bool]]) -> None
 
 
 def soak(
-    fed: Federation, injector: Injector, minutes: float, period: float, samples: list[Any]
+    fed: Federation,
+    injector: Injector,
+    minutes: float,
+    period: float,
+    samples: list[Any],
+    progress: Progress = SILENT,
 ) -> None:
     """Inject a fault every ``period`` seconds for ``minutes``."""
     end = fed.now() + minutes * 60.0
     next_fault = fed.now() + period
+    planned = math.ceil(minutes * 60.0 / period) - 1
     while fed.now() < end:
         if fed.now() >= next_fault:
             injector.inject_next()
             next_fault += period
+            progress.count(len(injector.applied) + len(injector.skipped), planned, "faults")
         _ticker(fed, injector, samples)
 
 
@@ -115,18 +129,30 @@ def hash_agreement(fed: Federation) -> dict[str, Any]:
     }
 
 
-def run_chaos(args: argparse.Namespace, spec: FedSpec, workdir: Path) -> dict[str, Any]:
+def _site_dirs(fed: Federation) -> dict[str, Path]:
+    return {s: fed.workdir / f"site-{s}" for s in fed.site_ids}
+
+
+def run_chaos(
+    args: argparse.Namespace, spec: FedSpec, workdir: Path, progress: Progress = SILENT
+) -> dict[str, Any]:
     fed = Federation(workdir / "chaos", spec)
     injector = Injector(fed, args.seed)
     samples: list[tuple[float, bool]] = []
     drained, soak_start = False, 0.0
+    phases = 3 if args.skip_fault_free else 4
     try:
-        fed.start()
-        wait_first_round(fed, samples)
-        soak_start = fed.now()
-        soak(fed, injector, args.minutes, args.period, samples)
-        drained = drain(fed, injector, args.drain_timeout, samples)
-        stop(fed)
+        with progress.follow(fed.coord_dir, site_dirs=_site_dirs(fed)):
+            progress.phase("starting the federation, waiting for the first round", 1, phases)
+            fed.start()
+            wait_first_round(fed, samples)
+            soak_start = fed.now()
+            label = f"soak: a fault every {args.period:g}s for {args.minutes:g} min"
+            progress.phase(label, 2, phases)
+            soak(fed, injector, args.minutes, args.period, samples, progress)
+            progress.phase(f"drain: every role up and {DRAIN_ROUNDS} more rounds", 3, phases)
+            drained = drain(fed, injector, args.drain_timeout, samples)
+            stop(fed)
     finally:
         fed.close()
         (fed.workdir / "events.json").write_text(json.dumps(fed.events, indent=1))
@@ -194,19 +220,22 @@ def _max_rounds(rejoins: list[dict[str, Any]]) -> float | int | None:
     return max(int(r["rounds"]) for r in rejoins)
 
 
-def run_fault_free(spec: FedSpec, rounds: int, workdir: Path, timeout_s: float) -> dict[str, Any]:
+def run_fault_free(
+    spec: FedSpec, rounds: int, workdir: Path, timeout_s: float, progress: Progress = SILENT
+) -> dict[str, Any]:
     """The same federation for ``rounds`` rounds without faults; its final validation loss."""
     fed = Federation(workdir / "fault-free", replace(spec, max_rounds=rounds))
     samples: list[tuple[float, bool]] = []
     try:
-        fed.start()
-        deadline = fed.now() + timeout_s
-        while fed.roles["coordinator"].final_exit is None and fed.now() < deadline:
-            _ticker(fed, None, samples)
-        for _ in range(int(30 / TICK_S)):  # sites stop on the coordinator's Shutdown
-            if all(r.final_exit is not None for r in fed.roles.values()):
-                break
-            _ticker(fed, None, samples)
+        with progress.follow(fed.coord_dir, total=rounds, site_dirs=_site_dirs(fed)):
+            fed.start()
+            deadline = fed.now() + timeout_s
+            while fed.roles["coordinator"].final_exit is None and fed.now() < deadline:
+                _ticker(fed, None, samples)
+            for _ in range(int(30 / TICK_S)):  # sites stop on the coordinator's Shutdown
+                if all(r.final_exit is not None for r in fed.roles.values()):
+                    break
+                _ticker(fed, None, samples)
     finally:
         fed.close()
         (fed.workdir / "events.json").write_text(json.dumps(fed.events, indent=1))
@@ -244,10 +273,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=300.0, help="seconds to recover")
     p.add_argument("--skip-fault-free", action="store_true", help="no fault-free comparison run")
     p.add_argument("--workdir", default="", help="where configs, state and logs go")
+    add_progress_argument(p)
     return p.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]:
     if args.sites < 2 or args.minutes < 0 or args.period <= 0:
         raise ValueError("--sites must be >= 2, --minutes >= 0 and --period > 0")
     spec = FedSpec(
@@ -260,13 +290,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     workdir = Path(args.workdir or f"runs/chaos-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     started = time.monotonic()
-    report = run_chaos(args, spec, workdir)
+    report = run_chaos(args, spec, workdir, progress)
     fault_free: dict[str, Any] = {"rounds": None, "val_loss": None}
     if not args.skip_fault_free and report["rounds_completed"] > 0:
         # As long as the chaos run took, twice over (rounds without overlap are long, and a
         # busy machine makes them longer), and at least ten minutes.
         timeout = max(600.0, 2.0 * (time.monotonic() - started))
-        fault_free = run_fault_free(spec, report["rounds_completed"], workdir, timeout)
+        rounds = report["rounds_completed"]
+        progress.phase(f"fault-free run of {rounds} rounds", 4, 4)
+        fault_free = run_fault_free(spec, rounds, workdir, timeout, progress)
     report["val_loss_fault_free"] = fault_free["val_loss"]
     report["fault_free_rounds"] = fault_free["rounds"]
     report["wall_seconds"] = round(time.monotonic() - started, 1)
@@ -284,9 +316,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    no_progress = pop_no_progress(args)
     previous = signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(143))
     try:
-        report = run(args)
+        with open_progress("crossdc bench chaos", no_progress=no_progress) as progress:
+            report = run(args, progress)
     except (ValueError, RuntimeError) as exc:
         print(f"crossdc bench chaos: {exc}", file=sys.stderr)
         return 1

@@ -19,7 +19,21 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from crossdc.demo_roles import site_ids
+from crossdc.progress import (
+    SILENT,
+    Progress,
+    add_progress_argument,
+    open_progress,
+    pop_no_progress,
+)
+
 DEFAULT_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int3+zstd", "int2+zstd", "topk:0.1")
+
+
+def run_dir(codec: str, seed: int, workdir: Path) -> Path:
+    """The work directory of one codec's run with one seed."""
+    return workdir / f"{codec.replace(':', '_')}-{seed}"
 
 
 def run_one(codec: str, seed: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -44,7 +58,7 @@ def run_one(codec: str, seed: int, args: argparse.Namespace, workdir: Path) -> d
         "--downlink-codec",
         codec,
         "--workdir",
-        str(workdir / f"{codec.replace(':', '_')}-{seed}"),
+        str(run_dir(codec, seed, workdir)),
     ]
     # Equal tokens: arrival alignment gives sites that land early extra steps, and how many
     # depends on each codec's sync time (fp32 on a slow link trains the others longer), so it
@@ -62,15 +76,20 @@ def run_one(codec: str, seed: int, args: argparse.Namespace, workdir: Path) -> d
     return report
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]:
     codecs = [c for c in args.codecs.split(",") if c]
     if "fp32" not in codecs:
         codecs.insert(0, "fp32")
     seeds = [int(x) for x in args.seeds.split(",") if x]
     results: dict[str, list[dict[str, Any]]] = {}
+    cases = [(codec, seed) for codec in codecs for seed in seeds]
     with tempfile.TemporaryDirectory(prefix="crossdc-conv-") as tmp:
-        for codec in codecs:
-            results[codec] = [run_one(codec, seed, args, Path(tmp)) for seed in seeds]
+        for i, (codec, seed) in enumerate(cases, 1):
+            progress.phase(f"demo with {codec}, seed {seed}", i, len(cases))
+            demo_dir = run_dir(codec, seed, Path(tmp))
+            sites = {s: demo_dir / f"site-{s}" for s in site_ids(args.sites)}
+            with progress.follow(demo_dir / "coordinator", total=args.rounds, site_dirs=sites):
+                results.setdefault(codec, []).append(run_one(codec, seed, args, Path(tmp)))
     base = [r["val_loss_final"] for r in results["fp32"]]
     base_mean = sum(base) / len(base)
     fp32_bytes = sum(r["wan_bytes_total"] for r in results["fp32"]) / len(seeds)
@@ -122,8 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", action="store_true")
+    add_progress_argument(p)
     args = p.parse_args(argv)
-    out = run(args)
+    with open_progress("crossdc bench convergence", no_progress=pop_no_progress(args)) as progress:
+        out = run(args, progress)
     if args.json:
         print(json.dumps(out, indent=1))
     else:

@@ -34,6 +34,13 @@ from crossdc.bench import print_report
 from crossdc.ddp.trainer import DDPTrainer
 from crossdc.demo import add_outer_rule_arguments
 from crossdc.demo_roles import DEMO_MODEL
+from crossdc.progress import (
+    SILENT,
+    Progress,
+    add_progress_argument,
+    open_progress,
+    pop_no_progress,
+)
 from site_agent.data import BatchSampler, ByteCorpus, eval_batches, sampler_seed, stdlib_split
 from site_agent.model import ModelConfig, build_model
 from site_agent.trainer import InnerOptimConfig, LocalTrainer
@@ -54,7 +61,11 @@ def _trainer(
 
 
 def run_ddp(
-    trainers: list[LocalTrainer], steps: int, evals: list[Any], eval_every: int
+    trainers: list[LocalTrainer],
+    steps: int,
+    evals: list[Any],
+    eval_every: int,
+    progress: Progress = SILENT,
 ) -> dict[int, float]:
     """Every step: each site's batch's gradient at the shared parameters, their token-weighted
     mean, one AdamW step; the first trainer's model stands for every site's."""
@@ -65,6 +76,7 @@ def run_ddp(
         ddp.apply_gradient(weighted_mean([(float(g.tokens), g.grads) for g in grads]))
         if step % eval_every == 0 or step == steps:
             curve[step] = trainers[0].evaluate(evals)
+        progress.count(step, steps, "steps")
     return curve
 
 
@@ -124,6 +136,7 @@ def run_diloco(
     overlap_steps: int = 0,
     uplink: str,
     downlink: str,
+    progress: Progress = SILENT,
 ) -> tuple[dict[int, float], int]:
     """DiLoCo rounds; returns the curve (the global model after each round) and the bytes encoded.
 
@@ -164,10 +177,11 @@ def run_diloco(
         trainers[0].load_parameters(params)
         curve[done] = trainers[0].evaluate(evals)
         trainers[0].load_parameters(site0)
+        progress.count(done, steps, "steps")
     return curve, wire_bytes
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]:
     if min(args.sites, args.steps, args.inner_steps, args.batch_size, args.eval_every) < 1:
         raise ValueError("--sites, --steps, --inner-steps, --batch-size, --eval-every must be >= 1")
     if args.outer_warmup_steps < 0 or args.overlap_steps < 0:
@@ -183,9 +197,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def trainers() -> list[LocalTrainer]:
         return [_trainer(s, i, model, optim, args.seed) for i, s in enumerate(shards)]
 
+    progress.phase(f"synchronous baseline, {args.sites} sites x {args.steps} steps", 1, 2)
     start = time.perf_counter()
-    ddp_curve = run_ddp(trainers(), args.steps, evals, args.eval_every)
+    ddp_curve = run_ddp(trainers(), args.steps, evals, args.eval_every, progress)
     ddp_s = time.perf_counter() - start
+    progress.phase(f"DiLoCo, {args.sites} sites x {args.steps} steps", 2, 2)
     start = time.perf_counter()
     dl_curve, wire_bytes = run_diloco(
         trainers(),
@@ -199,6 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         overlap_steps=args.overlap_steps,
         uplink=args.uplink_codec or args.codec,
         downlink=args.downlink_codec or args.codec,
+        progress=progress,
     )
     dl_s = time.perf_counter() - start
     ddp_final, dl_final = ddp_curve[args.steps], dl_curve[args.steps]
@@ -240,9 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-every", type=int, default=150, help="baseline evaluation period")
     p.add_argument("--seed", type=int, default=0, help="model and sampler seed")
     p.add_argument("--json", action="store_true")
+    add_progress_argument(p)
     args = p.parse_args(argv)
+    progress = open_progress("crossdc bench equal_tokens", no_progress=pop_no_progress(args))
     try:
-        out = run(args)
+        with progress:
+            out = run(args, progress)
     except ValueError as exc:
         print(f"crossdc bench equal_tokens: {exc}", file=sys.stderr)
         return 2

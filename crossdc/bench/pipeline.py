@@ -38,6 +38,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from crossdc.progress import SILENT, Progress, add_progress_argument, open_progress
 from site_agent.data import ByteCorpus
 from site_agent.model import ModelConfig
 from site_agent.pipeline.executor import StepTrace
@@ -282,6 +283,7 @@ def run(
     warmup_steps: int = 2,
     measure_steps: int = 10,
     timeout_s: float = 600.0,
+    progress: Progress = SILENT,
 ) -> dict[str, Any]:
     """Run every (schedule, stages, microbatches) case; one spawned site per stage count."""
     if warmup_steps < 1 or measure_steps < 1 or microbatch_size < 1:
@@ -291,8 +293,10 @@ def run(
     corpus = ByteCorpus.from_stdlib_modules(CORPUS_MODULES, max_bytes=400_000)
     runs: list[dict[str, Any]] = []
     with LocalProcessGroup(max(stages), timeout_s=timeout_s) as group:
-        for p in stages:
+        for i, p in enumerate(stages, 1):
             cases = [_Case(s, p, m) for s in schedules for m in microbatches]
+            n = len(cases)
+            progress.phase(f"{n} case{'s' * (n != 1)} with {p} stages", i, len(stages))
             results = group.run(
                 _bench_rank,
                 cases,
@@ -341,15 +345,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--measure-steps", type=int, default=10)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_progress_argument(parser)
     args = parser.parse_args(argv)
-    report = run(
-        schedules=args.schedules.split(","),
-        stages=[int(v) for v in args.stages.split(",")],
-        microbatches=[int(v) for v in args.microbatches.split(",")],
-        microbatch_size=args.microbatch_size,
-        warmup_steps=args.warmup_steps,
-        measure_steps=args.measure_steps,
-    )
+    with open_progress("crossdc bench pipeline", no_progress=args.no_progress) as progress:
+        report = run(
+            schedules=args.schedules.split(","),
+            stages=[int(v) for v in args.stages.split(",")],
+            microbatches=[int(v) for v in args.microbatches.split(",")],
+            microbatch_size=args.microbatch_size,
+            warmup_steps=args.warmup_steps,
+            measure_steps=args.measure_steps,
+            progress=progress,
+        )
     print(json.dumps(report, indent=2) if args.json else _table(report))
     return 0
 

@@ -44,6 +44,7 @@ from comm.wire.schema import (
 )
 from comm.wire.tensors import encode_tensors, state_hash
 from crossdc.bench import print_report
+from crossdc.progress import add_progress_argument, open_progress
 
 TENSOR_NUMEL = 1 << 22  # the model is cut into tensors of at most 4M values
 FINGERPRINT = "bench-scale"
@@ -286,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
     p.add_argument("--workdir", default="", help="keep configs, state and logs here")
     p.add_argument("--json", action="store_true")
+    add_progress_argument(p)
     args = p.parse_args(argv)
     try:
         site_counts = [int(s) for s in args.sites.split(",")]
@@ -300,13 +302,16 @@ def main(argv: list[str] | None = None) -> int:
         print("crossdc bench scale: sites, params and rounds must be >= 1", file=sys.stderr)
         return 2
     runs = []
-    with tempfile.TemporaryDirectory(prefix="crossdc-scale-") as tmp:
+    cases = [(numel, sites) for numel in sizes for sites in site_counts]
+    progress = open_progress("crossdc bench scale", no_progress=args.no_progress)
+    with progress, tempfile.TemporaryDirectory(prefix="crossdc-scale-") as tmp:
         root = Path(args.workdir or tmp)
-        for numel in sizes:
-            for sites in site_counts:
-                workdir = root / f"p{numel}-s{sites}"
+        for i, (numel, sites) in enumerate(cases, 1):
+            workdir = root / f"p{numel}-s{sites}"
+            progress.phase(f"{numel:,} parameters x {sites} sites", i, len(cases))
+            with progress.follow(workdir / "coordinator", total=args.rounds):
                 runs.append(run_case(sites, numel, args.rounds, workdir, args.timeout))
-                # Each case as it finishes (a long run that fails later keeps what it measured).
-                print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+            # Each case as it finishes (a long run that fails later keeps what it measured).
+            progress.log(json.dumps(runs[-1]))
     print_report({"runs": runs}, as_json=args.json)
     return 0

@@ -44,6 +44,14 @@ from coordinator.history_log import read_history
 from crossdc.bench import print_report
 from crossdc.bench.ddp import run_ddp
 from crossdc.bench.wan_goodput import run as run_goodput
+from crossdc.demo_roles import site_ids
+from crossdc.progress import (
+    SILENT,
+    Progress,
+    add_progress_argument,
+    open_progress,
+    pop_no_progress,
+)
 
 
 def run_crossdc(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -80,17 +88,23 @@ def run_crossdc(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return report
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]:
     out: dict[str, Any] = {"config": vars(args).copy()}
+    if not args.skip_goodput:
+        progress.phase("goodput of a 64 MiB transfer over a shaped 100 Mbit/s veth", 1, 4)
     goodput = run_goodput(size_mib=64, rate_mbit=100) if not args.skip_goodput else {}
     out["goodput_ratio"] = goodput.get("goodput_ratio")
     out["tcp_goodput_ratio"] = goodput.get("tcp_goodput_ratio")
     if goodput.get("skipped"):
         out["goodput_skipped"] = goodput["skipped"]
+    progress.phase(f"crossdc: {args.sites} sites x {args.rounds} rounds over the WAN", 2, 4)
     with tempfile.TemporaryDirectory(prefix="crossdc-wan-") as tmp:
-        ours = run_crossdc(args, Path(tmp) / "crossdc")
+        demo_dir = Path(tmp) / "crossdc"
+        sites = {s: demo_dir / f"site-{s}" for s in site_ids(args.sites)}
+        with progress.follow(demo_dir / "coordinator", total=args.rounds, site_dirs=sites):
+            ours = run_crossdc(args, demo_dir)
     # Kept on stderr as soon as measured: a baseline run that fails later loses nothing of it.
-    print(json.dumps({"crossdc": ours}, default=str), file=sys.stderr, flush=True)
+    progress.log(json.dumps({"crossdc": ours}, default=str))
     # Equal tokens: sites that landed early trained extra steps (arrival alignment), so the
     # baseline runs as many steps as the sites' merged tokens fill, never fewer than the plan's.
     site_step_tokens = ours["batch_size"] * ours["context_len"]
@@ -100,9 +114,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     ours_bytes_per_step = ours["wan_bytes_total"] / inner_steps
     ours_sync_bytes_per_step = ours["sync_bytes"] / inner_steps
+    progress.phase(f"synchronous baseline over the WAN, {args.ddp_wan_steps} steps", 3, 4)
     ddp_wan = run_ddp(
         sites=args.sites, steps=args.ddp_wan_steps, eval_every=0, wan=True, timeout_s=args.timeout
     )
+    progress.phase(f"synchronous baseline on loopback, {inner_steps} steps", 4, 4)
     ddp_eq = run_ddp(
         sites=args.sites,
         steps=inner_steps,
@@ -168,8 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-goodput", action="store_true")
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--json", action="store_true")
+    add_progress_argument(p)
     args = p.parse_args(argv)
-    out = run(args)
+    with open_progress("crossdc bench wan", no_progress=pop_no_progress(args)) as progress:
+        out = run(args, progress)
     print_report(out, as_json=args.json)
     return 0
 
