@@ -175,6 +175,12 @@ class CoordinatorMetrics:
         self.build_info.labels(version=crossdc_version()).set(1)
         self._certificates = _CertificateExpiry()
         r.register(self._certificates)
+        self.ca_expiry = Gauge(
+            "crossdc_ca_certificate_expiry_timestamp_seconds",
+            "Expiry (notAfter, unix seconds) of the federation CA certificate the coordinator runs "
+            "with; no site certificate verifies after it",
+            registry=r,
+        )
         self.http_refused = Counter(
             "crossdc_http_refused_total",
             "Requests to /metrics or /status refused (TLS handshake, missing or wrong credentials)",

@@ -229,6 +229,7 @@ class Coordinator:
         if self.kit is not None:
             self.registry = CertificateRegistry.from_kit(self.kit.kit_dir)
             self.metrics.watch_certificates(self._trusted_certificates)
+            self.metrics.ca_expiry.set(self.kit.ca_not_after)
             self._zap = ZapHandler(self._ctx, self.registry, on_reject=self._on_auth_reject)
             self._zap.start()  # before the bind: no handshake may race the handler
             channel_cfg = replace(channel_cfg, curve=self.kit.curve)

@@ -370,6 +370,15 @@ EXPR_CASES: dict[str, tuple[list[tuple[str, str]], list[tuple[str, float]]]] = {
             (f'{{{_COORD},site="ap"}}', -float(EVAL_S)),
         ],
     ),
+    "CrossdcCACertificateExpiring": (
+        [
+            (
+                f"crossdc_ca_certificate_expiry_timestamp_seconds{{{_COORD}}}",
+                f"{EVAL_S + 30 * DAY_S:.0f}x20",
+            )
+        ],
+        [(f"{{{_COORD}}}", 30 * DAY_S)],
+    ),
     "CrossdcSiteCertificateExpiring": (
         [
             (
@@ -725,6 +734,7 @@ def _populate(coord: CoordinatorMetrics, site: SiteMetrics) -> None:
         ("us", "us-2", now + 80 * DAY_S),
     ]
     coord.watch_certificates(lambda: certificates)
+    coord.ca_expiry.set(now + 30 * DAY_S)  # CrossdcCACertificateExpiring
     coord.refused("wrong_credentials")
     site.refused("wrong_credentials")
     site.dp_epsilon(1.2)
@@ -755,6 +765,7 @@ EXPECTED_PENDING = [
     ("CrossdcSiteGoodputLow", {"site": "eu"}),
     ("CrossdcSiteCertificateExpiring", {"site": "eu"}),
     ("CrossdcCertificateExpiring", {"site": "eu", "job": "crossdc-coordinator"}),
+    ("CrossdcCACertificateExpiring", {"job": "crossdc-coordinator"}),
 ]
 # Alerts the fixture's values must not raise (alertname, labels of the alerts that must not be).
 EXPECTED_QUIET = [

@@ -29,6 +29,8 @@ from cryptography.x509.oid import NameOID
 from comm.ops.configio import ConfigError, build
 from comm.ops.httpsec import HttpSecurityConfig
 from comm.ops.observe import ObserveServer, crossdc_version
+from comm.security.certs import load_ca_certificate
+from comm.security.common import CA_CERT
 from comm.security.kits import SecurityConfig, init_kit, issue_site, revoke_site
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import CoordinatorMetrics
@@ -314,6 +316,10 @@ def test_both_roles_expose_certificate_expiry(tmp_path: Path) -> None:
             (c.site_id, c.serial): float(c.not_after)
             for c in (eu.certificate, us_old.certificate, us_new.certificate)
         }
+        ca_expiry = coord.metrics.registry.get_sample_value(
+            "crossdc_ca_certificate_expiry_timestamp_seconds"
+        )
+        assert ca_expiry == load_ca_certificate(kit / CA_CERT).not_after > eu.certificate.not_after
         revoke_site(kit, "eu")
         assert coord.registry is not None
         coord.registry.reload()

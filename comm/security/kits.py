@@ -492,16 +492,20 @@ class CoordinatorKit:
     signing_key: Ed25519PrivateKey
     """Signs global checkpoints (:func:`sign_blob`)."""
     ca_public_key: Ed25519PublicKey
+    ca_not_after: int
+    """When the CA certificate expires (unix seconds): no site certificate verifies after it."""
 
 
 def load_coordinator_kit(kit_dir: str | Path) -> CoordinatorKit:
     kit = role_kit(Path(kit_dir), "coordinator")
     public, secret = _load_curve(kit / COORDINATOR_CURVE_KEY, kit / COORDINATOR_CURVE_PUB)
+    ca = load_ca_certificate(kit / CA_CERT)
     return CoordinatorKit(
         kit_dir=kit,
         curve=CurveKeys(public=public, secret=secret),
         signing_key=load_private_key(kit / COORDINATOR_SIGN_KEY),
-        ca_public_key=load_ca_certificate(kit / CA_CERT).public_key,
+        ca_public_key=ca.public_key,
+        ca_not_after=ca.not_after,
     )
 
 
