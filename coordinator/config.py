@@ -88,8 +88,9 @@ class CoordinatorConfig:
             "int2+zstd": 0.048,
         }
     )
-    """Measured cost of each codec in validation loss, relative to fp32 (0.003 = +0.3%), as
-    ``crossdc bench convergence`` reports it (defaults: its runs at the demo's scale, two seeds,
+    """Measured cost in validation loss, relative to fp32 (0.003 = +0.3%), of each codec used
+    both ways (key ``"int4"``) or of an uplink codec with a downlink codec (key
+    ``"int3+zstd/int4+zstd"``), as ``crossdc bench convergence`` reports it (defaults: its runs at the demo's scale, two seeds,
     equal tokens, with error feedback; ``+zstd`` is lossless, so int4+zstd costs what int4 does;
     see docs/wan.md). Bytes first: the scheduler takes the ladder codec with the fewest bytes whose cost
     is within ``codec_loss_budget``; a codec missing here is never chosen that way. With no
@@ -230,7 +231,16 @@ class CoordinatorConfig:
             if getattr(self, name) != "auto":
                 specs[name] = getattr(self, name)
         specs.update({f"site_uplink_codecs.{k}": v for k, v in self.site_uplink_codecs.items()})
-        specs.update({f"codec_loss_costs.{k}": k for k in self.codec_loss_costs})
+        for key in self.codec_loss_costs:
+            up, sep, down = key.partition("/") if isinstance(key, str) else (key, "", "")
+            if sep and (not up or not down or "/" in down):
+                raise ValueError(
+                    f"coordinator.codec_loss_costs.{key}: a pair is UPLINK/DOWNLINK, e.g. "
+                    '"int3+zstd/int4+zstd"'
+                )
+            specs[f"codec_loss_costs.{key}"] = up
+            if sep:
+                specs[f"codec_loss_costs.{key} (downlink)"] = down
         for name, cost in self.codec_loss_costs.items():
             if (
                 isinstance(cost, bool)

@@ -4,9 +4,9 @@
 the round the downlink codec, the inner steps per sync slot and the fragment count, so that a
 sync fits inside the compute it overlaps (docs/architecture.md, "WAN awareness").
 
-Bytes first: bytes are what users pay for, so a site gets the ladder codec with the fewest bytes
-whose measured loss cost (``loss_costs``, from ``crossdc bench convergence``) is within
-``loss_budget``, on any link; its sync is then the shortest too, and the slot is lengthened (more
+Bytes first: bytes are what users pay for, so the round gets the measured combination of an
+uplink and a downlink codec on the ladder with the fewest bytes whose loss cost (``loss_costs``,
+from ``crossdc bench convergence``) is within ``loss_budget``, on any link; its sync is then the shortest too, and the slot is lengthened (more
 inner steps, up to a bound) only when even that sync does not fit. Without a measured codec
 within the budget, the ladder is walked from least to most compressed and a site gets the first
 codec whose sync fits its budget. The reason says which constraint bound.
@@ -50,7 +50,8 @@ class SchedulePolicy:
     ladder: tuple[str, ...] = ("fp32", "fp16", "int8", "int4")
     """Codecs from least to most compressed."""
     loss_costs: Mapping[str, float] = field(default_factory=dict)
-    """Measured loss cost of each codec relative to fp32 (``bench convergence``)."""
+    """Measured loss cost relative to fp32 (``bench convergence``) of each codec used both ways
+    (key ``C``) or of an uplink codec with a downlink codec (key ``U/D``)."""
     loss_budget: float = 0.005
     """Bytes first: the ladder codec with the fewest bytes whose loss cost is within this."""
     fixed_uplink: Mapping[str, str] = field(default_factory=dict)
@@ -118,31 +119,64 @@ def _lengthened_slot(
     return slot
 
 
-def within_budget(policy: SchedulePolicy) -> tuple[str, ...]:
-    """The ladder's codecs whose measured loss cost is within the budget, least compressed
-    first (the last has the fewest bytes)."""
-    costs, budget = policy.loss_costs, policy.loss_budget
-    return tuple(c for c in policy.ladder if costs.get(c, math.inf) <= budget)
+def measured_pairs(policy: SchedulePolicy) -> list[tuple[str, str, float]]:
+    """``(uplink, downlink, cost)`` of every measured combination of ladder codecs: a key ``C``
+    of ``loss_costs`` is C both ways, a key ``U/D`` uplink U with downlink D."""
+    out = []
+    for key, cost in policy.loss_costs.items():
+        up, sep, down = key.partition("/")
+        pair = (up, down) if sep else (key, key)
+        if pair[0] in policy.ladder and pair[1] in policy.ladder:
+            out.append((pair[0], pair[1], float(cost)))
+    return out
+
+
+def fewest_bytes_pair(
+    policy: SchedulePolicy, *, uplink: str | None = None, downlink: str | None = None
+) -> tuple[str, str, float] | None:
+    """Bytes first: the measured ``(uplink, downlink, cost)`` within the loss budget with the
+    fewest bytes, optionally with one direction fixed; None when none is within it.
+
+    Fewest bytes is the most compressed by ladder position, both directions together (every
+    site sends one update and receives one broadcast a round); on a tie, the pair that
+    compresses the uplink more (the coordinator averages the sites' coding errors)."""
+    ladder = policy.ladder
+    fits = [
+        (up, down, cost)
+        for up, down, cost in measured_pairs(policy)
+        if cost <= policy.loss_budget
+        and (uplink is None or up == uplink)
+        and (downlink is None or down == downlink)
+    ]
+    if not fits:
+        return None
+    return max(fits, key=lambda p: (ladder.index(p[0]) + ladder.index(p[1]), ladder.index(p[0])))
 
 
 def _fewest_bytes(
-    v: SiteView, codec: str, slot: int, numel: int, policy: SchedulePolicy, reasons: list[str]
+    v: SiteView,
+    pair: tuple[str, str, float],
+    slot: int,
+    numel: int,
+    policy: SchedulePolicy,
+    reasons: list[str],
 ) -> int:
-    """Bytes first: ``codec`` has the fewest bytes within the loss budget, so its sync is the
+    """Bytes first: ``pair`` has the fewest bytes within the loss budget, so its sync is the
     shortest too; the slot is lengthened only when even that sync does not fit it."""
-    cost = policy.loss_costs[codec]
+    codec, down, cost = pair
+    what = codec if down == codec else f"{codec} up, {down} down"
     if not (v.step_seconds > 0 and v.goodput_bps > 0):
-        reasons.append(f"{v.site_id}: {codec} (fewest bytes within loss {cost:+.2%})")
+        reasons.append(f"{v.site_id}: {codec} (fewest bytes within loss {cost:+.2%}: {what})")
         return slot
     compute_s = slot * v.step_seconds
     if policy.overlap:
         limit = policy.margin * compute_s
     else:
         limit = compute_s * (1 - policy.target_utilization) / policy.target_utilization
-    need = _sync_seconds(v, codec, codec, numel)
+    need = _sync_seconds(v, codec, down, numel)
     reasons.append(
-        f"{v.site_id}: {codec} (fewest bytes within loss {cost:+.2%}; sync {need:.2f}s "
-        f"vs {limit:.2f}s)"
+        f"{v.site_id}: {codec} (fewest bytes within loss {cost:+.2%}: {what}; sync "
+        f"{need:.2f}s vs {limit:.2f}s)"
     )
     return _lengthened_slot(v, need, slot, policy, reasons) if need > limit else slot
 
@@ -157,10 +191,11 @@ def _choose_uplink(
     if fixed is not None:
         reasons.append(f"{v.site_id}: {fixed} (configured)")
         return fixed, ladder.index(fixed) if fixed in ladder else 0, slot
-    allowed = within_budget(policy)
-    if allowed:
-        codec = allowed[-1]
-        return codec, ladder.index(codec), _fewest_bytes(v, codec, slot, numel, policy, reasons)
+    # A configured downlink: the best pair measured with it, else the best pair's uplink.
+    pair = fewest_bytes_pair(policy, downlink=policy.fixed_downlink) or fewest_bytes_pair(policy)
+    if pair is not None:
+        codec = pair[0]
+        return codec, ladder.index(codec), _fewest_bytes(v, pair, slot, numel, policy, reasons)
     if not (v.step_seconds > 0 and v.goodput_bps > 0):
         reasons.append(f"{v.site_id}: {policy.unmeasured_codec} (link not measured yet)")
         return policy.unmeasured_codec, ladder.index(policy.unmeasured_codec), slot
@@ -218,11 +253,11 @@ def plan_round(
     levels: dict[str, int] = {}
     for v in sorted(sites, key=lambda s: s.site_id):
         uplink[v.site_id], levels[v.site_id], slot = _choose_uplink(v, slot, numel, policy, reasons)
-    allowed = within_budget(policy)
+    pair = fewest_bytes_pair(policy, uplink=policy.default_uplink) or fewest_bytes_pair(policy)
     if policy.fixed_downlink is not None:
         downlink = policy.fixed_downlink
-    elif allowed:
-        downlink = allowed[-1]
+    elif pair is not None:
+        downlink = pair[1]
     elif levels:
         downlink = policy.ladder[max(levels.values())]
     else:

@@ -76,3 +76,17 @@ def test_the_demo_command_names_codec_seed_and_batch(
     assert pairs["--seed"] == "7" and pairs["--batch-size"] == "16"
     assert "--no-overlap" in argv and pairs["--workdir"].endswith("int3+zstd-7")
     assert "--no-align-arrivals" in argv  # equal tokens for every codec
+    convergence.run_one("int3+zstd/int4+zstd", 7, args, tmp_path)
+    pairs = dict(zip(seen[2][4::1], seen[2][5::1], strict=False))
+    assert (pairs["--uplink-codec"], pairs["--downlink-codec"]) == ("int3+zstd", "int4+zstd")
+    assert pairs["--workdir"].endswith("int3+zstd--int4+zstd-7")
+
+
+@pytest.mark.parametrize("bad", ["int4/", "/int4", "int4/int3/int2", "int4/zip9"])
+def test_a_bad_codec_pair_is_refused_before_anything_runs(
+    bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        convergence.main(["--codecs", f"fp32,{bad}"])
+    assert exc.value.code == 2
+    assert "--codecs" in capsys.readouterr().err

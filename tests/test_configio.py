@@ -44,6 +44,8 @@ def test_build_nested_and_explicit_wins() -> None:
         ({"uplink_codec": "zip9"}, "coordinator.uplink_codec"),
         ({"codec_loss_costs": {"zip9": 0.0}}, "coordinator.codec_loss_costs.zip9"),
         ({"codec_loss_costs": {"int4": "low"}}, "coordinator.codec_loss_costs.int4 must be"),
+        ({"codec_loss_costs": {"int3/": 0.0}}, "a pair is UPLINK/DOWNLINK"),
+        ({"codec_loss_costs": {"int3/zip9": 0.0}}, r"codec_loss_costs.int3/zip9 \(downlink\)"),
         ({"codec_loss_budget": -0.1}, "coordinator.codec_loss_budget must be >= 0"),
         ({"channel": {"chunk_bytes": 1}}, "channel.chunk_bytes"),
     ],

@@ -151,6 +151,36 @@ def test_bytes_first_takes_the_fewest_bytes_within_the_loss_budget(
     assert "fewest bytes within loss" in reason
 
 
+LADDER = ("fp32", "fp16", "int8", "int4", "int3")
+PAIR_COSTS = {"fp32": 0.0, "int8": 0.001, "int4": 0.003, "int3": 0.008, "int3/int4": 0.004}
+
+
+@pytest.mark.parametrize(
+    ("over", "uplink", "downlink"),
+    [
+        # int3 both ways costs too much, int3 up with int4 down does not: fewer bytes than int4.
+        ({}, "int3", "int4"),
+        ({"loss_budget": 0.0035}, "int4", "int4"),  # the pair's +0.4% is over the budget
+        ({"loss_budget": 0.01}, "int3", "int3"),  # int3 both ways is within: fewest bytes
+        # A configured downlink: the best pair measured with it, else the best pair's uplink.
+        ({"fixed_downlink": "int4"}, "int3", "int4"),
+        ({"fixed_downlink": "fp16"}, "int3", "fp16"),
+        # A configured uplink: the best pair measured with it.
+        ({"default_uplink": "int8"}, "int8", "int8"),
+        # A pair of codecs off the ladder is never taken.
+        ({"ladder": ("fp32", "fp16", "int8", "int4")}, "int4", "int4"),
+    ],
+)
+def test_bytes_first_takes_the_fewest_bytes_pair_of_directions(
+    over: dict[str, object], uplink: str, downlink: str
+) -> None:
+    view = SiteView("eu", 0.1, 0.04, 200e6)
+    settings: dict[str, object] = {"ladder": LADDER, "loss_costs": PAIR_COSTS}
+    settings.update(over)
+    plan, reason = plan_round(0.0, [view], policy(**settings))
+    assert (plan.uplink["eu"], plan.downlink) == (uplink, downlink), reason
+
+
 def test_bytes_first_never_takes_a_codec_it_has_no_measurement_for() -> None:
     view = SiteView("eu", 0.1, 0.04, 200e6)
     costs = {"fp32": 0.0, "int8": 0.0009}  # int4 not measured

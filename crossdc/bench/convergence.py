@@ -2,8 +2,8 @@
 
 Runs the demo federation (real processes, the embedded default corpus, blocking sync so that runs
 are deterministic) once per codec and seed, the codec applied to both directions (site updates
-with the sites' error feedback, the global delta with the coordinator's), and reports each
-codec's final validation loss (the mean over the seeds), its relative gap to fp32's mean, the
+with the sites' error feedback, the global delta with the coordinator's) or, for an entry
+``UPLINK/DOWNLINK``, one codec each way, and reports each codec's final validation loss (the mean over the seeds), its relative gap to fp32's mean, the
 gap per seed, and the WAN bytes it took (mean over the seeds). One seed's trajectory differs
 from another's by about as much as the codecs differ, so costs for the scheduler's table
 (``coordinator.codec_loss_costs``) want several seeds.
@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from comm.codecs.registry import get_codec
 from crossdc.demo_roles import site_ids
 from crossdc.progress import (
     SILENT,
@@ -31,12 +32,21 @@ from crossdc.progress import (
 DEFAULT_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int3+zstd", "int2+zstd", "topk:0.1")
 
 
+def directions(codec: str) -> tuple[str, str]:
+    """``(uplink, downlink)`` of a run: ``U/D`` is uplink U with downlink D, else both ways."""
+    up, sep, down = codec.partition("/")
+    if sep and not (up and down and "/" not in down):
+        raise ValueError(f"a codec pair is UPLINK/DOWNLINK, got {codec!r}")
+    return (up, down) if sep else (codec, codec)
+
+
 def run_dir(codec: str, seed: int, workdir: Path) -> Path:
-    """The work directory of one codec's run with one seed."""
-    return workdir / f"{codec.replace(':', '_')}-{seed}"
+    """The work directory of one codec's (or pair's) run with one seed."""
+    return workdir / f"{codec.replace(':', '_').replace('/', '--')}-{seed}"
 
 
 def run_one(codec: str, seed: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    uplink, downlink = directions(codec)
     argv = [
         sys.executable,
         "-m",
@@ -54,9 +64,9 @@ def run_one(codec: str, seed: int, args: argparse.Namespace, workdir: Path) -> d
         "--seed",
         str(seed),
         "--uplink-codec",
-        codec,
+        uplink,
         "--downlink-codec",
-        codec,
+        downlink,
         "--workdir",
         str(run_dir(codec, seed, workdir)),
     ]
@@ -127,7 +137,11 @@ def run(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="crossdc bench convergence", description=__doc__)
-    p.add_argument("--codecs", default=",".join(DEFAULT_CODECS))
+    p.add_argument(
+        "--codecs",
+        default=",".join(DEFAULT_CODECS),
+        help="comma-separated codecs (both directions) or UPLINK/DOWNLINK pairs",
+    )
     p.add_argument("--sites", type=int, default=3)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--inner-steps", type=int, default=50)
@@ -143,15 +157,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     add_progress_argument(p)
     args = p.parse_args(argv)
+    for codec in (c for c in args.codecs.split(",") if c):
+        try:
+            for spec in directions(codec):
+                get_codec(spec)
+        except ValueError as exc:
+            p.error(f"--codecs: {exc}")
     with open_progress("crossdc bench convergence", no_progress=pop_no_progress(args)) as progress:
         out = run(args, progress)
     if args.json:
         print(json.dumps(out, indent=1))
     else:
-        print(f"{'codec':>10} {'val_loss':>9} {'gap':>8} {'wan_bytes':>12} {'ratio':>6}")
+        print(f"{'codec':>22} {'val_loss':>9} {'gap':>8} {'wan_bytes':>12} {'ratio':>6}")
         for r in out["codecs"]:
             print(
-                f"{r['codec']:>10} {r['val_loss_final']:9.4f} {r['val_loss_gap'] * 100:7.2f}% "
+                f"{r['codec']:>22} {r['val_loss_final']:9.4f} {r['val_loss_gap'] * 100:7.2f}% "
                 f"{r['wan_bytes_total']:12.0f} {r['bytes_ratio_vs_fp32']:6.2f}"
             )
     return 0
