@@ -379,3 +379,13 @@ def _site_toml(tmp: Path, site_id: str, index: int) -> Path:
     }
     path.write_text(dump_toml({"site": table}))
     return path
+
+
+@pytest.mark.timeout(30)
+def test_a_bad_log_level_is_refused_naming_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    from crossdc.ddp.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["coordinator", "--config", "unused.toml", "--log-level", "loud"])
+    assert exc.value.code == 2
+    assert "log level must be one of debug, info" in capsys.readouterr().err

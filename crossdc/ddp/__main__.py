@@ -10,7 +10,6 @@ imported only by the process that runs it.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
@@ -18,19 +17,13 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from crossdc.cli import LOG_LEVELS, _choice, _setup_logging
+
 EXIT_OK = 0
 EXIT_ABORTED = 1
 EXIT_BAD_CONFIG = 2
 
 PROG = "python -m crossdc.ddp"
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, str(level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
 
 
 def run_coordinator(config: str) -> int:
@@ -94,7 +87,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("role", choices=["coordinator", "site"])
     p.add_argument("--config", required=True, help="TOML file with a [ddp] or [site] table")
-    p.add_argument("--log-level", default=os.environ.get("CROSSDC_LOG_LEVEL", "info"))
+    p.add_argument(
+        "--log-level",
+        type=_choice("log level", LOG_LEVELS),
+        default=os.environ.get("CROSSDC_LOG_LEVEL", "info"),
+    )
     args = p.parse_args(argv)
     _setup_logging(args.log_level)
     if args.role == "coordinator":
