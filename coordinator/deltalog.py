@@ -1,31 +1,55 @@
-"""The recent global deltas, as broadcast, so that a site behind catches up without the model.
+r"""The recent global deltas, as broadcast, so that a site behind catches up without the model.
 
 A site that rejoins from its checkpoint at version v (a restart, a partition past the heartbeat
 timeout) needs θ_v → θ_now. The coordinator keeps the compressed deltas it broadcast (the very
 ``Global`` messages, signed, with ``evaluate`` off) and the state hash of each version they lead
 to; such a site gets the chain of deltas from v, which is smaller than the model as long as the
 log holds at most a model's worth of bytes: the log drops its oldest deltas past that bound, and
-a site further behind gets the whole model. The log lives in memory: after a coordinator restart
-a site behind gets the model once.
+a site further behind gets the whole model.
+
+With a directory the log is durable: each delta is one file (``d-<base>.msg``, its wire frames,
+written atomically), and ``start.json`` names the version and hash the chain starts from. A
+restarted coordinator :meth:`DeltaLog.resume`\ s the chain that ends at the version it resumed,
+so sites that missed the last broadcasts still catch up by deltas; deltas past that version (a
+crash between the broadcast and the checkpoint) are dropped, and a log that does not end at it,
+or does not parse, is started again (a warning; those sites get the model once).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from collections import deque
 from dataclasses import replace
+from pathlib import Path
 
+import msgpack
+
+from comm.wire.frames import WireError, from_wire, to_wire
 from comm.wire.schema import Global
+from coordinator.durable import atomic_write
+
+log = logging.getLogger(__name__)
+
+_START = "start.json"
 
 
 class DeltaLog:
     """Broadcast deltas keyed by the version they apply to, at most ``max_bytes`` of payload."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, directory: str | Path | None = None) -> None:
         self.max_bytes = max_bytes
+        self.dir = Path(directory) if directory is not None else None
         self._by_base: dict[int, Global] = {}
         self._order: deque[int] = deque()
         self._hashes: dict[int, str] = {}
         self.nbytes = 0
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _file(self, base: int) -> Path:
+        assert self.dir is not None
+        return self.dir / f"d-{base:08d}.msg"
 
     @staticmethod
     def _size(msg: Global) -> int:
@@ -37,6 +61,79 @@ class DeltaLog:
         self._order.clear()
         self._hashes = {version: digest}
         self.nbytes = 0
+        if self.dir is not None:
+            body = json.dumps({"version": version, "digest": digest}).encode()
+            atomic_write(self.dir / _START, lambda fh: fh.write(body))
+            for path in self.dir.glob("d-*.msg"):
+                path.unlink()
+
+    def resume(self, version: int, digest: str) -> None:
+        """After a restart at ``version`` (state hash ``digest``): the durable chain that ends
+        there, or a new log starting there."""
+        if self.dir is None:
+            self.start(version, digest)
+            return
+        try:
+            start = json.loads((self.dir / _START).read_bytes())
+            if not isinstance(start, dict):
+                raise ValueError(f"{_START} is not a JSON object")
+            stored = {path: self._read(path) for path in self.dir.glob("d-*.msg")}
+        except FileNotFoundError:
+            self.start(version, digest)
+            return
+        except (OSError, ValueError, WireError) as exc:
+            log.warning(
+                "[coordinator] delta log in %s unreadable, starting it again: %s", self.dir, exc
+            )
+            self.start(version, digest)
+            return
+        msgs = sorted(
+            (m for m in stored.values() if m.global_version <= version),
+            key=lambda m: m.base_version,
+        )
+        linked = all(
+            a.global_version == b.base_version for a, b in zip(msgs, msgs[1:], strict=False)
+        )
+        ends = bool(msgs) and msgs[-1].global_version == version and msgs[-1].state_hash == digest
+        if not (linked and ends):
+            if msgs:
+                log.warning(
+                    "[coordinator] delta log in %s does not lead to the resumed version %d; "
+                    "starting it again",
+                    self.dir,
+                    version,
+                )
+            self.start(version, digest)
+            return
+        for path, msg in stored.items():  # deltas past the resumed version
+            if msg.global_version > version:
+                path.unlink()
+        self._by_base.clear()
+        self._order.clear()
+        first = msgs[0].base_version
+        self._hashes = {first: start["digest"]} if start.get("version") == first else {}
+        self.nbytes = 0
+        for msg in msgs:
+            self._by_base[msg.base_version] = msg
+            self._order.append(msg.base_version)
+            self._hashes[msg.global_version] = msg.state_hash
+            self.nbytes += self._size(msg)
+        log.info(
+            "[coordinator] resumed the delta log: %d deltas from version %d to %d",
+            len(msgs),
+            first,
+            version,
+        )
+
+    @staticmethod
+    def _read(path: Path) -> Global:
+        frames = msgpack.unpackb(path.read_bytes(), raw=False)
+        if not isinstance(frames, list) or not all(isinstance(f, bytes) for f in frames):
+            raise ValueError(f"{path.name} is not a list of frames")
+        msg = from_wire(frames)
+        if not isinstance(msg, Global) or msg.is_full or int(path.stem[2:]) != msg.base_version:
+            raise ValueError(f"{path.name} does not hold the delta from its version")
+        return msg
 
     def record(self, msg: Global) -> None:
         """A delta just broadcast (from ``base_version`` to ``global_version``)."""
@@ -45,7 +142,11 @@ class DeltaLog:
             # Not a successor of what the log holds (e.g. the first delta after a restart):
             # the chain starts again here; the base's hash is not known, so none starts at it.
             self.start(msg.base_version, "")
-        self._by_base[msg.base_version] = replace(msg, evaluate=False)
+        kept = replace(msg, evaluate=False)
+        if self.dir is not None:
+            body = msgpack.packb([bytes(memoryview(f).cast("B")) for f in to_wire(kept)])
+            atomic_write(self._file(msg.base_version), lambda fh: fh.write(body))
+        self._by_base[msg.base_version] = kept
         self._order.append(msg.base_version)
         self._hashes[msg.global_version] = msg.state_hash
         self.nbytes += self._size(msg)
@@ -54,6 +155,8 @@ class DeltaLog:
             dropped = self._by_base.pop(oldest)
             self._hashes.pop(oldest, None)
             self.nbytes -= self._size(dropped)
+            if self.dir is not None:
+                self._file(oldest).unlink(missing_ok=True)
 
     def chain(self, version: int, digest: str, target: int) -> list[Global] | None:
         """The deltas from ``version`` (whose state hash must be ``digest``) to ``target``, in

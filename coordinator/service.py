@@ -188,8 +188,11 @@ class Coordinator:
         assert self.state is not None
         self._fragment_names = fragments(list(self.state.params), self.cfg.num_fragments)
         # A chain of deltas is worth sending only while it is smaller than the model itself.
-        self.deltas = DeltaLog(sum(4 * v.size for v in self.state.params.values()))
-        self.deltas.start(self.state.global_version, self._hash())
+        self.deltas = DeltaLog(
+            sum(4 * v.size for v in self.state.params.values()),
+            self.cfg.state_path / "deltas" if self.cfg.state_dir else None,
+        )
+        self.deltas.resume(self.state.global_version, self._hash())
 
     # ---- lifecycle -------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import threading
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -575,6 +576,29 @@ def test_a_state_dir_of_another_model_than_the_built_theta0_refuses_to_start() -
         assert coord.chan is None  # refused before binding anything
     finally:
         coord.close()
+
+
+def test_after_a_coordinator_restart_a_site_behind_still_gets_deltas(tmp_path: Path) -> None:
+    """The delta log is durable: a site that missed the last broadcast before the coordinator
+    restarted catches up by the delta, not the model."""
+    store = MemoryStateStore()
+    with running(store=store, state_dir=str(tmp_path), downlink_codec="int8") as h:
+        eu, us, rs = start_round(h)
+        g1 = merge_round(h, eu, us, rs)
+        h.expect(us, Global)
+        rs2: RoundStart = h.expect(eu, RoundStart)
+        h.expect(us, RoundStart)
+        g2 = merge_round(h, eu, us, rs2, base=rs.round_id)
+    with running(store=store, state_dir=str(tmp_path), downlink_codec="int8") as h:
+        us2 = h.site("us")
+        welcome = join(h, us2, version=g1.global_version, digest=g1.state_hash)
+        assert not welcome.need_init and welcome.global_version == g2.global_version
+        got: Global = h.expect(us2, Global)
+        assert not got.is_full and got.base_version == g1.global_version
+        assert got.state_hash == g2.state_hash and got.signature == g2.signature
+        for a, b in zip(got.payload, g2.payload, strict=True):
+            assert all(np.array_equal(x, y) for x, y in zip(a.buffers, b.buffers, strict=True))
+        assert h.coord.metrics.registry.get_sample_value("crossdc_catch_up_deltas_total") == 1.0
 
 
 def test_a_site_that_rejoins_behind_gets_the_deltas_since_its_version() -> None:

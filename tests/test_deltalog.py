@@ -3,6 +3,8 @@ bounded by a model's worth of bytes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -82,3 +84,76 @@ def test_a_delta_that_does_not_follow_the_log_restarts_the_chain() -> None:
     log.record(delta(8, 9))
     chain = log.chain(8, "h8", 9)
     assert chain is not None and [m.global_version for m in chain] == [9]
+
+
+def durable(tmp_path: Path, versions: range) -> DeltaLog:
+    log = DeltaLog(max_bytes=1000, directory=tmp_path / "deltas")
+    log.start(0, "h0")
+    for v in versions:
+        log.record(delta(v - 1, v))
+    return log
+
+
+def test_a_durable_log_resumes_the_chain_that_ends_at_the_resumed_version(
+    tmp_path: Path,
+) -> None:
+    durable(tmp_path, range(1, 5))
+    again = DeltaLog(max_bytes=1000, directory=tmp_path / "deltas")
+    again.resume(4, "h4")
+    chain = again.chain(0, "h0", 4)
+    assert chain is not None and [m.global_version for m in chain] == [1, 2, 3, 4]
+    assert chain[0].payload[0].buffers[0].tobytes() == delta(0, 1).payload[0].buffers[0].tobytes()
+    assert again.nbytes == durable(tmp_path / "same", range(1, 5)).nbytes
+    again.record(delta(4, 5))  # and goes on from there
+    chain = again.chain(2, "h2", 5)
+    assert chain is not None and [m.global_version for m in chain] == [3, 4, 5]
+
+
+def test_deltas_past_the_resumed_version_are_dropped(tmp_path: Path) -> None:
+    """A crash after the broadcast of v4 but before its checkpoint: the coordinator resumes v3."""
+    durable(tmp_path, range(1, 5))
+    again = DeltaLog(max_bytes=1000, directory=tmp_path / "deltas")
+    again.resume(3, "h3")
+    chain = again.chain(1, "h1", 3)
+    assert chain is not None and [m.global_version for m in chain] == [2, 3]
+    assert again.chain(3, "h3", 4) is None
+    assert sorted(p.name for p in (tmp_path / "deltas").glob("d-*")) == [
+        "d-00000000.msg",
+        "d-00000001.msg",
+        "d-00000002.msg",
+    ]
+
+
+@pytest.mark.parametrize("damage", ["other_model", "truncated", "garbage_start", "gap"])
+def test_a_durable_log_that_cannot_be_trusted_starts_again(tmp_path: Path, damage: str) -> None:
+    durable(tmp_path, range(1, 5))
+    d = tmp_path / "deltas"
+    digest = "h4"
+    if damage == "other_model":
+        digest = "not-h4"  # the resumed state is not the one the log leads to
+    elif damage == "truncated":
+        path = d / "d-00000002.msg"
+        path.write_bytes(path.read_bytes()[:-3])
+    elif damage == "garbage_start":
+        (d / "start.json").write_text("[1, 2]")
+    else:
+        (d / "d-00000001.msg").unlink()
+    again = DeltaLog(max_bytes=1000, directory=d)
+    again.resume(4, digest)
+    assert again.chain(0, "h0", 4) is None and again.nbytes == 0
+    assert not list(d.glob("d-*.msg"))
+    again.record(delta(4, 5))
+    chain = again.chain(4, digest, 5)
+    assert chain is not None and [m.global_version for m in chain] == [5]
+
+
+def test_dropping_the_oldest_delta_removes_its_file(tmp_path: Path) -> None:
+    one = sum(e.nbytes for e in delta(0, 1).payload)
+    log = DeltaLog(max_bytes=2 * one, directory=tmp_path / "deltas")
+    log.start(0, "h0")
+    for v in range(1, 5):
+        log.record(delta(v - 1, v))
+    assert sorted(p.name for p in (tmp_path / "deltas").glob("d-*")) == [
+        "d-00000002.msg",
+        "d-00000003.msg",
+    ]
