@@ -86,16 +86,20 @@ class CoordinatorConfig:
             "int4+zstd": 0.0024,
             "int3+zstd": 0.0067,
             "int2+zstd": 0.048,
+            "int4+zstd/int3+zstd": 0.0037,
+            "int3+zstd/int4+zstd": 0.0034,
         }
     )
     """Measured cost in validation loss, relative to fp32 (0.003 = +0.3%), of each codec used
     both ways (key ``"int4"``) or of an uplink codec with a downlink codec (key
-    ``"int3+zstd/int4+zstd"``), as ``crossdc bench convergence`` reports it (defaults: its runs at the demo's scale, two seeds,
-    equal tokens, with error feedback; ``+zstd`` is lossless, so int4+zstd costs what int4 does;
-    see docs/wan.md). Bytes first: the scheduler takes the ladder codec with the fewest bytes whose cost
-    is within ``codec_loss_budget``; a codec missing here is never chosen that way. With no
-    ladder codec within the budget it falls back to the least compressed codec whose sync fits
-    (``sync_fraction``, ``unmeasured_codec``)."""
+    ``"int3+zstd/int4+zstd"``), as ``crossdc bench convergence`` reports it (defaults: its runs
+    at the demo's scale, two seeds, equal tokens, with error feedback; ``+zstd`` is lossless, so
+    int4+zstd costs what int4 does; see docs/wan.md). Bytes first: the scheduler takes the
+    measured combination of ladder codecs with the fewest bytes whose cost is within
+    ``codec_loss_budget`` (with the defaults: int3+zstd up, int4+zstd down, +0.34%); a
+    combination missing here is never chosen that way. With none within the budget it falls
+    back to the least compressed codec whose sync fits (``sync_fraction``,
+    ``unmeasured_codec``)."""
     codec_loss_budget: float = 0.005
     """Largest loss cost (relative, see ``codec_loss_costs``) a codec may have to be chosen."""
     unmeasured_codec: str = "int8"

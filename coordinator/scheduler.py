@@ -138,8 +138,9 @@ def fewest_bytes_pair(
     fewest bytes, optionally with one direction fixed; None when none is within it.
 
     Fewest bytes is the most compressed by ladder position, both directions together (every
-    site sends one update and receives one broadcast a round); on a tie, the pair that
-    compresses the uplink more (the coordinator averages the sites' coding errors)."""
+    site sends one update and receives one broadcast a round); on a tie, the lower measured
+    cost, then the pair that compresses the uplink more (the coordinator averages the sites'
+    coding errors)."""
     ladder = policy.ladder
     fits = [
         (up, down, cost)
@@ -150,7 +151,9 @@ def fewest_bytes_pair(
     ]
     if not fits:
         return None
-    return max(fits, key=lambda p: (ladder.index(p[0]) + ladder.index(p[1]), ladder.index(p[0])))
+    return max(
+        fits, key=lambda p: (ladder.index(p[0]) + ladder.index(p[1]), -p[2], ladder.index(p[0]))
+    )
 
 
 def _fewest_bytes(

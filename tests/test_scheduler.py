@@ -167,6 +167,10 @@ PAIR_COSTS = {"fp32": 0.0, "int8": 0.001, "int4": 0.003, "int3": 0.008, "int3/in
         ({"fixed_downlink": "fp16"}, "int3", "fp16"),
         # A configured uplink: the best pair measured with it.
         ({"default_uplink": "int8"}, "int8", "int8"),
+        # As many bytes either way round: the lower cost, then the coarser uplink.
+        ({"loss_costs": {**PAIR_COSTS, "int4/int3": 0.0041}}, "int3", "int4"),
+        ({"loss_costs": {**PAIR_COSTS, "int4/int3": 0.0035}}, "int4", "int3"),
+        ({"loss_costs": {**PAIR_COSTS, "int4/int3": 0.004}}, "int3", "int4"),
         # A pair of codecs off the ladder is never taken.
         ({"ladder": ("fp32", "fp16", "int8", "int4")}, "int4", "int4"),
     ],
