@@ -30,6 +30,7 @@ from crossdc.demo_roles import (
     DemoRun,
     _read_status,
     _wait_endpoint,
+    kit_problem,
     link_profiles,
     make_kits,
     site_ids,
@@ -274,6 +275,15 @@ def run_demo(args: argparse.Namespace) -> int:
         return 2
     if not args.insecure and not (workdir / "kit").exists():
         make_kits(workdir, ids)
+    elif not args.insecure and (problem := kit_problem(workdir, ids)) is not None:
+        # A previous run's kits: its state (signed checkpoints) belongs to them, so they are
+        # not replaced behind its back.
+        print(
+            f"crossdc demo: {workdir} holds a previous run whose kits cannot be used: {problem}. "
+            "Use a new --workdir, or remove this one to start over.",
+            file=sys.stderr,
+        )
+        return 2
     coord_cfg = write_coordinator_config(args, workdir)
     run = DemoRun(workdir)
     started = time.monotonic()

@@ -104,6 +104,21 @@ def make_kits(workdir: Path, sites: list[str]) -> None:
         issue_site(workdir / "kit", site_id, days=1, out_dir=workdir / f"kit-{site_id}")
 
 
+def kit_problem(workdir: Path, sites: list[str]) -> str | None:
+    """Why the kits a previous demo left in ``workdir`` cannot serve this run (a kit of an older
+    format, an expired certificate, a site without a kit), or None when they can."""
+    from comm.security.common import AuthError
+    from comm.security.kits import load_coordinator_kit, load_site_kit
+
+    try:
+        load_coordinator_kit(workdir / "kit")
+        for site_id in sites:
+            load_site_kit(workdir / f"kit-{site_id}", site_id=site_id)
+    except (ValueError, OSError, AuthError) as exc:
+        return str(exc)
+    return None
+
+
 def site_ids(num_sites: int) -> list[str]:
     return [SITE_NAMES[i] if i < len(SITE_NAMES) else f"site{i}" for i in range(num_sites)]
 

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from comm.security.kits import issue_site
 from coordinator.file_store import FileStateStore
 from coordinator.history_log import read_history
 from coordinator.state import GlobalState
@@ -20,6 +23,7 @@ from coordinator.status_board import StatusBoard
 from crossdc import demo
 from crossdc.bench import wan
 from crossdc.cli import build_parser, main
+from crossdc.demo_roles import make_kits
 from crossdc.plot import FIGURES
 
 pytestmark = pytest.mark.timeout(60)
@@ -39,6 +43,34 @@ def test_bad_demo_arguments_exit_2_and_start_nothing(
     assert main(["demo", "--workdir", str(workdir), *argv]) == 2
     assert needle in capsys.readouterr().err
     assert not workdir.exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("damage", ["format1", "missing_site", "expired"])
+def test_a_workdir_whose_kits_cannot_serve_the_run_is_refused(
+    damage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A previous run's kits: refused with why, before any role starts, and left as they are."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    make_kits(workdir, ["eu", "us"])
+    if damage == "format1":  # as kits before X.509 were laid out
+        (workdir / "kit" / "ca.pem").rename(workdir / "kit" / "ca.pub")
+        needle = "format-1 kit"
+    elif damage == "missing_site":  # the run asks for a third site
+        needle = "kit-ap"
+    else:
+        shutil.rmtree(workdir / "kit-us")
+        issue_site(
+            workdir / "kit", "us", 1, out_dir=workdir / "kit-us", now=time.time() - 2 * 86400
+        )
+        needle = "expired"
+    before = sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*"))
+    sites = "3" if damage == "missing_site" else "2"
+    assert main(["demo", "--workdir", str(workdir), "--sites", sites, "--no-wan"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a previous run whose kits cannot be used" in err and needle in err
+    assert sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*")) == before
 
 
 # ---- the full round history comes from the state directory, not status.json ----------------
