@@ -19,6 +19,7 @@ import zmq
 import zmq.utils.monitor as zmon
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import x25519
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from comm.security import legacy
@@ -216,6 +217,35 @@ def test_openssl_verifies_issued_and_rejects_revoked(kit: Path) -> None:
     assert "CA:TRUE" in openssl("x509", "-in", ca, "-noout", "-text").stdout
     other = init_kit(kit.parent / "other") / CA_CERT
     assert openssl("verify", "-CAfile", other, eu).returncode != 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_a_certificate_issued_by_openssl_from_the_ca_key_is_accepted(kit: Path) -> None:
+    """Another PKI can issue site certificates from ca.key: a certificate of crossdc's shape made
+    by openssl is trusted by the coordinator's registry and verifies like our own."""
+    while True:  # a key whose Z85 text needs no quoting in an openssl config file
+        public, _secret = zmq.curve_keypair()
+        if not any(c in public.decode() for c in '$#"\\;'):
+            break
+    spki = x25519.X25519PublicKey.from_public_bytes(curve_raw(public)).public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    (kit / "site-key.pem").write_bytes(spki)
+    (kit / "ext.cnf").write_text(
+        "basicConstraints = critical,CA:FALSE\n"
+        "keyUsage = critical,keyAgreement\n"
+        f"{CURVE_KEY_OID.dotted_string} = ASN1:UTF8String:{public.decode()}\n"
+    )
+    out = kit / CERTS_DIR / "eu-openssl.pem"
+    argv = ["openssl", "x509", "-new", "-force_pubkey", str(kit / "site-key.pem")]
+    argv += ["-subj", "/CN=eu", "-CA", str(kit / CA_CERT), "-CAkey", str(kit / CA_KEY)]
+    argv += ["-days", "30", "-set_serial", "0x1234abcd", "-extfile", str(kit / "ext.cnf")]
+    done = subprocess.run([*argv, "-out", str(out)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    cert = CertificateRegistry.from_kit(kit).authorize(public, NOW)
+    assert (cert.site_id, cert.serial) == ("eu", f"{0x1234ABCD:032x}")
+    cert.verify(_ca(kit), NOW, site_id="eu")
 
 
 @pytest.mark.timeout(30)
