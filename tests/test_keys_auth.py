@@ -222,8 +222,9 @@ def test_openssl_verifies_issued_and_rejects_revoked(kit: Path) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_a_certificate_issued_by_openssl_from_the_ca_key_is_accepted(kit: Path) -> None:
-    """Another PKI can issue site certificates from ca.key: a certificate of crossdc's shape made
-    by openssl is trusted by the coordinator's registry and verifies like our own."""
+    """Another PKI can issue site certificates from ca.key, under its own CA certificate for
+    that key: a certificate of crossdc's shape made by openssl is trusted by the coordinator's
+    registry and verifies like our own."""
     while True:  # a key whose Z85 text needs no quoting in an openssl config file
         public, _secret = zmq.curve_keypair()
         if not any(c in public.decode() for c in '$#"\\;'):
@@ -237,15 +238,30 @@ def test_a_certificate_issued_by_openssl_from_the_ca_key_is_accepted(kit: Path) 
         "keyUsage = critical,keyAgreement\n"
         f"{CURVE_KEY_OID.dotted_string} = ASN1:UTF8String:{public.decode()}\n"
     )
+    # The PKI's own CA certificate for the same key, under its own name.
+    ca_cert = kit / "corp-ca.pem"
+    made = subprocess.run(
+        ["openssl", "req", "-new", "-x509", "-key", str(kit / CA_KEY), "-subj", "/CN=Corp CA"]
+        + ["-days", "365", "-addext", "basicConstraints=critical,CA:TRUE", "-out", str(ca_cert)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert made.returncode == 0, made.stderr
     out = kit / CERTS_DIR / "eu-openssl.pem"
     argv = ["openssl", "x509", "-new", "-force_pubkey", str(kit / "site-key.pem")]
-    argv += ["-subj", "/CN=eu", "-CA", str(kit / CA_CERT), "-CAkey", str(kit / CA_KEY)]
+    argv += ["-subj", "/CN=eu", "-CA", str(ca_cert), "-CAkey", str(kit / CA_KEY)]
     argv += ["-days", "30", "-set_serial", "0x1234abcd", "-extfile", str(kit / "ext.cnf")]
     done = subprocess.run([*argv, "-out", str(out)], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
+    verified = subprocess.run(
+        ["openssl", "verify", "-CAfile", str(ca_cert), str(out)], capture_output=True, timeout=30
+    )
+    assert verified.returncode == 0, verified.stderr
     cert = CertificateRegistry.from_kit(kit).authorize(public, NOW)
     assert (cert.site_id, cert.serial) == ("eu", f"{0x1234ABCD:032x}")
     cert.verify(_ca(kit), NOW, site_id="eu")
+    assert load_ca_certificate(ca_cert).public_key == _ca(kit)
 
 
 @pytest.mark.timeout(30)
