@@ -1,4 +1,5 @@
-"""The ``crossdc`` command: coordinator, agent, demo, bench, status.
+"""The ``crossdc`` command: coordinator, agent, demo, bench, plot; keys (``crossdc.cli_keys``) and
+status (``crossdc.cli_status``).
 
 Every command that reports takes ``--json``. A bad config prints one line naming the field and
 exits with code 2.
@@ -15,13 +16,10 @@ import signal
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import ssl
-
     from coordinator.config import InitialModelConfig
     from coordinator.service import InitialModel
     from site_agent.config import SiteConfig
@@ -117,54 +115,6 @@ def _stop_on_signals(stop: threading.Event) -> None:
 def _insecure_override(args: argparse.Namespace) -> dict[str, Any]:
     """``--insecure`` replaces the security table: no kit, no CURVE."""
     return {"security": {"insecure": True}} if args.insecure else {}
-
-
-def cmd_keys(args: argparse.Namespace) -> int:
-    from comm.security.common import AuthError
-    from comm.security.kits import init_kit, issue_site, migrate_kit, revoke_site
-
-    try:
-        if args.keys_command == "init":
-            path = init_kit(args.kit_dir, ca_days=args.ca_days)
-            out: dict[str, Any] = {"kit_dir": str(path)}
-        elif args.keys_command == "issue":
-            issued = issue_site(
-                args.kit,
-                args.site,
-                args.days,
-                out_dir=args.out,
-                coordinator_endpoint=args.endpoint,
-            )
-            cert = issued.certificate
-            out = {
-                "site_id": cert.site_id,
-                "serial": cert.serial,
-                "not_after": cert.not_after,
-                "site_kit_dir": str(issued.site_kit_dir),
-            }
-        elif args.keys_command == "migrate":
-            done = migrate_kit(args.kit)
-            out = {
-                "kit_dir": str(done.kit_dir),
-                "certificates": len(done.certificates),
-                "revoked_serials": list(done.revoked),
-                "backup_dir": str(done.backup_dir),
-                "site_files": {
-                    site: [str(done.upgrade_dir / site / name) for name in ("site.pem", "ca.pem")]
-                    for site in sorted({c.site_id for c in done.certificates})
-                },
-            }
-        else:
-            out = {"site_id": args.site, "revoked_serials": revoke_site(args.kit, args.site)}
-    except (ValueError, OSError, AuthError) as exc:
-        print(f"crossdc keys {args.keys_command}: {exc}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    if args.json:
-        print(json.dumps(out, indent=1, sort_keys=True))
-    else:
-        for key, value in out.items():
-            print(f"{key}: {value}")
-    return 0
 
 
 def _initial_model(cfg: InitialModelConfig | None) -> InitialModel | None:
@@ -319,97 +269,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-def _status_request(url: str, args: argparse.Namespace) -> urllib.request.Request:
-    """The GET of ``url``, with basic auth from ``--user`` and ``--password-file``."""
-    import base64
-    from pathlib import Path
-
-    request = urllib.request.Request(url)
-    if bool(args.user) != bool(args.password_file):
-        raise ValueError("--user and --password-file go together")
-    if args.user:
-        try:
-            password = Path(args.password_file).read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"cannot read --password-file {args.password_file}: {exc}") from None
-        token = base64.b64encode(f"{args.user}:{password}".encode()).decode()
-        request.add_header("Authorization", f"Basic {token}")
-    return request
-
-
-def _status_tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
-    """For https URLs: the system's trusted CAs, or only ``--ca-file``'s."""
-    import ssl
-
-    if not args.url.startswith("https://"):
-        return None
-    return ssl.create_default_context(cafile=args.ca_file or None)
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    """A role's status from its ``/status`` URL, or a coordinator's from its state directory
-    (``--state-dir``). A status carries the last rounds only; ``--history`` adds every round
-    and validation loss from the state directory."""
-    from pathlib import Path
-
-    from coordinator.history_log import read_history
-
-    if args.history and not args.state_dir:
-        print(
-            "crossdc status: --history reads the state directory: give --state-dir",
-            file=sys.stderr,
-        )
-        return EXIT_BAD_CONFIG
-    if args.state_dir:
-        path = Path(args.state_dir) / "status.json"
-        try:
-            status = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            print(f"crossdc status: cannot read {path}: {exc}", file=sys.stderr)
-            return 1
-    else:
-        url = args.url.rstrip("/") + "/status"
-        try:
-            request = _status_request(url, args)
-        except ValueError as exc:
-            print(f"crossdc status: {exc}", file=sys.stderr)
-            return EXIT_BAD_CONFIG
-        try:
-            with urllib.request.urlopen(
-                request, timeout=5, context=_status_tls_context(args)
-            ) as resp:
-                status = json.load(resp)
-        except OSError as exc:
-            print(f"crossdc status: cannot reach {url}: {exc}", file=sys.stderr)
-            return 1
-    if args.history:
-        try:
-            log = read_history(args.state_dir)
-        except (OSError, ValueError) as exc:
-            print(f"crossdc status: cannot read the history: {exc}", file=sys.stderr)
-            return 1
-        status["history"] = list(log.history)
-        status["history_count"] = len(log.history)
-        status["val_losses"] = {str(k): v for k, v in sorted(log.val_losses.items())}
-    if args.json:
-        print(json.dumps(status, indent=1, sort_keys=True))
-        return 0
-    for key in ("global_version", "rounds_completed", "members", "open_round", "finished"):
-        if key in status:
-            print(f"{key:>18}: {status[key]}")
-    if args.history:
-        vals = status["val_losses"]
-        for h in status["history"]:
-            val = vals.get(str(h.get("global_version")))
-            print(
-                f"round {h.get('round_id')}: v{h.get('global_version')} "
-                f"train_loss {h.get('train_loss', float('nan')):.4f} "
-                f"val_loss {'n/a' if val is None else f'{val:.4f}'} "
-                f"{h.get('duration_s', float('nan')):.1f}s"
-            )
-    return 0
-
-
 def cmd_plot(args: argparse.Namespace) -> int:
     from crossdc.plot import main as plot_main
 
@@ -441,8 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"crossdc {package_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     _add_role_commands(sub)
-    _add_keys_command(sub)
-    _add_status_command(sub)
+    from crossdc.cli_keys import add_keys_command
+    from crossdc.cli_status import add_status_command
+
+    add_keys_command(sub)
+    add_status_command(sub)
     _add_bench_command(sub)
     pl = _command(sub, "plot", help="PNG figures of a run directory (crossdc plot RUN_DIR)")
     pl.add_argument("rest", nargs=argparse.REMAINDER)
@@ -469,51 +331,6 @@ def _add_role_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
     add_demo_arguments(d)
     d.set_defaults(func=cmd_demo)
-
-
-def _add_keys_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``keys init``, ``keys issue``, ``keys revoke`` and ``keys migrate``."""
-    k = _command(sub, "keys", help="federation keys: CA, coordinator and site kits")
-    ksub = k.add_subparsers(dest="keys_command", required=True)
-    ki = _command(ksub, "init", help="create a federation kit (CA and coordinator keys)")
-    ki.add_argument("kit_dir")
-    ki.add_argument(
-        "--ca-days", type=float, default=3650.0, help="the CA certificate's validity (days)"
-    )
-    ki.add_argument("--json", action="store_true")
-    ks = _command(ksub, "issue", help="issue a site its keys, certificate and startup kit")
-    ks.add_argument("--kit", required=True)
-    ks.add_argument("--site", required=True)
-    ks.add_argument("--days", type=float, default=90.0)
-    ks.add_argument("--out", default=None, help="where the site's startup kit goes")
-    ks.add_argument("--endpoint", default="tcp://COORDINATOR_HOST:7710")
-    ks.add_argument("--json", action="store_true")
-    kr = _command(ksub, "revoke", help="revoke every certificate of a site")
-    kr.add_argument("--kit", required=True)
-    kr.add_argument("--site", required=True)
-    kr.add_argument("--json", action="store_true")
-    km = _command(
-        ksub, "migrate", help="convert a format-1 kit to X.509, keeping every site's identity"
-    )
-    km.add_argument("--kit", required=True)
-    km.add_argument("--json", action="store_true")
-    k.set_defaults(func=cmd_keys)
-
-
-def _add_status_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    s = _command(sub, "status", help="show a running role's /status")
-    s.add_argument("--url", default="http://127.0.0.1:9710")
-    s.add_argument("--ca-file", default="", help="PEM CA to verify an https --url against")
-    s.add_argument("--user", default="", help="basic auth user ([*.http] basic_auth_user)")
-    s.add_argument("--password-file", default="", help="file holding the basic auth password")
-    s.add_argument(
-        "--state-dir", default="", help="read a coordinator's status.json here instead of --url"
-    )
-    s.add_argument(
-        "--history", action="store_true", help="every round, from --state-dir (not the last few)"
-    )
-    s.add_argument("--json", action="store_true")
-    s.set_defaults(func=cmd_status)
 
 
 def _add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
