@@ -12,7 +12,8 @@ from crossdc.cli import EXIT_BAD_CONFIG, _command
 
 def cmd_keys(args: argparse.Namespace) -> int:
     from comm.security.common import AuthError
-    from comm.security.kits import init_kit, issue_site, migrate_kit, revoke_site
+    from comm.security.kits import init_kit, issue_site, revoke_site
+    from comm.security.migrate import migrate_kit
 
     try:
         if args.keys_command == "init":

@@ -27,9 +27,7 @@ from comm.security.certs import (
     CURVE_KEY_OID,
     Certificate,
     load_ca_certificate,
-    load_revocations,
     make_site_certificate,
-    parse_revocations,
 )
 from comm.security.common import (
     CA_CERT,
@@ -50,6 +48,7 @@ from comm.security.common import (
     curve_raw,
     key_fingerprint,
 )
+from comm.security.crl import load_revocations, parse_revocations
 from comm.security.kits import (
     SecurityConfig,
     init_kit,
@@ -57,9 +56,9 @@ from comm.security.kits import (
     issued_certificates,
     load_coordinator_kit,
     load_site_kit,
-    migrate_kit,
     revoke_site,
 )
+from comm.security.migrate import migrate_kit
 from comm.security.registry import CertificateRegistry
 from comm.security.signing import (
     blob_digest,

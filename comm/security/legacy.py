@@ -3,8 +3,10 @@
 Kits made before identities became X.509 (``kit.json`` ``"format": 1``) hold ``ca.pub``,
 ``certs/*.cert``, ``revoked.list`` and, in a site kit, ``site.cert``: one-line documents
 ``<kind>.<base64url canonical JSON>.<base64url Ed25519 signature>``. Nothing runs on them any
-more; ``crossdc keys migrate`` (:func:`comm.security.kits.migrate_kit`) reads them with this
+more; ``crossdc keys migrate`` (:func:`comm.security.migrate.migrate_kit`) reads them with this
 module, checks every signature against the CA and re-issues the same identities as X.509.
+Every role refuses such a kit with a message that says what to do (:func:`require_format`,
+:func:`role_kit`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,16 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from comm.security.common import AuthError, _canonical, _signed_message, _unb64
+from comm.security.common import (
+    CA_CERT,
+    KIT_FORMAT,
+    MANIFEST,
+    AuthError,
+    _canonical,
+    _signed_message,
+    _unb64,
+)
+from comm.security.common import SITE_CERT as NEW_SITE_CERT
 
 FORMAT = 1
 CA_PUB = "ca.pub"
@@ -96,3 +107,49 @@ def read_revocations(
     what = "revocation list"
     entries = [(_field(i, "serial", str, what), _field(i, "revoked_at", int, what)) for i in items]
     return _field(body, "version", int, what), entries
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusing format-1 kits clearly (``comm.security.migrate`` converts them)
+
+
+_MIGRATE_HINT = (
+    "run `crossdc keys migrate --kit FEDERATION_KIT` where the CA key is, then give each site "
+    "the two files it prints for it"
+)
+
+
+def require_format(kit: Path) -> Path:
+    """A federation kit of this format, or ValueError saying what it is and what to do."""
+    if not (kit / MANIFEST).exists():
+        raise ValueError(f"{str(kit)!r} is not a federation kit (no {MANIFEST})")
+    try:
+        found = json.loads((kit / MANIFEST).read_text()).get("format")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{str(kit / MANIFEST)!r} is not a kit manifest: {exc}") from None
+    if found == FORMAT:
+        raise ValueError(
+            f"{str(kit)!r} is a format-1 kit (crossdc's own certificates, before X.509); "
+            f"{_MIGRATE_HINT}"
+        )
+    if found != KIT_FORMAT:
+        raise ValueError(f"{str(kit)!r} has kit format {found!r}; this crossdc reads {KIT_FORMAT}")
+    return kit
+
+
+def role_kit(kit: Path, role: str) -> Path:
+    """A running role's kit directory, unless it still holds format-1 identity files."""
+    if (kit / CA_CERT).exists():
+        return kit
+    if (kit / CA_PUB).exists():
+        if role == "site":
+            raise ValueError(
+                f"{str(kit)!r} is a format-1 site kit ({SITE_CERT}, {CA_PUB}); put "
+                f"the {NEW_SITE_CERT} and {CA_CERT} that the federation's `crossdc keys migrate` wrote "
+                "for this site into it (its keys stay as they are)"
+            )
+        raise ValueError(
+            f"{str(kit)!r} is a format-1 kit (crossdc's own certificates, before X.509); "
+            f"{_MIGRATE_HINT}"
+        )
+    raise ValueError(f"{str(kit)!r} has no CA certificate {CA_CERT}: is it a crossdc kit?")

@@ -17,9 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from comm.security.certs import (
     Certificate,
-    RevocationList,
     load_ca_certificate,
-    load_revocations,
 )
 from comm.security.common import (
     CA_CERT,
@@ -29,7 +27,9 @@ from comm.security.common import (
     curve_raw,
     key_fingerprint,
 )
-from comm.security.kits import issued_certificates, role_kit
+from comm.security.crl import RevocationList, load_revocations
+from comm.security.kits import issued_certificates
+from comm.security.legacy import role_kit
 
 log = logging.getLogger(__name__)
 
