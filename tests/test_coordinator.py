@@ -578,17 +578,22 @@ def test_a_state_dir_of_another_model_than_the_built_theta0_refuses_to_start() -
         coord.close()
 
 
+def two_rounds(h: Harness) -> tuple[Site, Site, Global, Global]:
+    """eu and us merge two rounds; returns them and the two results (as eu received them)."""
+    eu, us, rs = start_round(h)
+    g1 = merge_round(h, eu, us, rs)
+    h.expect(us, Global)
+    rs2: RoundStart = h.expect(eu, RoundStart)
+    h.expect(us, RoundStart)
+    return eu, us, g1, merge_round(h, eu, us, rs2, base=rs.round_id)
+
+
 def test_after_a_coordinator_restart_a_site_behind_still_gets_deltas(tmp_path: Path) -> None:
     """The delta log is durable: a site that missed the last broadcast before the coordinator
     restarted catches up by the delta, not the model."""
     store = MemoryStateStore()
     with running(store=store, state_dir=str(tmp_path), downlink_codec="int8") as h:
-        eu, us, rs = start_round(h)
-        g1 = merge_round(h, eu, us, rs)
-        h.expect(us, Global)
-        rs2: RoundStart = h.expect(eu, RoundStart)
-        h.expect(us, RoundStart)
-        g2 = merge_round(h, eu, us, rs2, base=rs.round_id)
+        _, us, g1, g2 = two_rounds(h)
     with running(store=store, state_dir=str(tmp_path), downlink_codec="int8") as h:
         us2 = h.site("us")
         welcome = join(h, us2, version=g1.global_version, digest=g1.state_hash)
@@ -603,12 +608,7 @@ def test_after_a_coordinator_restart_a_site_behind_still_gets_deltas(tmp_path: P
 
 def test_a_site_that_rejoins_behind_gets_the_deltas_since_its_version() -> None:
     with running(downlink_codec="int8") as h:
-        eu, us, rs = start_round(h)
-        g1 = merge_round(h, eu, us, rs)
-        h.expect(us, Global)
-        rs2: RoundStart = h.expect(eu, RoundStart)
-        h.expect(us, RoundStart)
-        g2 = merge_round(h, eu, us, rs2, base=rs.round_id)
+        _, us, g1, g2 = two_rounds(h)
         h.expect(us, Global)
         # us restarts from its checkpoint at v1 (it missed nothing else) and joins again.
         us2 = h.site("us")
