@@ -6,8 +6,9 @@ sync fits inside the compute it overlaps (docs/architecture.md, "WAN awareness")
 
 Bytes first: bytes are what users pay for, so the round gets the measured combination of an
 uplink and a downlink codec on the ladder with the fewest bytes whose loss cost (``loss_costs``,
-from ``crossdc bench convergence``) is within ``loss_budget``, on any link; its sync is then the shortest too, and the slot is lengthened (more
-inner steps, up to a bound) only when even that sync does not fit. Without a measured codec
+from ``crossdc bench convergence``) is within ``loss_budget``, on any link; its sync is then the
+shortest too, and the slot is lengthened (more inner steps, up to a bound) only when even that
+sync does not fit. Without a measured codec
 within the budget, the ladder is walked from least to most compressed and a site gets the first
 codec whose sync fits its budget. The reason says which constraint bound.
 
@@ -53,7 +54,7 @@ class SchedulePolicy:
     """Measured loss cost relative to fp32 (``bench convergence``) of each codec used both ways
     (key ``C``) or of an uplink codec with a downlink codec (key ``U/D``)."""
     loss_budget: float = 0.005
-    """Bytes first: the ladder codec with the fewest bytes whose loss cost is within this."""
+    """Bytes first: the measured pair with the fewest bytes whose loss cost is within this."""
     fixed_uplink: Mapping[str, str] = field(default_factory=dict)
     """Sites whose uplink codec is fixed by configuration."""
     default_uplink: str | None = None
@@ -185,17 +186,20 @@ def _fewest_bytes(
 
 
 def _choose_uplink(
-    v: SiteView, slot: int, numel: int, policy: SchedulePolicy, reasons: list[str]
+    v: SiteView,
+    slot: int,
+    numel: int,
+    policy: SchedulePolicy,
+    pair: tuple[str, str, float] | None,
+    reasons: list[str],
 ) -> tuple[str, int, int]:
     """Site ``v``'s uplink codec, its level on the ladder, and the slot (lengthened when even
-    the most compressed codec's sync does not fit)."""
+    the most compressed codec's sync does not fit); ``pair`` is the round's bytes-first pair."""
     ladder = policy.ladder
     fixed = policy.fixed_uplink.get(v.site_id, policy.default_uplink)
     if fixed is not None:
         reasons.append(f"{v.site_id}: {fixed} (configured)")
         return fixed, ladder.index(fixed) if fixed in ladder else 0, slot
-    # A configured downlink: the best pair measured with it, else the best pair's uplink.
-    pair = fewest_bytes_pair(policy, downlink=policy.fixed_downlink) or fewest_bytes_pair(policy)
     if pair is not None:
         codec = pair[0]
         return codec, ladder.index(codec), _fewest_bytes(v, pair, slot, numel, policy, reasons)
@@ -254,9 +258,14 @@ def plan_round(
     reasons: list[str] = []
     uplink: dict[str, str] = {}
     levels: dict[str, int] = {}
+    # A configured direction: the best pair measured with it, else the best pair's other side.
+    best = fewest_bytes_pair(policy)
+    up_pair = fewest_bytes_pair(policy, downlink=policy.fixed_downlink) or best
     for v in sorted(sites, key=lambda s: s.site_id):
-        uplink[v.site_id], levels[v.site_id], slot = _choose_uplink(v, slot, numel, policy, reasons)
-    pair = fewest_bytes_pair(policy, uplink=policy.default_uplink) or fewest_bytes_pair(policy)
+        uplink[v.site_id], levels[v.site_id], slot = _choose_uplink(
+            v, slot, numel, policy, up_pair, reasons
+        )
+    pair = fewest_bytes_pair(policy, uplink=policy.default_uplink) or best
     if policy.fixed_downlink is not None:
         downlink = policy.fixed_downlink
     elif pair is not None:
