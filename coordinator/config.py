@@ -13,6 +13,7 @@ from comm.security.kits import SecurityConfig
 from comm.security.masking import SecAggConfig
 from comm.transport.profile import ChannelConfig
 from coordinator.faults import FaultPlan
+from coordinator.scheduler import directions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,14 +237,12 @@ class CoordinatorConfig:
                 specs[name] = getattr(self, name)
         specs.update({f"site_uplink_codecs.{k}": v for k, v in self.site_uplink_codecs.items()})
         for key in self.codec_loss_costs:
-            up, sep, down = key.partition("/") if isinstance(key, str) else (key, "", "")
-            if sep and (not up or not down or "/" in down):
-                raise ValueError(
-                    f"coordinator.codec_loss_costs.{key}: a pair is UPLINK/DOWNLINK, e.g. "
-                    '"int3+zstd/int4+zstd"'
-                )
+            try:
+                up, down = directions(key) if isinstance(key, str) else (key, key)
+            except ValueError as exc:
+                raise ValueError(f"coordinator.codec_loss_costs.{key}: {exc}") from None
             specs[f"codec_loss_costs.{key}"] = up
-            if sep:
+            if down != up:
                 specs[f"codec_loss_costs.{key} (downlink)"] = down
         for name, cost in self.codec_loss_costs.items():
             if (

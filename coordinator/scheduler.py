@@ -120,15 +120,27 @@ def _lengthened_slot(
     return slot
 
 
+def directions(key: str) -> tuple[str, str]:
+    """``(uplink, downlink)`` a loss-cost key names: ``U/D`` is uplink U with downlink D, any
+    other key one codec both ways. ValueError for a malformed pair."""
+    up, sep, down = key.partition("/")
+    if not sep:
+        return key, key
+    if not up or not down or "/" in down:
+        raise ValueError(
+            f'a pair is UPLINK/DOWNLINK, e.g. "int3+zstd/int4+zstd", got {key!r}'
+        )
+    return up, down
+
+
 def measured_pairs(policy: SchedulePolicy) -> list[tuple[str, str, float]]:
-    """``(uplink, downlink, cost)`` of every measured combination of ladder codecs: a key ``C``
-    of ``loss_costs`` is C both ways, a key ``U/D`` uplink U with downlink D."""
+    """``(uplink, downlink, cost)`` of every measured combination of ladder codecs (keys as
+    :func:`directions` reads them)."""
     out = []
     for key, cost in policy.loss_costs.items():
-        up, sep, down = key.partition("/")
-        pair = (up, down) if sep else (key, key)
-        if pair[0] in policy.ladder and pair[1] in policy.ladder:
-            out.append((pair[0], pair[1], float(cost)))
+        up, down = directions(key)
+        if up in policy.ladder and down in policy.ladder:
+            out.append((up, down, float(cost)))
     return out
 
 

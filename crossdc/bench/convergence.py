@@ -3,8 +3,9 @@
 Runs the demo federation (real processes, the embedded default corpus, blocking sync so that runs
 are deterministic) once per codec and seed, the codec applied to both directions (site updates
 with the sites' error feedback, the global delta with the coordinator's) or, for an entry
-``UPLINK/DOWNLINK``, one codec each way, and reports each codec's final validation loss (the mean over the seeds), its relative gap to fp32's mean, the
-gap per seed, and the WAN bytes it took (mean over the seeds). One seed's trajectory differs
+``UPLINK/DOWNLINK``, one codec each way, and reports each codec's final validation loss (the
+mean over the seeds), its relative gap to fp32's mean, the gap per seed, and the WAN bytes it
+took (mean over the seeds). One seed's trajectory differs
 from another's by about as much as the codecs differ, so costs for the scheduler's table
 (``coordinator.codec_loss_costs``) want several seeds.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from comm.codecs.registry import get_codec
+from coordinator.scheduler import directions
 from crossdc.demo_roles import site_ids
 from crossdc.progress import (
     SILENT,
@@ -30,14 +32,6 @@ from crossdc.progress import (
 )
 
 DEFAULT_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int3+zstd", "int2+zstd", "topk:0.1")
-
-
-def directions(codec: str) -> tuple[str, str]:
-    """``(uplink, downlink)`` of a run: ``U/D`` is uplink U with downlink D, else both ways."""
-    up, sep, down = codec.partition("/")
-    if sep and not (up and down and "/" not in down):
-        raise ValueError(f"a codec pair is UPLINK/DOWNLINK, got {codec!r}")
-    return (up, down) if sep else (codec, codec)
 
 
 def run_dir(codec: str, seed: int, workdir: Path) -> Path:
