@@ -18,6 +18,7 @@ nothing until :meth:`Certificate.verify` passes.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,8 +229,13 @@ class Certificate:
         """The fingerprint of the certified CURVE key (for logs)."""
         return key_fingerprint(self.curve_public)
 
+    @functools.cached_property
+    def _x509(self) -> x509.Certificate:
+        """The parsed certificate, once (the coordinator checks a peer's at every message)."""
+        return x509.load_der_x509_certificate(self.der)
+
     def to_pem(self) -> bytes:
-        return _pem(x509.load_der_x509_certificate(self.der))
+        return _pem(self._x509)
 
     @classmethod
     def from_pem(cls, data: bytes | str) -> Certificate:
@@ -293,7 +299,7 @@ class Certificate:
 
     def verify_signature(self, ca_public_key: Ed25519PublicKey) -> None:
         """Raise :class:`AuthError` (``bad_signature``) unless the CA signed this certificate."""
-        cert = x509.load_der_x509_certificate(self.der)
+        cert = self._x509
         try:
             # The CA key's signature is what binds; the issuer name is not compared, so a CA
             # certificate re-made from ca.key under another name (another PKI's) still serves.
