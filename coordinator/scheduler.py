@@ -127,9 +127,7 @@ def directions(key: str) -> tuple[str, str]:
     if not sep:
         return key, key
     if not up or not down or "/" in down:
-        raise ValueError(
-            f'a pair is UPLINK/DOWNLINK, e.g. "int3+zstd/int4+zstd", got {key!r}'
-        )
+        raise ValueError(f'a pair is UPLINK/DOWNLINK, e.g. "int3+zstd/int4+zstd", got {key!r}')
     return up, down
 
 
