@@ -11,6 +11,8 @@ import os
 import signal
 from dataclasses import dataclass
 
+from coordinator.state import GlobalState, StateStore
+
 log = logging.getLogger("crossdc.coordinator")
 
 
@@ -22,14 +24,48 @@ class FaultPlan:
     """SIGKILL right after round N was persisted and announced."""
     kill_after_close_round: int = 0
     """SIGKILL right after round N's result was persisted, before it is announced."""
+    kill_before_storing_round: int = 0
+    """SIGKILL on the state writer just before it stores round N's id: the round was decided
+    and never became durable, so it was never announced either."""
 
     def __post_init__(self) -> None:
-        if self.kill_after_open_round < 0 or self.kill_after_close_round < 0:
-            raise ValueError("coordinator.faults.kill_after_* must be >= 0")
+        for name in (
+            "kill_after_open_round",
+            "kill_after_close_round",
+            "kill_before_storing_round",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"coordinator.faults.{name} must be >= 0")
 
     def point(self, where: str, round_id: int) -> None:
-        target = {"open": self.kill_after_open_round, "close": self.kill_after_close_round}[where]
+        target = {
+            "open": self.kill_after_open_round,
+            "close": self.kill_after_close_round,
+            "store": self.kill_before_storing_round,
+        }[where]
         if target and target == round_id:
-            log.error("[coordinator round=%d] fault injection: SIGKILL after %s", round_id, where)
+            log.error("[coordinator round=%d] fault injection: SIGKILL at %s", round_id, where)
             logging.shutdown()
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def wrap(self, store: StateStore) -> StateStore:
+        """``store``, or, with ``kill_before_storing_round`` set, a store that dies at it."""
+        return _KillBeforeStoring(store, self) if self.kill_before_storing_round else store
+
+
+class _KillBeforeStoring:
+    """A state store whose id-only save of round ``plan.kill_before_storing_round`` SIGKILLs
+    the process before anything is written (the save that makes an opened round's id durable)."""
+
+    def __init__(self, store: StateStore, plan: FaultPlan) -> None:
+        self.store, self.plan = store, plan
+
+    def load(self) -> GlobalState | None:
+        return self.store.load()
+
+    def save(self, state: GlobalState) -> None:
+        self.store.save(state)
+
+    def save_counter(self, state: GlobalState) -> None:
+        self.plan.point("store", state.round_counter)
+        self.store.save_counter(state)

@@ -161,14 +161,18 @@ def open(c: Coordinator, now: float, decision: Open) -> None:
         c._masking[round_id] = masking
         secagg = secagg_plan_message(c, masking)
     evaluate_base = not c.state.history and c.state.global_version not in c.state.val_losses
-    log.info(
-        "[coordinator round=%d] open: %s; fragment %d/%d on v%d; plan: %s",
-        round_id,
-        why,
-        fragment,
-        c.cfg.num_fragments,
-        base,
-        plan_why,
+    # Logged once the id is durable, like the announcement that follows: a round whose id a
+    # crash lost was never opened for anyone, and the next incarnation issues that id again.
+    c._later(
+        lambda: log.info(
+            "[coordinator round=%d] open: %s; fragment %d/%d on v%d; plan: %s",
+            round_id,
+            why,
+            fragment,
+            c.cfg.num_fragments,
+            base,
+            plan_why,
+        )
     )
     for i, site_id in enumerate(participants):
         c._send(

@@ -199,7 +199,7 @@ class Coordinator:
     def start(self) -> str:
         """Load durable state, bind the socket; return the bound endpoint."""
         self.state = self.store.load()
-        self.outbox = Outbox(self.store)
+        self.outbox = Outbox(self.cfg.faults.wrap(self.store))
         if self.state is None and self.initial is not None:
             self.install_initial(self.initial.params, self.initial.fingerprint)
         elif (

@@ -48,6 +48,8 @@ def test_build_nested_and_explicit_wins() -> None:
         ({"codec_loss_costs": {"int3/zip9": 0.0}}, r"codec_loss_costs.int3/zip9 \(downlink\)"),
         ({"codec_loss_budget": -0.1}, "coordinator.codec_loss_budget must be >= 0"),
         ({"channel": {"chunk_bytes": 1}}, "channel.chunk_bytes"),
+        ({"faults": {"kill_before_storing_round": -1}}, "faults.kill_before_storing_round"),
+        ({"faults": {"kill_at_random": 1}}, "kill_at_random"),
     ],
 )
 def test_bad_coordinator_config_names_the_field(table: dict[str, object], needle: str) -> None:

@@ -71,17 +71,18 @@ def _free_port() -> int:
 
 
 def _kill_after_open_3_and_resume(
-    procs: Procs, tmp_path: Path, *, overlap: bool
+    procs: Procs, tmp_path: Path, *, overlap: bool, crash: str = "kill_after_open_round"
 ) -> tuple[dict[str, int], dict[str, Any]]:
-    """A federation of 5 rounds whose coordinator SIGKILLs itself right after it announced
-    round 3, then restarts on the same address and state dir; its durable meta at the crash and
-    its final status."""
+    """A federation of 5 rounds whose coordinator SIGKILLs itself at round 3 (by default right
+    after it announced it), then restarts on the same address and state dir; its durable meta
+    at the crash and its final status."""
     # A restarted coordinator must come back on the same address the sites know.
     bind = f"tcp://127.0.0.1:{_free_port()}"
-    crash = {"kill_after_open_round": 3}
-    _start_federation(procs, tmp_path, max_rounds=5, bind=bind, overlap=overlap, faults=crash)
+    faults = {crash: 3}
+    _start_federation(procs, tmp_path, max_rounds=5, bind=bind, overlap=overlap, faults=faults)
     assert procs.procs["coordinator"].wait(timeout=240) == -signal.SIGKILL, procs.log("coordinator")
     meta = json.loads((tmp_path / "coordinator" / "meta.json").read_text())
+    (tmp_path / "coordinator-crashed.log").write_text(procs.log("coordinator"))
     # Restart on the same state dir without the fault: it resumes from its last durable round.
     cfg = write_coordinator_config(tmp_path, max_rounds=5, bind=bind, overlap=overlap)
     procs.start("coordinator", "coordinator", "--config", str(cfg))
@@ -102,6 +103,25 @@ def test_coordinator_sigkill_resumes_without_reusing_round_ids(
     assert ids == [1, 2, 4, 5, 6], ids  # round 3 was announced, then lost: its id is never reused
     assert [h["base_version"] for h in status["history"]] == [0, 1, 2, 4, 5]
     assert "resumed global_version=2 round_counter=3" in procs.log("coordinator")
+
+
+def test_a_round_id_lost_before_it_was_durable_is_opened_once(procs: Procs, tmp_path: Path) -> None:
+    # The coordinator decides round 3 and dies on its state writer before the id is stored:
+    # nobody was told of round 3 (not the sites, not the log), so the next incarnation issues
+    # that id again, and every id the log says was opened is opened once.
+    meta, status = _kill_after_open_3_and_resume(
+        procs, tmp_path, overlap=False, crash="kill_before_storing_round"
+    )
+    assert (meta["global_version"], meta["round_counter"]) == (2, 2)
+    crashed = (tmp_path / "coordinator-crashed.log").read_text()
+    assert "fault injection: SIGKILL at store" in crashed, crashed
+    assert "[coordinator round=3] open" not in crashed, crashed
+    assert [h["round_id"] for h in status["history"]] == [1, 2, 3, 4, 5]
+    opened = re.findall(r"\[coordinator round=(\d+)\] open:", procs.log("coordinator"))
+    assert opened == ["1", "2", "3", "4", "5"], opened
+    for site in ("site-eu", "site-us"):
+        sent = re.findall(r"round=(\d+)\] sent fragment", procs.log(site))
+        assert sent == sorted(set(sent), key=int), (site, sent)
 
 
 def test_overlapped_sites_drop_the_dead_coordinators_rounds_and_go_on(
