@@ -69,6 +69,7 @@ def close(c: Coordinator, now: float, decision: Close) -> None:
     r, st = decision.round, c.state
     fresh, late, updates = gather(c, decision)
     plan = c._round_plan.pop(r.round_id)
+    c._round_starts.pop(r.round_id, None)
     # Inner steps behind the model this round produces: every completed slot and this one.
     inner_steps = sum(int(h["num_inner_steps"]) for h in st.history) + plan.num_inner_steps
     # The run's last round: no round will start from what it produces. Only with one

@@ -31,6 +31,7 @@ from comm.wire.schema import (
     Welcome,
 )
 from comm.wire.tensors import decode_tensors
+from coordinator import opening
 from coordinator.aggregate import RunningSum
 from coordinator.decisions import (
     Refusal,
@@ -365,7 +366,12 @@ def authentic(c: Coordinator, peer: bytes, site_id: str) -> bool:
 def member_for(c: Coordinator, peer: bytes, site_id: str) -> Member | None:
     if not authentic(c, peer, site_id):
         return None
-    m = c.book.touch(c.clock(), site_id, peer)
+    now, before = c.clock(), c.book.members.get(site_id)
+    m = c.book.touch(now, site_id, peer)
     if m is None:
         c._reject(peer, ErrorCode.NOT_JOINED, f"site {site_id!r} must join", site_id)
+    elif before is not None and now - before.last_seen >= c.cfg.channel.heartbeat_timeout_s:
+        # Only a silence as long as the heartbeat timeout can have lost what was in flight
+        # (the connection was given up); a site slow to send for a few seconds lost nothing.
+        opening.resend_plans(c, site_id, now - before.last_seen)
     return m

@@ -321,6 +321,15 @@ class Lifecycle:
     def open_round(self, round_id: int) -> OpenRound | None:
         return next((o for o in self.open_rounds if o.round_id == round_id), None)
 
+    def awaiting(self, site_id: str) -> tuple[int, ...]:
+        """The open rounds (oldest first) that wait on ``site_id``'s update: it takes part, has
+        not sent it, and was not dropped."""
+        return tuple(
+            r.round_id
+            for r in self.open_rounds
+            if site_id in r.participants and site_id not in r.received | r.dropped
+        )
+
     def _fragment_of(self, round_id: int) -> int:
         r = self.open_round(round_id)
         if r is not None:

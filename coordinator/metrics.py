@@ -165,6 +165,12 @@ class CoordinatorMetrics:
         self.site_timeouts = Counter(
             "crossdc_site_timeouts_total", "Sites removed for silence", registry=r
         )
+        self.plans_resent = Counter(
+            "crossdc_round_plans_resent_total",
+            "Round plans sent again to a site heard from after a silence as long as the "
+            "heartbeat timeout (what was in flight to it may have been lost)",
+            registry=r,
+        )
 
     def _declare_process(self, r: CollectorRegistry) -> None:
         """The process and its build, the certificates it trusts, refused HTTP requests."""

@@ -52,6 +52,7 @@ def rerun_or_abandon(c: Coordinator, now: float, r: OpenRound, received: tuple[s
     c._sums.pop(r.round_id, None)
     survivors = tuple(sorted(rerun.participants))
     c.book.rerun(now, r.round_id, survivors)
+    c._round_starts.pop(r.round_id, None)  # the re-run's plans are not sent again
     log.warning("[coordinator round=%d] secure aggregation: %s", r.round_id, why)
     prev = c._round_plan[r.round_id]
     for site_id in survivors:
@@ -87,8 +88,31 @@ def abort(c: Coordinator, decision: Abort) -> None:
         c._masking.pop(round_id, None)
         c._masked.pop(round_id, None)
         c._round_plan.pop(round_id, None)
+        c._round_starts.pop(round_id, None)
     for m in c.book.members.values():
         c._send(m.peer, RoundCancel(round_ids=ids, reason=decision.why))
+
+
+def resend_plans(c: Coordinator, site_id: str, silent_s: float) -> None:
+    """``site_id`` is heard from again after a silence as long as the heartbeat timeout: its
+    connection was given up and made again, and what was in flight to it is lost. A lost
+    RoundStart would hold its round until the deadline (the site never heard of it), so the
+    open rounds that still wait on its update send it their plan again; a copy that did arrive
+    is dropped by the site as one delivered twice."""
+    member = c.book.members[site_id]
+    for round_id in c.book.awaiting(site_id):
+        plan = c._round_starts.get(round_id, {}).get(site_id)
+        if plan is None:
+            continue
+        log.warning(
+            "[coordinator round=%d site=%s] heard from again after %.1fs of silence: sending "
+            "its plan again",
+            round_id,
+            site_id,
+            silent_s,
+        )
+        c.metrics.plans_resent.inc()
+        c._send(member.peer, plan)
 
 
 def schedule(c: Coordinator, now: float, participants: tuple[str, ...]) -> tuple[RoundPlan, str]:
@@ -174,23 +198,22 @@ def open(c: Coordinator, now: float, decision: Open) -> None:
             plan_why,
         )
     )
+    starts = c._round_starts[round_id] = {}
     for i, site_id in enumerate(participants):
-        c._send(
-            c.book.members[site_id].peer,
-            RoundStart(
-                round_id=round_id,
-                global_version=c.state.global_version,
-                fragment_base_version=base,
-                fragment=fragment,
-                num_fragments=c.cfg.num_fragments,
-                num_inner_steps=plan.site_steps(site_id),
-                overlap=plan.overlap,
-                codec=plan.uplink[site_id],
-                deadline_s=c.cfg.round_deadline_s,
-                participants=participants,
-                evaluate=evaluate_base and i == 0 and len(c.book.open_rounds) == 1,
-                reason=plan_why,
-                secagg=secagg,
-            ),
+        starts[site_id] = RoundStart(
+            round_id=round_id,
+            global_version=c.state.global_version,
+            fragment_base_version=base,
+            fragment=fragment,
+            num_fragments=c.cfg.num_fragments,
+            num_inner_steps=plan.site_steps(site_id),
+            overlap=plan.overlap,
+            codec=plan.uplink[site_id],
+            deadline_s=c.cfg.round_deadline_s,
+            participants=participants,
+            evaluate=evaluate_base and i == 0 and len(c.book.open_rounds) == 1,
+            reason=plan_why,
+            secagg=secagg,
         )
+        c._send(c.book.members[site_id].peer, starts[site_id])
     c._later(lambda: c.cfg.faults.point("open", round_id))

@@ -29,7 +29,7 @@ from comm.security.registry import CertificateRegistry
 from comm.security.secagg import MaskingPlan
 from comm.security.zap import ZapHandler
 from comm.transport.router import RouterChannel
-from comm.wire.schema import ERROR_MEANINGS, Error, ErrorCode, Message
+from comm.wire.schema import ERROR_MEANINGS, Error, ErrorCode, Message, RoundStart
 from comm.wire.tensors import fragments, state_hash
 from coordinator import closing, intake, opening
 from coordinator.aggregate import RunningSum
@@ -128,6 +128,9 @@ class Coordinator:
         self._late_sums: dict[int, RunningSum] = {}
         self._views: dict[str, SiteView] = {}
         self._round_plan: dict[int, RoundPlan] = {}
+        # The RoundStart each participant of an open round was sent, to send again to a site
+        # heard from after a silence that may have lost it (see ``opening.resend_plans``).
+        self._round_starts: dict[int, dict[str, RoundStart]] = {}
         # Arrival alignment: when each on-time update landed, per open round; how early each
         # site's landed in the latest closed round (``_early_round``) before its last one, and
         # the extra steps it had there.

@@ -487,6 +487,52 @@ def test_a_slow_save_leaves_the_loop_serving_and_holds_announcements() -> None:
         assert isinstance(h.expect(eu, Heartbeat), Heartbeat)
 
 
+def heard(h: Harness, site: Site) -> list[Message]:
+    """``site`` sends a heartbeat: what it receives up to the echo (sent after anything the
+    heartbeat made the coordinator send, on the same connection)."""
+    site.send(Heartbeat(site_id=site.site_id, global_version=0, sent_at=1.0))
+    got: list[Message] = []
+    for _ in range(400):
+        h.coord.step(0.005)
+        msg = site.chan.recv(0.0)
+        if isinstance(msg, Heartbeat):
+            return got
+        if msg is not None:
+            got.append(msg)
+    raise AssertionError(f"{site.site_id} got no echo")
+
+
+def plans_resent(coord: Coordinator) -> float:
+    return coord.metrics.registry.get_sample_value("crossdc_round_plans_resent_total") or 0.0
+
+
+@pytest.mark.timeout(60)
+def test_a_site_heard_from_after_a_silence_gets_the_plans_it_owes_again() -> None:
+    clock = ManualClock()
+    with running(clock=clock) as h:  # heartbeat timeout 10 s, site timeout 30 s
+        eu, us, rs = start_round(h)
+        land(h, eu, rs, D_EU)  # round 1 now waits on us only
+        clock.now += 9.9  # shorter than the heartbeat timeout: the connection held, nothing lost
+        assert heard(h, us) == [] and heard(h, eu) == []
+        clock.now += 10.0  # as long as the heartbeat timeout: what was in flight may be lost
+        again = heard(h, us)
+        assert [type(m) for m in again] == [RoundStart], again
+        plan = again[0]
+        assert isinstance(plan, RoundStart)
+        assert (plan.round_id, plan.participants, plan.num_inner_steps) == (1, ("eu", "us"), 3)
+        assert heard(h, eu) == []  # eu sent its update: the round owes it nothing
+        assert plans_resent(h.coord) == 1
+        # The plan sent again is the plan: us's update for it closes the round.
+        us.send(on_base("us", plan, D_US))
+        assert h.expect(eu, Global).global_version == 1
+        assert h.expect(us, RoundStart).round_id == 2  # blocking: round 2 opens on the result
+        clock.now += 10.0
+        # us owes round 2 and gets its plan again; nothing of the closed round 1 is sent again.
+        again = heard(h, us)
+        assert [m.round_id for m in again if isinstance(m, RoundStart)] == [2], again
+        assert plans_resent(h.coord) == 2
+
+
 def test_a_site_that_built_the_same_initial_model_downloads_nothing(harness: Harness) -> None:
     h = harness
     eu, us = h.site("eu"), h.site("us")

@@ -296,9 +296,12 @@ def test_a_participant_that_joins_again_no_longer_holds_its_round(
         book.join(0.0, site, site.encode(), in_sync_version=0)
     opened = book.tick(0.0)
     assert isinstance(opened, Open)
+    assert book.awaiting("a") == book.awaiting("b") == (opened.round_id,)
     book.accept(0.1, "a", opened.round_id)
     assert book.tick(0.2) is None  # b is still expected
+    assert (book.awaiting("a"), book.awaiting("b")) == ((), (opened.round_id,))
     book.join(0.3, "b", b"b-restarted", in_sync_version=0)
+    assert book.awaiting("b") == ()  # dropped: no plan is owed to it any more
     decision = book.tick(0.3)
     assert isinstance(decision, expected), decision
     if isinstance(decision, Close):
