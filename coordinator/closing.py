@@ -253,7 +253,9 @@ def broadcast(c: Coordinator, a: Announcement) -> list[str]:
         else:
             msg = full_global(c, a.state, r.round_id, wants_eval and evaluator is None)
         ok = c._send(m.peer, msg)
-        c.book.holds(site_id, r.round_id, in_sync=ok)
+        # A failed send leaves the site on what it held: it is sent what it missed once it is
+        # heard from again (``redelivery``).
+        c.book.holds(site_id, r.round_id if ok else m.global_version, in_sync=ok)
     return in_sync
 
 

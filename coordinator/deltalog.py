@@ -135,6 +135,10 @@ class DeltaLog:
             raise ValueError(f"{path.name} does not hold the delta from its version")
         return msg
 
+    def hash_at(self, version: int) -> str:
+        """The state hash of ``version`` when a chain can start there, else ``""``."""
+        return self._hashes.get(version, "")
+
     def record(self, msg: Global) -> None:
         """A delta just broadcast (from ``base_version`` to ``global_version``)."""
         assert not msg.is_full

@@ -31,7 +31,7 @@ from comm.wire.schema import (
     Welcome,
 )
 from comm.wire.tensors import decode_tensors
-from coordinator import opening
+from coordinator import redelivery
 from coordinator.aggregate import RunningSum
 from coordinator.decisions import (
     Refusal,
@@ -84,6 +84,7 @@ def on_join(c: Coordinator, peer: bytes, msg: Join) -> None:
     )
     record_secagg_peer(c, peer, msg)
     c.book.join(now, msg.site_id, peer, in_sync_version=msg.global_version if in_sync else None)
+    c._undelivered.discard(msg.site_id)  # a join is answered with what it needs
     c._claims[msg.site_id] = (msg.global_version, msg.state_hash)
     c.metrics.joins.inc()
     c.metrics.members.set(len(c.book.members))
@@ -370,8 +371,6 @@ def member_for(c: Coordinator, peer: bytes, site_id: str) -> Member | None:
     m = c.book.touch(now, site_id, peer)
     if m is None:
         c._reject(peer, ErrorCode.NOT_JOINED, f"site {site_id!r} must join", site_id)
-    elif before is not None and now - before.last_seen >= c.cfg.channel.heartbeat_timeout_s:
-        # Only a silence as long as the heartbeat timeout can have lost what was in flight
-        # (the connection was given up); a site slow to send for a few seconds lost nothing.
-        opening.resend_plans(c, site_id, now - before.last_seen)
+    elif before is not None:
+        redelivery.heard_from(c, m, now - before.last_seen)
     return m

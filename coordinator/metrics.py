@@ -159,7 +159,8 @@ class CoordinatorMetrics:
         self.joins = Counter("crossdc_joins_total", "Site joins", registry=r)
         self.catch_up_deltas = Counter(
             "crossdc_catch_up_deltas_total",
-            "Broadcast deltas sent again to sites that rejoined behind (instead of the model)",
+            "Broadcast deltas sent again to sites behind (rejoined, or a result failed to reach "
+            "them) instead of the model",
             registry=r,
         )
         self.site_timeouts = Counter(
@@ -168,7 +169,7 @@ class CoordinatorMetrics:
         self.plans_resent = Counter(
             "crossdc_round_plans_resent_total",
             "Round plans sent again to a site heard from after a silence as long as the "
-            "heartbeat timeout (what was in flight to it may have been lost)",
+            "heartbeat timeout or a failed send (what was in flight to it may have been lost)",
             registry=r,
         )
 

@@ -93,28 +93,6 @@ def abort(c: Coordinator, decision: Abort) -> None:
         c._send(m.peer, RoundCancel(round_ids=ids, reason=decision.why))
 
 
-def resend_plans(c: Coordinator, site_id: str, silent_s: float) -> None:
-    """``site_id`` is heard from again after a silence as long as the heartbeat timeout: its
-    connection was given up and made again, and what was in flight to it is lost. A lost
-    RoundStart would hold its round until the deadline (the site never heard of it), so the
-    open rounds that still wait on its update send it their plan again; a copy that did arrive
-    is dropped by the site as one delivered twice."""
-    member = c.book.members[site_id]
-    for round_id in c.book.awaiting(site_id):
-        plan = c._round_starts.get(round_id, {}).get(site_id)
-        if plan is None:
-            continue
-        log.warning(
-            "[coordinator round=%d site=%s] heard from again after %.1fs of silence: sending "
-            "its plan again",
-            round_id,
-            site_id,
-            silent_s,
-        )
-        c.metrics.plans_resent.inc()
-        c._send(member.peer, plan)
-
-
 def schedule(c: Coordinator, now: float, participants: tuple[str, ...]) -> tuple[RoundPlan, str]:
     assert c.state is not None
     cfg = c.cfg

@@ -31,7 +31,7 @@ from comm.security.zap import ZapHandler
 from comm.transport.router import RouterChannel
 from comm.wire.schema import ERROR_MEANINGS, Error, ErrorCode, Message, RoundStart
 from comm.wire.tensors import fragments, state_hash
-from coordinator import closing, intake, opening
+from coordinator import closing, intake, opening, redelivery
 from coordinator.aggregate import RunningSum
 from coordinator.config import CoordinatorConfig
 from coordinator.decisions import Abort, Close, Open, Remove, Rerun
@@ -129,8 +129,10 @@ class Coordinator:
         self._views: dict[str, SiteView] = {}
         self._round_plan: dict[int, RoundPlan] = {}
         # The RoundStart each participant of an open round was sent, to send again to a site
-        # heard from after a silence that may have lost it (see ``opening.resend_plans``).
+        # heard from after a loss (see ``redelivery``), and the members a send failed to since
+        # they were last heard from.
         self._round_starts: dict[int, dict[str, RoundStart]] = {}
+        self._undelivered: set[str] = set()
         # Arrival alignment: when each on-time update landed, per open round; how early each
         # site's landed in the latest closed round (``_early_round``) before its last one, and
         # the extra steps it had there.
@@ -340,6 +342,8 @@ class Coordinator:
         before = self.chan.stats.bytes_sent
         ok = self.chan.send(peer, msg)
         self.metrics.wire_bytes.labels(direction="out").inc(self.chan.stats.bytes_sent - before)
+        if not ok:
+            redelivery.send_failed(self, peer)
         return ok
 
     def _hash(self, state: GlobalState | None = None) -> str:
@@ -394,6 +398,7 @@ class Coordinator:
 
     def _remove(self, site_id: str) -> None:
         m = self.book.leave(site_id)
+        self._undelivered.discard(site_id)
         if m is not None and self.chan is not None:
             self.chan.forget(m.peer)
         self.metrics.members.set(len(self.book.members))

@@ -533,6 +533,62 @@ def test_a_site_heard_from_after_a_silence_gets_the_plans_it_owes_again() -> Non
         assert plans_resent(h.coord) == 2
 
 
+class Reset:
+    """An injector on the coordinator's socket: while ``on``, a send to ``site`` of a message
+    ``kind`` fails as a send to a peer that is not connected (its connection was reset)."""
+
+    def __init__(self, h: Harness, site: str, kind: type = object) -> None:
+        assert h.coord.chan is not None
+        self.chan, self.peer, self.kind = h.coord.chan, h.coord.members[site].peer, kind
+        self.real, self.on, self.dropped = self.chan.send, True, 0
+        self.chan.send = self._send  # type: ignore[method-assign]
+
+    def _send(self, peer: bytes, msg: Message) -> bool:
+        if self.on and peer == self.peer and isinstance(msg, self.kind):
+            self.dropped += 1
+            return False
+        return self.real(peer, msg)
+
+
+@pytest.mark.timeout(60)
+def test_a_site_a_result_failed_to_reach_gets_the_deltas_when_heard_from() -> None:
+    with running() as h:  # blocking rounds, both sites needed
+        eu, us, rs = start_round(h)
+        reset = Reset(h, "us")
+        assert merge_round(h, eu, us, rs).global_version == 1
+        h.until(lambda: reset.dropped == 1)
+        # us missed v1, so it is not in sync, and round 2 (both sites needed) cannot open: the
+        # federation would wait for us for good.
+        assert not h.coord.members["us"].in_sync and h.coord.members["us"].global_version == 0
+        assert h.coord.open_rounds == []
+        reset.on = False
+        got = heard(h, us)  # the connection is back: us is sent what it missed
+        assert [type(m) for m in got] == [Global], got
+        delta = got[0]
+        assert isinstance(delta, Global)
+        assert (delta.is_full, delta.base_version, delta.global_version) == (False, 0, 1)
+        assert h.coord.members["us"].in_sync and h.coord.members["us"].global_version == 1
+        plan: RoundStart = h.expect(us, RoundStart)
+        assert (plan.round_id, plan.participants) == (2, ("eu", "us"))
+        assert heard(h, us) == []  # once
+
+
+@pytest.mark.timeout(60)
+def test_a_plan_that_failed_to_reach_a_site_is_sent_when_it_is_heard_from() -> None:
+    with running() as h:
+        eu, us, rs = start_round(h)
+        reset = Reset(h, "us", RoundStart)
+        merge_round(h, eu, us, rs)
+        h.expect(us, Global)
+        plan_eu: RoundStart = h.expect(eu, RoundStart)
+        assert reset.dropped == 1 and plan_eu.participants == ("eu", "us")
+        reset.on = False
+        got = heard(h, us)
+        assert [(type(m), getattr(m, "round_id", 0)) for m in got] == [(RoundStart, 2)], got
+        assert heard(h, us) == []
+        assert plans_resent(h.coord) == 1
+
+
 def test_a_site_that_built_the_same_initial_model_downloads_nothing(harness: Harness) -> None:
     h = harness
     eu, us = h.site("eu"), h.site("us")
