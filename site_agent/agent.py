@@ -113,6 +113,7 @@ class SiteAgent:
         self.clock = clock
         self.auth = AuthWatch()
         self._echoes_seen, self._last_echo_at = 0, clock()
+        self._disconnects_seen = 0
         self._unanswered: dict[int, Update] = {}  # sent, no result yet: resent after a gap
         self.trainer = trainer
         self.val_batches = val_batches
@@ -311,6 +312,7 @@ class SiteAgent:
                 # The rounds planned by a coordinator that forgot us (it restarted, or timed us
                 # out) are void, the one being trained included: its result will never come.
                 self.rounds.rejoin()
+                self._unanswered.clear()  # their rounds are void too: nothing to send again
                 self._join()
             return None
         if code is ErrorCode.MODEL_MISMATCH:
@@ -373,11 +375,17 @@ class SiteAgent:
             self._echoes_seen = self.link.stats.echoes_received
             self.auth.accepted()  # the coordinator echoes only a member's heartbeats
             now = self.clock()
-            # Only a silence as long as the heartbeat timeout (the connection was given up and
-            # made again) can have lost what was in flight; a coordinator slow to echo for a few
-            # seconds (busy, or starved of CPU) lost nothing, and resending would only add bytes.
-            if now - self._last_echo_at >= self.cfg.channel.heartbeat_timeout_s:
-                self._resend_unanswered(now - self._last_echo_at)
+            # Only a dropped connection (reset, or given up after a silence as long as the
+            # heartbeat timeout) can have lost what was in flight; a coordinator slow to echo
+            # for a few seconds (busy, or starved of CPU) lost nothing, and resending would only
+            # add bytes.
+            silent_s = now - self._last_echo_at
+            dropped = self.link.stats.disconnects != self._disconnects_seen
+            self._disconnects_seen = self.link.stats.disconnects
+            if dropped:
+                self._resend_unanswered("the connection dropped")
+            elif silent_s >= self.cfg.channel.heartbeat_timeout_s:
+                self._resend_unanswered(f"{silent_s:.1f}s of silence")
             self._last_echo_at = now
         sent, received = self.link.stats.bytes_sent, self.link.stats.bytes_received
         self.metrics.wire(sent - self._bytes_seen[0], received - self._bytes_seen[1])

@@ -243,8 +243,8 @@ def mask_and_send(
     return True
 
 
-def resend_unanswered(self: SiteAgent, silent_s: float) -> None:
-    """The link was silent (cut, or the coordinator away) and is back: what was in flight
+def resend_unanswered(self: SiteAgent, why: str) -> None:
+    """The link dropped (reset, or silent for the heartbeat timeout) and is back: what was in flight
     may be lost, and a lost update would hold its round until the deadline. Send again the
     updates whose round has no result yet (a copy that did arrive is refused as a
     duplicate, harmlessly)."""
@@ -254,9 +254,9 @@ def resend_unanswered(self: SiteAgent, silent_s: float) -> None:
     }
     for round_id, msg in sorted(self._unanswered.items()):
         log.warning(
-            "[site=%s round=%d] link back after %.1fs of silence: sending the update again",
+            "[site=%s round=%d] link back after %s: sending the update again",
             self.site_id,
             round_id,
-            silent_s,
+            why,
         )
         self._send(msg)

@@ -438,3 +438,28 @@ def test_site_link_moves_transfers_on_its_thread_and_flushes_on_close(
     assert link.pending_sends == 0
     assert link.stats.rejected == {} and link.stats.messages_dropped == 0
     assert audit.violations == []
+
+
+@pytest.mark.timeout(60)
+def test_site_link_counts_each_drop_of_its_connection(ctx: zmq.Context[Any]) -> None:
+    served = _RouterThread(ctx)
+
+    def beat() -> Message:
+        return Heartbeat(site_id="eu", global_version=0, sent_at=time.monotonic())
+
+    link = SiteLink(CFG, identity="eu", endpoint=served.endpoint, heartbeat=beat)
+    link.start()
+    open_ = True
+    try:
+        _, first = served.messages.get(timeout=WAIT_S)  # connected: a heartbeat came through
+        assert isinstance(first, Heartbeat) and link.stats.disconnects == 0
+        served.close()  # the coordinator's end goes away: the connection drops
+        open_ = False
+        deadline = time.monotonic() + WAIT_S
+        while link.stats.disconnects == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert link.stats.disconnects == 1
+    finally:
+        link.close(flush_timeout_s=0)
+        if open_:
+            served.close()

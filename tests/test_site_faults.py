@@ -427,9 +427,19 @@ def test_a_slow_echo_short_of_the_heartbeat_timeout_sends_nothing_again(
     assert _silence(tmp_path, silence_s) == [1]
 
 
-def _silence(tmp_path: Path, silence_s: float) -> list[int]:
-    """Round 1's update goes out, the link is silent for ``silence_s``, an echo arrives, and
-    the round's result never comes; returns the updates sent (until the script ends)."""
+@pytest.mark.parametrize("silence_s", [0.0, 2.5])
+def test_a_dropped_connection_sends_the_update_again_after_any_silence(
+    tmp_path: Path, silence_s: float
+) -> None:
+    # A reset (both ends see it at once) reconnects within a second: no long silence, but what
+    # was in flight died with the old connection.
+    assert _silence(tmp_path, silence_s, resets=1) == [1, 1]
+
+
+def _silence(tmp_path: Path, silence_s: float, resets: int = 0) -> list[int]:
+    """Round 1's update goes out, the link is silent for ``silence_s`` (its connection dropping
+    ``resets`` times), an echo arrives, and the round's result never comes; returns the updates
+    sent (until the script ends)."""
     now = [0.0]
     polls = {"n": 0}
 
@@ -440,6 +450,7 @@ def _silence(tmp_path: Path, silence_s: float) -> list[int]:
             if not self.cut and self.updates() == [1]:
                 self.cut = True
                 now[0] += silence_s
+                self.stats.disconnects += resets
                 self.stats.echoes_received += 1
             return super().recv(timeout_s)
 

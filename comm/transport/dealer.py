@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from comm.transport.endpoint import _Endpoint
 from comm.transport.profile import COORDINATOR_PEER, ChannelConfig, RejectHook, _apply_profile
@@ -46,6 +47,16 @@ class DealerChannel(_Endpoint):
 
     def connect(self, endpoint: str) -> None:
         self._sock.connect(endpoint)
+
+    def watch_disconnects(self) -> zmq.Socket[Any]:
+        """A monitor socket that gets an event each time the connection to the coordinator
+        drops (a reset, or given up by the heartbeat timeout); the caller polls it and closes
+        it (with :meth:`unwatch`) before this channel."""
+        return self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    def unwatch(self, monitor: zmq.Socket[Any]) -> None:
+        self._sock.disable_monitor()
+        monitor.close(linger=0)
 
     def _prefix_for(self, peer: bytes) -> list[bytes]:
         return []
@@ -121,6 +132,7 @@ class SiteLink:
             self.cfg, identity=self.identity, context=self._context, on_reject=self._on_reject
         )
         self.stats = chan.stats
+        monitor = chan.watch_disconnects()
         try:
             chan.connect(self.endpoint)
             ready.set()
@@ -131,6 +143,7 @@ class SiteLink:
                     self._send(chan, self._heartbeat())
                     next_beat = now + self.cfg.heartbeat_interval_s
                 self._drain_outbox(chan)
+                self._count_disconnects(monitor)
                 msg = chan.recv(0.005)  # also takes acks, sends on and resumes transfers
                 self._pending_sends = chan.pending_transfers + chan.queued_messages
                 if isinstance(msg, Heartbeat):  # the coordinator's echo of one of ours
@@ -155,7 +168,15 @@ class SiteLink:
             log.exception("site link I/O thread failed")
         finally:
             ready.set()
+            chan.unwatch(monitor)
             chan.close(flush_timeout_s=0)
+
+    def _count_disconnects(self, monitor: zmq.Socket[Any]) -> None:
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.stats.disconnects += 1
+                log.info("[site=%s] connection to the coordinator dropped", self.identity)
 
     def _drain_outbox(self, chan: DealerChannel) -> None:
         while True:

@@ -31,6 +31,9 @@ class ChannelStats:
     acks_dropped: int = 0
     """Acknowledgements that could not be sent (peer gone or not draining)."""
     echoes_received: int = 0
+    disconnects: int = 0
+    """Times the connection to the peer dropped (a site's link: reset, or given up for silence);
+    what was in flight then may be lost."""
     """Heartbeats the peer echoed back (a coordinator echoes only a member's heartbeats)."""
     credit_waits: int = 0
     """Large messages sent from here that waited for credit with every chunk acknowledged: the
