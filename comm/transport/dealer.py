@@ -108,6 +108,7 @@ class SiteLink:
         self._failure: BaseException | None = None
         self._flush_timeout_s = cfg.heartbeat_timeout_s
         self._pending_sends = 0  # written by the I/O thread only
+        self._dropped = False  # I/O thread: a drop was logged and no echo came since
         self.stats = ChannelStats()
 
     @property
@@ -148,6 +149,7 @@ class SiteLink:
                 self._pending_sends = chan.pending_transfers + chan.queued_messages
                 if isinstance(msg, Heartbeat):  # the coordinator's echo of one of ours
                     self.stats.echoes_received += 1
+                    self._dropped = False
                     now = time.monotonic()
                     self.stats.rtt_sample(now - msg.sent_at)
                     chan.rtt_sample(COORDINATOR_PEER, now - msg.sent_at, now)
@@ -176,7 +178,10 @@ class SiteLink:
             event = recv_monitor_message(monitor)
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self.stats.disconnects += 1
-                log.info("[site=%s] connection to the coordinator dropped", self.identity)
+                # Once per outage: while the far end is away each reconnect attempt may drop.
+                if not self._dropped:
+                    log.info("[site=%s] connection to the coordinator dropped", self.identity)
+                self._dropped = True
 
     def _drain_outbox(self, chan: DealerChannel) -> None:
         while True:
