@@ -31,7 +31,7 @@ from comm.wire.schema import (
     Welcome,
 )
 from comm.wire.tensors import decode_tensors
-from coordinator import redelivery
+from coordinator import delivery, redelivery
 from coordinator.aggregate import RunningSum
 from coordinator.decisions import (
     Refusal,
@@ -110,7 +110,7 @@ def on_join(c: Coordinator, peer: bytes, msg: Join) -> None:
         ),
     )
     if c.state is not None and not in_sync:
-        c._send_catch_up(msg.site_id, msg.global_version, msg.state_hash)
+        delivery.send_catch_up(c, msg.site_id, msg.global_version, msg.state_hash)
 
 
 def record_secagg_peer(c: Coordinator, peer: bytes, msg: Join) -> None:
@@ -152,7 +152,7 @@ def on_init(c: Coordinator, peer: bytes, msg: InitParams) -> None:
             # join: nothing to download.
             c.book.holds(site_id, 0, in_sync=True)
         else:
-            c._send_full(site_id)
+            delivery.send_full(c, site_id)
     c._publish_status()
 
 
@@ -334,7 +334,7 @@ def handle(c: Coordinator, peer: bytes, msg: Message) -> None:
     elif isinstance(msg, SyncRequest):
         if member_for(c, peer, msg.site_id) is not None and c.state is not None:
             c.book.holds(msg.site_id, -1, in_sync=False)
-            c._send_full(msg.site_id)
+            delivery.send_full(c, msg.site_id)
     elif isinstance(msg, Leave):
         if member_for(c, peer, msg.site_id) is not None:
             log.info("[coordinator site=%s] left: %s", msg.site_id, msg.reason)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from coordinator import delivery
 from coordinator.membership import Member
 
 if TYPE_CHECKING:
@@ -62,4 +63,4 @@ def heard_from(c: Coordinator, member: Member, silent_s: float) -> None:
             why,
             version,
         )
-        c._send_catch_up(site_id, version, c.deltas.hash_at(version))
+        delivery.send_catch_up(c, site_id, version, c.deltas.hash_at(version))

@@ -355,47 +355,6 @@ class Coordinator:
 
     # ---- message handling ------------------------------------------------------------------
 
-    def _send_full(self, site_id: str) -> None:
-        state = self.state  # the latest save covers it: sent once that save is durable
-        assert state is not None
-        self._later(lambda: self._send_full_now(site_id, state))
-
-    def _send_catch_up(self, site_id: str, version: int, digest: str) -> None:
-        """Bring a site that holds ``version`` (state hash ``digest``) to the current model: the
-        broadcast deltas since, when the log proves its hash and bridges the gap, else the model."""
-        state = self.state
-        assert state is not None
-        self._later(lambda: self._catch_up_now(site_id, version, digest, state))
-
-    def _catch_up_now(self, site_id: str, version: int, digest: str, state: GlobalState) -> None:
-        m = self.book.members.get(site_id)
-        if m is None or m.in_sync:
-            return  # left, or a broadcast in between brought it up to date
-        chain = self.deltas.chain(version, digest, state.global_version)
-        if chain is None:
-            self._send_full_now(site_id, state)
-            return
-        if all(self._send_now(m.peer, msg) for msg in chain):
-            self.book.holds(site_id, state.global_version, in_sync=True)
-            self.metrics.catch_up_deltas.inc(len(chain))
-            log.info(
-                "[coordinator site=%s] caught up v%d -> v%d with %d deltas (%d bytes)",
-                site_id,
-                version,
-                state.global_version,
-                len(chain),
-                sum(enc.nbytes for msg in chain for enc in msg.payload),
-            )
-
-    def _send_full_now(self, site_id: str, state: GlobalState) -> None:
-        m = self.book.members.get(site_id)
-        if m is None:
-            return  # left while its model waited for a save
-        version = state.global_version
-        if self._send_now(m.peer, closing.full_global(self, state, round_id=version)):
-            self.book.holds(site_id, version, in_sync=True)
-            log.info("[coordinator site=%s] sent full model v%d", site_id, version)
-
     def _remove(self, site_id: str) -> None:
         m = self.book.leave(site_id)
         self._undelivered.discard(site_id)
