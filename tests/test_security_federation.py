@@ -331,7 +331,11 @@ class Recorder:
                 continue
             except OSError:
                 return
-            server = socket.create_connection(self.upstream)
+            try:
+                server = socket.create_connection(self.upstream)
+            except OSError:  # the coordinator is gone (teardown): a site's reconnect is refused
+                client.close()
+                continue
             self._socks += [client, server]
             for a, b in ((client, server), (server, client)):
                 t = threading.Thread(target=self._pipe, args=(a, b), daemon=True)
