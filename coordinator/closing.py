@@ -256,6 +256,8 @@ def broadcast(c: Coordinator, a: Announcement) -> list[str]:
         # A failed send leaves the site on what it held: it is sent what it missed once it is
         # heard from again (``redelivery``).
         c.book.holds(site_id, r.round_id if ok else m.global_version, in_sync=ok)
+        if not ok:
+            c._missed_result.add(site_id)
     return in_sync
 
 

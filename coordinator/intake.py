@@ -85,6 +85,7 @@ def on_join(c: Coordinator, peer: bytes, msg: Join) -> None:
     record_secagg_peer(c, peer, msg)
     c.book.join(now, msg.site_id, peer, in_sync_version=msg.global_version if in_sync else None)
     c._undelivered.discard(msg.site_id)  # a join is answered with what it needs
+    c._missed_result.discard(msg.site_id)
     c._claims[msg.site_id] = (msg.global_version, msg.state_hash)
     c.metrics.joins.inc()
     c.metrics.members.set(len(c.book.members))

@@ -55,7 +55,10 @@ def heard_from(c: Coordinator, member: Member, silent_s: float) -> None:
         )
         c.metrics.plans_resent.inc()
         c._send(member.peer, plan)
-    if failed and not member.in_sync and c.state is not None:
+    # Only a broadcast that failed to reach it: a site out of sync for another reason (the
+    # initial model not there yet, a SyncRequest answered) is already being served.
+    if site_id in c._missed_result and not member.in_sync and c.state is not None:
+        c._missed_result.discard(site_id)
         version = member.global_version
         log.warning(
             "[coordinator site=%s] heard from again after %s: it holds v%d, sending what it missed",

@@ -133,6 +133,7 @@ class Coordinator:
         # they were last heard from.
         self._round_starts: dict[int, dict[str, RoundStart]] = {}
         self._undelivered: set[str] = set()
+        self._missed_result: set[str] = set()  # a broadcast failed to reach them
         # Arrival alignment: when each on-time update landed, per open round; how early each
         # site's landed in the latest closed round (``_early_round``) before its last one, and
         # the extra steps it had there.
@@ -358,6 +359,7 @@ class Coordinator:
     def _remove(self, site_id: str) -> None:
         m = self.book.leave(site_id)
         self._undelivered.discard(site_id)
+        self._missed_result.discard(site_id)
         if m is not None and self.chan is not None:
             self.chan.forget(m.peer)
         self.metrics.members.set(len(self.book.members))
