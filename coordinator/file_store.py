@@ -29,6 +29,7 @@ from coordinator.history_log import (
     VAL_LOSSES_FILE,
     JsonLog,
     fold_val_losses,
+    fold_val_metrics,
     json_line,
     same_loss,
     split_history,
@@ -72,6 +73,7 @@ class FileStateStore:
         """The latest round, kept in ``meta.json`` (None: no rounds yet)."""
         self._vals = JsonLog(self.dir / VAL_LOSSES_FILE)
         self._saved_vals: dict[int, float] = {}
+        self._saved_metrics: dict[int, dict[str, float]] = {}
         """The validation losses the log holds (to append only what changed)."""
         self._base: _Base | None = None
         self._opened = False
@@ -86,6 +88,7 @@ class FileStateStore:
             self._history.read(0)
             self._vals.read(0)
             self._saved_vals, self._base, self._last_round, self._opened = {}, None, None, True
+            self._saved_metrics = {}
             return None
         meta: dict[str, Any] = json.loads(meta_path.read_text())
         self._base = _Base(
@@ -107,7 +110,9 @@ class FileStateStore:
             logged, last = split_history(meta)
             history = tuple(self._history.read(logged) + last)
             self._last_round = last[0] if last else None
-            self._saved_vals = fold_val_losses(self._vals.read(int(meta["val_loss_records"])))
+            records = self._vals.read(int(meta["val_loss_records"]))
+            self._saved_vals = fold_val_losses(records)
+            self._saved_metrics = fold_val_metrics(records)
         self._opened = True
         return meta, history
 
@@ -144,6 +149,7 @@ class FileStateStore:
             model_fingerprint=str(meta["model_fingerprint"]),
             history=history,
             val_losses=dict(self._saved_vals),
+            val_metrics=dict(self._saved_metrics),
         )
 
     def _check_history(self, state: GlobalState) -> None:
@@ -170,13 +176,19 @@ class FileStateStore:
         }
         gone = [k for k in saved if k not in state.val_losses]
         records: list[dict[str, Any]] = [
-            {"global_version": k, "val_loss": v} for k, v in sorted(changed.items())
+            {"global_version": k, "val_loss": v}
+            | ({"metrics": state.val_metrics[k]} if state.val_metrics.get(k) else {})
+            for k, v in sorted(changed.items())
         ]
         records += [{"global_version": k, "val_loss": None} for k in sorted(gone)]
         self._vals.append([json_line(r) for r in records])
         saved.update(changed)
+        for k in changed:
+            if state.val_metrics.get(k):
+                self._saved_metrics[k] = dict(state.val_metrics[k])
         for k in gone:
             del saved[k]
+            self._saved_metrics.pop(k, None)
 
     def _write_meta(self, round_counter: int) -> None:
         assert self._base is not None

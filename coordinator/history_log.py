@@ -17,7 +17,7 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +124,18 @@ def fold_val_losses(records: Sequence[Mapping[str, Any]]) -> dict[int, float]:
     return vals
 
 
+def fold_val_metrics(records: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, float]]:
+    """The other validation metrics that log ``records`` leave, by version (as the losses)."""
+    out: dict[int, dict[str, float]] = {}
+    for rec in records:
+        version, metrics = int(rec["global_version"]), rec.get("metrics")
+        if rec["val_loss"] is None or not metrics:
+            out.pop(version, None)
+        else:
+            out[version] = {str(k): float(v) for k, v in metrics.items()}
+    return out
+
+
 def same_loss(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
@@ -134,6 +146,7 @@ class RoundLog:
 
     history: tuple[dict[str, Any], ...]
     val_losses: dict[int, float]
+    val_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
 def split_history(meta: Mapping[str, Any]) -> tuple[int, list[dict[str, Any]]]:
@@ -159,4 +172,6 @@ def read_history(state_dir: str | Path) -> RoundLog:
     logged, last = split_history(meta)
     history, _ = read_lines(directory / HISTORY_FILE, logged)
     val_records, _ = read_lines(directory / VAL_LOSSES_FILE, int(meta["val_loss_records"]))
-    return RoundLog(tuple(history + last), fold_val_losses(val_records))
+    return RoundLog(
+        tuple(history + last), fold_val_losses(val_records), fold_val_metrics(val_records)
+    )

@@ -9,9 +9,11 @@ and a counter, never a change of state.
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +39,7 @@ from coordinator.decisions import (
     Refusal,
 )
 from coordinator.membership import Member
+from coordinator.model_spec import first_difference, spec_from_capabilities, spec_from_params
 from coordinator.rounds import OpenRound
 from coordinator.scheduler import SiteView
 from coordinator.strategy import Arrays, global_norm
@@ -64,14 +67,19 @@ def on_join(c: Coordinator, peer: bytes, msg: Join) -> None:
     if not authentic(c, peer, msg.site_id):
         return
     fingerprint = c.state.model_fingerprint if c.state else c._init_fingerprint
+    declared = spec_from_capabilities(msg.capabilities)
     if fingerprint is not None and msg.model_fingerprint != fingerprint:
+        known = c._model_spec or (spec_from_params(c.state.params) if c.state else None)
+        why = f": {first_difference(declared, known)}" if declared and known else ""
         c._reject(
             peer,
             ErrorCode.MODEL_MISMATCH,
-            f"site model {msg.model_fingerprint} != federation model {fingerprint}",
+            f"site model {msg.model_fingerprint} != federation model {fingerprint}{why}",
             msg.site_id,
         )
         return
+    if c._model_spec is None and declared is not None:
+        c._model_spec = declared
     now = c.clock()
     old = c.book.members.get(msg.site_id)
     if old is not None and old.peer != peer:
@@ -299,10 +307,18 @@ def on_eval(c: Coordinator, msg: Eval) -> None:
     if not np.isfinite(msg.val_loss):
         c.metrics.rejected.labels(reason="non_finite").inc()
         return
+    metrics = eval_metrics(msg.metrics)
+    if metrics is None:
+        c.metrics.rejected.labels(reason="malformed").inc()
+        log.warning("[coordinator site=%s] Eval with bad metrics ignored", msg.site_id)
+        return
     if msg.global_version in c.state.val_losses:
         return
     val_losses = {**c.state.val_losses, msg.global_version: msg.val_loss}
-    c.state = replace(c.state, val_losses=val_losses)
+    val_metrics = dict(c.state.val_metrics)
+    if metrics:
+        val_metrics[msg.global_version] = metrics
+    c.state = replace(c.state, val_losses=val_losses, val_metrics=val_metrics)
     c._persist(c.state, counter_only=True)
     if msg.global_version == c.state.global_version:
         c.metrics.val_loss.set(msg.val_loss)
@@ -313,6 +329,26 @@ def on_eval(c: Coordinator, msg: Eval) -> None:
         msg.global_version,
     )
     c._publish_status()
+
+
+MAX_EVAL_METRICS = 32
+
+
+def eval_metrics(raw: Mapping[str, Any]) -> dict[str, float] | None:
+    """A site's other validation metrics, or None when they are not a few finite numbers with
+    names of letters, digits and '_'."""
+    if len(raw) > MAX_EVAL_METRICS:
+        return None
+    out: dict[str, float] = {}
+    for name, value in raw.items():
+        if not (0 < len(name) <= 64 and name.replace("_", "").isalnum()) or name == "loss":
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+        if not math.isfinite(value):
+            return None
+        out[name] = float(value)
+    return out
 
 
 def handle(c: Coordinator, peer: bytes, msg: Message) -> None:

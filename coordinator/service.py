@@ -41,6 +41,7 @@ from coordinator.intake import Accepted
 from coordinator.lifecycle import Lifecycle, lifecycle_config, next_fragment
 from coordinator.membership import Member
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.model_spec import ModelSpec
 from coordinator.outbox import Outbox
 from coordinator.rounds import OpenRound
 from coordinator.scheduler import RoundPlan, SiteView
@@ -101,6 +102,8 @@ class Coordinator:
         self._init_round_records()
         self._init_site: str | None = None
         self._init_fingerprint: str | None = None
+        # The federation's model as a site with its fingerprint declared it: explains refusals.
+        self._model_spec: ModelSpec | None = None
         self._finish_started: float | None = None
         self.finished = False
         self.endpoint = ""
@@ -374,6 +377,7 @@ class Coordinator:
             self._expire(now)
             if self._init_site is not None and self._init_site not in self.book.members:
                 self._init_site = self._init_fingerprint = None
+                self._model_spec = None
             return
         if self.finished:
             return
@@ -445,6 +449,7 @@ class Coordinator:
             "open_round": self.open_round.round_id if self.open_round else None,
             "open_rounds": [r.round_id for r in self.book.open_rounds],
             "val_losses": {str(k): v for k, v in sorted(st.val_losses.items())} if st else {},
+            "val_metrics": {str(k): v for k, v in sorted(st.val_metrics.items())} if st else {},
             "history": list(st.history[-STATUS_HISTORY_TAIL:]) if st else [],
             "history_count": len(st.history) if st else 0,
             "wire_bytes_in": chan.stats.bytes_received if chan else 0,

@@ -36,6 +36,8 @@ class GlobalState:
     """One summary per completed round (JSON-able)."""
     val_losses: dict[int, float] = field(default_factory=dict)
     """Validation loss reported by a site, per global version."""
+    val_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    """The job's other validation metrics (accuracy, say) reported with a version's loss."""
 
 
 class StateStore(Protocol):
@@ -87,4 +89,5 @@ class MemoryStateStore:
             round_counter=state.round_counter,
             history=state.history,
             val_losses=dict(state.val_losses),
+            val_metrics=dict(state.val_metrics),
         )

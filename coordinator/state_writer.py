@@ -27,7 +27,12 @@ def _snapshot(state: GlobalState) -> GlobalState:
     history = state.history
     if history:
         history = (*history[:-1], dict(history[-1]))
-    return replace(state, history=history, val_losses=dict(state.val_losses))
+    return replace(
+        state,
+        history=history,
+        val_losses=dict(state.val_losses),
+        val_metrics=dict(state.val_metrics),
+    )
 
 
 class StateWriter:

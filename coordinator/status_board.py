@@ -62,11 +62,14 @@ class StatusBoard:
         if self.val_losses_tail is not None and isinstance(vals, dict):
             keys = sorted(vals, key=int)
             kept = keys[max(0, len(keys) - self.val_losses_tail) :]
+            metrics = status.get("val_metrics")
             status = {
                 **status,
                 "val_losses": {k: vals[k] for k in kept},
                 "val_losses_count": status.get("val_losses_count", len(vals)),
             }
+            if isinstance(metrics, dict):  # the other metrics of the same versions
+                status["val_metrics"] = {k: metrics[k] for k in kept if k in metrics}
         return status
 
     def publish(self, status: dict[str, Any]) -> None:

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from comm.codecs.feedback import ErrorFeedback
@@ -52,7 +51,6 @@ from site_agent.config import SiteConfig
 from site_agent.launch import (
     EXIT_FATAL,
     EXIT_OK,
-    SiteData,
     SiteTrainer,
     build_agent,
     build_local_trainer,
@@ -64,7 +62,6 @@ from site_agent.launch import (
     under_torchrun,
 )
 from site_agent.metrics import SiteMetrics
-from site_agent.model import model_fingerprint
 from site_agent.privacy import PrivacyAccountant, new_noise_generator
 from site_agent.rounds import SiteRounds
 from site_agent.sync import SentFragment
@@ -77,7 +74,6 @@ __all__ = [
     "EXIT_FATAL",
     "EXIT_OK",
     "SiteAgent",
-    "SiteData",
     "SiteTrainer",
     "build_agent",
     "build_local_trainer",
@@ -105,7 +101,6 @@ class SiteAgent:
         cfg: SiteConfig,
         *,
         trainer: SiteTrainer,
-        val_batches: list[tuple[torch.Tensor, torch.Tensor]],
         metrics: SiteMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -116,9 +111,10 @@ class SiteAgent:
         self._disconnects_seen = 0
         self._unanswered: dict[int, Update] = {}  # sent, no result yet: resent after a gap
         self.trainer = trainer
-        self.val_batches = val_batches
         self.metrics = metrics or SiteMetrics(cfg.site_id)
-        self.fingerprint = model_fingerprint(cfg.model)
+        # What the coordinator compares at the join: the job's factory and its federated state.
+        self.state_spec = trainer.state_spec()
+        self.fingerprint = trainer.fingerprint(cfg.job.factory)
         self.site_id = cfg.site_id
         self.global_params: dict[str, np.ndarray] = {
             k: v.copy() for k, v in trainer.parameters_numpy().items()
@@ -166,6 +162,7 @@ class SiteAgent:
         self._eval_s = 0.0
         self._bytes_seen = (0, 0)
         self._last_val: float | None = None
+        self._last_metrics: dict[str, float] = {}
         self._rounds_sent = 0
         self._last_send_at: float | None = None
         self._steps_at_last_send = 0
@@ -429,6 +426,8 @@ class SiteAgent:
             # while no sync of its was in flight; null until both are measured.
             "compute_utilization": rate / free_rate if rate and free_rate else None,
             "val_loss": self._last_val,
+            "val_metrics": dict(self._last_metrics),
+            "nonfinite_steps": getattr(self.trainer, "skipped_steps", 0),
             "dp_epsilon": self.accountant.epsilon() if self.accountant else None,
             "link_rtt_s": self.link.stats.rtt_s if self.link else 0.0,
             "link_goodput_bps": self.link.stats.goodput_bps if self.link else 0.0,

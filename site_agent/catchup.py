@@ -36,6 +36,10 @@ def join(self: SiteAgent) -> None:
             global_version=self.global_version,
             state_hash=state_hash(self.global_params),
             capabilities={
+                "job": self.cfg.job.factory,
+                "state_spec": [
+                    [name, list(shape), dtype] for name, shape, dtype in self.state_spec
+                ],
                 "stages": self.cfg.stages,
                 "replicas": self.cfg.replicas,
                 "device": resolve_device(self.cfg.device),
@@ -100,6 +104,16 @@ def on_global(self: SiteAgent, msg: Global) -> None:
         return  # asked for the whole model instead
     new, names = decoded
     merge_delay = ""
+    if msg.is_full and msg.global_version == 0 == self.global_version:
+        # We hold θ0 as our factory built it from the seed, and it is not the federation's.
+        self.metrics.rejected("initial_model_differs")
+        log.warning(
+            "[site=%s] the federation's initial model differs from the one this site's job "
+            "built from seed %d: the job's factory is not deterministic in its seed (or the "
+            "sites' seeds differ); training from the federation's",
+            self.site_id,
+            self.cfg.seed,
+        )
     if msg.is_full:
         # A full download replaces everything: local progress and in-flight sends are void.
         local = {k: v.copy() for k, v in new.items()}
@@ -193,22 +207,26 @@ def decode_global(self: SiteAgent, msg: Global) -> tuple[dict[str, np.ndarray], 
 
 
 def evaluate(self: SiteAgent) -> None:
-    """Validation loss of the global model (not of the local replica)."""
+    """The job's validation metrics of the global model (not of the local replica)."""
     t0 = time.monotonic()
     local = self.trainer.parameters_numpy()
     self.trainer.load_parameters(self.global_params)
-    loss = self.trainer.evaluate(self.val_batches)
+    metrics = self.trainer.validate()
     self.trainer.load_parameters(local)
+    if metrics is None:
+        return  # the trainer has no validation (a script that gave none)
     self._eval_s += time.monotonic() - t0
-    self._last_val = loss
+    loss = metrics.pop("loss")
+    self._last_val, self._last_metrics = loss, metrics
     self.metrics.val_loss(loss)
-    tokens = sum(int(y.numel()) for _, y in self.val_batches)
+    self.metrics.val_metrics(metrics)
     self._send(
         Eval(
             site_id=self.site_id,
             global_version=self.global_version,
             val_loss=loss,
-            num_tokens=tokens,
+            metrics=metrics,
         )
     )
-    log.info("[site=%s] val_loss=%.4f at v%d", self.site_id, loss, self.global_version)
+    shown = "".join(f" {k}={v:.4f}" for k, v in sorted(metrics.items()))
+    log.info("[site=%s] val_loss=%.4f%s at v%d", self.site_id, loss, shown, self.global_version)

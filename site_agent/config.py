@@ -2,53 +2,47 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
-from comm.ops.configio import load_section
+from comm.ops.configio import load_section, merge
 from comm.ops.httpsec import HttpSecurityConfig
 from comm.security.kits import SecurityConfig
 from comm.security.masking import SecAggConfig
 from comm.transport.profile import ChannelConfig
+from site_agent.data import DataConfig
+from site_agent.jobs.contract import BYTEGPT_FACTORY
 from site_agent.model import ModelConfig
 from site_agent.privacy import DPConfig
 from site_agent.trainer import InnerOptimConfig
 
 
 @dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    """Where a site's training and validation text comes from."""
+class JobConfig:
+    """The site's job: the factory crossdc calls for its model, data, loss and optimizer."""
 
-    source: str = "stdlib"
-    """``stdlib`` (the embedded default corpus) or ``dir`` (a directory of text files)."""
-    path: str = ""
-    """For ``dir``: the directory of training text."""
-    val_path: str = ""
-    """For ``dir``: a directory of validation text; empty holds out the tail of ``path``."""
-    shard_index: int = 0
-    """For ``stdlib``: which of ``num_shards`` disjoint module sets this site trains on."""
-    num_shards: int = 1
-    """For ``stdlib``: how many sites split the standard library."""
-    max_bytes: int = 0
-    """Cap on training bytes loaded (0: no cap)."""
-    val_fraction: float = 0.05
-    """For ``dir`` without ``val_path``: the fraction of bytes held out at the end."""
+    factory: str = BYTEGPT_FACTORY
+    """``package.module:callable``; the default is the embedded byte GPT."""
+    python_path: tuple[str, ...] = ()
+    """Directories put in front of ``sys.path`` before the factory is imported."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """``[site.job.options]``: handed to the factory as they are."""
+    max_nonfinite_steps: int = 8
+    """A non-finite loss skips its step; this many in a row stop the site."""
 
     def __post_init__(self) -> None:
-        if self.source not in ("stdlib", "dir"):
-            raise ValueError(f"site.data.source must be 'stdlib' or 'dir', got {self.source!r}")
-        if self.source == "dir" and not self.path:
-            raise ValueError("site.data.path is required when site.data.source = 'dir'")
-        if self.num_shards < 1:
-            raise ValueError(f"site.data.num_shards must be >= 1, got {self.num_shards}")
-        if not 0 <= self.shard_index < self.num_shards:
+        module, sep, attr = self.factory.partition(":")
+        if not sep or not module or not attr:
             raise ValueError(
-                f"site.data.shard_index must be in [0, {self.num_shards}), got {self.shard_index}"
+                f"site.job.factory must look like 'package.module:callable', got {self.factory!r}"
             )
-        if self.max_bytes < 0:
-            raise ValueError("site.data.max_bytes must be >= 0")
-        if not 0 < self.val_fraction < 1:
-            raise ValueError("site.data.val_fraction must be in (0, 1)")
+        if self.max_nonfinite_steps < 1:
+            raise ValueError("site.job.max_nonfinite_steps must be >= 1")
+
+    @property
+    def is_builtin_bytegpt(self) -> bool:
+        return self.factory == BYTEGPT_FACTORY
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,8 +70,9 @@ class SiteConfig:
     num_threads: int = 0
     """torch intra-op threads; 0 leaves torch's default."""
     eval_batches: int = 8
-    """Validation batches per evaluation."""
+    """Byte GPT job: validation batches per evaluation."""
     eval_batch_size: int = 16
+    """Byte GPT job: sequences per validation batch."""
     steps_per_poll: int = 4
     """Inner steps between two looks at the coordinator link (where results are merged)."""
     fault_slow_step_s: float = 0.0
@@ -99,9 +94,14 @@ class SiteConfig:
     """Mask updates pairwise so the coordinator learns only their sum (as the coordinator's)."""
     privacy: DPConfig | None = None
     """Differential privacy of this site's updates (clip + Gaussian noise); off when absent."""
+    job: JobConfig = field(default_factory=JobConfig)
+    """``[site.job]``: what this site trains (the embedded byte GPT unless set)."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Byte GPT job: the site's text."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """Byte GPT job: the model's shape."""
     optim: InnerOptimConfig = field(default_factory=InnerOptimConfig)
+    """Byte GPT job: its AdamW and batch size; ``grad_clip`` applies to every job."""
     channel: ChannelConfig = field(default_factory=ChannelConfig)
 
     def __post_init__(self) -> None:
@@ -127,6 +127,8 @@ class SiteConfig:
             raise ValueError("site.eval_batches and site.eval_batch_size must be >= 1")
         if self.stages < 1 or self.replicas < 1:
             raise ValueError("site.stages and site.replicas must be >= 1")
+        if not self.job.is_builtin_bytegpt:
+            self._check_custom_job()
         if self.stages > self.model.num_layers + 2:
             raise ValueError(
                 f"site.stages={self.stages} exceeds the model's {self.model.num_layers + 2} layers"
@@ -138,9 +140,53 @@ class SiteConfig:
 
         self.security.require()
 
+    def _check_custom_job(self) -> None:
+        """The byte GPT's own sections mean nothing to another job: refuse them, not ignore."""
+        defaults: dict[str, object] = {
+            "model": ModelConfig(),
+            "data": DataConfig(),
+            "eval_batches": 8,
+            "eval_batch_size": 16,
+        }
+        for name, default in defaults.items():
+            if getattr(self, name) != default:
+                raise ValueError(
+                    f"site.{name} configures the built-in byte GPT job only; the job "
+                    f"{self.job.factory!r} takes its settings from [site.job.options]"
+                )
+        default_optim = InnerOptimConfig()
+        for name, value in asdict(self.optim).items():
+            if name != "grad_clip" and value != getattr(default_optim, name):
+                raise ValueError(
+                    f"site.optim.{name} configures the built-in byte GPT job only (the job "
+                    f"{self.job.factory!r} builds its own optimizer); site.optim.grad_clip "
+                    "applies to every job"
+                )
+        if self.stages * self.replicas > 1:
+            raise ValueError(
+                "site.stages and site.replicas > 1 pipeline the built-in byte GPT job only; "
+                f"the job {self.job.factory!r} trains in one process per site"
+            )
+
     @property
     def state_path(self) -> Path:
         return Path(self.state_dir)
+
+    def job_options(self) -> dict[str, Any]:
+        """The options the job's factory gets: ``[site.job.options]``, and for the byte GPT its
+        site sections under them."""
+        if not self.job.is_builtin_bytegpt:
+            return dict(self.job.options)
+        return merge(
+            {
+                "model": asdict(self.model),
+                "data": asdict(self.data),
+                "optim": asdict(self.optim),
+                "eval_batches": self.eval_batches,
+                "eval_batch_size": self.eval_batch_size,
+            },
+            self.job.options,
+        )
 
 
 def load_site_config(path: str | Path, **explicit: object) -> SiteConfig:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import sysconfig
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,68 @@ _SKIPPED_TOP_LEVEL = frozenset({"site-packages", "dist-packages", "lib-dynload",
 _SKIPPED_DIRS = frozenset({"__pycache__", "test", "tests", "idle_test", "testdata", "idlelib"})
 
 HELDOUT_MODULUS = 10
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where a site's training and validation text comes from."""
+
+    source: str = "stdlib"
+    """``stdlib`` (the embedded default corpus) or ``dir`` (a directory of text files)."""
+    path: str = ""
+    """For ``dir``: the directory of training text."""
+    val_path: str = ""
+    """For ``dir``: a directory of validation text; empty holds out the tail of ``path``."""
+    shard_index: int = 0
+    """For ``stdlib``: which of ``num_shards`` disjoint module sets this site trains on."""
+    num_shards: int = 1
+    """For ``stdlib``: how many sites split the standard library."""
+    max_bytes: int = 0
+    """Cap on training bytes loaded (0: no cap)."""
+    val_fraction: float = 0.05
+    """For ``dir`` without ``val_path``: the fraction of bytes held out at the end."""
+
+    def __post_init__(self) -> None:
+        if self.source not in ("stdlib", "dir"):
+            raise ValueError(f"site.data.source must be 'stdlib' or 'dir', got {self.source!r}")
+        if self.source == "dir" and not self.path:
+            raise ValueError("site.data.path is required when site.data.source = 'dir'")
+        if self.num_shards < 1:
+            raise ValueError(f"site.data.num_shards must be >= 1, got {self.num_shards}")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise ValueError(
+                f"site.data.shard_index must be in [0, {self.num_shards}), got {self.shard_index}"
+            )
+        if self.max_bytes < 0:
+            raise ValueError("site.data.max_bytes must be >= 0")
+        if not 0 < self.val_fraction < 1:
+            raise ValueError("site.data.val_fraction must be in (0, 1)")
+
+
+@dataclass
+class SiteData:
+    """A site's training corpus and its validation corpus (never trained on)."""
+
+    train: ByteCorpus
+    val: ByteCorpus
+
+
+def load_corpora(d: DataConfig) -> SiteData:
+    """The training and validation corpora ``d`` describes."""
+    max_bytes = d.max_bytes or None
+    if d.source == "stdlib":
+        shards, heldout = stdlib_split(d.num_shards)
+        train = ByteCorpus.from_stdlib_modules(shards[d.shard_index], max_bytes)
+        val = ByteCorpus.from_stdlib_modules(heldout, 4 << 20)
+        return SiteData(train, val)
+    corpus = ByteCorpus.from_text_dir(d.path, max_bytes)
+    if d.val_path:
+        return SiteData(corpus, ByteCorpus.from_text_dir(d.val_path, 4 << 20))
+    cut = int(len(corpus) * (1 - d.val_fraction))
+    return SiteData(
+        ByteCorpus(corpus.data[:cut], source=f"{corpus.source}[:{cut}]"),
+        ByteCorpus(corpus.data[cut:], source=f"{corpus.source}[{cut}:]"),
+    )
 
 
 def stdlib_root() -> Path:

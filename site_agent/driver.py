@@ -12,9 +12,9 @@ from dataclasses import astuple, replace
 from typing import TYPE_CHECKING
 
 from comm.wire.schema import RoundStart
-from site_agent.launch import EXIT_OK
+from site_agent.launch import EXIT_FATAL, EXIT_OK
 from site_agent.rounds import Drop, Send, Stop, Train, Wait
-from site_agent.trainer import TrainStats
+from site_agent.trainer import NonFiniteLossError, TrainStats
 
 if TYPE_CHECKING:
     from site_agent.agent import SiteAgent
@@ -41,7 +41,15 @@ def run(self: SiteAgent) -> int:
             code = self._wait(0.5)
         else:
             assert isinstance(decision, Train)
-            code = self._round(decision.plan)
+            try:
+                code = self._round(decision.plan)
+            except NonFiniteLossError as exc:
+                # Nothing of the diverged training is sent; the checkpoint keeps the last
+                # global model, so a restart resumes from it.
+                log.error("[site=%s] %s", self.site_id, exc)
+                self.leave(f"training diverged at inner step {exc.step}")
+                self._write_site_status()
+                return EXIT_FATAL
         if code is not None:
             return code
 

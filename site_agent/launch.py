@@ -1,4 +1,4 @@
-"""Assembling and launching a site: its device, data and trainer, the agent, and the torchrun
+"""Assembling and launching a site: its device, job and trainer, the agent, and the torchrun
 processes of a site that spans several devices."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import signal
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -18,9 +17,12 @@ import numpy as np
 import torch
 
 from site_agent.config import SiteConfig
-from site_agent.data import BatchSampler, ByteCorpus, eval_batches, sampler_seed, stdlib_split
-from site_agent.model import build_model
-from site_agent.trainer import LocalTrainer, TrainStats
+from site_agent.data import BatchSampler, SiteData, eval_batches, load_corpora, sampler_seed
+from site_agent.jobs.bytegpt import LocalTrainer
+from site_agent.jobs.contract import BYTEGPT_FACTORY, JobContext, StateSpec, build_job
+from site_agent.metrics import SiteMetrics
+from site_agent.model import ModelConfig, build_model, model_fingerprint
+from site_agent.trainer import JobTrainer, TrainStats
 
 if TYPE_CHECKING:
     from site_agent.agent import SiteAgent
@@ -29,7 +31,8 @@ log = logging.getLogger("crossdc.site")
 
 EXIT_OK = 0
 EXIT_FATAL = 3
-"""The coordinator refused this site's model (``model_mismatch``)."""
+"""Not worth a restart: the coordinator refused this site's model (``model_mismatch``), or the
+job's loss stayed non-finite."""
 
 
 class SiteTrainer(Protocol):
@@ -37,7 +40,11 @@ class SiteTrainer(Protocol):
 
     def train_steps(self, num_steps: int) -> TrainStats: ...
 
-    def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float: ...
+    def validate(self) -> dict[str, float] | None: ...
+
+    def state_spec(self) -> StateSpec: ...
+
+    def fingerprint(self, factory_path: str) -> str: ...
 
     def parameters_numpy(self) -> dict[str, np.ndarray]: ...
 
@@ -57,22 +64,36 @@ def resolve_device(spec: str) -> str:
 
 
 def load_site_data(cfg: SiteConfig) -> SiteData:
-    """The site's training corpus and the validation corpus (never trained on)."""
-    d = cfg.data
-    max_bytes = d.max_bytes or None
-    if d.source == "stdlib":
-        shards, heldout = stdlib_split(d.num_shards)
-        train = ByteCorpus.from_stdlib_modules(shards[d.shard_index], max_bytes)
-        val = ByteCorpus.from_stdlib_modules(heldout, 4 << 20)
-        return SiteData(train, val)
-    corpus = ByteCorpus.from_text_dir(d.path, max_bytes)
-    if d.val_path:
-        return SiteData(corpus, ByteCorpus.from_text_dir(d.val_path, 4 << 20))
-    cut = int(len(corpus) * (1 - d.val_fraction))
-    return SiteData(
-        ByteCorpus(corpus.data[:cut], source=f"{corpus.source}[:{cut}]"),
-        ByteCorpus(corpus.data[cut:], source=f"{corpus.source}[{cut}:]"),
+    """The byte GPT job's training corpus and validation corpus (never trained on)."""
+    return load_corpora(cfg.data)
+
+
+def build_job_trainer(
+    cfg: SiteConfig, metrics: SiteMetrics | None = None, *, rank: int = 0, world_size: int = 1
+) -> JobTrainer:
+    """The site's job, built by its factory, in a trainer; checked on one batch and θ0 before
+    anything connects (:class:`~site_agent.jobs.contract.JobError` says what is wrong)."""
+    device = torch.device(resolve_device(cfg.device))
+    context = JobContext(
+        site_id=cfg.site_id,
+        seed=cfg.seed,
+        device=device,
+        options=cfg.job_options(),
+        rank=rank,
+        world_size=world_size,
+        state_dir=cfg.state_path,
     )
+    job = build_job(cfg.job.factory, context, cfg.job.python_path)
+    trainer = JobTrainer(
+        job,
+        grad_clip=cfg.optim.grad_clip,
+        device=device,
+        max_nonfinite_steps=cfg.job.max_nonfinite_steps,
+        on_skipped=metrics.nonfinite_step if metrics is not None else None,
+        where=f"the job from {cfg.job.factory!r}",
+    )
+    trainer.preflight()
+    return trainer
 
 
 def build_local_trainer(cfg: SiteConfig, data: SiteData) -> LocalTrainer:
@@ -118,17 +139,14 @@ def read_endpoint_file(path: str, timeout_s: float) -> str:
 
 
 def build_agent(cfg: SiteConfig) -> SiteAgent:
-    """Assemble a single-process site from its config (data, model, trainer)."""
+    """Assemble a single-process site from its config (its job in a trainer, the agent)."""
     from site_agent.agent import SiteAgent
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    data = load_site_data(cfg)
-    trainer = build_local_trainer(cfg, data)
-    val = eval_batches(
-        data.val, cfg.eval_batches, cfg.eval_batch_size, cfg.model.context_len, seed=0
-    )
-    return SiteAgent(cfg, trainer=trainer, val_batches=val)
+    metrics = SiteMetrics(cfg.site_id)
+    trainer = build_job_trainer(cfg, metrics)
+    return SiteAgent(cfg, trainer=trainer, metrics=metrics)
 
 
 def under_torchrun() -> bool:
@@ -200,8 +218,8 @@ def run_pipeline_site(cfg: SiteConfig) -> int:
             worker_loop(job, data.train, device=env.device)
             return EXIT_OK
         val = eval_batches(data.val, cfg.eval_batches, cfg.eval_batch_size, cfg.model.context_len)
-        with PipelineTrainer.start(job, data.train, device=env.device) as trainer:
-            agent = SiteAgent(cfg, trainer=trainer, val_batches=val)
+        with PipelineTrainer.start(job, data.train, device=env.device) as pipeline:
+            agent = SiteAgent(cfg, trainer=PipelinedSiteTrainer(pipeline, val, cfg.model))
             signal.signal(signal.SIGTERM, lambda *_: agent.request_stop("stopped by signal"))
             agent.start()
             try:
@@ -236,7 +254,48 @@ def read_leader_exit(cfg: SiteConfig) -> int | None:
     return code if isinstance(code, int) else None
 
 
-@dataclass
-class SiteData:
-    train: ByteCorpus
-    val: ByteCorpus
+class PipelinedSiteTrainer:
+    """The byte GPT's pipeline trainer (rank 0's handle) with the agent's trainer surface: its
+    validation scores a fixed list of held-out batches."""
+
+    def __init__(
+        self,
+        pipeline: Any,
+        val_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        model_cfg: ModelConfig,
+    ) -> None:
+        self.pipeline = pipeline
+        self.val_batches = list(val_batches)
+        self.model_cfg = model_cfg
+        self._spec: StateSpec | None = None
+
+    def fingerprint(self, factory_path: str) -> str:
+        assert factory_path == BYTEGPT_FACTORY, "only the byte GPT is pipelined"
+        return model_fingerprint(self.model_cfg)
+
+    def train_steps(self, num_steps: int) -> TrainStats:
+        stats: TrainStats = self.pipeline.train_steps(num_steps)
+        return stats
+
+    def validate(self) -> dict[str, float]:
+        return {"loss": float(self.pipeline.evaluate(self.val_batches))}
+
+    def state_spec(self) -> StateSpec:
+        if self._spec is None:
+            params = self.parameters_numpy()
+            self._spec = [(name, tuple(a.shape), "float32") for name, a in params.items()]
+        return self._spec
+
+    def parameters_numpy(self) -> dict[str, np.ndarray]:
+        params: dict[str, np.ndarray] = self.pipeline.parameters_numpy()
+        return params
+
+    def load_parameters(self, params: Mapping[str, np.ndarray]) -> None:
+        self.pipeline.load_parameters(params)
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = self.pipeline.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.pipeline.load_state_dict(state)

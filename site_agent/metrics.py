@@ -42,6 +42,18 @@ class SiteMetrics:
         self._global_version = Gauge(
             "crossdc_site_global_version", "Global model version held", lab, registry=r
         )
+        self._val_metric = Gauge(
+            "crossdc_site_val_metric",
+            "The job's other validation metrics of the global model (accuracy, say), by name",
+            ["site", "metric"],
+            registry=r,
+        )
+        self._nonfinite_steps = Counter(
+            "crossdc_site_nonfinite_steps_total",
+            "Inner steps skipped because the job's loss was NaN or infinite",
+            lab,
+            registry=r,
+        )
 
     def _declare_compute(self, r: CollectorRegistry, lab: list[str]) -> None:
         """Where the time goes: compute, utilization and stalls on the coordinator."""
@@ -156,6 +168,13 @@ class SiteMetrics:
 
     def val_loss(self, value: float) -> None:
         self._val_loss.labels(site=self.site_id).set(value)
+
+    def val_metrics(self, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            self._val_metric.labels(site=self.site_id, metric=name).set(value)
+
+    def nonfinite_step(self, _step: int) -> None:
+        self._nonfinite_steps.labels(site=self.site_id).inc()
 
     def global_version(self, version: int) -> None:
         self._global_version.labels(site=self.site_id).set(version)

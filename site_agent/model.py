@@ -6,14 +6,13 @@ model into pipeline stages without knowing its internals, and why no weights are
 must own a disjoint set of parameters.
 
 The coordinator never sees this class; it holds named tensors. ``param_spec`` and
-``model_fingerprint`` are what a site shows it so that a site with a different model is rejected.
+``model_fingerprint`` (the job's fingerprint, ``site_agent.jobs.contract``) are what a site shows it
+so that a site with a different model is rejected.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 from dataclasses import dataclass
 
@@ -22,9 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Part of the fingerprint: bump it whenever the architecture or parameter naming changes, so sites
-# running different code cannot join the same federation even with equal config fields.
-ARCHITECTURE_VERSION = "bytegpt-1"
+from site_agent.jobs.contract import BYTEGPT_FACTORY, job_fingerprint, state_spec
 
 INIT_STD = 0.02
 
@@ -196,7 +193,8 @@ def param_spec(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def model_fingerprint(cfg: ModelConfig) -> str:
-    """A short hex digest of the architecture version and every config field."""
-    fields = dataclasses.asdict(cfg)
-    payload = json.dumps({"architecture": ARCHITECTURE_VERSION, **fields}, sort_keys=True)
-    return hashlib.blake2b(payload.encode(), digest_size=8).hexdigest()
+    """The byte GPT job's fingerprint at ``cfg``: the job factory and the names, shapes and dtypes
+    of its state, as every site of a federation must show at its join."""
+    with torch.device("meta"):
+        model = ByteGPT(cfg)
+    return job_fingerprint(BYTEGPT_FACTORY, state_spec(model), dataclasses.asdict(cfg))

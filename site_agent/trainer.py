@@ -1,17 +1,21 @@
-"""The inner loop of a site: AdamW steps on the local replica between outer syncs.
+"""The inner loop of a site: a job's optimizer steps on the local replica between outer syncs.
 
-``LocalTrainer`` is the single-process trainer. A pipeline trainer offers the same small surface
-(``train_steps``, ``evaluate``, ``parameters_numpy``, ``load_parameters``, ``state_dict``,
-``load_state_dict``), so the site agent drives either without knowing which one it holds.
+``JobTrainer`` drives any job (``site_agent.jobs.contract``) in one process: it draws the job's
+batches, takes the loss, and does zero_grad, backward, clipping and the optimizer and scheduler
+steps. A pipeline trainer offers the same small surface (``train_steps``, ``validate``,
+``parameters_numpy``, ``load_parameters``, ``state_spec``, ``state_dict``, ``load_state_dict``),
+so the site agent drives either without knowing which one it holds.
 
 As in DiLoCo, the inner optimizer's state survives across rounds: ``load_parameters`` replaces the
-model's values with the new global ones but leaves the AdamW moments and the step counter alone.
+model's values with the new global ones but leaves the optimizer's moments and the step counter
+alone.
 """
 
 from __future__ import annotations
 
+import copy
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +23,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from site_agent.data import BatchSampler
-from site_agent.model import lm_loss
+from site_agent.jobs.contract import (
+    Job,
+    JobError,
+    StateSpec,
+    check_metrics,
+    federated_state,
+    job_fingerprint,
+)
+from site_agent.jobs.contract import state_spec as model_state_spec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,103 +101,204 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-class LocalTrainer:
-    """Inner training of one model replica in this process, on ``device``."""
+class NonFiniteLossError(RuntimeError):
+    """A run of inner steps whose loss was NaN or infinite: the site stops, sending nothing."""
+
+    def __init__(self, step: int, run: int) -> None:
+        super().__init__(
+            f"the loss was not finite at {run} inner steps in a row, the last at inner step "
+            f"{step}: stopping (nothing of this training was sent)"
+        )
+        self.step = step
+        self.run = run
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor in it (nested in tuples, lists and dicts) on ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, list):
+        return [to_device(value, device) for value in batch]
+    if isinstance(batch, tuple):
+        moved = [to_device(value, device) for value in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else tuple(moved)
+    if hasattr(batch, "to") and hasattr(batch, "keys"):  # e.g. transformers' BatchEncoding
+        return batch.to(device)
+    return batch
+
+
+def first_dimension(batch: Any) -> int:
+    """The default weight of a batch: the first dimension of the first tensor in it."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.ndim else 1
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(values, list | tuple) or isinstance(batch, Mapping):
+        for value in values:
+            size = first_dimension(value)
+            if size:
+                return size
+    return 0
+
+
+class JobTrainer:
+    """Inner training of one job's model in this process.
+
+    ``grad_clip``: the largest global gradient L2 norm (0 disables clipping).
+    ``max_nonfinite_steps``: a non-finite loss skips its step (counted by ``on_skipped``); this
+    many in a row raise :class:`NonFiniteLossError`.
+    """
 
     def __init__(
         self,
+        job: Job,
         *,
-        model: nn.Module,
-        sampler: BatchSampler,
-        optim_cfg: InnerOptimConfig,
-        device: str | torch.device = "cpu",
+        grad_clip: float = 1.0,
+        device: str | torch.device | None = None,
+        max_nonfinite_steps: int = 8,
+        on_skipped: Callable[[int], None] | None = None,
+        where: str = "the job",
     ) -> None:
-        if sampler.batch_size != optim_cfg.batch_size:
-            raise ValueError(
-                f"sampler batch_size={sampler.batch_size} differs from "
-                f"inner_optim.batch_size={optim_cfg.batch_size}"
-            )
+        self.job = job
+        self.model = job.model
+        if device is None:
+            first = next(iter(self.model.parameters()), None)
+            device = first.device if first is not None else "cpu"
         self.device = torch.device(device)
-        self.model = model.to(self.device)
-        self.sampler = sampler
-        self.optim_cfg = optim_cfg
-        self.step = 0  # inner steps taken over the trainer's whole life, drives the LR schedule
-        decay = [p for p in self.model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": optim_cfg.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=learning_rate(optim_cfg, 0),
-            betas=(optim_cfg.beta1, optim_cfg.beta2),
-        )
+        self.model.to(self.device)
+        self.optimizer = job.optimizer
+        self.scheduler = getattr(job, "scheduler", None)
+        self.grad_clip = grad_clip
+        self.max_nonfinite_steps = max_nonfinite_steps
+        self.on_skipped = on_skipped
+        self.where = where
+        self.step = 0  # inner steps taken over the trainer's whole life
+        self.skipped_steps = 0
+        self._nonfinite_run = 0
+        self._batches: Iterator[Any] | None = None
+        self._state = federated_state(self.model)
+        self._weight: Callable[[Any], int] = getattr(job, "weight", first_dimension)
+
+    def _next_batch(self) -> Any:
+        if self._batches is None:
+            self._batches = iter(self.job.batches())
+        try:
+            return next(self._batches)
+        except StopIteration:
+            self._batches = iter(self.job.batches())
+        try:
+            return next(self._batches)
+        except StopIteration:
+            raise JobError(f"{self.where}: batches() yielded no batch") from None
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        """The job's loss on one batch (already on the device), checked to be a scalar."""
+        loss = self.job.loss(self.model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise JobError(f"{self.where}: loss must return a scalar tensor, got {got}")
+        return loss.reshape(())
 
     def train_steps(self, num_steps: int) -> TrainStats:
-        """Take ``num_steps`` inner AdamW steps on freshly sampled batches."""
+        """Take ``num_steps`` inner steps on the job's next batches."""
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self.model.train()
-        cfg = self.optim_cfg
         losses: list[torch.Tensor] = []
         tokens = 0
         start = time.perf_counter()
         for _ in range(num_steps):
-            x, y = self.sampler.next_batch()
-            x = x.to(self.device, non_blocking=True)
-            y = y.to(self.device, non_blocking=True)
-            loss = lm_loss(self.model(x), y)
+            batch = to_device(self._next_batch(), self.device)
+            loss = self.loss(batch)
+            self.step += 1
+            # One host sync per step: a non-finite loss must not reach the optimizer.
+            if not bool(torch.isfinite(loss)):
+                self._skip()
+                continue
+            self._nonfinite_run = 0
             self.optimizer.zero_grad(set_to_none=True)
             torch.autograd.backward(loss)
-            if cfg.grad_clip > 0:
-                nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-            lr = learning_rate(cfg, self.step)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+            if self.grad_clip > 0:
+                nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
             self.optimizer.step()
-            self.step += 1
-            tokens += y.numel()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            tokens += int(self._weight(batch))
             losses.append(loss.detach())
-        # One host sync for the whole call: reading the losses waits for the device to finish.
-        loss_values = torch.stack(losses).double().cpu()
-        compute_seconds = time.perf_counter() - start
+        if losses:
+            loss_values = torch.stack(losses).double().cpu()
+            loss_mean, loss_last = float(loss_values.mean()), float(loss_values[-1])
+        else:
+            loss_mean = loss_last = float("nan")
         return TrainStats(
             steps=num_steps,
             tokens=tokens,
-            loss_mean=float(loss_values.mean()),
-            loss_last=float(loss_values[-1]),
-            compute_seconds=compute_seconds,
+            loss_mean=loss_mean,
+            loss_last=loss_last,
+            compute_seconds=time.perf_counter() - start,
         )
 
-    @torch.no_grad()
-    def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Mean loss over ``batches`` in eval mode; equal-sized batches make it a per-token mean."""
-        if not batches:
-            raise ValueError("evaluate needs at least one batch")
+    def _skip(self) -> None:
+        self.skipped_steps += 1
+        self._nonfinite_run += 1
+        if self.on_skipped is not None:
+            self.on_skipped(self.step)
+        if self._nonfinite_run >= self.max_nonfinite_steps:
+            raise NonFiniteLossError(self.step, self._nonfinite_run)
+
+    def preflight(self) -> dict[str, float]:
+        """Check the job before it joins: ``loss`` on one batch is a finite-or-not scalar and
+        ``evaluate`` of the initial model holds a finite ``"loss"``. The job's own state (its
+        data cursor) is put back, so training draws the same batches as without the check."""
+        saved = copy.deepcopy(self.job.state_dict()) if hasattr(self.job, "state_dict") else None
+        # The forward pass in train mode moves BatchNorm statistics and draws dropout masks:
+        # the model and the RNG are put back too, so every site still holds the seed's θ0.
+        model_state = copy.deepcopy(self.model.state_dict())
+        try:
+            batch = next(iter(self.job.batches()))
+        except StopIteration:
+            raise JobError(f"{self.where}: batches() yielded no batch") from None
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            self.loss(to_device(batch, self.device))
+        self.model.load_state_dict(model_state)
+        if saved is not None:
+            self.job.load_state_dict(saved)  # type: ignore[attr-defined]
+        return self.validate()
+
+    def validate(self) -> dict[str, float]:
+        """The job's validation metrics of the model as it is now (eval mode, no gradients)."""
         was_training = self.model.training
         self.model.eval()
         try:
-            total = torch.zeros((), dtype=torch.float64, device=self.device)
-            for x, y in batches:
-                logits = self.model(x.to(self.device))
-                total += lm_loss(logits, y.to(self.device)).double()
+            with torch.no_grad():
+                metrics = self.job.evaluate(self.model)
         finally:
             self.model.train(was_training)
-        return float(total.cpu()) / len(batches)
+        return check_metrics(metrics, self.where)
+
+    def state_spec(self) -> StateSpec:
+        return model_state_spec(self.model)
+
+    def fingerprint(self, factory_path: str) -> str:
+        """The job's fingerprint (``job_fingerprint``) under ``factory_path``."""
+        return job_fingerprint(
+            factory_path, self.state_spec(), getattr(self.job, "architecture", None)
+        )
 
     def parameters_numpy(self) -> dict[str, np.ndarray]:
-        """float32 CPU copies of the model's state, in ``state_dict`` order."""
+        """float32 CPU copies of the federated state, in ``state_dict`` order."""
         return {
             name: tensor.detach().to("cpu", torch.float32, copy=True).numpy()
-            for name, tensor in self.model.state_dict().items()
+            for name, tensor in self._state.items()
         }
 
     def load_parameters(self, params: Mapping[str, np.ndarray]) -> None:
         """Copy ``params`` into the model in place; the optimizer state is kept.
 
-        Names and shapes must match the model's ``state_dict`` exactly; nothing is copied otherwise.
+        Names and shapes must match the federated state exactly; nothing is copied otherwise.
         """
-        state = self.model.state_dict()
+        state = self._state
         for name in state:
             if name not in params:
                 raise ValueError(f"parameter {name!r} is missing")
@@ -205,16 +317,28 @@ class LocalTrainer:
                 tensor.copy_(torch.tensor(params[name]))
 
     def state_dict(self) -> dict[str, Any]:
-        """A CPU snapshot of model, optimizer, sampler and step; safe for ``weights_only`` loads."""
-        return {
+        """A CPU snapshot of model, optimizer, scheduler, the job's own state and the step;
+        safe for ``weights_only`` loads."""
+        state: dict[str, Any] = {
             "model": _to_cpu(self.model.state_dict()),
             "optimizer": _to_cpu(self.optimizer.state_dict()),
-            "sampler": self.sampler.state_dict(),
             "step": self.step,
         }
+        if self.scheduler is not None:
+            state["scheduler"] = _to_cpu(self.scheduler.state_dict())
+        if hasattr(self.job, "state_dict"):
+            state["job"] = _to_cpu(self.job.state_dict())
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.sampler.load_state_dict(state["sampler"])
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        job_state = state.get("job")
+        if job_state is None and "sampler" in state:  # a byte GPT checkpoint of before jobs
+            job_state = {"sampler": state["sampler"]}
+        if job_state is not None and hasattr(self.job, "load_state_dict"):
+            self.job.load_state_dict(job_state)
         self.step = int(state["step"])
+        self._batches = None  # the job's restored state says where its batches go on

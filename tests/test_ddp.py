@@ -33,8 +33,9 @@ from crossdc.ddp.site import RESULT_FILE, DDPSite
 from crossdc.ddp.trainer import DDPTrainer
 from site_agent.config import SiteConfig
 from site_agent.data import BatchSampler, ByteCorpus
+from site_agent.jobs.bytegpt import LocalTrainer
 from site_agent.model import ModelConfig, build_model
-from site_agent.trainer import InnerOptimConfig, LocalTrainer
+from site_agent.trainer import InnerOptimConfig
 from tests.conftest import ROOT, TINY_MODEL
 
 MODEL = ModelConfig(**TINY_MODEL)

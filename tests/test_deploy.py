@@ -718,6 +718,8 @@ def _populate(coord: CoordinatorMetrics, site: SiteMetrics) -> None:
     site.inner(steps=20, tokens=20 * 8 * 32, seconds=12.0, loss=3.1)
     site.round_sent()
     site.val_loss(3.2)
+    site.val_metrics({"accuracy": 0.5})
+    site.nonfinite_step(7)
     site.global_version(3)
     site.utilization(0.5)  # CrossdcSiteLowComputeUtilization
     site.stalled(1.0)

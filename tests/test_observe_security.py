@@ -262,7 +262,7 @@ def test_the_site_agent_reads_its_http_files_when_it_is_built(tmp_path: Path) ->
         ),
     )
     with pytest.raises(ValueError, match="http.basic_auth_password_file"):
-        SiteAgent(cfg, trainer=FakeTrainer(), val_batches=[])  # type: ignore[arg-type]
+        SiteAgent(cfg, trainer=FakeTrainer())  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,7 +286,6 @@ def test_both_roles_expose_certificate_expiry(tmp_path: Path) -> None:
             security=SecurityConfig(kit_dir=str(eu.site_kit_dir)),
         ),
         trainer=FakeTrainer(),  # type: ignore[arg-type]
-        val_batches=[],
     )
     expiry = site.metrics.registry.get_sample_value(
         "crossdc_site_certificate_expiry_timestamp_seconds", {"site": "eu"}

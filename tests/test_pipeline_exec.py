@@ -31,6 +31,7 @@ import torch
 
 from crossdc.bench.pipeline import analyze
 from site_agent.data import BatchSampler, ByteCorpus, eval_batches
+from site_agent.jobs.bytegpt import LocalTrainer
 from site_agent.model import ModelConfig, build_model, lm_loss
 from site_agent.pipeline.executor import OpRecord, StepTrace, check_schedule
 from site_agent.pipeline.job import PipelineConfig, PipelineJob, replica_seed
@@ -41,7 +42,7 @@ from site_agent.pipeline.schedule import Op, make_schedule
 from site_agent.pipeline.simulate import simulate
 from site_agent.pipeline.stage import PipelineLayout, StageModule, slice_stage
 from site_agent.pipeline.worker import worker_loop
-from site_agent.trainer import InnerOptimConfig, LocalTrainer, TrainStats
+from site_agent.trainer import InnerOptimConfig, TrainStats
 
 torch.set_num_threads(1)
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from comm.security.common import AuthError
 from comm.security.kits import SecurityConfig, init_kit, issue_site, revoke_site
@@ -33,6 +32,7 @@ from comm.wire.schema import (
 from site_agent.agent import EXIT_AUTH_REFUSED, EXIT_OK, SiteAgent
 from site_agent.authwatch import AuthWatch, refusal_reason
 from site_agent.config import SiteConfig
+from site_agent.jobs.contract import job_fingerprint
 from site_agent.rounds import MAX_CANCELLED
 from site_agent.trainer import TrainStats
 
@@ -55,8 +55,14 @@ class FakeTrainer:
             v += num_steps
         return TrainStats(num_steps, 10 * num_steps, 1.0, 1.0, 0.0)
 
-    def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        return 1.0
+    def validate(self) -> dict[str, float]:
+        return {"loss": 1.0}
+
+    def state_spec(self) -> list[tuple[str, tuple[int, ...], str]]:
+        return [(k, v.shape, "float32") for k, v in self.params.items()]
+
+    def fingerprint(self, factory_path: str) -> str:
+        return job_fingerprint(factory_path, self.state_spec())
 
     def parameters_numpy(self) -> dict[str, np.ndarray]:
         return {k: v.copy() for k, v in self.params.items()}
@@ -146,7 +152,7 @@ def make_agent(
         steps_per_poll=1,
     )
     cfg.state_path.mkdir(parents=True)
-    agent = SiteAgent(cfg, trainer=FakeTrainer(), val_batches=[], clock=clock)
+    agent = SiteAgent(cfg, trainer=FakeTrainer(), clock=clock)
     agent.global_version = 0
     agent.link = ScriptedLink(script)  # type: ignore[assignment]
     return agent

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from site_agent.data import BatchSampler, ByteCorpus, eval_batches
+from site_agent.jobs.bytegpt import LocalTrainer
 from site_agent.model import ModelConfig, build_model
-from site_agent.trainer import InnerOptimConfig, LocalTrainer, TrainStats, learning_rate
+from site_agent.trainer import InnerOptimConfig, TrainStats, learning_rate
 
 torch.set_num_threads(1)
 
@@ -126,7 +127,7 @@ def test_state_dict_round_trip_continues_bit_identically(corpus: ByteCorpus) -> 
 
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
-    json.dumps(state["sampler"])  # the sampler's part is plain JSON
+    json.dumps(state["job"]["sampler"])  # the sampler's part is plain JSON
     restarted = _trainer(corpus, model_seed=5, data_seed=11)
     restarted.load_state_dict(state)
     assert restarted.step == 3

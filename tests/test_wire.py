@@ -85,7 +85,9 @@ SAMPLES: dict[MessageType, object] = {
         evaluate=False,
         payload=_payload(),
     ),
-    MessageType.EVAL: schema.Eval(site_id="eu", global_version=7, val_loss=2.1, num_tokens=1024),
+    MessageType.EVAL: schema.Eval(
+        site_id="eu", global_version=7, val_loss=2.1, metrics={"accuracy": 0.5}
+    ),
     MessageType.ERROR: schema.Error(code=int(ErrorCode.STALE_ROUND), detail="round 3 is not open"),
     MessageType.SHUTDOWN: schema.Shutdown(reason="done"),
     MessageType.SYNC_REQUEST: schema.SyncRequest(site_id="eu", global_version=2),

@@ -14,7 +14,8 @@ from typing import Any
 
 from comm.codecs.base import EncodedTensor
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+"""3: ``Eval`` carries the job's metrics (``metrics``) in place of ``num_tokens``."""
 
 
 class MessageType(enum.IntEnum):
@@ -213,12 +214,13 @@ class Global:
 
 @dataclass(frozen=True, kw_only=True)
 class Eval:
-    """A site's validation loss of the global model at ``global_version``."""
+    """A site's validation loss of the global model at ``global_version``, and the job's other
+    validation metrics by name (``{"accuracy": 0.93}``, say; empty when it has none)."""
 
     site_id: str
     global_version: int
     val_loss: float
-    num_tokens: int
+    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

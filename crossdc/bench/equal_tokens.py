@@ -42,8 +42,9 @@ from crossdc.progress import (
     pop_no_progress,
 )
 from site_agent.data import BatchSampler, ByteCorpus, eval_batches, sampler_seed, stdlib_split
+from site_agent.jobs.bytegpt import LocalTrainer
 from site_agent.model import ModelConfig, build_model
-from site_agent.trainer import InnerOptimConfig, LocalTrainer
+from site_agent.trainer import InnerOptimConfig
 
 Arrays = dict[str, np.ndarray]
 

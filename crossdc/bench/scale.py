@@ -156,7 +156,6 @@ def _answer(run: _Run, site: _Site, msg: Message) -> None:
                     site_id=site.site_id,
                     global_version=msg.global_version,
                     val_loss=1.0,
-                    num_tokens=1,
                 )
             )
     elif isinstance(msg, Shutdown):

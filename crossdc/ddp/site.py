@@ -319,13 +319,11 @@ class DDPSite:
             return
         loss = self.trainer.evaluate(self.val_batches)
         self.val_losses[self.steps_done] = loss
-        tokens = sum(int(y.numel()) for _, y in self.val_batches)
         self._send(
             Eval(
                 site_id=self.site_id,
                 global_version=self.steps_done,
                 val_loss=loss,
-                num_tokens=tokens,
             )
         )
         log.info("[site=%s step=%d] val_loss=%.4f", self.site_id, self.steps_done, loss)

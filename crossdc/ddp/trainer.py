@@ -2,7 +2,7 @@
 
 This module owns ``DDPTrainer``: it computes the gradient of a batch without stepping
 (``compute_gradient``) and takes the AdamW step on a given gradient (``apply_gradient``: the same
-clipping and learning-rate schedule as :class:`~site_agent.trainer.LocalTrainer`, which it wraps),
+clipping and learning-rate schedule as :class:`~site_agent.jobs.bytegpt.LocalTrainer`, which it wraps),
 so the sites of a run, applying the same mean gradients, stay bit-identical.
 """
 
@@ -15,8 +15,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from site_agent.jobs.bytegpt import LocalTrainer
 from site_agent.model import lm_loss
-from site_agent.trainer import LocalTrainer, learning_rate
+from site_agent.trainer import learning_rate
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

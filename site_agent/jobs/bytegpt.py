@@ -1,0 +1,196 @@
+"""The embedded default job: the byte-level GPT (``site_agent.model``) on byte corpora
+(``site_agent.data``), trained with AdamW and a linear warm-up.
+
+``make_job`` is its factory (``[site.job] factory = "site_agent.jobs.bytegpt:make_job"``, the
+default). Its options are the tables ``model``, ``data`` and ``optim`` (``ModelConfig``,
+``DataConfig``, ``InnerOptimConfig``) and ``eval_batches`` / ``eval_batch_size``; a site's
+``[site.model]``, ``[site.data]``, ``[site.optim]`` and ``site.eval_*`` fill them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from comm.ops.configio import ConfigError, build
+from site_agent.data import (
+    BatchSampler,
+    ByteCorpus,
+    DataConfig,
+    eval_batches,
+    load_corpora,
+    sampler_seed,
+)
+from site_agent.jobs.contract import JobContext
+from site_agent.model import ModelConfig, build_model, lm_loss
+from site_agent.trainer import InnerOptimConfig, JobTrainer, learning_rate
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class WarmupSchedule(LRScheduler):
+    """``learning_rate(cfg, step)`` for the step about to be taken: linear warm-up, then flat."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: InnerOptimConfig) -> None:
+        self._cfg = cfg
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float | torch.Tensor]:
+        return [learning_rate(self._cfg, self.last_epoch) for _ in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        # Numbers only (the config is rebuilt from the site's), so weights_only loads take it.
+        return {k: v for k, v in super().state_dict().items() if k != "_cfg"}
+
+
+def adamw(model: nn.Module, cfg: InnerOptimConfig) -> torch.optim.AdamW:
+    """AdamW with decoupled weight decay on weight matrices and embeddings only."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=learning_rate(cfg, 0),
+        betas=(cfg.beta1, cfg.beta2),
+    )
+
+
+class ByteGPTJob:
+    """The byte GPT as a job: random windows of the site's corpus, next-byte cross entropy, and
+    the validation loss over a fixed list of held-out batches. A batch weighs its tokens."""
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        sampler: BatchSampler,
+        optim_cfg: InnerOptimConfig,
+        val_batches: Sequence[Batch] = (),
+    ) -> None:
+        if sampler.batch_size != optim_cfg.batch_size:
+            raise ValueError(
+                f"sampler batch_size={sampler.batch_size} differs from "
+                f"inner_optim.batch_size={optim_cfg.batch_size}"
+            )
+        self.model = model
+        # What must agree beside the shapes (heads, say): the model's config when it has one.
+        cfg = getattr(model, "cfg", None)
+        self.architecture = dataclasses.asdict(cfg) if isinstance(cfg, ModelConfig) else {}
+        self.sampler = sampler
+        self.optimizer = adamw(model, optim_cfg)
+        self.scheduler = WarmupSchedule(self.optimizer, optim_cfg)
+        self.val_batches = list(val_batches)
+
+    def batches(self) -> Iterator[Batch]:
+        while True:
+            yield self.sampler.next_batch()
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        x, y = batch
+        return lm_loss(model(x), y)
+
+    def weight(self, batch: Batch) -> int:
+        return int(batch[1].numel())
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        return {"loss": mean_loss(model, self.val_batches)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+
+
+def mean_loss(model: nn.Module, batches: Sequence[Batch]) -> float:
+    """Mean next-byte loss over ``batches`` (equal-sized batches make it a per-token mean)."""
+    if not batches:
+        raise ValueError("evaluate needs at least one batch")
+    device = next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for x, y in batches:
+        total += lm_loss(model(x.to(device)), y.to(device)).double()
+    return float(total.cpu()) / len(batches)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ByteGPTOptions:
+    """The byte GPT job's options (``[site.job.options]``)."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: InnerOptimConfig = dataclasses.field(default_factory=InnerOptimConfig)
+    eval_batches: int = 8
+    """Validation batches per evaluation."""
+    eval_batch_size: int = 16
+    """Sequences per validation batch."""
+
+    def __post_init__(self) -> None:
+        if self.eval_batches < 1 or self.eval_batch_size < 1:
+            raise ValueError("eval_batches and eval_batch_size must be >= 1")
+
+
+def parse_options(options: Mapping[str, Any]) -> ByteGPTOptions:
+    try:
+        return build(ByteGPTOptions, options, prefix="site.job.options.")
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def make_job(ctx: JobContext) -> ByteGPTJob:
+    """The factory of the embedded default job."""
+    opts = parse_options(ctx.options)
+    data = load_corpora(opts.data)
+    model = build_model(opts.model, ctx.seed, device=ctx.device)
+    sampler = BatchSampler(
+        data.train,
+        batch_size=opts.optim.batch_size,
+        context_len=opts.model.context_len,
+        seed=sampler_seed(ctx.seed, opts.data.shard_index),
+    )
+    val = eval_batches(
+        data.val, opts.eval_batches, opts.eval_batch_size, opts.model.context_len, seed=0
+    )
+    return ByteGPTJob(model=model, sampler=sampler, optim_cfg=opts.optim, val_batches=val)
+
+
+class LocalTrainer(JobTrainer):
+    """The byte GPT's trainer, built from its pieces (benchmarks and tests build it so); its
+    ``evaluate`` takes the batches to score."""
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        sampler: BatchSampler,
+        optim_cfg: InnerOptimConfig,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        model = model.to(torch.device(device))
+        super().__init__(
+            ByteGPTJob(model=model, sampler=sampler, optim_cfg=optim_cfg),
+            grad_clip=optim_cfg.grad_clip,
+            device=device,
+        )
+        self.sampler = sampler
+        self.optim_cfg = optim_cfg
+
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[Batch]) -> float:
+        """Mean loss over ``batches`` in eval mode."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return mean_loss(self.model, batches)
+        finally:
+            self.model.train(was_training)
+
+
+__all__ = ["ByteCorpus", "ByteGPTJob", "LocalTrainer", "make_job"]

@@ -1,0 +1,253 @@
+"""The job contract: what a user's job gives crossdc, what crossdc gives the job's factory, and how
+a factory named in ``[site.job]`` is found, called and checked.
+
+A job is the user's model, data, loss and inner optimizer. crossdc calls its factory once per
+process with a :class:`JobContext` and drives what it returns (a :class:`Job`): it does the inner
+steps (zero_grad, backward, clipping, the optimizer and scheduler steps), the syncs, checkpoints
+and metrics. What it federates is the model's parameters and floating-point buffers by name
+(:func:`federated_state`); integer buffers stay local. docs/jobs.md is the user's guide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import math
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+BYTEGPT_FACTORY = "site_agent.jobs.bytegpt:make_job"
+"""The embedded default job: the byte-level GPT on the Python standard library."""
+
+REQUIRED_MEMBERS = ("model", "optimizer", "batches", "loss", "evaluate")
+"""What every job object must have; ``scheduler``, ``weight``, ``state_dict`` and
+``load_state_dict`` are optional."""
+
+
+class JobError(ValueError):
+    """A job that cannot be used: its factory does not import, is not callable, rejects its
+    options, or returns an object that breaks the contract. The message names what is wrong."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobContext:
+    """What crossdc tells a job's factory about the process it runs in."""
+
+    site_id: str
+    """This data center's name (``site.site_id``)."""
+    seed: int
+    """The federation's seed: every site must build the same initial model from it."""
+    device: torch.device
+    """Where the model and its batches live (``site.device`` resolved: CUDA if present)."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """``[site.job.options]``, as the TOML has it: the job's own settings (its data share, say)."""
+    rank: int = 0
+    """This process's rank in the site (0 for a site of one process)."""
+    world_size: int = 1
+    """Processes in the site."""
+    state_dir: Path = Path(".")
+    """The site's own directory for files that must survive a restart (crossdc checkpoints
+    there too, under names of its own)."""
+
+
+@runtime_checkable
+class Job(Protocol):
+    """A user's job. crossdc reads these members and never changes what they mean.
+
+    Optional members: ``scheduler`` (an LR scheduler stepped after every optimizer step),
+    ``architecture`` (a mapping of the settings beside the state's shapes that every site must
+    share, such as a number of attention heads; part of the fingerprint),
+    ``weight(batch) -> int`` (what a batch counts for in the sites' weighted mean; its first
+    dimension by default), ``state_dict()`` / ``load_state_dict(state)`` (the job's own resumable
+    state, such as a data cursor, checkpointed with the site; values must be tensors, numbers,
+    strings, lists or dicts).
+    """
+
+    @property
+    def model(self) -> nn.Module:
+        """The model; its parameters and floating-point buffers are what the federation trains."""
+        ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The inner optimizer over the model's parameters; its state survives every sync."""
+        ...
+
+    def batches(self) -> Iterable[Any]:
+        """The site's training batches; iterated again from the start when exhausted."""
+        ...
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The scalar loss of ``model`` on ``batch`` (crossdc moves the batch's tensors to the
+        device first)."""
+        ...
+
+    def evaluate(self, model: nn.Module) -> Mapping[str, float]:
+        """Validation metrics of ``model``; must hold ``"loss"``. Every other key (``"accuracy"``,
+        say) is reported beside it."""
+        ...
+
+
+JobFactory = Callable[[JobContext], Job]
+
+
+def load_factory(path: str, python_path: Sequence[str] = ()) -> JobFactory:
+    """The callable named ``"package.module:callable"``, after prepending ``python_path`` to
+    ``sys.path``; :class:`JobError` says why when it cannot be had."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise JobError(f"site.job.factory must look like 'package.module:callable', got {path!r}")
+    for entry in reversed(python_path):
+        resolved = str(Path(entry).expanduser().resolve())
+        if not Path(resolved).is_dir():
+            raise JobError(f"site.job.python_path entry {entry!r} is not a directory")
+        if resolved not in sys.path:
+            sys.path.insert(0, resolved)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise JobError(f"site.job.factory {path!r}: cannot import {module_name!r}: {exc}") from exc
+    except Exception as exc:  # the user's module failed while importing
+        raise JobError(
+            f"site.job.factory {path!r}: importing {module_name!r} raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    target: Any = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise JobError(f"site.job.factory {path!r}: {module_name!r} has no {attr!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise JobError(f"site.job.factory {path!r} is not callable ({type(target).__name__})")
+    factory: JobFactory = target
+    return factory
+
+
+def build_job(factory_path: str, context: JobContext, python_path: Sequence[str] = ()) -> Job:
+    """Load the factory, call it with ``context`` and check what it returns."""
+    factory = load_factory(factory_path, python_path)
+    try:
+        job = factory(context)
+    except (ValueError, TypeError, KeyError) as exc:
+        # The factory's own refusal of its options: its message goes through unchanged.
+        raise JobError(f"site.job.factory {factory_path!r} refused its options: {exc}") from exc
+    except Exception as exc:
+        raise JobError(
+            f"site.job.factory {factory_path!r} raised {type(exc).__name__}: {exc}"
+        ) from exc
+    check_job(job, factory_path)
+    return job
+
+
+def check_job(job: object, factory_path: str) -> None:
+    """Every required member is there with the right kind; :class:`JobError` names the first
+    one that is not."""
+    where = f"the job from {factory_path!r}"
+    for name in REQUIRED_MEMBERS:
+        if not hasattr(job, name):
+            raise JobError(f"{where} has no {name!r} (a job needs {', '.join(REQUIRED_MEMBERS)})")
+    model = getattr(job, "model")  # noqa: B009 (names checked above)
+    if not isinstance(model, nn.Module):
+        raise JobError(f"{where}: 'model' must be a torch.nn.Module, got {type(model).__name__}")
+    optimizer = getattr(job, "optimizer")  # noqa: B009
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise JobError(
+            f"{where}: 'optimizer' must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    for name in ("batches", "loss", "evaluate"):
+        if not callable(getattr(job, name)):
+            raise JobError(f"{where}: {name!r} must be callable")
+    for name in ("weight", "state_dict", "load_state_dict"):
+        if hasattr(job, name) and not callable(getattr(job, name)):
+            raise JobError(f"{where}: {name!r} must be callable when present")
+    architecture = getattr(job, "architecture", None)
+    if architecture is not None and not isinstance(architecture, Mapping):
+        raise JobError(f"{where}: 'architecture' must be a mapping when present")
+    if len(inspect.signature(getattr(job, "loss")).parameters) != 2:  # noqa: B009
+        raise JobError(f"{where}: 'loss' must take (model, batch)")
+    owned = {id(p) for p in model.parameters()}
+    stray = [
+        i
+        for i, group in enumerate(optimizer.param_groups)
+        if any(id(p) not in owned for p in group["params"])
+    ]
+    if stray:
+        raise JobError(
+            f"{where}: the optimizer's param group {stray[0]} holds tensors that are not "
+            "parameters of 'model'"
+        )
+
+
+def federated_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors the federation trains, by ``state_dict`` name and in its order: parameters and
+    floating-point buffers. A tensor the model holds under two names (tied weights) is federated
+    once, under its first name; integer buffers (counters, indices) stay local."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    # keep_vars: the Parameter and buffer objects themselves, so a tied one is the same object.
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            continue
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        out[name] = tensor
+    return out
+
+
+StateSpec = list[tuple[str, tuple[int, ...], str]]
+"""Name, shape and dtype of each federated tensor, in ``state_dict`` order."""
+
+
+def state_spec(model: nn.Module) -> StateSpec:
+    return [
+        (name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        for name, t in federated_state(model).items()
+    ]
+
+
+def job_fingerprint(
+    factory_path: str, spec: StateSpec, architecture: Mapping[str, Any] | None = None
+) -> str:
+    """A short digest of the factory path, the sorted names, shapes and dtypes of the federated
+    state and the job's ``architecture`` (the settings beside the shapes that change what the
+    model computes, such as its number of attention heads): two sites may federate only when
+    theirs are equal."""
+    payload = json.dumps(
+        {
+            "factory": factory_path,
+            "state": sorted([name, list(shape), dtype] for name, shape, dtype in spec),
+            **({"architecture": dict(architecture)} if architecture else {}),
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.blake2b(payload.encode(), digest_size=8).hexdigest()
+
+
+def check_metrics(metrics: object, where: str) -> dict[str, float]:
+    """``evaluate``'s result as ``{name: float}``, with ``"loss"``; :class:`JobError` otherwise."""
+    if not isinstance(metrics, Mapping):
+        raise JobError(f"{where}: evaluate must return a mapping, got {type(metrics).__name__}")
+    if "loss" not in metrics:
+        raise JobError(f"{where}: evaluate must return a 'loss' (got {sorted(metrics)})")
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str) or not key.replace("_", "").isalnum():
+            raise JobError(f"{where}: metric name {key!r} must be letters, digits and '_'")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise JobError(f"{where}: metric {key!r} is not a number ({value!r})") from None
+        out[key] = number
+    if not math.isfinite(out["loss"]):
+        raise JobError(f"{where}: evaluate returned a non-finite loss ({out['loss']})")
+    return out

@@ -1,0 +1,348 @@
+"""Library mode: a team's own training script federated as it is, inside a ``with`` block.
+
+``Federation(config, model, optimizer)`` runs the site agent on a thread beside the script's
+loop. The agent sees the loop as its trainer (:class:`LoopTrainer`): when the agent asks for
+``n`` inner steps, the loop runs until its optimizer has stepped ``n`` times (counted by an
+optimizer step hook), then it waits inside that hook while the agent does what it does between
+steps (send the pseudo-gradient, merge a result that landed, checkpoint), and goes on when the
+agent asks for more. So the model is only ever touched by one thread at a time, and everything
+the agent has (overlap, fragments, codecs and error feedback, secure aggregation, checkpoints,
+catch-up, metrics) works for the script unchanged.
+
+Under torchrun only rank 0 runs the agent; at every optimizer step rank 0 tells the other ranks
+through torch.distributed whether the federated state changed (it then broadcasts it) or the
+federation finished, so every rank holds the model rank 0 holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from comm.ops.configio import build
+from site_agent.config import SiteConfig, load_site_config
+from site_agent.jobs.contract import StateSpec, check_metrics, federated_state, job_fingerprint
+from site_agent.jobs.contract import state_spec as model_state_spec
+from site_agent.trainer import TrainStats
+
+log = logging.getLogger("crossdc.site")
+
+Evaluate = Callable[[nn.Module], Mapping[str, float]]
+
+
+class _Stopped(Exception):
+    """The script's loop left the ``with`` block: the agent stops asking for steps."""
+
+
+class LoopTrainer:
+    """The script's loop as the agent's trainer (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        evaluate: Evaluate | None,
+        weight_per_step: float,
+        architecture: Mapping[str, Any] | None = None,
+        on_params_loaded: Callable[[], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.architecture = architecture
+        self.optimizer = optimizer
+        self._evaluate = evaluate
+        self.weight_per_step = weight_per_step
+        self._on_loaded = on_params_loaded
+        self._state = federated_state(model)
+        self._cv = threading.Condition()
+        self._granted = 0  # steps the loop may still take before handing back
+        self._loop_has_turn = False
+        self._loop_done = False
+        self._agent_done = False
+        self.steps = 0
+        self._losses: list[float] = []
+
+    # -- the loop's side (its thread) ---------------------------------------------------------
+
+    def wait_for_turn(self) -> None:
+        """Block the loop until the agent grants it steps (or the federation ends)."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._loop_has_turn or self._agent_done)
+
+    def after_step(self) -> None:
+        """An optimizer step was taken: count it; hand back when the grant is used up."""
+        with self._cv:
+            if self._agent_done or not self._loop_has_turn:
+                return
+            self.steps += 1
+            self._granted -= 1
+            if self._granted > 0:
+                return
+            self._loop_has_turn = False
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: self._loop_has_turn or self._agent_done)
+
+    def record_loss(self, loss: float) -> None:
+        self._losses.append(loss)
+
+    def loop_done(self) -> None:
+        with self._cv:
+            self._loop_done = True
+            self._loop_has_turn = False
+            self._cv.notify_all()
+
+    def agent_done(self) -> None:
+        with self._cv:
+            self._agent_done = True
+            self._cv.notify_all()
+
+    # -- the agent's side (its thread) --------------------------------------------------------
+
+    def train_steps(self, num_steps: int) -> TrainStats:
+        start = time.perf_counter()
+        with self._cv:
+            if self._loop_done:
+                raise _Stopped
+            before = self.steps
+            self._granted, self._loop_has_turn = num_steps, True
+            self._losses.clear()
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: not self._loop_has_turn)
+            taken = self.steps - before
+            losses = list(self._losses)
+        if taken < num_steps:
+            raise _Stopped
+        loss = float(np.mean(losses)) if losses else 0.0
+        return TrainStats(
+            steps=taken,
+            tokens=int(round(taken * self.weight_per_step)),
+            loss_mean=loss,
+            loss_last=losses[-1] if losses else loss,
+            compute_seconds=time.perf_counter() - start,
+        )
+
+    def validate(self) -> dict[str, float] | None:
+        if self._evaluate is None:
+            return None
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                metrics = self._evaluate(self.model)
+        finally:
+            self.model.train(was_training)
+        return check_metrics(metrics, "Federation's evaluate")
+
+    def state_spec(self) -> StateSpec:
+        return model_state_spec(self.model)
+
+    def fingerprint(self, factory_path: str) -> str:
+        return job_fingerprint(factory_path, self.state_spec(), self.architecture)
+
+    def parameters_numpy(self) -> dict[str, np.ndarray]:
+        return {
+            name: t.detach().to("cpu", torch.float32, copy=True).numpy()
+            for name, t in self._state.items()
+        }
+
+    def load_parameters(self, params: Mapping[str, np.ndarray]) -> None:
+        if set(params) != set(self._state):
+            raise ValueError("parameter names differ from the model's federated state")
+        with torch.no_grad():
+            for name, tensor in self._state.items():
+                tensor.copy_(torch.tensor(params[name]))
+        if self._on_loaded is not None:
+            self._on_loaded()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": _cpu(self.optimizer.state_dict()),
+            "step": self.steps,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: _cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_cpu(v) for v in value)
+    return value
+
+
+def _site_config(config: SiteConfig | str | Path | Mapping[str, Any]) -> SiteConfig:
+    if isinstance(config, SiteConfig):
+        return config
+    if isinstance(config, str | Path):
+        return load_site_config(config)
+    table = config.get("site", config)
+    return build(SiteConfig, table, prefix="site.")
+
+
+class Federation:
+    """Federate an unchanged training loop: ``with Federation(config, model, optimizer) as fed:``.
+
+    ``config``: a site's ``[site]`` configuration (a TOML path, a mapping, or a ``SiteConfig``).
+    Its ``[site.job] factory`` is not called: it names the job whose model the script trains,
+    so that the script's site and ``crossdc agent`` sites running that job show the same
+    fingerprint (with ``architecture``, the job's own, when it has one). ``evaluate(model) -> {"loss": ..., ...}`` is optional: without
+    it the site sends no validation metrics. ``weight_per_step``: what one optimizer step counts
+    for in the sites' weighted mean (samples or tokens per step; 1 by default).
+
+    Inside the block the loop trains as it would; ``fed.finished`` turns true when the
+    coordinator ends the federation (the loop should then stop), and ``fed.record_loss(x)``
+    optionally reports the training loss of a step. Leaving the block leaves the federation.
+    """
+
+    def __init__(
+        self,
+        config: SiteConfig | str | Path | Mapping[str, Any],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        evaluate: Evaluate | None = None,
+        weight_per_step: float = 1.0,
+        architecture: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.config = _site_config(config)
+        if not math.isfinite(weight_per_step) or weight_per_step <= 0:
+            raise ValueError(f"weight_per_step must be > 0, got {weight_per_step}")
+        self.model = model
+        self.optimizer = optimizer
+        self.rank = int(os.environ.get("RANK", "0")) if _distributed() else 0
+        self.world_size = torch.distributed.get_world_size() if _distributed() else 1
+        self._changed = False
+        self.trainer = LoopTrainer(
+            model,
+            optimizer,
+            evaluate=evaluate,
+            weight_per_step=weight_per_step * self.world_size,
+            architecture=architecture,
+            on_params_loaded=self._mark_changed,
+        )
+        self._agent: Any = None
+        self._thread: threading.Thread | None = None
+        self._hook: Any = None
+        self.exit_code: int | None = None
+        self._finished = False
+        self._finish_announced = False
+
+    def _mark_changed(self) -> None:
+        self._changed = True
+
+    @property
+    def finished(self) -> bool:
+        """True once the federation is over for this site (the coordinator finished it)."""
+        return self._finished
+
+    def record_loss(self, loss: float | torch.Tensor) -> None:
+        """Report a step's training loss (shown as the site's train loss; optional)."""
+        self.trainer.record_loss(float(loss))
+
+    def __enter__(self) -> Federation:
+        self._hook = self.optimizer.register_step_post_hook(lambda *_: self._after_step())
+        if self.rank != 0:
+            self._follow()  # the initial model rank 0 holds
+            return self
+        from site_agent.agent import SiteAgent
+
+        self._agent = SiteAgent(self.config, trainer=self.trainer)
+        self._agent.start()
+        self._thread = threading.Thread(target=self._run_agent, name="crossdc-agent", daemon=True)
+        self._thread.start()
+        self.trainer.wait_for_turn()
+        if self._finished and self.exit_code:
+            self.__exit__(None, None, None)
+            raise RuntimeError(
+                f"[site={self.config.site_id}] the site stopped before training (exit code "
+                f"{self.exit_code}); its log says why"
+            )
+        self._broadcast_flag()
+        return self
+
+    def _run_agent(self) -> None:
+        assert self._agent is not None
+        try:
+            self.exit_code = self._agent.run()
+        except _Stopped:
+            log.info("[site=%s] the training loop ended: leaving", self.config.site_id)
+            self._agent.leave("the training loop ended")
+            self._agent.save_checkpoint()
+            self.exit_code = 0
+        except BaseException:
+            log.exception("[site=%s] the agent failed", self.config.site_id)
+            self.exit_code = 1
+        finally:
+            self._finished = True
+            self.trainer.agent_done()
+
+    def _after_step(self) -> None:
+        if self.rank == 0:
+            self.trainer.after_step()
+            self._broadcast_flag()
+        else:
+            self._follow()
+
+    # -- torchrun: rank 0 leads, the others follow ------------------------------------------
+
+    def _broadcast_flag(self) -> None:
+        if self.world_size == 1 or self._finish_announced:
+            self._changed = False
+            return
+        self._finish_announced = self._finished
+        flag = torch.tensor([2 if self._finished else int(self._changed)], dtype=torch.int64)
+        torch.distributed.broadcast(flag, src=0)
+        if self._changed:
+            self._broadcast_state()
+        self._changed = False
+
+    def _follow(self) -> None:
+        if self._finished:
+            return
+        flag = torch.zeros(1, dtype=torch.int64)
+        torch.distributed.broadcast(flag, src=0)
+        if int(flag) == 1:
+            self._broadcast_state()
+        elif int(flag) == 2:
+            self._finished = True
+
+    def _broadcast_state(self) -> None:
+        with torch.no_grad():
+            for tensor in federated_state(self.model).values():
+                torch.distributed.broadcast(tensor.data, src=0)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+        if self._agent is None:
+            return
+        self.trainer.loop_done()
+        assert self._thread is not None
+        self._thread.join()
+        self._agent.close()
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()

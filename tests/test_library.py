@@ -1,0 +1,98 @@
+"""Library mode as a team meets it: its own training script (docs/examples/train_loop.py), its
+loop unchanged but for the ``with crossdc.Federation(...)`` block, federated beside two
+``crossdc agent`` sites that run the same model as a job; all three end on the coordinator's
+model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from comm.ops.configio import dump_toml
+from comm.wire.tensors import state_hash
+from coordinator.file_store import FileStateStore
+from tests.conftest import ROOT, Procs, read_status, write_coordinator_config
+
+pytestmark = pytest.mark.timeout(240)
+
+EXAMPLES = ROOT / "docs" / "examples"
+
+
+def _site(tmp_path: Path, jobs: Path, site_id: str, centre: float) -> Path:
+    table: dict[str, Any] = {
+        "site_id": site_id,
+        "coordinator_endpoint_file": str(tmp_path / "coordinator" / "endpoint.json"),
+        "state_dir": str(tmp_path / f"site-{site_id}"),
+        "num_threads": 1,
+        "device": "cpu",
+        "security": {"insecure": True},
+        "job": {
+            "factory": "regression_job:make_job",
+            "python_path": [str(jobs)],
+            "options": {"centre": centre},
+        },
+    }
+    path = tmp_path / f"site-{site_id}.toml"
+    path.write_text(dump_toml({"site": table}))
+    return path
+
+
+def _hash_of_checkpoint(path: Path) -> tuple[int, str]:
+    ckpt = torch.load(path, weights_only=True)
+    params = {k: v.numpy() for k, v in ckpt["global_params"].items()}
+    return int(ckpt["global_version"]), state_hash(params)
+
+
+def test_a_plain_script_federates_beside_two_agents(procs: Procs, tmp_path: Path) -> None:
+    jobs = tmp_path / "user"
+    jobs.mkdir()
+    for name in ("regression_job.py", "train_loop.py"):
+        shutil.copy(EXAMPLES / name, jobs / name)
+    script = (jobs / "train_loop.py").read_text()
+    assert len(script.splitlines()) < 40
+    cfg = write_coordinator_config(
+        tmp_path, min_sites=3, num_inner_steps=16, max_rounds=3, eval_every_rounds=1
+    )
+    procs.start("coordinator", "coordinator", "--config", str(cfg))
+    procs.start("site-eu", "agent", "--config", str(_site(tmp_path, jobs, "eu", -1.0)))
+    procs.start("site-us", "agent", "--config", str(_site(tmp_path, jobs, "us", 1.0)))
+    log = (tmp_path / "script.log").open("wb")
+    try:
+        script_proc = subprocess.Popen(
+            [sys.executable, "train_loop.py", str(_site(tmp_path, jobs, "lib", 0.0))],
+            cwd=jobs,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+            start_new_session=True,
+        )
+        try:
+            assert script_proc.wait(timeout=200) == 0, (tmp_path / "script.log").read_text()
+        finally:
+            if script_proc.poll() is None:
+                script_proc.send_signal(signal.SIGKILL)
+                script_proc.wait()
+    finally:
+        log.close()
+    assert procs.procs["coordinator"].wait(timeout=60) == 0, procs.log("coordinator")
+    for name in ("site-eu", "site-us"):
+        assert procs.procs[name].wait(timeout=60) == 0, procs.log(name)
+    status = read_status(tmp_path)
+    assert status is not None and status["rounds_completed"] == 3
+    assert all(sorted(h["merged"]) == ["eu", "lib", "us"] for h in status["history"])
+    vals = {int(k): v for k, v in status["val_losses"].items()}
+    assert vals[3] < vals[0], vals
+    state = FileStateStore(tmp_path / "coordinator").load()
+    assert state is not None and state.global_version == 3
+    final = state_hash(state.params)
+    for site_id in ("eu", "us", "lib"):
+        assert _hash_of_checkpoint(tmp_path / f"site-{site_id}" / "checkpoint.pt") == (3, final)
+    assert "exit code 0" in (tmp_path / "script.log").read_text()
