@@ -82,6 +82,7 @@ def close(c: Coordinator, now: float, decision: Close) -> None:
         updates,
         inner_steps=inner_steps,
         final=final,
+        averaged=c._model_spec.averaged if c._model_spec is not None else (),
     )
     delta = {k: result.params[k] - st.params[k] for k in names}
     encoded = encode_tensors(delta, get_codec(plan.downlink))

@@ -29,6 +29,8 @@ class ModelSpec:
 
     tensors: tuple[TensorSpec, ...]
     job: str | None = None
+    averaged: frozenset[str] = frozenset()
+    """Tensors that are statistics (floating-point buffers): averaged, never extrapolated."""
 
 
 def spec_from_capabilities(capabilities: Mapping[str, Any]) -> ModelSpec | None:
@@ -51,7 +53,11 @@ def spec_from_capabilities(capabilities: Mapping[str, Any]) -> ModelSpec | None:
         ):
             return None
         tensors.append(TensorSpec(name, tuple(shape), dtype))
-    return ModelSpec(tuple(tensors), job if isinstance(job, str) else None)
+    raw_averaged = capabilities.get("averaged", [])
+    averaged = frozenset(
+        n for n in (raw_averaged if isinstance(raw_averaged, list) else []) if isinstance(n, str)
+    )
+    return ModelSpec(tuple(tensors), job if isinstance(job, str) else None, averaged)
 
 
 def spec_from_params(params: Mapping[str, np.ndarray]) -> ModelSpec:

@@ -8,7 +8,7 @@ and iterates sites in a fixed order, so the same inputs give bit-identical outpu
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -80,9 +80,13 @@ class Strategy(Protocol):
         *,
         inner_steps: int | None = None,
         final: bool = False,
+        averaged: Collection[str] = (),
     ) -> OuterResult:
         """``inner_steps``: inner steps behind the model this step produces (None: unknown);
-        ``final``: no round will start from this model (the run's last step of these tensors)."""
+        ``final``: no round will start from this model (the run's last step of these tensors);
+        ``averaged``: tensors that are statistics, not weights (BatchNorm's running mean and
+        variance): always the plain mean, never extrapolated by momentum (a variance could
+        turn negative)."""
         ...
 
 
@@ -118,6 +122,7 @@ class DiLoCo:
         *,
         inner_steps: int | None = None,
         final: bool = False,
+        averaged: Collection[str] = (),
     ) -> OuterResult:
         ordered = sorted(updates, key=lambda u: u[0])  # site order fixes float summation order
         grad = weighted_mean([(w, t) for _, w, t in ordered])
@@ -130,5 +135,24 @@ class DiLoCo:
         else:
             lr, mu = self.lr, self.momentum
             rule = f"nesterov lr={lr:g} momentum={mu:g}"
-        new_params, new_buf = nesterov_step(params, grad, momentum, lr=lr, momentum=mu)
+        stats = [k for k in params if k in averaged]
+        weights = [k for k in params if k not in averaged]
+        new_params, new_buf = nesterov_step(
+            {k: params[k] for k in weights},
+            {k: grad[k] for k in weights},
+            {k: momentum[k] for k in weights},
+            lr=lr,
+            momentum=mu,
+        )
+        if stats:
+            mean_params, mean_buf = nesterov_step(
+                {k: params[k] for k in stats},
+                {k: grad[k] for k in stats},
+                {k: momentum[k] for k in stats},
+                lr=1.0,
+                momentum=0.0,
+            )
+            new_params = {k: {**new_params, **mean_params}[k] for k in params}
+            new_buf = {k: {**new_buf, **mean_buf}[k] for k in params}
+            rule += f"; {len(stats)} statistics tensors: mean"
         return OuterResult(new_params, new_buf, global_norm(grad), rule)

@@ -30,6 +30,7 @@ from crossdc.demo_roles import (
     DemoRun,
     _read_status,
     _wait_endpoint,
+    job_options,
     kit_problem,
     link_profiles,
     make_kits,
@@ -127,6 +128,27 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="pairwise-masked updates: the coordinator learns only their sum",
     )
+    p.add_argument(
+        "--job",
+        default="",
+        metavar="FACTORY",
+        help="train this job (package.module:callable) instead of the embedded byte GPT",
+    )
+    p.add_argument(
+        "--job-path",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a directory put on sys.path before the job's factory is imported (repeatable)",
+    )
+    p.add_argument(
+        "--job-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the job (a TOML value; dotted keys make tables; {site_index} and "
+        "{num_sites} are replaced per site), e.g. site_index={site_index} (repeatable)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--timeout", type=float, default=1800.0, help="give up after this many s")
     add_progress_argument(p)
@@ -138,6 +160,14 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
         return "--sites, --rounds and --inner-steps must be >= 1"
     if args.outer_warmup_steps < 0:
         return "--outer-warmup-steps must be >= 0"
+    if args.job and args.stages > 1:
+        return "--stages > 1 pipelines the embedded byte GPT only, not --job"
+    if (args.job_path or args.job_option) and not args.job:
+        return "--job-path and --job-option need --job"
+    try:
+        job_options(args, 0)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 
@@ -372,6 +402,8 @@ def build_report(
     """The run's report from the coordinator's last status and its full history ``log``."""
     vals = {int(k): v for k, v in status.get("val_losses", {}).items()}
     vals.update(log.val_losses)
+    metrics = {int(k): v for k, v in status.get("val_metrics", {}).items()}
+    metrics.update(log.val_metrics)
     history = log.history or status.get("history", [])
     final_version = status.get("global_version")
     return {
@@ -379,7 +411,7 @@ def build_report(
         "rounds_completed": status.get("rounds_completed", 0),
         "inner_steps_per_round": args.inner_steps,
         "batch_size": args.batch_size,
-        "context_len": DEMO_MODEL["context_len"],
+        "context_len": None if args.job else DEMO_MODEL["context_len"],
         "num_parameters": status.get("num_parameters", 0),
         "uplink_codec": args.uplink_codec,
         "downlink_codec": args.downlink_codec,
@@ -387,6 +419,11 @@ def build_report(
         "val_loss_initial": vals.get(0),
         "val_loss_final": vals.get(final_version) if final_version is not None else None,
         "val_loss_by_version": {str(k): v for k, v in sorted(vals.items())},
+        # The job's other validation metrics (accuracy, say), by version like the losses.
+        "job": args.job or None,
+        "val_metrics_initial": metrics.get(0, {}),
+        "val_metrics_final": metrics.get(final_version, {}) if final_version is not None else {},
+        "val_metrics_by_version": {str(k): v for k, v in sorted(metrics.items())},
         "wan_bytes_total": status.get("wire_bytes_in", 0) + status.get("wire_bytes_out", 0),
         "wan_bytes_in": status.get("wire_bytes_in", 0),
         "wan_bytes_out": status.get("wire_bytes_out", 0),

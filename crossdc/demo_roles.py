@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,7 +155,12 @@ def write_coordinator_config(
             "round_deadline_s": 600.0,
             "site_timeout_s": 60.0,
             "security": _security(args, workdir, None),
-            "initial_model": {"seed": _seed(args), "model": model or DEMO_MODEL},
+            # Another job's θ0 comes from its first site (the coordinator never imports a job).
+            **(
+                {}
+                if getattr(args, "job", "")
+                else {"initial_model": {"seed": _seed(args), "model": model or DEMO_MODEL}}
+            ),
             **_secagg(args),
         }
     }
@@ -162,6 +168,49 @@ def write_coordinator_config(
     coord_cfg = workdir / "coordinator.toml"
     coord_cfg.write_text(dump_toml(coordinator))
     return coord_cfg
+
+
+def job_options(args: argparse.Namespace, site_index: int) -> dict[str, Any]:
+    """``--job-option KEY=VALUE`` as the options table of site ``site_index``."""
+    options: dict[str, Any] = {}
+    for item in getattr(args, "job_option", []):
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--job-option {item!r} is not KEY=VALUE")
+        text = raw.replace("{site_index}", str(site_index)).replace("{num_sites}", str(args.sites))
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text  # a bare word: a string
+        *parents, leaf = key.split(".")
+        table = options
+        for part in parents:
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise ValueError(f"--job-option {item!r}: {part!r} is not a table")
+        table[leaf] = value
+    return options
+
+
+def _job_tables(
+    args: argparse.Namespace, index: int, model: dict[str, int] | None
+) -> dict[str, Any]:
+    """A site's job: ``--job`` with its options, or the byte GPT on its stdlib shard."""
+    if getattr(args, "job", ""):
+        return {
+            "job": {
+                "factory": args.job,
+                "python_path": [str(Path(p).resolve()) for p in args.job_path],
+                "options": job_options(args, index),
+            }
+        }
+    return {
+        "eval_batches": 8,
+        "eval_batch_size": 16,
+        "data": {"source": "stdlib", "shard_index": index, "num_shards": args.sites},
+        "model": model or DEMO_MODEL,
+        "optim": {"batch_size": args.batch_size},
+    }
 
 
 def write_site_configs(
@@ -184,11 +233,7 @@ def write_site_configs(
                 "num_threads": 1,
                 "device": "cpu",
                 "stages": args.stages,
-                "eval_batches": 8,
-                "eval_batch_size": 16,
-                "data": {"source": "stdlib", "shard_index": i, "num_shards": args.sites},
-                "model": model or DEMO_MODEL,
-                "optim": {"batch_size": args.batch_size},
+                **_job_tables(args, i, model),
                 "security": _security(args, workdir, site_id),
                 **_privacy(args),
                 **_secagg(args),

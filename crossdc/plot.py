@@ -9,6 +9,7 @@ that site's ``status.json``. Four figures:
 - ``val_loss_vs_wan_bytes.png``: the same losses against the WAN bytes on the coordinator's
   socket up to that version (every byte: joins, control, heartbeats, updates, broadcasts);
 - ``bytes_per_round.png``: per round, each site's update bytes and the broadcast;
+- ``val_<metric>_vs_time.png``: one per other validation metric the job reports (accuracy, say);
 - ``compute_utilization.png``: per site, inner steps per second over the training period
   against its own rate with no sync in flight.
 """
@@ -131,6 +132,26 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     ax.set_title(title)
     fig.savefig(paths[3], dpi=100, bbox_inches="tight")
     plt.close(fig)
+    return paths + _metric_figures(plt, history, log.val_metrics, out)
+
+
+def _metric_figures(
+    plt: Any, history: Sequence[dict[str, Any]], val_metrics: dict[int, dict[str, float]], out: Path
+) -> list[Path]:
+    """One ``val_<metric>_vs_time.png`` per other validation metric the job reports."""
+    paths = []
+    for name in sorted({m for metrics in val_metrics.values() for m in metrics}):
+        values = {v: m[name] for v, m in val_metrics.items() if name in m}
+        seconds, _bytes, points = _loss_points(history, values)
+        path = out / f"val_{name}_vs_time.png"
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(seconds, points, marker="o")
+        ax.set(xlabel="wall seconds since the first round", ylabel=f"validation {name}")
+        ax.set_title(f"Validation {name} against time")
+        ax.grid(alpha=0.3)
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        paths.append(path)
     return paths
 
 

@@ -40,6 +40,7 @@ def join(self: SiteAgent) -> None:
                 "state_spec": [
                     [name, list(shape), dtype] for name, shape, dtype in self.state_spec
                 ],
+                "averaged": self.trainer.buffer_names(),
                 "stages": self.cfg.stages,
                 "replicas": self.cfg.replicas,
                 "device": resolve_device(self.cfg.device),
@@ -215,6 +216,15 @@ def evaluate(self: SiteAgent) -> None:
     self.trainer.load_parameters(local)
     if metrics is None:
         return  # the trainer has no validation (a script that gave none)
+    if not np.isfinite(metrics["loss"]):
+        self.metrics.rejected("non_finite_eval")
+        log.warning(
+            "[site=%s] the validation loss of v%d is not finite (%s): not reported",
+            self.site_id,
+            self.global_version,
+            metrics["loss"],
+        )
+        return
     self._eval_s += time.monotonic() - t0
     loss = metrics.pop("loss")
     self._last_val, self._last_metrics = loss, metrics

@@ -46,6 +46,8 @@ class SiteTrainer(Protocol):
 
     def fingerprint(self, factory_path: str) -> str: ...
 
+    def buffer_names(self) -> list[str]: ...
+
     def parameters_numpy(self) -> dict[str, np.ndarray]: ...
 
     def load_parameters(self, params: Mapping[str, np.ndarray]) -> None: ...
@@ -268,6 +270,9 @@ class PipelinedSiteTrainer:
         self.val_batches = list(val_batches)
         self.model_cfg = model_cfg
         self._spec: StateSpec | None = None
+
+    def buffer_names(self) -> list[str]:
+        return []  # the byte GPT has parameters only
 
     def fingerprint(self, factory_path: str) -> str:
         assert factory_path == BYTEGPT_FACTORY, "only the byte GPT is pipelined"

@@ -33,6 +33,7 @@ from torch import nn
 from comm.ops.configio import build
 from site_agent.config import SiteConfig, load_site_config
 from site_agent.jobs.contract import StateSpec, check_metrics, federated_state, job_fingerprint
+from site_agent.jobs.contract import buffer_names as federated_buffer_names
 from site_agent.jobs.contract import state_spec as model_state_spec
 from site_agent.trainer import TrainStats
 
@@ -142,10 +143,13 @@ class LoopTrainer:
                 metrics = self._evaluate(self.model)
         finally:
             self.model.train(was_training)
-        return check_metrics(metrics, "Federation's evaluate")
+        return check_metrics(metrics, "Federation's evaluate", finite_loss=False)
 
     def state_spec(self) -> StateSpec:
         return model_state_spec(self.model)
+
+    def buffer_names(self) -> list[str]:
+        return federated_buffer_names(self.model)
 
     def fingerprint(self, factory_path: str) -> str:
         return job_fingerprint(factory_path, self.state_spec(), self.architecture)

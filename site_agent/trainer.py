@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from site_agent.jobs.contract import (
     federated_state,
     job_fingerprint,
 )
+from site_agent.jobs.contract import buffer_names as federated_buffer_names
 from site_agent.jobs.contract import state_spec as model_state_spec
 
 
@@ -264,7 +266,7 @@ class JobTrainer:
         self.model.load_state_dict(model_state)
         if saved is not None:
             self.job.load_state_dict(saved)  # type: ignore[attr-defined]
-        return self.validate()
+        return check_metrics(self.validate(), self.where)
 
     def validate(self) -> dict[str, float]:
         """The job's validation metrics of the model as it is now (eval mode, no gradients)."""
@@ -275,10 +277,13 @@ class JobTrainer:
                 metrics = self.job.evaluate(self.model)
         finally:
             self.model.train(was_training)
-        return check_metrics(metrics, self.where)
+        return check_metrics(metrics, self.where, finite_loss=False)
 
     def state_spec(self) -> StateSpec:
         return model_state_spec(self.model)
+
+    def buffer_names(self) -> list[str]:
+        return federated_buffer_names(self.model)
 
     def fingerprint(self, factory_path: str) -> str:
         """The job's fingerprint (``job_fingerprint``) under ``factory_path``."""
@@ -335,6 +340,13 @@ class JobTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
+        elif self.scheduler is not None:
+            # A state without one (a pipelined byte GPT site's, or from before schedulers): the
+            # byte GPT's schedule is a function of the step, so it is taken at the saved step.
+            self.scheduler.last_epoch = int(state["step"]) - 1
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.scheduler.step()
         job_state = state.get("job")
         if job_state is None and "sampler" in state:  # a byte GPT checkpoint of before jobs
             job_state = {"sampler": state["sampler"]}

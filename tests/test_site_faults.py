@@ -61,6 +61,9 @@ class FakeTrainer:
     def state_spec(self) -> list[tuple[str, tuple[int, ...], str]]:
         return [(k, v.shape, "float32") for k, v in self.params.items()]
 
+    def buffer_names(self) -> list[str]:
+        return []
+
     def fingerprint(self, factory_path: str) -> str:
         return job_fingerprint(factory_path, self.state_spec())
 

@@ -100,3 +100,16 @@ def test_diloco_outer_warmup_is_the_plain_mean_then_nesterov() -> None:
     assert warm.rule.startswith("mean (outer warm-up") and after.rule.startswith("nesterov")
     with pytest.raises(ValueError, match="warmup_steps must be >= 0"):
         DiLoCo(warmup_steps=-1)
+
+
+def test_statistics_tensors_are_averaged_never_extrapolated() -> None:
+    # A BatchNorm variance stepped by Nesterov (lr 0.7, momentum 0.9 amplifies the mean step
+    # 1.33x on the first round) could turn negative; named as averaged it is the plain mean.
+    params = {"w": np.ones(3, np.float32), "var": np.full(3, 1.0, np.float32)}
+    mom = {k: np.zeros(3, np.float32) for k in params}
+    ups = [("a", 1.0, {"w": np.full(3, 0.9, np.float32), "var": np.full(3, 0.9, np.float32)})]
+    out = DiLoCo(lr=0.7, momentum=0.9).outer_step(params, mom, ups, averaged={"var"})
+    np.testing.assert_array_equal(out.params["var"], params["var"] - ups[0][2]["var"])
+    expected_w = DiLoCo(lr=0.7, momentum=0.9).outer_step(params, mom, ups).params["w"]
+    np.testing.assert_array_equal(out.params["w"], expected_w)
+    assert not np.array_equal(expected_w, out.params["var"])

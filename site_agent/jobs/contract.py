@@ -203,6 +203,13 @@ def federated_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def buffer_names(model: nn.Module) -> list[str]:
+    """The federated tensors that are buffers (statistics such as BatchNorm's running mean and
+    variance): the coordinator averages them instead of stepping them like weights."""
+    params = {id(p) for p in model.parameters()}
+    return [name for name, t in federated_state(model).items() if id(t) not in params]
+
+
 StateSpec = list[tuple[str, tuple[int, ...], str]]
 """Name, shape and dtype of each federated tensor, in ``state_dict`` order."""
 
@@ -233,8 +240,9 @@ def job_fingerprint(
     return hashlib.blake2b(payload.encode(), digest_size=8).hexdigest()
 
 
-def check_metrics(metrics: object, where: str) -> dict[str, float]:
-    """``evaluate``'s result as ``{name: float}``, with ``"loss"``; :class:`JobError` otherwise."""
+def check_metrics(metrics: object, where: str, *, finite_loss: bool = True) -> dict[str, float]:
+    """``evaluate``'s result as ``{name: float}``, with ``"loss"`` (finite, unless not
+    ``finite_loss``); :class:`JobError` otherwise."""
     if not isinstance(metrics, Mapping):
         raise JobError(f"{where}: evaluate must return a mapping, got {type(metrics).__name__}")
     if "loss" not in metrics:
@@ -248,6 +256,6 @@ def check_metrics(metrics: object, where: str) -> dict[str, float]:
         except (TypeError, ValueError):
             raise JobError(f"{where}: metric {key!r} is not a number ({value!r})") from None
         out[key] = number
-    if not math.isfinite(out["loss"]):
+    if finite_loss and not math.isfinite(out["loss"]):
         raise JobError(f"{where}: evaluate returned a non-finite loss ({out['loss']})")
     return out

@@ -97,6 +97,9 @@ def split_state(
     ``expected_sampler`` holds what every replica's sampler state must say (``batch_size``,
     ``context_len``). Raises ``ValueError`` for a checkpoint of another model or site shape.
     """
+    job_state = state.get("job")
+    if "sampler" not in state and isinstance(job_state, Mapping) and "sampler" in job_state:
+        state = {**state, "sampler": job_state["sampler"]}  # the byte GPT job's trainer format
     for key in ("model", "optimizer", "sampler", "step"):
         if key not in state:
             raise ValueError(f"state has no {key!r} entry")
