@@ -17,7 +17,6 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from comm.ops.configio import ConfigError, build
 from site_agent.data import (
     BatchSampler,
     ByteCorpus,
@@ -26,7 +25,7 @@ from site_agent.data import (
     load_corpora,
     sampler_seed,
 )
-from site_agent.jobs.contract import JobContext
+from site_agent.jobs.contract import JobContext, parse_options
 from site_agent.model import ModelConfig, build_model, lm_loss
 from site_agent.trainer import InnerOptimConfig, JobTrainer, learning_rate
 
@@ -137,16 +136,9 @@ class ByteGPTOptions:
             raise ValueError("eval_batches and eval_batch_size must be >= 1")
 
 
-def parse_options(options: Mapping[str, Any]) -> ByteGPTOptions:
-    try:
-        return build(ByteGPTOptions, options, prefix="site.job.options.")
-    except ConfigError as exc:
-        raise ValueError(str(exc)) from None
-
-
 def make_job(ctx: JobContext) -> ByteGPTJob:
     """The factory of the embedded default job."""
-    opts = parse_options(ctx.options)
+    opts = parse_options(ByteGPTOptions, ctx.options)
     data = load_corpora(opts.data)
     model = build_model(opts.model, ctx.seed, device=ctx.device)
     sampler = BatchSampler(

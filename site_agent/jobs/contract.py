@@ -19,10 +19,12 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
+
+from comm.ops.configio import ConfigError, build
 
 BYTEGPT_FACTORY = "site_agent.jobs.bytegpt:make_job"
 """The embedded default job: the byte-level GPT on the Python standard library."""
@@ -97,6 +99,17 @@ class Job(Protocol):
 
 
 JobFactory = Callable[[JobContext], Job]
+
+T = TypeVar("T")
+
+
+def parse_options(cls: type[T], options: Mapping[str, Any]) -> T:
+    """A job's options table read into its frozen dataclass ``cls`` (nested tables into nested
+    dataclasses); an unknown key or a bad value is a ``ValueError`` naming it."""
+    try:
+        return build(cls, options, prefix="site.job.options.")
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def load_factory(path: str, python_path: Sequence[str] = ()) -> JobFactory:

@@ -22,8 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from comm.ops.configio import ConfigError, build
-from site_agent.jobs.contract import JobContext
+from site_agent.jobs.contract import JobContext, parse_options
 from site_agent.trainer import JobTrainer
 
 FACTORY = "site_agent.jobs.digits:make_job"
@@ -67,13 +66,6 @@ class DigitsOptions:
             if not ok:
                 value = getattr(self, name)
                 raise ValueError(f"site.job.options.{name} must be {rule}, got {value}")
-
-
-def parse_options(options: Mapping[str, Any]) -> DigitsOptions:
-    try:
-        return build(DigitsOptions, options, prefix="site.job.options")
-    except ConfigError as exc:
-        raise ValueError(str(exc)) from None
 
 
 def validation_indices(labels: np.ndarray, val_fraction: float, seed: int) -> np.ndarray:
@@ -231,13 +223,13 @@ class DigitsJob:
 
 def make_job(ctx: JobContext) -> DigitsJob:
     """The digits job's factory."""
-    return DigitsJob(ctx, parse_options(ctx.options))
+    return DigitsJob(ctx, parse_options(DigitsOptions, ctx.options))
 
 
 def train_alone(options: Mapping[str, Any], seed: int, steps: int) -> dict[str, float]:
     """The validation metrics of one site's job trained alone on its share for ``steps`` steps
     (on the CPU): the baseline a federation of these sites must beat."""
-    opts = parse_options(options)
+    opts = parse_options(DigitsOptions, options)
     ctx = JobContext(
         site_id=f"site{opts.site_index}", seed=seed, device=torch.device("cpu"), options=options
     )

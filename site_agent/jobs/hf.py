@@ -24,11 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from comm.ops.configio import ConfigError, build
 from site_agent.data import BatchSampler, ByteCorpus, DataConfig, eval_batches, load_corpora
 from site_agent.data import sampler_seed as data_sampler_seed
 from site_agent.jobs.bytegpt import WarmupSchedule, adamw
-from site_agent.jobs.contract import JobContext
+from site_agent.jobs.contract import JobContext, parse_options
 from site_agent.trainer import InnerOptimConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -145,13 +144,6 @@ class HFJob:
         self.sampler.load_state_dict(state["sampler"])
 
 
-def parse_options(options: Mapping[str, Any]) -> HFOptions:
-    try:
-        return build(HFOptions, options, prefix="site.job.options")
-    except ConfigError as exc:
-        raise ValueError(str(exc)) from None
-
-
 def load_tokenizer(path: str) -> Any:
     """The ``tokenizers.Tokenizer`` saved at ``path``."""
     import tokenizers
@@ -188,7 +180,7 @@ def build_config(transformers: Any, opts: HFOptions, vocab: int) -> Any:
 
 def make_job(ctx: JobContext) -> HFJob:
     """The hf job's factory."""
-    opts = parse_options(ctx.options)
+    opts = parse_options(HFOptions, ctx.options)
     try:
         import transformers
 

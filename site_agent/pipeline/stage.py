@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from site_agent.trainer import InnerOptimConfig, learning_rate
+from site_agent.jobs.bytegpt import adamw
+from site_agent.trainer import InnerOptimConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,16 +125,7 @@ def adamw_param_names(module: nn.Module) -> list[str]:
 
 def build_adamw(module: nn.Module, cfg: InnerOptimConfig) -> torch.optim.AdamW:
     """AdamW with the same two parameter groups and hyper-parameters as ``LocalTrainer``."""
-    decay = [p for p in module.parameters() if p.ndim >= 2]
-    no_decay = [p for p in module.parameters() if p.ndim < 2]
-    return torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=learning_rate(cfg, 0),
-        betas=(cfg.beta1, cfg.beta2),
-    )
+    return adamw(module, cfg)
 
 
 def split_like(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
