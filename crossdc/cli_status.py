@@ -9,6 +9,7 @@ import urllib.request
 from typing import TYPE_CHECKING
 
 from crossdc.cli import EXIT_BAD_CONFIG, _command
+from crossdc.progress import format_metrics
 
 if TYPE_CHECKING:
     import ssl
@@ -86,6 +87,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         status["history"] = list(log.history)
         status["history_count"] = len(log.history)
         status["val_losses"] = {str(k): v for k, v in sorted(log.val_losses.items())}
+        status["val_metrics"] = {str(k): v for k, v in sorted(log.val_metrics.items())}
     if args.json:
         print(json.dumps(status, indent=1, sort_keys=True))
         return 0
@@ -93,7 +95,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         if key in status:
             print(f"{key:>18}: {status[key]}")
     if args.history:
-        vals = status["val_losses"]
+        vals, metrics = status["val_losses"], status["val_metrics"]
         for h in status["history"]:
             val = vals.get(str(h.get("global_version")))
             print(
@@ -101,6 +103,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"train_loss {h.get('train_loss', float('nan')):.4f} "
                 f"val_loss {'n/a' if val is None else f'{val:.4f}'} "
                 f"{h.get('duration_s', float('nan')):.1f}s"
+                f"{format_metrics(metrics.get(str(h.get('global_version')), {}))}"
             )
     return 0
 

@@ -44,6 +44,7 @@ from crossdc.progress import (
     Progress,
     add_progress_argument,
     fmt_bytes,
+    format_metrics,
     open_progress,
     rounds_view,
 )
@@ -376,10 +377,12 @@ def _print_rounds(status: dict[str, Any], shown: int, state_dir: Path) -> int:
     history = status.get("history", [])
     offset = int(status.get("history_count", len(history))) - len(history)
     vals = status.get("val_losses", {})
+    metrics = status.get("val_metrics", {})
     if shown < offset:
         log = read_history(state_dir)
         history, offset = list(log.history[: offset + len(history)]), 0
         vals = {**vals, **{str(k): v for k, v in log.val_losses.items()}}
+        metrics = {**metrics, **{str(k): v for k, v in log.val_metrics.items()}}
     end = offset + len(history)
     # Print a round once its model's validation loss is known (or a later round completed).
     while shown < end:
@@ -389,8 +392,10 @@ def _print_rounds(status: dict[str, Any], shown: int, state_dir: Path) -> int:
             break
         wan = h.get("wire_bytes_in", 0) + h.get("wire_bytes_out", 0)
         val_s = f"{val:9.4f}" if val is not None else f"{'-':>9}"
+        others = format_metrics(metrics.get(str(h["global_version"]), {}))
         print(
-            f"{h['round_id']:>5} {val_s} {h['train_loss']:10.4f} {h['duration_s']:8.1f} {fmt_bytes(wan):>12}"
+            f"{h['round_id']:>5} {val_s} {h['train_loss']:10.4f} {h['duration_s']:8.1f} "
+            f"{fmt_bytes(wan):>12}{others}"
         )
         shown += 1
     return shown

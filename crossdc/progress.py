@@ -56,6 +56,11 @@ def pop_no_progress(args: argparse.Namespace) -> bool:
     return bool(vars(args).pop("no_progress", False))
 
 
+def format_metrics(metrics: dict[str, float]) -> str:
+    """A job's other validation metrics as `` name=value`` columns (empty when none)."""
+    return "".join(f" {name}={value:.4f}" for name, value in sorted(metrics.items()))
+
+
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
