@@ -311,7 +311,8 @@ class Federation:
             self._changed = False
             return
         self._finish_announced = self._finished
-        flag = torch.tensor([2 if self._finished else int(self._changed)], dtype=torch.int64)
+        # Bit 0: the federated state follows; bit 1: the federation finished.
+        flag = torch.tensor([int(self._changed) | int(self._finished) << 1], dtype=torch.int64)
         torch.distributed.broadcast(flag, src=0)
         if self._changed:
             self._broadcast_state()
@@ -322,9 +323,9 @@ class Federation:
             return
         flag = torch.zeros(1, dtype=torch.int64)
         torch.distributed.broadcast(flag, src=0)
-        if int(flag) == 1:
+        if int(flag) & 1:
             self._broadcast_state()
-        elif int(flag) == 2:
+        if int(flag) & 2:
             self._finished = True
 
     def _broadcast_state(self) -> None:

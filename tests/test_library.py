@@ -96,3 +96,69 @@ def test_a_plain_script_federates_beside_two_agents(procs: Procs, tmp_path: Path
     for site_id in ("eu", "us", "lib"):
         assert _hash_of_checkpoint(tmp_path / f"site-{site_id}" / "checkpoint.pt") == (3, final)
     assert "exit code 0" in (tmp_path / "script.log").read_text()
+
+
+DDP_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import crossdc
+from regression_job import make_data, make_model
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = make_model(seed=1234)
+ddp = DDP(model)
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+x, y = make_data(seed=5 + rank, centre=0.5, n=512)
+with crossdc.Federation(sys.argv[1], model, optimizer) as fed:
+    for step in range(1_000_000):
+        if fed.finished:
+            break
+        i = (step * 32) % len(x)
+        loss = ((ddp(x[i : i + 32]).squeeze(-1) - y[i : i + 32]) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+state = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+gathered = [torch.zeros_like(state) for _ in range(dist.get_world_size())]
+dist.all_gather(gathered, state)
+print(f"rank {rank} steps {step} same {all(torch.equal(g, state) for g in gathered)}")
+dist.destroy_process_group()
+"""
+
+
+def test_under_torchrun_rank_0_talks_and_the_other_ranks_follow(
+    procs: Procs, tmp_path: Path
+) -> None:
+    jobs = tmp_path / "user"
+    jobs.mkdir()
+    shutil.copy(EXAMPLES / "regression_job.py", jobs / "regression_job.py")
+    (jobs / "train_ddp.py").write_text(DDP_SCRIPT)
+    cfg = write_coordinator_config(tmp_path, min_sites=2, num_inner_steps=12, max_rounds=3)
+    procs.start("coordinator", "coordinator", "--config", str(cfg))
+    procs.start("site-eu", "agent", "--config", str(_site(tmp_path, jobs, "eu", -1.0)))
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        + ["train_ddp.py", str(_site(tmp_path, jobs, "lib", 0.0))],
+        cwd=jobs,
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert procs.procs["coordinator"].wait(timeout=60) == 0, procs.log("coordinator")
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert len(lines) == 2 and all(line.endswith("same True") for line in lines), lines
+    assert lines[0].split()[3] == lines[1].split()[3]  # both ranks stopped at the same step
+    status = read_status(tmp_path)
+    assert status is not None and status["rounds_completed"] == 3
+    assert all(sorted(h["merged"]) == ["eu", "lib"] for h in status["history"])
+    state = FileStateStore(tmp_path / "coordinator").load()
+    assert state is not None
+    assert _hash_of_checkpoint(tmp_path / "site-lib" / "checkpoint.pt") == (
+        3,
+        state_hash(state.params),
+    )
