@@ -76,6 +76,9 @@ class RegressionJob:
         out = model(x).squeeze(-1)
         if self.bad == "vector":
             return (out - y) ** 2
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.bad == "nan_after_5" and self.calls > 6:  # the preflight's call, then 5 steps
+            return ((out - y) ** 2).mean() * float("nan")
         return ((out - y) ** 2).mean()
 
     def evaluate(self, model):
@@ -335,3 +338,17 @@ def test_three_skewed_digits_sites_federated_beat_any_site_alone(
     accuracy = {int(v): m["accuracy"] for v, m in status["val_metrics"].items()}
     assert alone_bound < 0.41
     assert max(accuracy[v] for v in (6, 7, 8)) > alone_bound + 0.1, (alone_bound, accuracy)
+
+
+def test_a_site_whose_loss_stays_nan_stops_naming_the_step_and_sends_nothing(
+    procs: Procs, tmp_path: Path, user_jobs: Path
+) -> None:
+    cfg = write_coordinator_config(tmp_path, min_sites=1, num_inner_steps=16, max_rounds=2)
+    procs.start("coordinator", "coordinator", "--config", str(cfg))
+    table = _site(tmp_path, user_jobs, "eu", options={"bad": "nan_after_5"})
+    table["job"]["max_nonfinite_steps"] = 3
+    code = procs.start("site-eu", "agent", "--config", str(_write(tmp_path, table))).wait(120)
+    log = procs.log("site-eu")
+    assert code == 3, log
+    assert "3 inner steps in a row, the last at inner step 8" in log, log
+    assert "update accepted" not in procs.log("coordinator")
