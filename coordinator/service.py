@@ -361,11 +361,19 @@ class Coordinator:
 
     def _remove(self, site_id: str) -> None:
         m = self.book.leave(site_id)
-        self._undelivered.discard(site_id)
-        self._missed_result.discard(site_id)
+        self._forget(site_id)
         if m is not None and self.chan is not None:
             self.chan.forget(m.peer)
         self.metrics.members.set(len(self.book.members))
+
+    def _forget(self, site_id: str) -> None:
+        """Everything kept about a member, dropped when it leaves or is timed out (both removal
+        paths): a site that comes back joins afresh and is recorded again."""
+        self._undelivered.discard(site_id)
+        self._missed_result.discard(site_id)
+        self._claims.pop(site_id, None)
+        self._views.pop(site_id, None)
+        self._secagg_peers.pop(site_id, None)
 
     # ---- the tick: decisions carried out ---------------------------------------------------
 
@@ -416,6 +424,7 @@ class Coordinator:
         for m in decision.members:
             log.warning("[coordinator site=%s] removed: %s", m.site_id, decision.why)
             self.metrics.site_timeouts.inc()
+            self._forget(m.site_id)
             if self.chan is not None:
                 self.chan.forget(m.peer)
         self.metrics.members.set(len(self.book.members))

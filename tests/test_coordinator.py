@@ -730,3 +730,24 @@ def test_a_site_that_rejoins_behind_gets_the_deltas_since_its_version() -> None:
         join(h, ap, version=g1.global_version, digest="not-v1")
         full: Global = h.expect(ap, Global)
         assert full.is_full and full.state_hash == g2.state_hash
+
+
+@pytest.mark.timeout(60)
+def test_a_site_timed_out_is_forgotten_as_one_that_left() -> None:
+    """Both removal paths (a Leave, the site timeout) drop what the coordinator kept about the
+    site: its join claim, its scheduler view, its missed results and undelivered models."""
+    clock = ManualClock()
+    with running(clock=clock) as h:  # site timeout 30 s
+        eu, us, rs = start_round(h)
+        land(h, eu, rs, D_EU)
+        coord = h.coord
+        assert "us" in coord._claims and "eu" in coord._views
+        coord._missed_result.add("us")
+        coord._undelivered.add("us")
+        for _ in range(4):  # eu keeps heartbeating; us stays silent past the site timeout
+            clock.now += 10.0
+            heard(h, eu)
+        h.until(lambda: "us" not in coord.members)
+        assert "us" not in coord._claims and "us" not in coord._views
+        assert "us" not in coord._missed_result and "us" not in coord._undelivered
+        assert "eu" in coord._claims
