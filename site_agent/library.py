@@ -273,11 +273,7 @@ class Federation:
         self._thread.start()
         self.trainer.wait_for_turn()
         if self._finished and self.exit_code:
-            self.__exit__(None, None, None)
-            raise RuntimeError(
-                f"[site={self.config.site_id}] the site stopped before training (exit code "
-                f"{self.exit_code}); its log says why"
-            )
+            self.__exit__(None, None, None)  # raises: the site stopped before training
         self._broadcast_flag()
         return self
 
@@ -343,10 +339,19 @@ class Federation:
             self._hook.remove()
         if self._agent is None:
             return
+        if not self._finished:
+            # The agent leaves at its next point between steps, or when it next asks for steps.
+            self._agent.request_stop("the training loop ended")
         self.trainer.loop_done()
         assert self._thread is not None
         self._thread.join()
         self._agent.close()
+        self._agent = None
+        if exc_type is None and self.exit_code:
+            raise RuntimeError(
+                f"[site={self.config.site_id}] the site agent stopped with exit code "
+                f"{self.exit_code}; its log says why"
+            )
 
 
 def _distributed() -> bool:

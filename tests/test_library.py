@@ -19,7 +19,7 @@ import torch
 from comm.ops.configio import dump_toml
 from comm.wire.tensors import state_hash
 from coordinator.file_store import FileStateStore
-from tests.conftest import ROOT, Procs, read_status, write_coordinator_config
+from tests.conftest import ROOT, Procs, read_status, wait_for, write_coordinator_config
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -162,3 +162,25 @@ def test_under_torchrun_rank_0_talks_and_the_other_ranks_follow(
         3,
         state_hash(state.params),
     )
+
+
+@pytest.mark.timeout(60)
+def test_a_script_whose_model_differs_is_told_why_instead_of_training(
+    procs: Procs, tmp_path: Path
+) -> None:
+    import torch.nn as nn
+
+    import crossdc
+
+    jobs = tmp_path / "user"
+    jobs.mkdir()
+    shutil.copy(EXAMPLES / "regression_job.py", jobs / "regression_job.py")
+    cfg = write_coordinator_config(tmp_path, min_sites=2, max_rounds=1)
+    procs.start("coordinator", "coordinator", "--config", str(cfg))
+    procs.start("site-eu", "agent", "--config", str(_site(tmp_path, jobs, "eu", 0.0)))
+    wait_for(lambda: "initial model" in procs.log("coordinator"), timeout_s=60, what="θ0")
+    model = nn.Sequential(nn.Linear(8, 17), nn.Tanh(), nn.Linear(17, 1))  # not the job's shape
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="exit code 3"):  # noqa: SIM117
+        with crossdc.Federation(_site(tmp_path, jobs, "lib", 0.0), model, optimizer):
+            pytest.fail("a site the coordinator refused must not train")
