@@ -25,9 +25,9 @@ from pathlib import Path
 
 import msgpack
 
+from comm.durable import atomic_write
 from comm.wire.frames import WireError, from_wire, to_wire
 from comm.wire.schema import Global
-from coordinator.durable import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class DeltaLog:
         self.nbytes = 0
         if self.dir is not None:
             body = json.dumps({"version": version, "digest": digest}).encode()
-            atomic_write(self.dir / _START, lambda fh: fh.write(body))
+            atomic_write(self.dir / _START, body)
             for path in self.dir.glob("d-*.msg"):
                 path.unlink()
 
@@ -149,7 +149,7 @@ class DeltaLog:
         kept = replace(msg, evaluate=False)
         if self.dir is not None:
             body = msgpack.packb([bytes(memoryview(f).cast("B")) for f in to_wire(kept)])
-            atomic_write(self._file(msg.base_version), lambda fh: fh.write(body))
+            atomic_write(self._file(msg.base_version), body)
         self._by_base[msg.base_version] = kept
         self._order.append(msg.base_version)
         self._hashes[msg.global_version] = msg.state_hash

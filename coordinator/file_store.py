@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from comm.durable import atomic_write
 from comm.security.common import AuthError
 from comm.security.signing import sign_blob, verify_blob
-from coordinator.durable import atomic_write
 from coordinator.history_log import (
     HISTORY_FILE,
     META_FILE,
@@ -203,7 +203,7 @@ class FileStateStore:
             "val_loss_records": self._vals.count,
         }
         body = json.dumps(meta, indent=1, sort_keys=True).encode()
-        atomic_write(self.dir / META_FILE, lambda fh: fh.write(body))
+        atomic_write(self.dir / META_FILE, body)
 
     def save(self, state: GlobalState) -> None:
         with self._lock:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.durable import atomic_write, fsync_dir
+from comm.durable import atomic_write, fsync_dir
 
 META_FILE = "meta.json"
 HISTORY_FILE = "history.jsonl"
@@ -107,7 +107,7 @@ class JsonLog:
     def rewrite(self, lines: Sequence[bytes]) -> None:
         """Replace the whole file atomically (migration from the first layout)."""
         body = b"".join(line + b"\n" for line in lines)
-        atomic_write(self.path, lambda fh: fh.write(body))
+        atomic_write(self.path, body)
         self.count, self.end = len(lines), len(body)
         self.last = lines[-1] if lines else b""
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from coordinator.durable import atomic_write
+from comm.durable import atomic_write
 
 STATUS_HISTORY_TAIL = 20
 """Rounds a ``StatusBoard`` keeps in its status (the rest: ``read_history``)."""
@@ -19,7 +19,7 @@ def write_endpoint(state_dir: Path, endpoint: str, session_id: str) -> None:
     """``endpoint.json``: where a local coordinator listens, for launchers and sites to read."""
     state_dir.mkdir(parents=True, exist_ok=True)
     body = json.dumps({"endpoint": endpoint, "session_id": session_id}).encode()
-    atomic_write(state_dir / "endpoint.json", lambda fh: fh.write(body))
+    atomic_write(state_dir / "endpoint.json", body)
 
 
 class StatusBoard:
@@ -79,7 +79,7 @@ class StatusBoard:
         self.published_at = self.clock()
         if self.path is not None:
             body = json.dumps(status, indent=1, sort_keys=True).encode()
-            atomic_write(self.path, lambda fh: fh.write(body))
+            atomic_write(self.path, body)
 
     def get(self) -> dict[str, Any]:
         with self._lock:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import replace as dc_replace
@@ -24,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from comm.codecs.feedback import ErrorFeedback
 from comm.codecs.registry import get_codec
+from comm.durable import atomic_write
 from comm.ops.observe import ObserveServer
 from comm.security.kits import SiteKit, load_site_kit
 from comm.security.masking import x25519_from_curve_secret
@@ -437,7 +437,4 @@ class SiteAgent:
 
     def _write_site_status(self) -> None:
         body = json.dumps(self.status(), sort_keys=True).encode()
-        path = self.cfg.state_path / "status.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(body)
-        os.replace(tmp, path)
+        atomic_write(self.cfg.state_path / "status.json", body, mode=0o644)

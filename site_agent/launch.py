@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import signal
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from comm.durable import atomic_write
 from site_agent.config import SiteConfig
 from site_agent.data import BatchSampler, SiteData, eval_batches, load_corpora, sampler_seed
 from site_agent.jobs.bytegpt import LocalTrainer
@@ -112,16 +112,7 @@ def build_local_trainer(cfg: SiteConfig, data: SiteData) -> LocalTrainer:
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda fh: torch.save(obj, fh))
 
 
 def read_endpoint_file(path: str, timeout_s: float) -> str:
@@ -242,9 +233,7 @@ def leader_exit_path(cfg: SiteConfig) -> Path:
 
 def write_leader_exit(cfg: SiteConfig, code: int) -> None:
     path = leader_exit_path(cfg)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"exit_code": code}))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps({"exit_code": code}).encode(), mode=0o644)
 
 
 def read_leader_exit(cfg: SiteConfig) -> int | None:

@@ -23,6 +23,8 @@ import zmq.utils.z85 as z85
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from comm.durable import atomic_write
+
 KIT_FORMAT = 2
 """2: X.509 certificates and a CRL; 1: crossdc's own one-line documents (``comm.security.legacy``)."""
 
@@ -121,32 +123,9 @@ def check_site_id(site_id: str) -> str:
 
 
 def _write(path: Path, data: bytes, mode: int, *, replace: bool = False) -> None:
-    """Write a file with ``mode`` from its first byte on; fsync; atomically replace if asked."""
-    target = path.with_name(path.name + ".tmp") if replace else path
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    if replace:
-        with contextlib.suppress(FileNotFoundError):
-            target.unlink()
-    fd = os.open(target, flags, mode)
-    try:
-        os.fchmod(fd, mode)  # the umask may have narrowed it; make it exact
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if replace:
-        os.replace(target, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Write a file with ``mode`` from its first byte on, whole or not at all; an existing file
+    is replaced only if asked (otherwise ``FileExistsError``)."""
+    atomic_write(path, data, mode=mode, replace=replace)
 
 
 def _mkdir_private(path: Path) -> None:

@@ -30,6 +30,7 @@ import torch
 
 from comm.codecs.base import NonFiniteError
 from comm.codecs.registry import get_codec
+from comm.durable import atomic_write
 from comm.transport.dealer import SiteLink
 from comm.wire.frames import WireError
 from comm.wire.schema import (
@@ -48,7 +49,6 @@ from comm.wire.schema import (
     Welcome,
 )
 from comm.wire.tensors import decode_tensors, encode_tensors, spec_of, state_hash
-from coordinator.durable import atomic_write
 from crossdc.ddp.trainer import Batch, DDPTrainer
 from site_agent.agent import (
     EXIT_FATAL,
@@ -354,7 +354,7 @@ class DDPSite:
 
     def _write_result(self) -> None:
         body = json.dumps(self.result(), indent=1, sort_keys=True).encode()
-        atomic_write(self.state_path / RESULT_FILE, lambda fh: fh.write(body))
+        atomic_write(self.state_path / RESULT_FILE, body)
 
 
 def build_ddp_site(cfg: SiteConfig) -> DDPSite:
