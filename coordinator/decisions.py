@@ -89,7 +89,9 @@ Decision = Open | Close | Abort | Rerun | Finish | Remove
 
 
 @dataclass(frozen=True)
-class Refusal:
+class UpdateRefusal:
+    """An update that may not be accepted: the Error code and detail its sender is told."""
+
     code: ErrorCode
     detail: str
 

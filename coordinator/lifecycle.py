@@ -30,9 +30,9 @@ from coordinator.decisions import (
     Finish,
     LateUpdate,
     Open,
-    Refusal,
     Remove,
     Rerun,
+    UpdateRefusal,
 )
 from coordinator.membership import Member, expired, ready_sites, touch
 from coordinator.rounds import (
@@ -94,14 +94,26 @@ class Lifecycle:
         completed_rounds: int,
         next_fragment: int,
     ) -> Lifecycle:
-        """The lifecycle of a coordinator restarted from durable state: no member, no open round
-        (sites rejoin), the counter where it was (ids are never reused)."""
+        """The lifecycle of a coordinator restarted from durable state (see ``restore``)."""
         book = cls(cfg)
-        book.set_model(global_version)
-        book.round_counter = round_counter
-        book.completed_rounds = completed_rounds
-        book.next_fragment = next_fragment % cfg.num_fragments
+        book.restore(
+            global_version=global_version,
+            round_counter=round_counter,
+            completed_rounds=completed_rounds,
+            next_fragment=next_fragment,
+        )
         return book
+
+    def restore(
+        self, *, global_version: int, round_counter: int, completed_rounds: int, next_fragment: int
+    ) -> None:
+        """A coordinator restarted from durable state: no member, no open round (sites rejoin),
+        the counter where it was (ids are never reused)."""
+        assert not self.members and not self.open_rounds, "restore a fresh lifecycle only"
+        self.set_model(global_version)
+        self.round_counter = round_counter
+        self.completed_rounds = completed_rounds
+        self.next_fragment = next_fragment % self.cfg.num_fragments
 
     def set_model(self, global_version: int) -> None:
         """The global model exists at ``global_version`` (initial parameters, or loaded)."""
@@ -148,7 +160,7 @@ class Lifecycle:
 
     def check_update(
         self, site_id: str, round_id: int, fragment: int, trained_from: int
-    ) -> Admission | Refusal:
+    ) -> Admission | UpdateRefusal:
         """Whether an update may be accepted; changes nothing."""
         r = self.open_round(round_id)
         done = self.closed.get(round_id)
@@ -157,28 +169,30 @@ class Lifecycle:
         elif done is not None:
             participants, expected = done.participants, done.fragment
         else:
-            return Refusal(ErrorCode.STALE_ROUND, f"round {round_id} is not open")
+            return UpdateRefusal(ErrorCode.STALE_ROUND, f"round {round_id} is not open")
         if site_id not in participants:
-            return Refusal(ErrorCode.UNEXPECTED, f"not in round {round_id}")
+            return UpdateRefusal(ErrorCode.UNEXPECTED, f"not in round {round_id}")
         seen = (r is not None and site_id in r.received) or (
             done is not None and site_id in done.merged
         )
         if seen or any(u.site_id == site_id and u.round_id == round_id for u in self.late):
-            return Refusal(ErrorCode.DUPLICATE, f"round {round_id}")
+            return UpdateRefusal(ErrorCode.DUPLICATE, f"round {round_id}")
         if fragment != expected:
-            return Refusal(ErrorCode.BAD_PAYLOAD, f"fragment {fragment}, round has {expected}")
+            return UpdateRefusal(
+                ErrorCode.BAD_PAYLOAD, f"fragment {fragment}, round has {expected}"
+            )
         if r is not None and trained_from < r.base_version:
             detail = f"trained from v{trained_from}, round needs v{r.base_version}"
-            return Refusal(ErrorCode.STALE_ROUND, detail)
+            return UpdateRefusal(ErrorCode.STALE_ROUND, detail)
         staleness = self.round_counter - round_id
         if r is None and (
             staleness > self.cfg.max_staleness_rounds or done is None or not done.merged
         ):
             detail = f"round {round_id} closed {staleness} rounds ago or was aborted"
-            return Refusal(ErrorCode.STALE_ROUND, detail)
+            return UpdateRefusal(ErrorCode.STALE_ROUND, detail)
         if r is None and self.cfg.secure_aggregation:
             detail = f"round {round_id} is closed; masked updates cannot be merged late"
-            return Refusal(ErrorCode.STALE_ROUND, detail)
+            return UpdateRefusal(ErrorCode.STALE_ROUND, detail)
         return Admission(late=r is None, fragment=expected)
 
     def accept(self, now: float, site_id: str, round_id: int) -> Admission:
@@ -222,20 +236,20 @@ class Lifecycle:
         policy = RoundPolicy(
             self.cfg.min_sites, self.cfg.quorum_fraction, self.cfg.max_rounds, self.cfg.max_open
         )
-        decision, why = decide(now, snap, policy)
-        if decision.action is Action.OPEN:
-            return self._do_open(now, decision.participants, why)
-        if decision.action is Action.CLOSE:
+        call, why = decide(now, snap, policy)
+        if call.action is Action.OPEN:
+            return self._do_open(now, call.participants, why)
+        if call.action is Action.CLOSE:
             r = self.open_rounds[0]
-            if self.cfg.secure_aggregation and set(decision.participants) != set(r.participants):
-                return Rerun(r, decision.participants, why)
-            return self._do_close(r, decision.participants, why)
-        if decision.action is Action.ABORT:
+            if self.cfg.secure_aggregation and set(call.participants) != set(r.participants):
+                return Rerun(r, call.participants, why)
+            return self._do_close(r, call.participants, why)
+        if call.action is Action.ABORT:
             if self.cfg.secure_aggregation:
                 r = self.open_rounds[0]
                 return Rerun(r, tuple(sorted(r.received)), why)
             return self.abort(why)
-        if decision.action is Action.FINISH:
+        if call.action is Action.FINISH:
             self.finishing = True
             return Finish(why)
         return None

@@ -1,6 +1,6 @@
 """Round decisions: when to open, close or abort rounds, and how long to wait for stragglers.
 
-``decide`` takes ``(now, snapshot, policy)`` and returns ``(decision, reason)``; the service loop
+``decide`` takes ``(now, snapshot, policy)`` and returns ``(call, reason)``; the service loop
 only gathers the snapshot and carries the decision out. Up to ``policy.max_open`` rounds are open
 at once (two when sync overlaps compute: sites train round r+1 while round r is in flight); they
 close in order. After quorum, a round waits a grace window learned from recent arrival lags
@@ -66,7 +66,10 @@ class RoundPolicy:
 
 
 @dataclass(frozen=True)
-class Decision:
+class RoundCall:
+    """What the oldest round (or the next one) calls for; the lifecycle turns it into a
+    :data:`~coordinator.decisions.Decision`."""
+
     action: Action
     participants: tuple[str, ...] = ()
     """OPEN: who takes part. CLOSE: whose updates are merged."""
@@ -94,42 +97,42 @@ def grace_window(
 
 def _decide_oldest(
     now: float, r: OpenRound, snap: RoundSnapshot, policy: RoundPolicy
-) -> tuple[Decision, str]:
+) -> tuple[RoundCall, str]:
     received = tuple(sorted(r.received))
     need = quorum_size(len(r.participants), policy.quorum_fraction)
     outstanding = set(r.participants) - r.received
     if not outstanding:
-        return Decision(
+        return RoundCall(
             Action.CLOSE, received
         ), f"round {r.round_id}: all participants sent updates"
     if not outstanding & (snap.alive - r.dropped):
         if len(received) >= need:
-            return Decision(Action.CLOSE, received), (
+            return RoundCall(Action.CLOSE, received), (
                 f"round {r.round_id}: remaining participants left {sorted(outstanding)}; "
                 f"quorum {len(received)}/{need}"
             )
-        return Decision(Action.ABORT), (
+        return RoundCall(Action.ABORT), (
             f"round {r.round_id}: participants left {sorted(outstanding)}, quorum {len(received)}/{need} lost"
         )
     if r.quorum_at is not None and now >= r.quorum_at + snap.grace_s:
-        return Decision(Action.CLOSE, received), (
+        return RoundCall(Action.CLOSE, received), (
             f"round {r.round_id}: quorum {len(received)}/{need} and grace {snap.grace_s:.2f}s "
             f"passed; late: {sorted(outstanding)}"
         )
     if now >= r.deadline_at:
         if len(received) >= need:
-            return Decision(Action.CLOSE, received), (
+            return RoundCall(Action.CLOSE, received), (
                 f"round {r.round_id}: deadline with quorum {len(received)}/{need}; late: {sorted(outstanding)}"
             )
-        return Decision(
+        return RoundCall(
             Action.ABORT
         ), f"round {r.round_id}: deadline with {len(received)}/{need} updates"
-    return Decision(
+    return RoundCall(
         Action.WAIT
     ), f"round {r.round_id}: {len(received)}/{len(r.participants)} updates in"
 
 
-def decide(now: float, snap: RoundSnapshot, policy: RoundPolicy) -> tuple[Decision, str]:
+def decide(now: float, snap: RoundSnapshot, policy: RoundPolicy) -> tuple[RoundCall, str]:
     if snap.open_rounds:
         decision, why = _decide_oldest(now, snap.open_rounds[0], snap, policy)
         if decision.action is not Action.WAIT:
@@ -139,13 +142,13 @@ def decide(now: float, snap: RoundSnapshot, policy: RoundPolicy) -> tuple[Decisi
     planned = snap.completed_rounds + len(snap.open_rounds)
     if policy.max_rounds and planned >= policy.max_rounds:
         if not snap.open_rounds:
-            return Decision(Action.FINISH), f"completed {snap.completed_rounds} rounds"
-        return Decision(Action.WAIT), f"{why}; all {policy.max_rounds} rounds planned"
+            return RoundCall(Action.FINISH), f"completed {snap.completed_rounds} rounds"
+        return RoundCall(Action.WAIT), f"{why}; all {policy.max_rounds} rounds planned"
     if len(snap.open_rounds) >= policy.max_open:
-        return Decision(Action.WAIT), why
+        return RoundCall(Action.WAIT), why
     if len(snap.ready) >= policy.min_sites:
-        return Decision(Action.OPEN, tuple(sorted(snap.ready))), (
+        return RoundCall(Action.OPEN, tuple(sorted(snap.ready))), (
             f"{len(snap.ready)} sites ready (min {policy.min_sites}), "
             f"{len(snap.open_rounds)} of {policy.max_open} rounds open"
         )
-    return Decision(Action.WAIT), f"{why}; {len(snap.ready)} of {policy.min_sites} sites ready"
+    return RoundCall(Action.WAIT), f"{why}; {len(snap.ready)} of {policy.min_sites} sites ready"

@@ -38,7 +38,7 @@ class SiteView:
     goodput_bps: float = 0.0
     early_s: float = 0.0
     """How early this site's update would land in the round being planned without extra steps,
-    judged from the latest closed round (see ``Coordinator._aligned_view``)."""
+    judged from the latest closed round (see ``coordinator.planner.Planner``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

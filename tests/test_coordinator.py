@@ -38,7 +38,8 @@ from comm.wire.schema import (
 )
 from comm.wire.tensors import encode_tensors, fragments, state_hash
 from coordinator.config import CoordinatorConfig
-from coordinator.service import Coordinator, InitialModel, next_fragment
+from coordinator.lifecycle import next_fragment
+from coordinator.service import Coordinator, InitialModel
 from coordinator.state import GlobalState, MemoryStateStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -741,13 +742,14 @@ def test_a_site_timed_out_is_forgotten_as_one_that_left() -> None:
         eu, us, rs = start_round(h)
         land(h, eu, rs, D_EU)
         coord = h.coord
-        assert "us" in coord._claims and "eu" in coord._views
-        coord._missed_result.add("us")
-        coord._undelivered.add("us")
+        assert "us" in coord.intake.claims and "eu" in coord.planner.views
+        coord.redelivery.missed("us")
+        coord.redelivery.undelivered.add("us")
         for _ in range(4):  # eu keeps heartbeating; us stays silent past the site timeout
             clock.now += 10.0
             heard(h, eu)
         h.until(lambda: "us" not in coord.members)
-        assert "us" not in coord._claims and "us" not in coord._views
-        assert "us" not in coord._missed_result and "us" not in coord._undelivered
-        assert "eu" in coord._claims
+        assert "us" not in coord.intake.claims and "us" not in coord.planner.views
+        assert "us" not in coord.redelivery.missed_result
+        assert "us" not in coord.redelivery.undelivered
+        assert "eu" in coord.intake.claims

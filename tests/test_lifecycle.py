@@ -9,7 +9,16 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from coordinator.decisions import Abort, Admission, Close, Finish, Open, Refusal, Remove, Rerun
+from coordinator.decisions import (
+    Abort,
+    Admission,
+    Close,
+    Finish,
+    Open,
+    Remove,
+    Rerun,
+    UpdateRefusal,
+)
 from coordinator.lifecycle import Lifecycle, LifecycleConfig, next_fragment
 
 pytestmark = pytest.mark.timeout(120)
@@ -103,7 +112,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         if self.book.touch(self.now, site, site.encode()) is None:
             return  # the service refuses a non-member before asking the lifecycle
         verdict = self.book.check_update(site, round_id, fragment, trained_from)
-        if isinstance(verdict, Refusal):
+        if isinstance(verdict, UpdateRefusal):
             return
         assert isinstance(verdict, Admission)
         assert verdict.fragment == fragment

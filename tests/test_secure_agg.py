@@ -30,6 +30,9 @@ from comm.security.secagg import (
     unmask_sum,
     unmask_sum_fixed,
 )
+from coordinator.aggregate import MaskedSum
+from coordinator.ledger import RoundLedger
+from coordinator.scheduler import RoundPlan
 
 CFG = SecAggConfig(clip_bound=8.0)
 CFG32 = SecAggConfig(clip_bound=4.0, frac_bits=16, word_bits=32, max_sites=8)
@@ -347,3 +350,43 @@ def test_secure_agg_static_keys_defeat_key_substitution() -> None:
         recovered = unmask_sum(dict(a=masked_a, b=masked_b), plan, CFG, dtype=np.float64)["w"]
         leaked = bool(np.allclose(recovered, x_a["w"], atol=1e-6))
         assert leaked is (not use_static)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cfg", [CFG, CFG32])
+def test_the_coordinators_running_masked_sum_is_the_unmasked_mean_bit_for_bit(
+    cfg: SecAggConfig,
+) -> None:
+    """The coordinator folds each masked update into one modular sum as it lands (memory
+    O(model) whatever the number of sites) and unmasks only that sum: the same result, in any
+    arrival order, as unmasking all the kept vectors; anything but the masking set is refused."""
+    rng = np.random.default_rng(11)
+    sites = ["eu", "us", "ap", "sa", "af"]
+    updates = _random_updates(rng, sites, [(4, 8), (3,)], 0.5 * cfg.clip_bound)
+    weights = {s: float(rng.uniform(0.1, 1.0)) for s in sites}
+    sessions = _sessions(sites, cfg)
+    plan = _plan(sessions)
+    masked = _mask_all(sessions, plan, updates, weights)
+    want, want_total = unmask_mean(masked, plan, cfg)
+    ledger = RoundLedger(cfg)
+    record = ledger.open(1, _round_plan(), plan)
+    assert record.masked is not None
+    sizes = []
+    for site in reversed(sites):
+        record.masked.add(site, masked[site])
+        sizes.append(ledger.nbytes)
+    assert len(set(sizes)) == 1  # one sum, however many sites sent
+    got, total = record.masked.mean(plan.participants)
+    assert total == want_total and got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+    with pytest.raises(ValueError, match="already sent"):
+        record.masked.add("eu", masked["eu"])
+    partial = MaskedSum(cfg)
+    partial.add("eu", masked["eu"])
+    with pytest.raises(ValueError, match="do not match the masking set"):
+        partial.mean(plan.participants)
+
+
+def _round_plan() -> RoundPlan:
+    return RoundPlan(num_inner_steps=10, num_fragments=1, overlap=False, uplink={}, downlink="fp32")

@@ -1,0 +1,186 @@
+"""The coordinator's post office: its socket, its authentication, and the durability barrier every
+send waits behind.
+
+:class:`PostOffice` binds the ROUTER channel (CURVE and the ZAP handler when the federation has a
+key kit), runs the background state writer (:class:`~coordinator.outbox.Outbox`), and sends: a
+message goes out now when every save queued so far is durable, otherwise once it is. A send that
+fails (the peer is not connected) is reported to ``on_send_failed``; a refusal is an Error to the
+sender, a counter and a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import zmq
+
+from comm.security.identity import PeerIdentity
+from comm.security.kits import CoordinatorKit
+from comm.security.registry import CertificateRegistry
+from comm.security.zap import ZapHandler
+from comm.transport.router import RouterChannel
+from comm.wire.schema import ERROR_MEANINGS, Error, ErrorCode, Message
+from coordinator.config import CoordinatorConfig
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.outbox import Outbox
+from coordinator.state import GlobalState, StateStore
+
+log = logging.getLogger("crossdc.coordinator")
+
+
+class PostOffice:
+    """``start_writer``, ``bind``, then send; ``close`` flushes what waits and closes."""
+
+    def __init__(
+        self,
+        cfg: CoordinatorConfig,
+        store: StateStore,
+        metrics: CoordinatorMetrics,
+        kit: CoordinatorKit | None,
+        on_send_failed: Callable[[bytes], None],
+    ) -> None:
+        self._cfg = cfg
+        self._store = store
+        self._metrics = metrics
+        self._kit = kit
+        self._on_send_failed = on_send_failed
+        self.outbox: Outbox | None = None
+        self.chan: RouterChannel | None = None
+        self.registry: CertificateRegistry | None = None
+        self._zap: ZapHandler | None = None
+        self._ctx: zmq.Context[Any] | None = None
+        self._transfers_waited_seen = 0  # the channel's count, as far as the metric has it
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def load(self) -> GlobalState | None:
+        """The durable state the store holds (None: a new federation)."""
+        return self._store.load()
+
+    def start_writer(self) -> None:
+        self.outbox = Outbox(self._cfg.faults.wrap(self._store))
+
+    def bind(self) -> str:
+        """Bind the socket (after the ZAP handler, so no handshake races it); the endpoint."""
+        self._ctx = zmq.Context()
+        channel_cfg = self._cfg.channel
+        if self._kit is not None:
+            self.registry = CertificateRegistry.from_kit(self._kit.kit_dir)
+            self._metrics.watch_certificates(self._trusted_certificates)
+            self._metrics.ca_expiry.set(self._kit.ca_not_after)
+            self._zap = ZapHandler(self._ctx, self.registry, on_reject=self._on_auth_reject)
+            self._zap.start()
+            channel_cfg = replace(channel_cfg, curve=self._kit.curve)
+        else:
+            log.warning(
+                "[coordinator] INSECURE MODE: no encryption, no authentication. "
+                "For loopback experiments only; never expose this endpoint."
+            )
+        self.chan = RouterChannel(channel_cfg, context=self._ctx, on_reject=self._on_wire_reject)
+        return self.chan.bind(self._cfg.bind)
+
+    def close_writer(self) -> bool:
+        """Write every queued save and run what waited on it; False if there was no writer."""
+        if self.outbox is None:
+            return False
+        self.outbox.close()
+        self.outbox = None
+        return True
+
+    def close(self, *, finished: bool) -> None:
+        if self.chan is not None:
+            # Finished: the last results, and the Shutdown queued behind each, go out in full
+            # (a site that stops acknowledging is dropped after channel.send_timeout_s without
+            # progress), within a round's deadline; otherwise the usual linger.
+            self.chan.close(flush_timeout_s=self._cfg.round_deadline_s if finished else None)
+            self.chan = None
+        if self._zap is not None:
+            self._zap.close()
+            self._zap = None
+        if self._ctx is not None:
+            # term() waits (up to the linger) until queued messages, e.g. Shutdown, are sent.
+            self._ctx.term()
+            self._ctx = None
+
+    # ---- durability before announcement ----------------------------------------------------
+
+    def persist(self, state: GlobalState, counter_only: bool) -> None:
+        assert self.outbox is not None, "start_writer() first"
+        self.outbox.persist(state, counter_only=counter_only)
+
+    def later(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once every save queued so far is durable."""
+        assert self.outbox is not None, "start_writer() first"
+        self.outbox.later(action)
+
+    @property
+    def durable(self) -> bool:
+        return self.outbox is None or self.outbox.durable
+
+    # ---- sending ---------------------------------------------------------------------------
+
+    def send(self, peer: bytes, msg: Message) -> bool:
+        """Send now, or after the latest save is durable (then True means queued)."""
+        if self.outbox is not None and not self.outbox.settled():
+            self.later(lambda: self._send_queued(peer, msg))
+            return True
+        return self.send_now(peer, msg)
+
+    def _send_queued(self, peer: bytes, msg: Message) -> None:
+        self.send_now(peer, msg)
+
+    def send_now(self, peer: bytes, msg: Message) -> bool:
+        assert self.chan is not None
+        before = self.chan.stats.bytes_sent
+        ok = self.chan.send(peer, msg)
+        self._metrics.wire_bytes.labels(direction="out").inc(self.chan.stats.bytes_sent - before)
+        if not ok:
+            self._on_send_failed(peer)
+        return ok
+
+    def reject(
+        self, peer: bytes, code: ErrorCode, detail: str, who: str = "?", reason: str = ""
+    ) -> None:
+        reason = reason or code.name.lower()
+        self._metrics.rejected.labels(reason=reason).inc()
+        log.warning("[coordinator site=%s] rejected: %s: %s", who, reason, detail)
+        self.send(peer, Error(code=int(code), detail=f"{ERROR_MEANINGS[code]}: {detail}"))
+
+    def forget(self, peer: bytes) -> None:
+        """A peer that left or was removed: its connection's state goes."""
+        if self.chan is not None:
+            self.chan.forget(peer)
+
+    def identity(self, peer: bytes) -> PeerIdentity | None:
+        """The certified identity of ``peer``'s connection (CURVE mode)."""
+        assert self.chan is not None
+        return self.chan.identities.get(peer)
+
+    # ---- what operators see ----------------------------------------------------------------
+
+    def observe_transfers(self) -> None:
+        """The receive budget's figures (``comm/transport/receiver.py``) into the metrics."""
+        if self.chan is None:
+            return
+        stats = self.chan.stats
+        self._metrics.transfers_waiting.set(stats.transfers_waiting)
+        self._metrics.reassembly_peak_bytes.set(stats.reassembly_peak_bytes)
+        self._metrics.transfers_waited.inc(stats.transfers_waited - self._transfers_waited_seen)
+        self._transfers_waited_seen = stats.transfers_waited
+
+    def _trusted_certificates(self) -> list[tuple[str, str, float]]:
+        """(site, serial, not_after) of each certificate the registry trusts (HTTP thread)."""
+        registry = self.registry
+        if registry is None:
+            return []
+        return [(c.site_id, c.serial, c.not_after) for c in registry.trusted_certificates()]
+
+    def _on_wire_reject(self, peer: bytes, code: ErrorCode, detail: str) -> None:
+        self._metrics.rejected.labels(reason=code.name.lower()).inc()
+
+    def _on_auth_reject(self, reason: str, detail: str) -> None:
+        """A connection refused at the CURVE handshake (ZAP handler thread)."""
+        self._metrics.rejected.labels(reason=reason).inc()
