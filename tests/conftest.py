@@ -143,3 +143,12 @@ def wait_for(
                 raise AssertionError(f"processes died while waiting for {what}: {dead}")
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+@pytest.fixture
+def harness() -> Iterator[Any]:
+    """An in-process coordinator on tcp loopback (``tests.coordinator_harness.Harness``)."""
+    from tests.coordinator_harness import running
+
+    with running() as h:
+        yield h

@@ -1,0 +1,217 @@
+"""What the coordinator takes in: every bad update refused with an Error naming it, a counter
+and no change of state; duplicates; another model refused at join naming the difference; θ0
+proved by hash or built by the launcher; the /metrics endpoint; and one way to forget a site
+that left or went silent."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import numpy as np
+import pytest
+
+from comm.codecs.floats import Fp32Codec
+from comm.ops.observe import ObserveServer
+from comm.security.kits import SecurityConfig
+from comm.wire.schema import (
+    Error,
+    ErrorCode,
+    Global,
+    InitParams,
+    Join,
+    Message,
+    RoundStart,
+)
+from comm.wire.tensors import encode_tensors, state_hash
+from coordinator.config import CoordinatorConfig
+from coordinator.service import Coordinator, InitialModel
+from coordinator.state import MemoryStateStore
+from tests.coordinator_harness import (
+    D_EU,
+    PARAMS,
+    Harness,
+    ManualClock,
+    _bad_updates,
+    heard,
+    join,
+    land,
+    rejected,
+    running,
+    start_round,
+    update,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_bad_update_is_rejected_with_error_counter_and_no_state_change(
+    harness: Harness, case: int
+) -> None:
+    h = harness
+    eu, _us, rs = start_round(h)
+    reason, bad, code = _bad_updates(rs.round_id)[case]
+    before_round, before_state = h.coord.open_round, h.coord.state
+    sender = eu if bad.site_id == "eu" else h.site(bad.site_id)
+    sender.send(bad)
+    err: Error = h.expect(sender, Error)
+    assert err.code == int(code), err.detail
+    assert rejected(h.coord, reason) == 1.0
+    assert h.coord.open_round == before_round and h.coord.state is before_state
+
+
+def test_duplicate_update_is_rejected(harness: Harness) -> None:
+    h = harness
+    eu, _us, rs = start_round(h)
+    ok = {"w": np.zeros((2, 3), np.float32), "b": np.zeros(3, np.float32)}
+    eu.send(update("eu", rs.round_id, ok))
+    h.until(lambda: h.coord.open_round is not None and "eu" in h.coord.open_round.received)
+    eu.send(update("eu", rs.round_id, ok))
+    err: Error = h.expect(eu, Error)
+    assert err.code == int(ErrorCode.DUPLICATE)
+    assert rejected(h.coord, "duplicate") == 1.0
+
+
+def test_model_mismatch_is_refused(harness: Harness) -> None:
+    h = harness
+    start_round(h)
+    ap = h.site("ap")
+    ap.send(Join(site_id="ap", model_fingerprint="other", global_version=-1, state_hash=""))
+    err: Error = h.expect(ap, Error)
+    assert err.code == int(ErrorCode.MODEL_MISMATCH)
+    assert "ap" not in h.coord.members
+
+
+def test_metrics_endpoint_serves_prometheus_text(harness: Harness) -> None:
+    server = ObserveServer(
+        registry=harness.coord.metrics.registry, status=harness.coord.status, port=0
+    )
+    server.start()
+    try:
+        body = (
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5)
+            .read()
+            .decode()
+        )
+        assert "crossdc_rounds_total" in body and "crossdc_members" in body
+        status = (
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/status", timeout=5)
+            .read()
+            .decode()
+        )
+        assert harness.coord.session_id in status
+    finally:
+        server.close()
+
+
+def test_a_site_that_built_the_same_initial_model_downloads_nothing(harness: Harness) -> None:
+    h = harness
+    eu, us = h.site("eu"), h.site("us")
+    # eu is asked for the initial parameters; before they arrive, us joins saying it holds v0
+    # with θ0's hash (it built θ0 from the federation's seed).
+    assert join(h, eu).need_init
+    assert not join(h, us, version=0, digest=state_hash(PARAMS)).need_init
+    eu.send(
+        InitParams(
+            site_id="eu", model_fingerprint="fp", payload=encode_tensors(PARAMS, Fp32Codec())
+        )
+    )
+    got: list[Message] = []
+    for _ in range(400):
+        h.coord.step(0.005)
+        while (msg := us.chan.recv(0.0)) is not None:
+            got.append(msg)
+        if any(isinstance(m, RoundStart) for m in got):
+            break
+    # No model went to us: the round started on the θ0 it proved by hash.
+    assert [type(m) for m in got] == [RoundStart], got
+    assert got[0].global_version == 0 and got[0].participants == ("eu", "us")
+    ap = h.site("ap")
+    assert not join(h, ap, version=0, digest="not-theta0").need_init
+    full = h.expect(ap, Global)  # a site whose θ0 differs gets the model
+    assert full.is_full and full.state_hash == state_hash(PARAMS)
+
+
+def test_a_coordinator_given_theta0_asks_no_site_to_upload_it() -> None:
+    store = MemoryStateStore()
+    with running(store=store, initial=InitialModel(PARAMS, "fp")) as h:
+        # θ0 becomes durable at version 0 without any site.
+        h.until(lambda: store.load() is not None)
+        saved = store.load()
+        assert saved is not None and saved.global_version == 0
+        assert saved.model_fingerprint == "fp" and state_hash(saved.params) == state_hash(PARAMS)
+        eu, us = h.site("eu"), h.site("us")
+        assert not join(h, eu, version=0, digest=state_hash(PARAMS)).need_init
+        assert not join(h, us, version=0, digest=state_hash(PARAMS)).need_init
+        got: list[Message] = []
+        for _ in range(400):
+            h.coord.step(0.005)
+            while (msg := us.chan.recv(0.0)) is not None:
+                got.append(msg)
+            if any(isinstance(m, RoundStart) for m in got):
+                break
+        assert [type(m) for m in got] == [RoundStart], got  # no model travelled
+        ap = h.site("ap")
+        assert not join(h, ap, version=0, digest="not-theta0").need_init
+        full = h.expect(ap, Global)  # a site whose θ0 differs gets the model
+        assert full.is_full and full.state_hash == state_hash(PARAMS)
+        # An unrequested upload changes nothing.
+        before = rejected(h.coord, "unexpected")
+        zeros = {k: np.zeros_like(v) for k, v in PARAMS.items()}
+        eu.send(
+            InitParams(
+                site_id="eu", model_fingerprint="fp", payload=encode_tensors(zeros, Fp32Codec())
+            )
+        )
+        h.expect(eu, Error)
+        assert rejected(h.coord, "unexpected") == before + 1
+        assert h.coord.state is not None and state_hash(h.coord.state.params) == state_hash(PARAMS)
+
+
+def test_a_site_of_another_model_is_refused_when_theta0_is_built() -> None:
+    with running(initial=InitialModel(PARAMS, "fp-built")) as h:
+        eu = h.site("eu")
+        eu.send(Join(site_id="eu", model_fingerprint="fp", global_version=0, state_hash=""))
+        err: Error = h.expect(eu, Error)
+        assert err.code == ErrorCode.MODEL_MISMATCH and "fp-built" in err.detail
+
+
+def test_a_state_dir_of_another_model_than_the_built_theta0_refuses_to_start() -> None:
+    store = MemoryStateStore()
+    with running(store=store, initial=InitialModel(PARAMS, "fp")):
+        pass
+    cfg = CoordinatorConfig(
+        bind="tcp://127.0.0.1:0",
+        state_dir="",
+        metrics_port=0,
+        security=SecurityConfig(insecure=True),
+    )
+    coord = Coordinator(cfg, store=store, initial=InitialModel(PARAMS, "other"))
+    try:
+        with pytest.raises(ValueError, match="initial_model describes model other.*holds model fp"):
+            coord.start()
+        assert coord.chan is None  # refused before binding anything
+    finally:
+        coord.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_site_timed_out_is_forgotten_as_one_that_left() -> None:
+    """Both removal paths (a Leave, the site timeout) drop what the coordinator kept about the
+    site: its join claim, its scheduler view, its missed results and undelivered models."""
+    clock = ManualClock()
+    with running(clock=clock) as h:  # site timeout 30 s
+        eu, us, rs = start_round(h)
+        land(h, eu, rs, D_EU)
+        coord = h.coord
+        assert "us" in coord.intake.claims and "eu" in coord.planner.views
+        coord.redelivery.missed("us")
+        coord.redelivery.undelivered.add("us")
+        for _ in range(4):  # eu keeps heartbeating; us stays silent past the site timeout
+            clock.now += 10.0
+            heard(h, eu)
+        h.until(lambda: "us" not in coord.members)
+        assert "us" not in coord.intake.claims and "us" not in coord.planner.views
+        assert "us" not in coord.redelivery.missed_result
+        assert "us" not in coord.redelivery.undelivered
+        assert "eu" in coord.intake.claims
