@@ -1,19 +1,11 @@
-"""The receiving side of a chunked transfer: reassembly, duplicates, the credit it grants, and
-the receive budget.
+"""The receiving side of a chunked transfer: reassembly, duplicates, and the credit it grants.
 
 :class:`TransferReceiver` wraps a :class:`~comm.wire.chunking.Reassembler` and answers every
 chunk with a :class:`~comm.wire.schema.ChunkAck` whose credit is ``max(min_window, factor x
-bandwidth x RTT)`` from the sender's link estimate, clamped to ``max_window``.
-
-Reassembly buffers are whole messages, so the receiver bounds how many it fills at once, over all
-senders: at most ``receive_max_transfers`` transfers and ``receive_budget_bytes`` bytes are
-*admitted*. A transfer that does not fit *waits*, first come first served: the chunks its sender
-sent on its initial credit are held and acknowledged (so the sender releases them and never sends
-them again), no further credit is granted, and the receiver acknowledges it again every half
-stall timeout so its sender keeps waiting instead of resending or giving up. When an admitted
-transfer finishes (or is dropped or expires), the next waiting one is admitted and its sender
-gets a window. What the receiver holds is the admitted transfers plus at most the initial credit
-per waiting one; nothing is sent twice for waiting.
+bandwidth x RTT)`` from the sender's link estimate, clamped to ``max_window``. It admits
+transfers for reassembly within the receive budget (``comm.transport.receive_budget``, which
+counts what is admitted and what waits): the chunks of a waiting transfer are held outside the
+reassembler, and its sender is acknowledged but granted nothing until it is admitted.
 """
 
 from __future__ import annotations
@@ -21,16 +13,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from comm.transport.credit import _MAX_TRANSFER_ID_CHARS, TransferConfig, grant_window_bytes
+from comm.transport.chunk_checks import check_bounds, check_digest, chunk_stride
+from comm.transport.credit import TransferConfig, grant_window_bytes
 from comm.transport.linkest import LinkEstimator
-from comm.wire.chunking import Reassembler, chunk_digest
+from comm.transport.receive_budget import ReceiveBudget, TransferKey
+from comm.wire.chunking import Reassembler
 from comm.wire.frames import WireError
 from comm.wire.schema import Chunk, ChunkAck, ErrorCode
 
 # --------------------------------------------------------------------------------------------
 # The receiver
-
-_Key = tuple[bytes, str]  # (sender, transfer id)
 
 
 @dataclass
@@ -85,39 +77,14 @@ class ReceiverStats:
     """The most bytes held at once: admitted transfers plus the chunks waiting ones hold."""
 
 
-def _stride_of(chunk: Chunk, nbytes: int) -> int:
-    """The chunk size a transfer was cut with, from one of its chunks; checks the chunk's place.
-
-    ``split_frames`` puts chunk ``i`` at ``i x stride`` with ``stride`` bytes (the last one
-    shorter), so one chunk pins the layout and a chunk that does not fit it is malformed.
-    """
-    total, index, num = chunk.total_bytes, chunk.index, chunk.num_chunks
-    if index > 0:
-        stride, rest = divmod(chunk.offset, index)
-        if rest:
-            stride = 0
-    else:
-        stride = nbytes if num > 1 else total
-    if (
-        stride < 1
-        or not stride * (num - 1) < total <= stride * num
-        or chunk.offset != index * stride
-        or nbytes != min(stride, total - chunk.offset)
-    ):
-        raise WireError(
-            ErrorCode.MALFORMED,
-            f"chunk {index}/{num} at {chunk.offset}+{nbytes} of {total} fits no chunk layout",
-        )
-    return stride
-
-
 class TransferReceiver:
     """Reassembles chunked transfers from any number of senders and answers every chunk.
 
     Digest, size and bound checks are ``comm.wire.chunking.Reassembler``'s (this wraps one), plus
-    the chunk layout; a bad chunk raises :class:`WireError` and changes nothing. Feeds the bytes
-    it receives into the sender's link estimator and grants windows from it. Admits transfers for
-    reassembly within the receive budget (module docstring); the acknowledgements that are not
+    the bounds and chunk layout of ``comm.transport.chunk_checks``; a bad chunk raises
+    :class:`WireError` and changes nothing. Feeds the bytes it receives into the sender's link
+    estimator and grants windows from it. Admits transfers for reassembly within the receive
+    budget (``comm.transport.receive_budget``); the acknowledgements that are not
     answers to the chunk at hand (a grant to a transfer just admitted, keepalives) are collected
     by :meth:`acks_due`, which the driver calls after every chunk and on every tick.
     """
@@ -127,12 +94,9 @@ class TransferReceiver:
         self._reassembler = Reassembler(
             max_transfer_bytes=self.config.max_transfer_bytes, max_pending=self.config.max_pending
         )
-        self._incoming: dict[_Key, _Incoming] = {}
-        self._waiting: OrderedDict[_Key, None] = OrderedDict()  # in order of arrival
-        self._completed: OrderedDict[_Key, int] = OrderedDict()
-        self._admitted = 0
-        self._admitted_bytes = 0
-        self._parked_bytes = 0
+        self._incoming: dict[TransferKey, _Incoming] = {}
+        self._budget = ReceiveBudget(self.config)
+        self._completed: OrderedDict[TransferKey, int] = OrderedDict()
         self._grants: list[tuple[bytes, ChunkAck]] = []
         self._now = 0.0  # the latest time a call passed in
         self._keepalive_scan_at = 0.0
@@ -148,22 +112,22 @@ class TransferReceiver:
     @property
     def waiting(self) -> int:
         """Transfers waiting for the receive budget."""
-        return len(self._waiting)
+        return self._budget.waiting
 
     @property
     def admitted(self) -> int:
         """Transfers being reassembled."""
-        return self._admitted
+        return self._budget.admitted
 
     @property
     def admitted_bytes(self) -> int:
         """The sizes of the transfers being reassembled (their buffers), summed."""
-        return self._admitted_bytes
+        return self._budget.admitted_bytes
 
     @property
     def held_bytes(self) -> int:
         """Admitted bytes plus the chunks waiting transfers hold."""
-        return self._admitted_bytes + self._parked_bytes
+        return self._budget.held_bytes
 
     def window_bytes(self, link: LinkEstimator | None = None) -> int:
         return grant_window_bytes(self.config, None if link is None else link.snapshot())
@@ -191,9 +155,9 @@ class TransferReceiver:
             self.stats.duplicates += 1
             ack = ChunkAck(transfer_id=chunk.transfer_id, next_index=finished, credit_bytes=0)
             return Received(ack=ack, frames=None, duplicate=True)
-        self._check_bounds(chunk)
+        check_bounds(chunk, self.config)
         nbytes = memoryview(chunk.data).nbytes
-        stride = _stride_of(chunk, nbytes)
+        stride = chunk_stride(chunk, nbytes)
         state = self._incoming.get(key)
         if state is not None:
             if (state.num_chunks, state.total_bytes) != (chunk.num_chunks, chunk.total_bytes):
@@ -209,7 +173,7 @@ class TransferReceiver:
             state, frames = self._open(key, chunk, stride, now, link)  # may raise: none opened
         elif state.waiting:
             if not duplicate:
-                _check_digest(chunk)
+                check_digest(chunk)
         else:
             frames = self._reassembler.add(sender, chunk, now)  # digest and bounds; may raise
         if state.waiting:
@@ -237,17 +201,17 @@ class TransferReceiver:
         )
 
     def _open(
-        self, key: _Key, chunk: Chunk, stride: int, now: float, link: LinkEstimator | None
+        self, key: TransferKey, chunk: Chunk, stride: int, now: float, link: LinkEstimator | None
     ) -> tuple[_Incoming, list[memoryview] | None]:
         """A new transfer's first chunk: admitted (into a reassembly buffer) or waiting."""
         sender = key[0]
         if sum(1 for k in self._incoming if k[0] == sender) >= self.config.max_pending:
             detail = f"more than {self.config.max_pending} open transfers from this sender"
             raise WireError(ErrorCode.OVERSIZE, detail)
-        wait = self._must_wait(chunk.total_bytes)
+        wait = self._budget.must_wait(chunk.total_bytes)
         frames = None
         if wait:
-            _check_digest(chunk)
+            check_digest(chunk)
         else:
             frames = self._reassembler.add(sender, chunk, now)  # digest and bounds; may raise
         state = _Incoming(
@@ -262,17 +226,16 @@ class TransferReceiver:
         )
         self._incoming[key] = state
         if wait:
-            self._waiting[key] = None
+            self._budget.enqueue(key, state.total_bytes)
             self.stats.transfers_waited += 1
         else:
-            self._admitted += 1
-            self._admitted_bytes += state.total_bytes
+            self._budget.admit(state.total_bytes)
             self._note_peak()
         return state, frames
 
     def _park(
         self,
-        key: _Key,
+        key: TransferKey,
         state: _Incoming,
         chunk: Chunk,
         nbytes: int,
@@ -288,7 +251,7 @@ class TransferReceiver:
             self.stats.chunks_beyond_credit += 1
         else:
             state.parked.append(chunk)
-            self._parked_bytes += nbytes
+            self._budget.hold(nbytes)
             self._count(state, chunk.index, duplicate=False)
             state.last_at = now
             if link is not None:
@@ -311,38 +274,18 @@ class TransferReceiver:
 
     # -- the receive budget ---------------------------------------------------------------
 
-    def _fits(self, total_bytes: int) -> bool:
-        if not self._admitted:
-            return True  # one transfer at a time always moves, however large
-        cfg = self.config
-        return (
-            self._admitted < cfg.receive_max_transfers
-            and self._admitted_bytes + total_bytes <= cfg.receive_budget_bytes
-        )
-
-    def _must_wait(self, total_bytes: int) -> bool:
-        if total_bytes <= self.config.initial_credit_bytes:
-            return False  # sent whole before any acknowledgement: holding it back saves nothing
-        return bool(self._waiting) or not self._fits(total_bytes)  # first come, first served
-
     def _admit_waiting(self, now: float) -> None:
         """Admit waiting transfers, oldest first, while the budget allows."""
-        while self._waiting:
-            key = next(iter(self._waiting))
-            state = self._incoming[key]
-            if not self._fits(state.total_bytes):
-                return
-            del self._waiting[key]
-            self._admit(key, state, now)
+        while (key := self._budget.next_admissible()) is not None:
+            self._admit(key, self._incoming[key], now)
 
-    def _admit(self, key: _Key, state: _Incoming, now: float) -> None:
+    def _admit(self, key: TransferKey, state: _Incoming, now: float) -> None:
         """Move a waiting transfer's held chunks into a reassembly buffer and grant a window."""
         sender, transfer_id = key
         parked, state.parked = state.parked, []
-        self._parked_bytes -= sum(memoryview(c.data).nbytes for c in parked)
+        self._budget.unhold(sum(memoryview(c.data).nbytes for c in parked))
         state.waiting = False
-        self._admitted += 1
-        self._admitted_bytes += state.total_bytes
+        self._budget.admit(state.total_bytes)
         for chunk in parked:  # checked when they came; the sender's open transfers are bounded
             frames = self._reassembler.add(sender, chunk, now)
             assert frames is None, "a waiting transfer is never complete"
@@ -353,21 +296,19 @@ class TransferReceiver:
         state.edge = max(state.edge, start + max(state.stride, self.window_bytes(state.link)))
         self._grants.append((sender, self._ack(state, transfer_id, now)))
 
-    def _remove(self, key: _Key) -> _Incoming:
+    def _remove(self, key: TransferKey) -> _Incoming:
         """Forget an open transfer and release what it held."""
         state = self._incoming.pop(key)
         if state.waiting:
-            del self._waiting[key]
-            self._parked_bytes -= sum(memoryview(c.data).nbytes for c in state.parked)
+            self._budget.release_waiting(key, sum(memoryview(c.data).nbytes for c in state.parked))
         else:
-            self._admitted -= 1
-            self._admitted_bytes -= state.total_bytes
+            self._budget.release_admitted(state.total_bytes)
             self._reassembler.discard(*key)
         return state
 
     def _note_peak(self) -> None:
         stats = self.stats
-        stats.peak_admitted_bytes = max(stats.peak_admitted_bytes, self._admitted_bytes)
+        stats.peak_admitted_bytes = max(stats.peak_admitted_bytes, self._budget.admitted_bytes)
         stats.peak_held_bytes = max(stats.peak_held_bytes, self.held_bytes)
 
     def acks_due(self, now: float) -> list[tuple[bytes, ChunkAck]]:
@@ -385,24 +326,7 @@ class TransferReceiver:
                     due.append((sender, self._ack(state, transfer_id, now)))
         return due
 
-    # -- checks and bookkeeping -----------------------------------------------------------
-
-    def _check_bounds(self, chunk: Chunk) -> None:
-        """The bounds every chunk must meet before anything is looked up or allocated."""
-        if len(chunk.transfer_id) > _MAX_TRANSFER_ID_CHARS:
-            raise WireError(ErrorCode.MALFORMED, "transfer id too long")
-        if not 0 < chunk.total_bytes <= self.config.max_transfer_bytes:
-            raise WireError(
-                ErrorCode.OVERSIZE,
-                f"transfer of {chunk.total_bytes} bytes (bound {self.config.max_transfer_bytes})",
-            )
-        if not 0 <= chunk.index < chunk.num_chunks:
-            raise WireError(ErrorCode.MALFORMED, f"chunk index {chunk.index}/{chunk.num_chunks}")
-        if chunk.num_chunks > self.config.max_chunks:
-            raise WireError(
-                ErrorCode.OVERSIZE,
-                f"transfer of {chunk.num_chunks} chunks (bound {self.config.max_chunks})",
-            )
+    # -- bookkeeping ----------------------------------------------------------------------
 
     def _count(self, state: _Incoming, index: int, duplicate: bool) -> None:
         """Count a chunk in; a new one advances ``next_index`` over every chunk now held."""
@@ -414,7 +338,7 @@ class TransferReceiver:
         while state.next_index < state.num_chunks and state.received[state.next_index]:
             state.next_index += 1
 
-    def _remember(self, key: tuple[bytes, str], num_chunks: int) -> None:
+    def _remember(self, key: TransferKey, num_chunks: int) -> None:
         self._completed[key] = num_chunks
         while len(self._completed) > self.config.completed_memory:
             self._completed.popitem(last=False)
@@ -442,9 +366,3 @@ class TransferReceiver:
         self.stats.transfers_expired += len(old)
         self._admit_waiting(now)
         return len(old)
-
-
-def _check_digest(chunk: Chunk) -> None:
-    """What the reassembler checks first, for a chunk held outside it."""
-    if chunk_digest(memoryview(chunk.data).cast("B")) != chunk.digest:
-        raise WireError(ErrorCode.BAD_DIGEST, f"chunk {chunk.index} of {chunk.transfer_id}")
