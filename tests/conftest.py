@@ -16,6 +16,9 @@ import pytest
 
 from comm.ops.configio import dump_toml
 
+# Helpers shared by several test modules assert like the tests themselves (with the values shown).
+pytest.register_assert_rewrite("tests.support")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # A model small enough that a round takes a second on one core, big enough to learn visibly.
