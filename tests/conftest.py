@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from comm.ops.configio import dump_toml
+from comm.security.kits import init_kit
 
 # Helpers shared by several test modules assert like the tests themselves (with the values shown).
 pytest.register_assert_rewrite("tests.support")
@@ -72,6 +73,12 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         yield p
     finally:
         p.close()
+
+
+@pytest.fixture
+def kit(tmp_path: Path) -> Path:
+    """A new federation kit (the CA and the coordinator's keys, no site yet) in ``tmp_path``."""
+    return init_kit(tmp_path / "kit")
 
 
 def write_coordinator_config(workdir: Path, **over: Any) -> Path:

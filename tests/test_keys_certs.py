@@ -1,28 +1,23 @@
-"""Federation keys and the ZAP handler: certificates, revocation, file modes, and real CURVE
-sockets on loopback (a ROUTER configured as ``comm.transport`` configures it, DEALER clients)."""
+"""Federation kits and X.509 certificates: issuing, verifying, tampering, validity, revocation
+lists, file modes, refusing to overwrite, signed blobs, and the security config's defaults;
+standard tools (openssl) read what the kit writes."""
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import shutil
 import stat
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import zmq
-import zmq.utils.monitor as zmon
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import x25519
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from comm.security import legacy
 from comm.security.certs import (
     CURVE_KEY_OID,
     Certificate,
@@ -44,9 +39,7 @@ from comm.security.common import (
     SITE_TOML,
     SITES_DIR,
     AuthError,
-    _b64,
     curve_raw,
-    key_fingerprint,
 )
 from comm.security.crl import load_revocations, parse_revocations
 from comm.security.kits import (
@@ -58,7 +51,6 @@ from comm.security.kits import (
     load_site_kit,
     revoke_site,
 )
-from comm.security.migrate import migrate_kit
 from comm.security.registry import CertificateRegistry
 from comm.security.signing import (
     blob_digest,
@@ -68,14 +60,8 @@ from comm.security.signing import (
     verify_blob,
     verify_digest,
 )
-from comm.security.zap import DOMAIN, ZapHandler, decide, peer_of
-from comm.transport.dealer import DealerChannel
-from comm.transport.profile import ChannelConfig
-from comm.wire.frames import from_wire
-from comm.wire.schema import Leave
-from crossdc import cli
+from tests.support.keys import DAY, auth_reason
 
-DAY = 86400.0
 NOW = time.time()
 """The tests' "now"; refreshed before each test (below): certificates are issued at the real
 time, and the suite may reach this module minutes after collecting it."""
@@ -87,15 +73,6 @@ def _fresh_now() -> None:
     NOW = time.time()
 
 
-@pytest.fixture
-def kit(tmp_path: Path) -> Path:
-    return init_kit(tmp_path / "kit")
-
-
-def _reason(exc: pytest.ExceptionInfo[AuthError]) -> str:
-    return exc.value.reason
-
-
 def _ca(kit: Path) -> Ed25519PublicKey:
     return load_ca_certificate(kit / CA_CERT).public_key
 
@@ -104,9 +81,6 @@ def _tampered(cert: Certificate, old: bytes, new: bytes) -> Certificate:
     """The certificate with bytes inside its signed part replaced (the signature kept)."""
     assert len(old) == len(new) and cert.der.count(old) == 1
     return Certificate.from_x509(x509.load_der_x509_certificate(cert.der.replace(old, new)))
-
-
-# ----------------------------------------------------------------------------- keys and certs
 
 
 @pytest.mark.timeout(30)
@@ -140,23 +114,23 @@ def test_tampered_cert_bad_signature(kit: Path, tmp_path: Path) -> None:
     assert forged.site_id == "us"
     with pytest.raises(AuthError) as exc:
         forged.verify(ca, NOW)
-    assert _reason(exc) == "bad_signature"
+    assert auth_reason(exc) == "bad_signature"
     other_key = zmq.curve_keypair()[0]
     with pytest.raises(AuthError, match="subject public key differ") as exc:
         _tampered(cert, cert.curve_public, other_key)  # the CURVE key extension alone
-    assert _reason(exc) == "bad_signature"
+    assert auth_reason(exc) == "bad_signature"
     flipped = _tampered(cert, cert.der[-8:], bytes([cert.der[-8] ^ 1]) + cert.der[-7:])
     with pytest.raises(AuthError) as exc:
         flipped.verify(ca, NOW)
-    assert _reason(exc) == "bad_signature"
+    assert auth_reason(exc) == "bad_signature"
     other_ca = _ca(init_kit(tmp_path / "other"))
     with pytest.raises(AuthError) as exc:
         cert.verify(other_ca, NOW)
-    assert _reason(exc) == "bad_signature"
+    assert auth_reason(exc) == "bad_signature"
     for garbage in (b"", b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n"):
         with pytest.raises(AuthError) as exc:
             Certificate.from_pem(garbage)
-        assert _reason(exc) == "bad_signature"
+        assert auth_reason(exc) == "bad_signature"
     with pytest.raises(AuthError, match="not a crossdc site certificate"):
         Certificate.from_pem((kit / CA_CERT).read_bytes())  # a CA, with no CURVE key
     # A certificate for another key, signed by another CA, dropped into certs/ is skipped.
@@ -172,7 +146,7 @@ def test_tampered_cert_bad_signature(kit: Path, tmp_path: Path) -> None:
     (kit / CERTS_DIR / f"us-{stranger.serial}.pem").write_bytes(stranger.to_pem())
     with pytest.raises(AuthError) as exc:
         CertificateRegistry.from_kit(kit).authorize(forged_key, NOW)
-    assert _reason(exc) == "unknown_key"
+    assert auth_reason(exc) == "unknown_key"
 
 
 @pytest.mark.timeout(30)
@@ -269,19 +243,19 @@ def test_expired_and_not_yet_valid_certificates(kit: Path) -> None:
     old = issue_site(kit, "old", 1, now=NOW - 10 * DAY).certificate
     with pytest.raises(AuthError) as exc:
         old.verify(ca, NOW)
-    assert _reason(exc) == "expired"
+    assert auth_reason(exc) == "expired"
     old.verify(ca, NOW - 10 * DAY + 60)  # it was valid in its day
     future = issue_site(kit, "future", 1, now=NOW + DAY).certificate
     with pytest.raises(AuthError) as exc:
         future.verify(ca, NOW)
-    assert _reason(exc) == "not_yet_valid"
+    assert auth_reason(exc) == "not_yet_valid"
     registry = CertificateRegistry.from_kit(kit)
     with pytest.raises(AuthError) as exc:
         registry.authorize(old.curve_public, NOW)
-    assert _reason(exc) == "expired"
+    assert auth_reason(exc) == "expired"
     with pytest.raises(AuthError) as exc:
         load_site_kit(kit / SITES_DIR / "old", now=NOW)
-    assert _reason(exc) == "expired"
+    assert auth_reason(exc) == "expired"
 
 
 @pytest.mark.timeout(30)
@@ -299,11 +273,11 @@ def test_revoked_certificate(kit: Path) -> None:
     assert revocations.version == 1
     with pytest.raises(AuthError) as exc:
         first.verify(ca, NOW, revoked=revocations.serials)
-    assert _reason(exc) == "revoked"
+    assert auth_reason(exc) == "revoked"
     for cert in (first, second):  # picked up by the running registry without a restart
         with pytest.raises(AuthError) as exc:
             registry.authorize(cert.curve_public, NOW)
-        assert _reason(exc) == "revoked"
+        assert auth_reason(exc) == "revoked"
     with pytest.raises(ValueError, match="no certificate"):
         revoke_site(kit, "nobody")
 
@@ -327,10 +301,10 @@ def test_revocation_list_is_signed_and_never_rolls_back(kit: Path, tmp_path: Pat
     ):
         with pytest.raises(AuthError) as exc:
             parse_revocations(text, ca)
-        assert _reason(exc) == "bad_signature"
+        assert auth_reason(exc) == "bad_signature"
     with pytest.raises(AuthError) as exc:
         registry.authorize(eu.curve_public, NOW)
-    assert _reason(exc) == "revoked"
+    assert auth_reason(exc) == "revoked"
     # Putting back the older (validly signed) list, or deleting it, does not un-revoke.
     (kit / CRL).write_bytes(before)
     registry.reload()
@@ -346,16 +320,16 @@ def test_wrong_site_certificate(kit: Path) -> None:
     issued = issue_site(kit, "eu", 30)
     with pytest.raises(AuthError) as exc:
         issued.certificate.verify(ca, NOW, site_id="us")
-    assert _reason(exc) == "wrong_site"
+    assert auth_reason(exc) == "wrong_site"
     with pytest.raises(AuthError) as exc:
         load_site_kit(issued.site_kit_dir, site_id="us")
-    assert _reason(exc) == "wrong_site"
+    assert auth_reason(exc) == "wrong_site"
     registry = CertificateRegistry.from_kit(kit)
     cert = issued.certificate
     registry.check_peer(user_id="eu", serial=cert.serial, claimed_site_id="eu", now=NOW)
     with pytest.raises(AuthError) as exc:
         registry.check_peer(user_id="eu", serial=cert.serial, claimed_site_id="us", now=NOW)
-    assert _reason(exc) == "wrong_site"
+    assert auth_reason(exc) == "wrong_site"
 
 
 @pytest.mark.timeout(30)
@@ -381,103 +355,6 @@ def test_private_key_files_are_0600(kit: Path) -> None:
     os.chmod(kit / COORDINATOR_SIGN_KEY, 0o644)
     with pytest.raises(ValueError, match="chmod 600"):
         load_coordinator_kit(kit)
-
-
-def _seal(kind: str, body: dict[str, Any], key: Ed25519PrivateKey) -> str:
-    """A format-1 one-line document, as kits before X.509 held them."""
-    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    signature = key.sign(kind.encode() + b"\0" + raw)
-    return f"{kind}.{_b64(raw)}.{_b64(signature)}"
-
-
-def _as_format1(kit: Path) -> None:
-    """Rewrite a kit the way crossdc laid kits out before X.509 (format 1)."""
-    ca = load_private_key(kit / CA_KEY)
-    fingerprint = key_fingerprint(ca.public_key())
-    public_pem = ca.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-    revocations = load_revocations(kit / CRL, ca.public_key())
-    revoked = [
-        {"serial": e.serial, "site_id": "x", "revoked_at": e.revoked_at}
-        for e in revocations.entries
-    ]
-    body = {"v": 1, "version": revocations.version, "issued_at": 1, "revoked": revoked}
-    (kit / legacy.REVOCATIONS).write_text(_seal(legacy.REVOCATIONS_KIND, body, ca) + "\n")
-
-    def old_cert(cert: Certificate) -> str:
-        body = {
-            "v": 1,
-            "site_id": cert.site_id,
-            "curve_public": cert.curve_public.decode(),
-            "not_before": cert.not_before,
-            "not_after": cert.not_after,
-            "serial": cert.serial,
-            "issuer": fingerprint,
-        }
-        return _seal(legacy.CERT_KIND, body, ca) + "\n"
-
-    for cert in issued_certificates(kit):
-        (kit / CERTS_DIR / f"{cert.site_id}-{cert.serial}.cert").write_text(old_cert(cert))
-        (kit / CERTS_DIR / f"{cert.site_id}-{cert.serial}.pem").unlink()
-    for site_dir in [*(kit / SITES_DIR).iterdir(), *kit.parent.glob("shipped-*")]:
-        cert = Certificate.from_pem((site_dir / SITE_CERT).read_bytes())
-        (site_dir / legacy.SITE_CERT).write_text(old_cert(cert))
-        (site_dir / legacy.CA_PUB).write_bytes(public_pem)
-        (site_dir / SITE_CERT).unlink()
-        (site_dir / CA_CERT).unlink()
-    (kit / legacy.CA_PUB).write_bytes(public_pem)
-    for name in (CA_CERT, CRL):
-        (kit / name).unlink()
-    manifest = json.loads((kit / MANIFEST).read_text())
-    (kit / MANIFEST).write_text(json.dumps({**manifest, "format": 1}))
-
-
-@pytest.mark.timeout(60)
-def test_format1_kits_are_refused_clearly_and_migrate_keeping_identities(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    kit = init_kit(tmp_path / "kit")
-    eu = issue_site(kit, "eu", 30).certificate
-    shipped = issue_site(kit, "us", 30, out_dir=tmp_path / "shipped-us").certificate
-    gone = issue_site(kit, "gone", 30).certificate
-    revoke_site(kit, "gone")
-    _as_format1(kit)
-    for load in (load_coordinator_kit, CertificateRegistry.from_kit):
-        with pytest.raises(ValueError, match="format-1 kit.*crossdc keys migrate"):
-            load(kit)
-    with pytest.raises(ValueError, match="format-1 kit.*crossdc keys migrate"):
-        issue_site(kit, "ap", 30)
-    with pytest.raises(ValueError, match="format-1 site kit.*site.pem"):
-        load_site_kit(tmp_path / "shipped-us")
-    before = sorted(p.name for p in (kit / CERTS_DIR).iterdir())
-
-    assert cli.main(["keys", "migrate", "--kit", str(kit), "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["certificates"] == 3 and report["revoked_serials"] == [gone.serial]
-    assert sorted(p.name for p in (kit / "format1-backup" / CERTS_DIR).iterdir()) == before
-    # Same keys, serials and validity; the revoked one stays revoked; the CA key is the same.
-    registry = CertificateRegistry.from_kit(kit)
-    for cert in (eu, shipped):
-        again = registry.authorize(cert.curve_public, NOW)
-        assert (again.site_id, again.serial, again.not_after) == (
-            cert.site_id,
-            cert.serial,
-            cert.not_after,
-        )
-    with pytest.raises(AuthError) as exc:
-        registry.authorize(gone.curve_public, NOW)
-    assert _reason(exc) == "revoked"
-    assert load_site_kit(kit / SITES_DIR / "eu", site_id="eu").certificate.serial == eu.serial
-    # A kit already shipped gets the two files migrate wrote for its site, and loads.
-    for path in report["site_files"]["us"]:
-        shutil.copy(path, tmp_path / "shipped-us" / Path(path).name)
-    assert load_site_kit(tmp_path / "shipped-us", site_id="us").certificate.serial == shipped.serial
-    issue_site(kit, "ap", 30)  # a migrated kit issues X.509 certificates
-    with pytest.raises(ValueError, match="only format-1 kits migrate"):
-        migrate_kit(kit)
-    assert cli.main(["keys", "migrate", "--kit", str(kit)]) == 2
-    assert "only format-1" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(30)
@@ -513,7 +390,7 @@ def test_signed_checkpoint_blob(kit: Path) -> None:
     ]:
         with pytest.raises(AuthError) as exc:
             verify_blob(site.coordinator_sign_public, data, sig, context=context)
-        assert _reason(exc) == "bad_signature"
+        assert auth_reason(exc) == "bad_signature"
 
 
 @pytest.mark.timeout(30)
@@ -524,243 +401,3 @@ def test_security_config_is_secure_by_default() -> None:
     SecurityConfig(kit_dir="kit").require()
     with pytest.raises(ValueError, match="security.insecure"):
         SecurityConfig(kit_dir="kit", insecure=True)
-
-
-@pytest.mark.timeout(30)
-def test_zap_decide_refuses_non_curve_requests(kit: Path) -> None:
-    registry = CertificateRegistry.from_kit(kit)
-    key = curve_raw(zmq.curve_keypair()[0])
-    base = [b"1.0", b"7", DOMAIN, b"10.0.0.1", b"", b"CURVE", key]
-    assert decide(base, registry, now=NOW).reason == "unknown_key"
-    assert decide(base[:2] + [b"other"] + base[3:], registry, now=NOW).reason == "bad_request"
-    assert decide(base[:5] + [b"PLAIN", b"u", b"p"], registry, now=NOW).reason == "bad_request"
-    assert decide(base[:5] + [b"NULL"], registry, now=NOW).reason == "bad_request"
-    assert decide([b"2.0", b"7"], registry, now=NOW).status_code == b"500"
-    assert decide(base, registry, now=NOW).request_id == b"7"
-
-
-# ----------------------------------------------------------------------------- CURVE + ZAP
-
-
-class Net:
-    """One zmq.Context with a ZAP handler and a CURVE ROUTER; closes everything it made."""
-
-    def __init__(self, kit: Path, *, with_zap: bool = True) -> None:
-        self.kit = kit
-        self.ctx: zmq.Context[Any] = zmq.Context()
-        self.sockets: list[zmq.Socket[Any]] = []
-        self.rejections: queue.Queue[tuple[str, str]] = queue.Queue()
-        self.registry = CertificateRegistry.from_kit(kit, reload_interval_s=0)
-        self.zap: ZapHandler | None = None
-        if with_zap:
-            self.zap = ZapHandler(
-                self.ctx, self.registry, on_reject=lambda r, d: self.rejections.put((r, d))
-            )
-            self.zap.start()
-        coordinator = load_coordinator_kit(kit)
-        self.server_public = coordinator.curve.public
-        router = self.socket(zmq.ROUTER)
-        # As comm.transport.profile._apply_profile sets them for a CURVE server.
-        router.setsockopt(zmq.ZAP_DOMAIN, DOMAIN)
-        router.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
-        router.setsockopt(zmq.CURVE_PUBLICKEY, coordinator.curve.public)
-        router.setsockopt(zmq.CURVE_SECRETKEY, coordinator.curve.secret)
-        router.setsockopt(zmq.CURVE_SERVER, 1)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.monitor = router.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED
-            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-        )
-        router.bind("tcp://127.0.0.1:*")
-        self.endpoint = router.get_string(zmq.LAST_ENDPOINT)
-        self.router = router
-
-    def socket(self, kind: int) -> zmq.Socket[Any]:
-        sock: zmq.Socket[Any] = self.ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        self.sockets.append(sock)
-        return sock
-
-    def client(self, public: bytes | None, secret: bytes | None) -> zmq.Socket[Any]:
-        dealer = self.socket(zmq.DEALER)
-        if public is not None and secret is not None:
-            dealer.setsockopt(zmq.CURVE_SERVERKEY, self.server_public)
-            dealer.setsockopt(zmq.CURVE_PUBLICKEY, public)
-            dealer.setsockopt(zmq.CURVE_SECRETKEY, secret)
-        dealer.connect(self.endpoint)
-        return dealer
-
-    def site_client(self, site_id: str) -> zmq.Socket[Any]:
-        # Read the keys directly: load_site_kit would refuse the expired and revoked ones.
-        site_dir = self.kit / SITES_DIR / site_id
-        public = (site_dir / SITE_CURVE_PUB).read_bytes().strip()
-        secret = (site_dir / SITE_CURVE_KEY).read_bytes().strip()
-        return self.client(public, secret)
-
-    def handshake_event(self, timeout_s: float = 10.0) -> int:
-        assert self.monitor.poll(int(timeout_s * 1000)), "no handshake event"
-        event: int = zmon.recv_monitor_message(self.monitor)["event"]
-        return event
-
-    def next_rejection(self, timeout_s: float = 10.0) -> tuple[str, str]:
-        return self.rejections.get(timeout=timeout_s)
-
-    def close(self) -> None:
-        if self.zap is not None:
-            self.zap.close()
-        self.router.disable_monitor()
-        self.monitor.close(linger=0)
-        for sock in self.sockets:
-            sock.close(linger=0)
-        self.ctx.term()
-
-
-@pytest.fixture
-def federation(tmp_path: Path) -> Path:
-    kit = init_kit(tmp_path / "kit")
-    issue_site(kit, "eu", 30)
-    issue_site(kit, "us", 30)
-    issue_site(kit, "old", 1, now=NOW - 10 * DAY)
-    issue_site(kit, "gone", 30)
-    revoke_site(kit, "gone")
-    return kit
-
-
-@pytest.fixture
-def net(federation: Path) -> Iterator[Net]:
-    n = Net(federation)
-    try:
-        yield n
-    finally:
-        n.close()
-
-
-def _assert_silent(net: Net, client: zmq.Socket[Any]) -> None:
-    """After a refused handshake nothing can cross either way (the refusal already happened)."""
-    assert net.router.poll(300) == 0
-    assert client.poll(0) == 0
-
-
-@pytest.mark.timeout(30)
-def test_zap_auth_valid_site_exchanges_messages(net: Net) -> None:
-    eu = net.site_client("eu")
-    eu.send(b"hello from eu")
-    assert net.router.poll(10_000)
-    routing_id, frame = net.router.recv_multipart(copy=False)
-    assert frame.bytes == b"hello from eu"
-    peer = peer_of(frame)
-    assert peer is not None and peer.site_id == "eu"
-    cert = net.registry.authorize(load_site_kit(net.kit / "sites" / "eu").curve.public, NOW)
-    assert peer.serial == cert.serial
-    net.registry.check_peer(
-        user_id=peer.site_id, serial=peer.serial, claimed_site_id="eu", now=time.time()
-    )
-    net.router.send_multipart([routing_id.bytes, b"welcome eu"])
-    assert eu.poll(10_000)
-    assert eu.recv() == b"welcome eu"
-    assert net.zap is not None and net.zap.accepted >= 1 and not net.zap.rejected
-
-
-@pytest.mark.timeout(30)
-def test_zap_auth_user_id_is_certified_site_and_claims_are_checked(net: Net) -> None:
-    eu, us = net.site_client("eu"), net.site_client("us")
-    eu.send(b"claim:us")  # eu pretends to be us
-    us.send(b"claim:us")
-    seen: dict[str, str] = {}
-    for _ in range(2):
-        assert net.router.poll(10_000)
-        _, frame = net.router.recv_multipart(copy=False)
-        peer = peer_of(frame)
-        assert peer is not None
-        claimed = frame.bytes.decode().split(":")[1]
-        try:
-            net.registry.check_peer(
-                user_id=peer.site_id, serial=peer.serial, claimed_site_id=claimed, now=NOW
-            )
-            seen[peer.site_id] = "ok"
-        except AuthError as refused:
-            seen[peer.site_id] = refused.reason
-    assert seen == {"eu": "wrong_site", "us": "ok"}
-    # Revoking a connected site cuts it at its next message, without waiting for a reconnect.
-    revoke_site(net.kit, "us")
-    us.send(b"claim:us")
-    assert net.router.poll(10_000)
-    _, frame = net.router.recv_multipart(copy=False)
-    peer = peer_of(frame)
-    assert peer is not None and peer.site_id == "us"
-    with pytest.raises(AuthError) as exc:
-        net.registry.check_peer(user_id="us", serial=peer.serial, claimed_site_id="us", now=NOW)
-    assert exc.value.reason == "revoked"
-
-
-@pytest.mark.timeout(30)
-def test_zap_auth_unknown_key_refused(net: Net) -> None:
-    public, secret = zmq.curve_keypair()
-    stranger = net.client(public, secret)
-    stranger.send(b"let me in")
-    reason, detail = net.next_rejection()
-    assert reason == "unknown_key"
-    assert key_fingerprint(public) in detail
-    assert public.decode() not in detail and secret.decode() not in detail
-    assert net.handshake_event() == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    _assert_silent(net, stranger)
-    assert net.zap is not None and net.zap.rejected["unknown_key"] >= 1
-
-
-@pytest.mark.timeout(30)
-def test_zap_auth_expired_cert_refused(net: Net) -> None:
-    old = net.site_client("old")
-    old.send(b"from the past")
-    assert net.next_rejection()[0] == "expired"
-    _assert_silent(net, old)
-
-
-@pytest.mark.timeout(30)
-def test_zap_auth_revoked_cert_refused(net: Net) -> None:
-    gone = net.site_client("gone")
-    gone.send(b"still here?")
-    assert net.next_rejection()[0] == "revoked"
-    _assert_silent(net, gone)
-
-
-@pytest.mark.timeout(30)
-def test_zap_auth_plain_client_cannot_talk_to_curve_server(net: Net) -> None:
-    plain = net.client(None, None)
-    plain.send(b"no crypto")
-    assert net.handshake_event() == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    _assert_silent(net, plain)
-    assert net.zap is not None and net.zap.accepted == 0  # refused before ZAP is asked
-
-
-@pytest.mark.timeout(30)
-def test_zap_auth_without_handler_refuses_everyone(federation: Path) -> None:
-    n = Net(federation, with_zap=False)
-    try:
-        eu = n.site_client("eu")
-        eu.send(b"hello")
-        assert n.handshake_event() == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-        _assert_silent(n, eu)
-    finally:
-        n.close()
-
-
-@pytest.mark.timeout(30)
-def test_zap_auth_site_kit_drives_the_channel(net: Net) -> None:
-    """A site kit's keys plug into ChannelConfig: the real DEALER channel authenticates."""
-    site = load_site_kit(net.kit / SITES_DIR / "us")
-    chan = DealerChannel(
-        ChannelConfig(curve=site.curve, linger_s=0.1), identity="us", context=net.ctx
-    )
-    try:
-        chan.connect(net.endpoint)
-        chan.send(Leave(site_id="us", reason="maintenance"))
-        assert net.router.poll(10_000)
-        _, *frames = net.router.recv_multipart(copy=False)
-        peer = peer_of(frames[0])
-        assert peer is not None and peer.site_id == "us"
-        msg = from_wire([f.buffer for f in frames])
-        assert msg == Leave(site_id="us", reason="maintenance")
-    finally:
-        chan.close()
