@@ -157,8 +157,8 @@ def wait_for(
 
 @pytest.fixture
 def harness() -> Iterator[Any]:
-    """An in-process coordinator on tcp loopback (``tests.coordinator_harness.Harness``)."""
-    from tests.coordinator_harness import running
+    """An in-process coordinator on tcp loopback (``tests.support.coordinator.Harness``)."""
+    from tests.support.coordinator import running
 
     with running() as h:
         yield h

@@ -14,7 +14,7 @@ from comm.wire.schema import (
     RoundStart,
 )
 from coordinator.state import MemoryStateStore
-from tests.coordinator_harness import (
+from tests.support.coordinator import (
     D_EU,
     D_US,
     ManualClock,

@@ -26,7 +26,7 @@ from comm.wire.tensors import encode_tensors, state_hash
 from coordinator.config import CoordinatorConfig
 from coordinator.service import Coordinator, InitialModel
 from coordinator.state import MemoryStateStore
-from tests.coordinator_harness import (
+from tests.support.coordinator import (
     D_EU,
     PARAMS,
     Harness,

@@ -17,7 +17,7 @@ from comm.wire.schema import (
 from comm.wire.tensors import fragments, state_hash
 from coordinator.lifecycle import next_fragment
 from coordinator.state import MemoryStateStore
-from tests.coordinator_harness import (
+from tests.support.coordinator import (
     D_EU,
     D_US,
     PARAMS,

@@ -10,13 +10,9 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,16 +29,18 @@ from tests.support.deploy import (
     PROMETHEUS,
     SEVERITIES,
     STANDARD_PREFIXES,
+    WAIT_S,
     alert_rules,
     dashboard_queries,
     dashboard_variable_queries,
     declared_series_names,
+    free_port,
+    http_get,
     needs_prometheus,
     promql_metric_names,
     scrape_jobs,
+    wait_prometheus,
 )
-
-WAIT_S = 45.0  # upper bound on waiting for Prometheus to scrape or evaluate; never a speed check
 
 
 @pytest.mark.timeout(30)
@@ -77,22 +75,6 @@ def test_file_readers_see_the_files() -> None:
 # A real Prometheus scraping a live /metrics endpoint
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _get(url: str, **params: str) -> Any:
-    if params:
-        url += "?" + urllib.parse.urlencode(params)
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return json.load(resp)
-    except urllib.error.HTTPError as exc:  # 400/422 carry the error as JSON
-        return json.loads(exc.read() or b"{}")
-
-
 @dataclass
 class LivePrometheus:
     url: str
@@ -101,7 +83,7 @@ class LivePrometheus:
     site: SiteMetrics
 
     def api(self, path: str, **params: str) -> Any:
-        return _get(f"{self.url}/api/v1/{path}", **params)
+        return http_get(f"{self.url}/api/v1/{path}", **params)
 
     def query(self, expr: str) -> Any:
         return self.api("query", query=expr)
@@ -205,25 +187,6 @@ def _matching(alerts: list[dict[str, Any]], name: str, labels: dict[str, str]) -
     )
 
 
-def _wait(predicate: Any, what: str, prom: subprocess.Popen[bytes], log: Path) -> Any:
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        if prom.poll() is not None:
-            raise AssertionError(
-                f"prometheus exited ({prom.returncode}):\n{log.read_text()[-3000:]}"
-            )
-        try:
-            value = predicate()
-        except (OSError, ValueError):  # not listening yet, or a 503 (not JSON) while it starts
-            value = None
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(
-        f"timed out after {WAIT_S}s waiting for {what}:\n{log.read_text()[-3000:]}"
-    )
-
-
 @pytest.fixture(scope="module")
 def live_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LivePrometheus]:
     """Prometheus (the installed binary) scraping a coordinator and a site /metrics served in
@@ -263,13 +226,13 @@ def live_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LivePr
                     "honor_labels": True,
                     "static_configs": [
                         {"targets": [f"127.0.0.1:{servers[1].port}"], "labels": {"site": "eu"}},
-                        {"targets": [f"127.0.0.1:{_free_port()}"], "labels": {"site": "ap"}},
+                        {"targets": [f"127.0.0.1:{free_port()}"], "labels": {"site": "ap"}},
                     ],
                 },
             ],
         }
         (tmp / "prometheus.yml").write_text(json.dumps(config, indent=1))
-        port = _free_port()
+        port = free_port()
         with log.open("wb") as log_file:
             prom = subprocess.Popen(
                 [
@@ -299,8 +262,8 @@ def live_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LivePr
             rules = [r for g in groups for r in g["rules"]]
             return bool(rules) and all(not r["lastEvaluation"].startswith("0001") for r in rules)
 
-        _wait(scraped_three_times, "three scrapes of every target", prom, log)
-        _wait(rules_evaluated, "an evaluation of every rule", prom, log)
+        wait_prometheus(scraped_three_times, "three scrapes of every target", prom, log)
+        wait_prometheus(rules_evaluated, "an evaluation of every rule", prom, log)
         yield live
     finally:
         stop.set()

@@ -38,7 +38,7 @@ from coordinator.service import Coordinator
 from site_agent.agent import SiteAgent
 from site_agent.config import SiteConfig
 from site_agent.metrics import SiteMetrics
-from tests.test_deploy import PROMETHEUS, _free_port, _get, _wait, needs_prometheus
+from tests.support.deploy import PROMETHEUS, free_port, http_get, needs_prometheus, wait_prometheus
 from tests.test_site_faults import FakeTrainer
 
 USER = "prometheus"
@@ -234,7 +234,7 @@ def test_cli_coordinator_with_a_missing_certificate_exits_2(tmp_path: Path) -> N
     config = tmp_path / "c.toml"
     config.write_text(
         f'[coordinator]\nstate_dir = "{tmp_path}/state"\nbind = "tcp://127.0.0.1:0"\n'
-        f"metrics_port = {_free_port()}\n"
+        f"metrics_port = {free_port()}\n"
         f'[coordinator.http]\ntls_cert_file = "{missing}"\ntls_key_file = "{missing}.key"\n'
         "[coordinator.security]\ninsecure = true\n"
     )
@@ -256,7 +256,7 @@ def test_the_site_agent_reads_its_http_files_when_it_is_built(tmp_path: Path) ->
         coordinator="tcp://127.0.0.1:1",
         state_dir=str(tmp_path / "state"),
         security=SecurityConfig(insecure=True),
-        metrics_port=_free_port(),
+        metrics_port=free_port(),
         http=HttpSecurityConfig(
             basic_auth_user=USER, basic_auth_password_file=str(tmp_path / "missing")
         ),
@@ -525,7 +525,7 @@ class SecurePrometheus:
     site: SiteMetrics
 
     def api(self, path: str, **params: str) -> Any:
-        return _get(f"{self.url}/api/v1/{path}", **params)
+        return http_get(f"{self.url}/api/v1/{path}", **params)
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         res = self.api("query", query=expr)
@@ -582,7 +582,7 @@ def secure_prometheus(
             ],
         }
         (tmp / "prometheus.yml").write_text(json.dumps(config, indent=1))
-        port = _free_port()
+        port = free_port()
         with log.open("wb") as log_file:
             prom = subprocess.Popen(
                 [
@@ -602,7 +602,7 @@ def secure_prometheus(
             targets = live.targets()
             return len(targets) == 3 and all(t["health"] != "unknown" for t in targets.values())
 
-        _wait(every_target_scraped, "a scrape of every target", prom, log)
+        wait_prometheus(every_target_scraped, "a scrape of every target", prom, log)
         yield live
     finally:
         if prom is not None:

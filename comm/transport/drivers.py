@@ -251,7 +251,7 @@ class ZmqTransferReceiver:
             self.acks_dropped += 1
 
     def _send_due(self, now: float) -> None:
-        """The receiver's grants and keepalives (its receive budget, ``comm.transport.receiver``)."""
+        """The receiver's grants and keepalives (its receive budget, ``comm.transport.receive_budget``)."""
         for peer, ack in self.receiver.acks_due(now):
             self._reply(peer, [KIND_ACK, encode_ack(ack)])
             self.acks_sent += 1

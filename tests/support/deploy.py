@@ -8,6 +8,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +40,8 @@ INSTALL_HINT = "apt-get install -y --no-install-recommends prometheus"
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason=f"promtool is not installed ({INSTALL_HINT})"
 )
+WAIT_S = 45.0  # upper bound on waiting for Prometheus to scrape or evaluate; never a speed check
+
 needs_prometheus = pytest.mark.skipif(
     PROMETHEUS is None, reason=f"prometheus is not installed ({INSTALL_HINT})"
 )
@@ -229,3 +237,38 @@ def scrape_jobs() -> dict[str, list[tuple[str, dict[str, str]]]]:
         ):
             jobs[job][-1][1][m.group(1)] = m.group(2)
     return jobs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str, **params: str) -> Any:
+    if params:
+        url += "?" + urllib.parse.urlencode(params)
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return json.load(resp)
+    except urllib.error.HTTPError as exc:  # 400/422 carry the error as JSON
+        return json.loads(exc.read() or b"{}")
+
+
+def wait_prometheus(predicate: Any, what: str, prom: subprocess.Popen[bytes], log: Path) -> Any:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        if prom.poll() is not None:
+            raise AssertionError(
+                f"prometheus exited ({prom.returncode}):\n{log.read_text()[-3000:]}"
+            )
+        try:
+            value = predicate()
+        except (OSError, ValueError):  # not listening yet, or a 503 (not JSON) while it starts
+            value = None
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(
+        f"timed out after {WAIT_S}s waiting for {what}:\n{log.read_text()[-3000:]}"
+    )
