@@ -58,16 +58,19 @@ def send_update(self: SiteAgent, rs: RoundStart, stats: TrainStats) -> None:
         # else nothing went out: the progress stays local and goes out with the next update
         return
     delta = privatize_update(self, rs, delta)
+    # Nothing goes out unless every tensor encodes: then every residual must owe what it owed
+    # before, those of the tensors encoded before the failing one included.
+    residuals = self.feedback.state_dict()
     try:
         codec = get_codec(rs.codec)
-        snapshot = {k: r for k, r in self.feedback.state_dict().items() if k in delta}
         payload = tuple(self.feedback.compress(k, v, codec) for k, v in delta.items())
     except NonFiniteError as exc:
         self.metrics.rejected("non_finite_local")
         log.error("[site=%s round=%d] not sending: %s", self.site_id, rs.round_id, exc)
-        self.feedback.load_state_dict({**self.feedback.state_dict(), **snapshot})
+        self.feedback.load_state_dict(residuals)
         return
     except ValueError as exc:
+        self.feedback.load_state_dict(residuals)
         log.error(
             "[site=%s round=%d] cannot encode with %r: %s",
             self.site_id,

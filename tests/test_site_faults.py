@@ -568,3 +568,35 @@ def test_utilization_compares_the_step_rate_with_the_rate_when_no_sync_is_in_fli
     # Round 2 trained at least one step while round 1's update was in flight.
     assert st["steps_per_second"] < 1.0
     assert st["compute_utilization"] == pytest.approx(st["steps_per_second"] / 1.0, rel=1e-12)
+
+
+# ---- an update that cannot be encoded leaves the error feedback as it was --------------------
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+@pytest.mark.parametrize("failure", ["non_finite", "bad_residual"])
+def test_an_update_that_fails_to_encode_leaves_every_residual_as_it_was(
+    tmp_path: Path, failure: str
+) -> None:
+    """Nothing went out, so the progress stays local and goes out with the next update: every
+    residual must still owe exactly what it owed, those of the tensors encoded before the one
+    that failed included (else the next update counts their progress twice, or drops the
+    error they carried)."""
+    agent = make_agent(tmp_path, [])
+    trainer = agent.trainer
+    assert isinstance(trainer, FakeTrainer)
+    before = {"a": np.full(4, 0.25, np.float32)}
+    if failure == "non_finite":
+        # "b" plus its residual overflows float32: its encoding is not finite.
+        trainer.params["b"] = np.full(3, -3e38, np.float32)
+        before = {"b": np.full(3, 3e38, np.float32)}
+    else:
+        before["b"] = np.zeros(5, np.float32)  # a residual of another shape: a ValueError
+    agent.feedback.load_state_dict(before)
+    stats = trainer.train_steps(1)
+    agent._send_update(round_start(1, overlap=True), stats)
+    assert isinstance(agent.link, ScriptedLink) and agent.link.updates() == []
+    after = agent.feedback.state_dict()
+    assert set(after) == set(before)
+    for name, residual in before.items():
+        np.testing.assert_array_equal(after[name], residual)
