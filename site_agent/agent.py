@@ -46,21 +46,10 @@ from comm.wire.schema import (
 )
 from comm.wire.tensors import encode_tensors
 from site_agent import catchup, driver, sync
-from site_agent.authwatch import EXIT_AUTH_REFUSED, AuthWatch
+from site_agent.authwatch import AuthWatch
 from site_agent.config import SiteConfig
-from site_agent.launch import (
-    EXIT_FATAL,
-    EXIT_OK,
-    SiteTrainer,
-    build_agent,
-    build_local_trainer,
-    load_site_data,
-    read_endpoint_file,
-    resolve_device,
-    run_pipeline_site,
-    torchrun_argv,
-    under_torchrun,
-)
+from site_agent.exits import EXIT_AUTH_REFUSED, EXIT_FATAL, EXIT_OK
+from site_agent.launch import SiteTrainer, read_endpoint_file
 from site_agent.metrics import SiteMetrics
 from site_agent.privacy import PrivacyAccountant, new_noise_generator
 from site_agent.rounds import SiteRounds
@@ -68,22 +57,6 @@ from site_agent.sync import SentFragment
 from site_agent.trainer import TrainStats
 
 log = logging.getLogger("crossdc.site")
-
-__all__ = [
-    "EXIT_AUTH_REFUSED",
-    "EXIT_FATAL",
-    "EXIT_OK",
-    "SiteAgent",
-    "SiteTrainer",
-    "build_agent",
-    "build_local_trainer",
-    "load_site_data",
-    "read_endpoint_file",
-    "resolve_device",
-    "run_pipeline_site",
-    "torchrun_argv",
-    "under_torchrun",
-]
 
 
 class SiteAgent:

@@ -12,7 +12,7 @@ from dataclasses import astuple, replace
 from typing import TYPE_CHECKING
 
 from comm.wire.schema import RoundStart
-from site_agent.launch import EXIT_FATAL, EXIT_OK
+from site_agent.exits import EXIT_FATAL, EXIT_OK
 from site_agent.rounds import Drop, Send, Stop, Train, Wait
 from site_agent.trainer import NonFiniteLossError, TrainStats
 
@@ -30,7 +30,7 @@ def run(self: SiteAgent) -> int:
         code = self._drain()
         if code is not None:
             return code
-        decision = self.rounds.next()
+        decision = self.rounds.next_action()
         if isinstance(decision, Stop):
             return EXIT_OK
         if isinstance(decision, Drop):

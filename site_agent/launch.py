@@ -18,6 +18,7 @@ import torch
 from comm.durable import atomic_write
 from site_agent.config import SiteConfig
 from site_agent.data import BatchSampler, SiteData, eval_batches, load_corpora, sampler_seed
+from site_agent.exits import EXIT_OK
 from site_agent.jobs.bytegpt import LocalTrainer
 from site_agent.jobs.contract import BYTEGPT_FACTORY, JobContext, StateSpec, build_job
 from site_agent.metrics import SiteMetrics
@@ -28,11 +29,6 @@ if TYPE_CHECKING:
     from site_agent.agent import SiteAgent
 
 log = logging.getLogger("crossdc.site")
-
-EXIT_OK = 0
-EXIT_FATAL = 3
-"""Not worth a restart: the coordinator refused this site's model (``model_mismatch``), or the
-job's loss stayed non-finite."""
 
 
 class SiteTrainer(Protocol):

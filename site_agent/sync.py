@@ -17,6 +17,7 @@ from comm.codecs.base import EncodedTensor, NonFiniteError
 from comm.codecs.registry import get_codec
 from comm.security.masking import Peer
 from comm.wire.schema import RoundStart, Update
+from site_agent.exits import EXIT_FAULT_DRILL
 from site_agent.privacy import privatize
 from site_agent.trainer import TrainStats
 
@@ -224,7 +225,7 @@ def mask_and_send(
             "[site=%s round=%d] fault drill: exiting after masking", self.site_id, rs.round_id
         )
         logging.shutdown()
-        os._exit(17)
+        os._exit(EXIT_FAULT_DRILL)
     payload = tuple(
         EncodedTensor(
             name=name,

@@ -30,8 +30,7 @@ import pytest
 from comm.ops.observe import ObserveServer
 from coordinator.metrics import CoordinatorMetrics
 from crossdc.cli import EXIT_BAD_CONFIG
-from site_agent.authwatch import EXIT_AUTH_REFUSED
-from site_agent.launch import EXIT_FATAL
+from site_agent.exits import EXIT_AUTH_REFUSED, EXIT_FATAL
 from site_agent.metrics import SiteMetrics
 
 ROOT = Path(__file__).resolve().parent.parent

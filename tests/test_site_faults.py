@@ -29,9 +29,10 @@ from comm.wire.schema import (
     Update,
     Welcome,
 )
-from site_agent.agent import EXIT_AUTH_REFUSED, EXIT_OK, SiteAgent
-from site_agent.authwatch import AuthWatch, refusal_reason
+from site_agent.agent import SiteAgent
+from site_agent.authwatch import AuthWatch, refusal_cause
 from site_agent.config import SiteConfig
+from site_agent.exits import EXIT_AUTH_REFUSED, EXIT_OK
 from site_agent.jobs.contract import job_fingerprint
 from site_agent.rounds import MAX_CANCELLED
 from site_agent.trainer import TrainStats
@@ -216,7 +217,7 @@ def test_without_overlap_the_site_still_waits_for_a_result_that_is_coming(
 
 
 def refusal(detail: str) -> Error:
-    """An UNAUTHENTICATED error worded as the coordinator words it (``_reject``)."""
+    """An UNAUTHENTICATED error worded as the coordinator words it (``Coordinator._reject``)."""
     code = ErrorCode.UNAUTHENTICATED
     return Error(code=int(code), detail=f"{ERROR_MEANINGS[code]}: {detail}")
 
@@ -296,7 +297,8 @@ def test_a_heartbeat_echo_counts_as_acceptance() -> None:
 def test_the_coordinator_words_for_revoked_and_expired_are_recognized(
     tmp_path: Path, revoked: bool
 ) -> None:
-    """The detail the coordinator forwards (``_authentic``), produced by the real registry."""
+    """The detail the coordinator forwards (``coordinator.intake.authentic``), produced by the
+    real registry."""
     kit = init_kit(tmp_path / "kit")
     now = 1_000_000.0 if revoked else 1e12  # far past the certificate's validity
     cert = issue_site(kit, "eu", 30, now=1_000_000.0 - 60).certificate
@@ -306,12 +308,12 @@ def test_the_coordinator_words_for_revoked_and_expired_are_recognized(
     with pytest.raises(AuthError) as exc:
         registry.check_peer(user_id="eu", serial=cert.serial, claimed_site_id="eu", now=now)
     assert exc.value.reason == ("revoked" if revoked else "expired")
-    assert refusal_reason(refusal(exc.value.detail).detail) == exc.value.reason
+    assert refusal_cause(refusal(exc.value.detail).detail) == exc.value.reason
     # A connection whose identity the coordinator does not know (yet) is not definitive.
     with pytest.raises(AuthError) as exc:
         registry.check_peer(user_id="eu", serial="nope", claimed_site_id="eu", now=now)
     assert exc.value.reason == "unknown_key"
-    assert refusal_reason(refusal(exc.value.detail).detail) == "other"
+    assert refusal_cause(refusal(exc.value.detail).detail) == "other"
 
 
 # ---- 3. what the site remembers about rounds stays bounded --------------------------------

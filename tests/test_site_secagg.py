@@ -10,8 +10,8 @@ import pytest
 
 from comm.security.secagg import SecAggSession
 from comm.wire.schema import Message, RoundStart, Update
-from site_agent.agent import build_agent
 from site_agent.config import load_site_config
+from site_agent.launch import build_agent
 from tests.conftest import write_site_config
 
 pytestmark = pytest.mark.timeout(120)
