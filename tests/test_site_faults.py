@@ -116,6 +116,9 @@ class ScriptedLink:
             return Shutdown(reason="stuck")
         return None
 
+    def close(self) -> None:
+        pass
+
     def updates(self) -> list[int]:
         return [m.round_id for m in self.sent if isinstance(m, Update)]
 
@@ -147,7 +150,9 @@ def make_agent(
     tmp_path: Path,
     script: Sequence[tuple[Gate, Message]],
     clock: Callable[[], float] = lambda: 0.0,
+    link: type[ScriptedLink] = ScriptedLink,
 ) -> SiteAgent:
+    """A started agent on ``link`` playing ``script``, holding θ0 (v0)."""
     cfg = SiteConfig(
         site_id="eu",
         coordinator="tcp://127.0.0.1:1",
@@ -156,10 +161,15 @@ def make_agent(
         steps_per_poll=1,
     )
     cfg.state_path.mkdir(parents=True)
-    agent = SiteAgent(cfg, trainer=FakeTrainer(), clock=clock)
-    agent.global_version = 0
-    agent.link = ScriptedLink(script)  # type: ignore[assignment]
+    agent = SiteAgent(cfg, trainer=FakeTrainer(), clock=clock, link=link(script))
+    agent.start()
     return agent
+
+
+def link_of(agent: SiteAgent) -> ScriptedLink:
+    link = agent.session.link
+    assert isinstance(link, ScriptedLink)
+    return link
 
 
 def run_script(
@@ -168,9 +178,7 @@ def run_script(
     clock: Callable[[], float] = lambda: 0.0,
 ) -> tuple[int, ScriptedLink]:
     agent = make_agent(tmp_path, script, clock)
-    link = agent.link
-    assert isinstance(link, ScriptedLink)
-    return agent.run(), link
+    return agent.run(), link_of(agent)
 
 
 # ---- 1. a cancelled round must not leave a site without overlap waiting forever ------------
@@ -333,8 +341,8 @@ def test_cancelled_rounds_are_not_remembered_forever(tmp_path: Path) -> None:
     script.append((after_update(rounds + 1), Shutdown(reason="done")))
     agent = make_agent(tmp_path, script)
     assert agent.run() == EXIT_OK
-    assert isinstance(agent.link, ScriptedLink) and not agent.link.stuck
-    assert agent.link.updates() == list(range(1, rounds + 2))
+    assert not link_of(agent).stuck
+    assert link_of(agent).updates() == list(range(1, rounds + 2))
     assert len(agent.rounds.cancelled) <= MAX_CANCELLED
     assert len(agent.rounds.pending) == 0
 
@@ -415,10 +423,10 @@ def test_an_update_is_sent_again_when_the_link_comes_back_after_a_silence(
             (updates_of(1), Shutdown(reason="done")),
         ],
         clock=lambda: now[0],
+        link=CutLink,
     )
-    link = CutLink(agent.link.script)  # type: ignore[union-attr]
-    agent.link = link  # type: ignore[assignment]
     assert agent.run() == EXIT_OK
+    link = link_of(agent)
     assert not link.stuck, "the update was never sent again"
     assert link.updates() == [1, 1]
 
@@ -477,11 +485,10 @@ def _silence(tmp_path: Path, silence_s: float, resets: int = 0) -> list[int]:
             (later, Shutdown(reason="done")),
         ],
         clock=lambda: now[0],
+        link=SilentLink,
     )
-    link = SilentLink(agent.link.script)  # type: ignore[union-attr]
-    agent.link = link  # type: ignore[assignment]
     assert agent.run() == EXIT_OK
-    return link.updates()
+    return link_of(agent).updates()
 
 
 def test_a_short_pause_between_echoes_sends_nothing_again(tmp_path: Path) -> None:
@@ -556,7 +563,7 @@ def test_utilization_compares_the_step_rate_with_the_rate_when_no_sync_is_in_fli
     def timed(num_steps: int) -> TrainStats:
         # One second a step; two while an update of ours is in flight (communication threads
         # taking the cores).
-        clock.now += num_steps * (2.0 if agent._sent else 1.0)
+        clock.now += num_steps * (2.0 if agent.replica.in_flight else 1.0)
         trained.append(num_steps)
         return train(num_steps)
 
@@ -594,11 +601,14 @@ def test_an_update_that_fails_to_encode_leaves_every_residual_as_it_was(
         before = {"b": np.full(3, 3e38, np.float32)}
     else:
         before["b"] = np.zeros(5, np.float32)  # a residual of another shape: a ValueError
-    agent.feedback.load_state_dict(before)
+    agent.sender.feedback.load_state_dict(before)
     stats = trainer.train_steps(1)
-    agent._send_update(round_start(1, overlap=True), stats)
-    assert isinstance(agent.link, ScriptedLink) and agent.link.updates() == []
-    after = agent.feedback.state_dict()
+    plan = round_start(1, overlap=True)
+    taken = agent.replica.take_pseudo_gradient(plan, stats.loss_mean)
+    assert taken is not None
+    sent = agent.sender.send_update(plan, stats, taken[0], global_version=0)
+    assert not sent and link_of(agent).updates() == []
+    after = agent.sender.feedback.state_dict()
     assert set(after) == set(before)
     for name, residual in before.items():
         np.testing.assert_array_equal(after[name], residual)
