@@ -222,8 +222,8 @@ def _supervise_torchrun(cfg: SiteConfig, command: list[str]) -> int:
 
 def cmd_agent(args: argparse.Namespace) -> int:
     from comm.ops.configio import ConfigError
-    from site_agent.agent import build_agent, run_pipeline_site, torchrun_argv, under_torchrun
     from site_agent.config import load_site_config
+    from site_agent.launch import build_agent, run_pipeline_site, torchrun_argv, under_torchrun
 
     try:
         cfg = load_site_config(

@@ -1,13 +1,13 @@
 """When the coordinator's refusals of this site's credentials mean the site must stop.
 
 The coordinator answers a message whose connection's certificate does not allow it with
-``ErrorCode.UNAUTHENTICATED`` and the reason in words (``comm.security.certs.Certificate.verify``). Two
-reasons are definitive: the certificate is revoked, or it expired. Restarting cannot fix either,
-so the site exits with :data:`EXIT_AUTH_REFUSED` (a code its unit does not restart). Any other
-refusal (the coordinator does not know the connection's identity yet right after a reconnect, a
-certificate it has not loaded yet) can clear by itself; the site exits on one only when
-refusals persist for ``grace_s`` with nothing accepted in between. Pure: the caller passes the
-time.
+``ErrorCode.UNAUTHENTICATED`` and the reason in words (``comm.security.certs.Certificate.verify``).
+Two causes are definitive: the certificate is revoked, or it expired. Restarting cannot fix
+either, so the site exits with ``site_agent.exits.EXIT_AUTH_REFUSED`` (a code its unit does not
+restart). Any other refusal (the coordinator does not know the connection's identity yet right
+after a reconnect, a certificate it has not loaded yet) can clear by itself; the site exits on
+one only when refusals persist for ``grace_s`` with nothing accepted in between. Pure: the caller
+passes the time.
 """
 
 from __future__ import annotations
@@ -16,21 +16,18 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-EXIT_AUTH_REFUSED = 4
-"""Exit status of a site whose credentials the coordinator refuses for good (revoked or expired
-certificate, or refusals that persisted): a supervisor must not restart it."""
-
 DEFAULT_GRACE_S = 300.0
 """How long non-definitive refusals may last, with nothing accepted, before the site gives up."""
 
-Refusal = Literal["revoked", "expired", "other"]
+RefusalCause = Literal["revoked", "expired", "other"]
+"""Why the coordinator refused this site's credentials: only the first two are final."""
 
 # The words of comm.security.certs.Certificate.verify, as the coordinator forwards them.
 _REVOKED = re.compile(r"\bis revoked\b")
 _EXPIRED = re.compile(r"\bexpired at\b")
 
 
-def refusal_reason(detail: str) -> Refusal:
+def refusal_cause(detail: str) -> RefusalCause:
     """Why the coordinator refused, from the detail of its UNAUTHENTICATED error."""
     if _REVOKED.search(detail):
         return "revoked"
@@ -56,9 +53,9 @@ class AuthWatch:
 
     def refused(self, detail: str, now: float) -> str | None:
         """One UNAUTHENTICATED error at ``now``: the reason to exit, or None to carry on."""
-        reason = refusal_reason(detail)
-        if reason != "other":
-            return f"certificate {reason}"
+        cause = refusal_cause(detail)
+        if cause != "other":
+            return f"certificate {cause}"
         if self.refused_since is None:
             self.refused_since = now
         self.refusals += 1

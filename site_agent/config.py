@@ -1,10 +1,13 @@
-"""A site agent's configuration: one frozen dataclass per component, read from ``[site]``."""
+"""A site agent's configuration: one frozen dataclass per component, read from ``[site]``, and
+the device ``site.device`` resolves to."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from comm.ops.configio import load_section, merge
 from comm.ops.httpsec import HttpSecurityConfig
@@ -191,3 +194,12 @@ class SiteConfig:
 
 def load_site_config(path: str | Path, **explicit: object) -> SiteConfig:
     return load_section(SiteConfig, path, "site", **explicit)
+
+
+def resolve_device(spec: str) -> str:
+    """The device ``site.device`` names on this machine (``auto``: CUDA when present)."""
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"site.device={spec!r} but CUDA is not available")
+    return spec

@@ -1,5 +1,5 @@
-"""Assembling and launching a site: its device, job and trainer, the agent, and the torchrun
-processes of a site that spans several devices."""
+"""Assembling and launching a site: its job and trainer, the agent, and the torchrun processes
+of a site that spans several devices."""
 
 from __future__ import annotations
 
@@ -7,62 +7,25 @@ import json
 import logging
 import os
 import signal
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 from comm.durable import atomic_write
-from site_agent.config import SiteConfig
+from site_agent.agent import SiteAgent
+from site_agent.config import SiteConfig, resolve_device
 from site_agent.data import BatchSampler, SiteData, eval_batches, load_corpora, sampler_seed
+from site_agent.exits import EXIT_OK
 from site_agent.jobs.bytegpt import LocalTrainer
 from site_agent.jobs.contract import BYTEGPT_FACTORY, JobContext, StateSpec, build_job
 from site_agent.metrics import SiteMetrics
 from site_agent.model import ModelConfig, build_model, model_fingerprint
 from site_agent.trainer import JobTrainer, TrainStats
 
-if TYPE_CHECKING:
-    from site_agent.agent import SiteAgent
-
 log = logging.getLogger("crossdc.site")
-
-EXIT_OK = 0
-EXIT_FATAL = 3
-"""Not worth a restart: the coordinator refused this site's model (``model_mismatch``), or the
-job's loss stayed non-finite."""
-
-
-class SiteTrainer(Protocol):
-    """What the agent needs from whatever trains inside the site."""
-
-    def train_steps(self, num_steps: int) -> TrainStats: ...
-
-    def validate(self) -> dict[str, float] | None: ...
-
-    def state_spec(self) -> StateSpec: ...
-
-    def fingerprint(self, factory_path: str) -> str: ...
-
-    def buffer_names(self) -> list[str]: ...
-
-    def parameters_numpy(self) -> dict[str, np.ndarray]: ...
-
-    def load_parameters(self, params: Mapping[str, np.ndarray]) -> None: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
-
-
-def resolve_device(spec: str) -> str:
-    if spec == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if spec.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"site.device={spec!r} but CUDA is not available")
-    return spec
 
 
 def load_site_data(cfg: SiteConfig) -> SiteData:
@@ -111,30 +74,8 @@ def build_local_trainer(cfg: SiteConfig, data: SiteData) -> LocalTrainer:
     return LocalTrainer(model=model, sampler=sampler, optim_cfg=cfg.optim, device=device)
 
 
-def _atomic_torch_save(obj: Any, path: Path) -> None:
-    atomic_write(path, lambda fh: torch.save(obj, fh))
-
-
-def read_endpoint_file(path: str, timeout_s: float) -> str:
-    """Wait for a local coordinator's ``endpoint.json`` and return the endpoint in it."""
-    deadline = time.monotonic() + timeout_s
-    p = Path(path)
-    while True:
-        if p.exists():
-            try:
-                endpoint = json.loads(p.read_text())["endpoint"]
-                return str(endpoint).replace("0.0.0.0", "127.0.0.1")
-            except (ValueError, KeyError):
-                pass  # a half-written file from a non-atomic writer; retry
-        if time.monotonic() > deadline:
-            raise ValueError(f"site.coordinator_endpoint_file {path!r} did not appear")
-        time.sleep(0.1)
-
-
 def build_agent(cfg: SiteConfig) -> SiteAgent:
     """Assemble a single-process site from its config (its job in a trainer, the agent)."""
-    from site_agent.agent import SiteAgent
-
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     metrics = SiteMetrics(cfg.site_id)
@@ -172,7 +113,6 @@ def run_pipeline_site(cfg: SiteConfig) -> int:
     """
     import torch.distributed as dist
 
-    from site_agent.agent import SiteAgent
     from site_agent.pipeline.runtime import (
         PipelineConfig,
         PipelineJob,

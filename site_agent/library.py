@@ -32,6 +32,7 @@ from torch import nn
 
 from comm.ops.configio import build
 from site_agent.config import SiteConfig, load_site_config
+from site_agent.exits import EXIT_CRASHED, EXIT_OK
 from site_agent.jobs.contract import StateSpec, check_metrics, federated_state, job_fingerprint
 from site_agent.jobs.contract import buffer_names as federated_buffer_names
 from site_agent.jobs.contract import state_spec as model_state_spec
@@ -285,10 +286,10 @@ class Federation:
             log.info("[site=%s] the training loop ended: leaving", self.config.site_id)
             self._agent.leave("the training loop ended")
             self._agent.save_checkpoint()
-            self.exit_code = 0
+            self.exit_code = EXIT_OK
         except BaseException:
             log.exception("[site=%s] the agent failed", self.config.site_id)
-            self.exit_code = 1
+            self.exit_code = EXIT_CRASHED
         finally:
             self._finished = True
             self.trainer.agent_done()

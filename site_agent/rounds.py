@@ -1,10 +1,10 @@
-"""The site's round state as a pure state machine: events in, decisions out.
+"""The site's round state as a pure state machine: events in, actions out.
 
 Events: a round's plan arrived (``round_start``), rounds were cancelled (``round_cancel``), a
 global version was applied (``global_applied``), the coordinator forgot this site and it joins
-again (``rejoin``), the federation stops (``shutdown``). Decisions: between rounds
-(:meth:`SiteRounds.next`) train a round, wait, drop a plan, or stop; once a round's slot is
-trained (:meth:`SiteRounds.slot_done`) send its update, wait, or drop it. No sockets and no
+again (``rejoin``), the federation stops (``shutdown``). Actions (:data:`RoundAction`): between
+rounds (:meth:`SiteRounds.next_action`) train a round, wait, drop a plan, or stop; once a round's
+slot is trained (:meth:`SiteRounds.slot_done`) send its update, wait, or drop it. No sockets and no
 clock: the site agent does the I/O around it.
 
 The rules. Plans are trained in the order they arrived. A plan is dropped when it was
@@ -66,7 +66,8 @@ class Stop:
     """The federation is finished: nothing more to do."""
 
 
-Decision = Train | Send | Wait | Drop | Stop
+RoundAction = Train | Send | Wait | Drop | Stop
+"""What the site does next about its rounds (the coordinator's verdicts are another thing)."""
 
 
 class SiteRounds:
@@ -126,9 +127,9 @@ class SiteRounds:
     def shutdown(self) -> None:
         self.stopped = True
 
-    # ---- decisions ------------------------------------------------------------------------
+    # ---- actions --------------------------------------------------------------------------
 
-    def next(self) -> Decision:
+    def next_action(self) -> RoundAction:
         """Between rounds: what to do now."""
         if self.stopped:
             return Stop()
@@ -150,7 +151,7 @@ class SiteRounds:
         self._abandoned = False
         return Train(self.training)
 
-    def slot_done(self) -> Decision:
+    def slot_done(self) -> RoundAction:
         """The training round's slot is trained: send, wait for its base, or drop it."""
         if self.stopped:
             return Stop()

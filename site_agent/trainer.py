@@ -4,7 +4,7 @@
 batches, takes the loss, and does zero_grad, backward, clipping and the optimizer and scheduler
 steps. A pipeline trainer offers the same small surface (``train_steps``, ``validate``,
 ``parameters_numpy``, ``load_parameters``, ``state_spec``, ``state_dict``, ``load_state_dict``),
-so the site agent drives either without knowing which one it holds.
+so the site agent drives either without knowing which one it holds (:class:`SiteTrainer`).
 
 As in DiLoCo, the inner optimizer's state survives across rounds: ``load_parameters`` replaces the
 model's values with the new global ones but leaves the optimizer's moments and the step counter
@@ -18,7 +18,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -81,6 +81,29 @@ class TrainStats:
     loss_mean: float
     loss_last: float
     compute_seconds: float
+
+
+class SiteTrainer(Protocol):
+    """What the site agent needs from whatever trains inside the site: :class:`JobTrainer`, the
+    pipelined site's leader, or a script's own loop in library mode."""
+
+    def train_steps(self, num_steps: int) -> TrainStats: ...
+
+    def validate(self) -> dict[str, float] | None: ...
+
+    def state_spec(self) -> StateSpec: ...
+
+    def fingerprint(self, factory_path: str) -> str: ...
+
+    def buffer_names(self) -> list[str]: ...
+
+    def parameters_numpy(self) -> dict[str, np.ndarray]: ...
+
+    def load_parameters(self, params: Mapping[str, np.ndarray]) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 def learning_rate(cfg: InnerOptimConfig, step: int) -> float:

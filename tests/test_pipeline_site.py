@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from site_agent.launch import EXIT_FATAL
+from site_agent.exits import EXIT_FATAL
 from tests.conftest import (
     TINY_MODEL,
     Procs,

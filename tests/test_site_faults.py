@@ -29,9 +29,10 @@ from comm.wire.schema import (
     Update,
     Welcome,
 )
-from site_agent.agent import EXIT_AUTH_REFUSED, EXIT_OK, SiteAgent
-from site_agent.authwatch import AuthWatch, refusal_reason
+from site_agent.agent import SiteAgent
+from site_agent.authwatch import AuthWatch, refusal_cause
 from site_agent.config import SiteConfig
+from site_agent.exits import EXIT_AUTH_REFUSED, EXIT_OK
 from site_agent.jobs.contract import job_fingerprint
 from site_agent.rounds import MAX_CANCELLED
 from site_agent.trainer import TrainStats
@@ -115,6 +116,9 @@ class ScriptedLink:
             return Shutdown(reason="stuck")
         return None
 
+    def close(self) -> None:
+        pass
+
     def updates(self) -> list[int]:
         return [m.round_id for m in self.sent if isinstance(m, Update)]
 
@@ -146,7 +150,9 @@ def make_agent(
     tmp_path: Path,
     script: Sequence[tuple[Gate, Message]],
     clock: Callable[[], float] = lambda: 0.0,
+    link: type[ScriptedLink] = ScriptedLink,
 ) -> SiteAgent:
+    """A started agent on ``link`` playing ``script``, holding θ0 (v0)."""
     cfg = SiteConfig(
         site_id="eu",
         coordinator="tcp://127.0.0.1:1",
@@ -155,10 +161,15 @@ def make_agent(
         steps_per_poll=1,
     )
     cfg.state_path.mkdir(parents=True)
-    agent = SiteAgent(cfg, trainer=FakeTrainer(), clock=clock)
-    agent.global_version = 0
-    agent.link = ScriptedLink(script)  # type: ignore[assignment]
+    agent = SiteAgent(cfg, trainer=FakeTrainer(), clock=clock, link=link(script))
+    agent.start()
     return agent
+
+
+def link_of(agent: SiteAgent) -> ScriptedLink:
+    link = agent.session.link
+    assert isinstance(link, ScriptedLink)
+    return link
 
 
 def run_script(
@@ -167,9 +178,7 @@ def run_script(
     clock: Callable[[], float] = lambda: 0.0,
 ) -> tuple[int, ScriptedLink]:
     agent = make_agent(tmp_path, script, clock)
-    link = agent.link
-    assert isinstance(link, ScriptedLink)
-    return agent.run(), link
+    return agent.run(), link_of(agent)
 
 
 # ---- 1. a cancelled round must not leave a site without overlap waiting forever ------------
@@ -216,7 +225,7 @@ def test_without_overlap_the_site_still_waits_for_a_result_that_is_coming(
 
 
 def refusal(detail: str) -> Error:
-    """An UNAUTHENTICATED error worded as the coordinator words it (``_reject``)."""
+    """An UNAUTHENTICATED error worded as the coordinator words it (``Coordinator._reject``)."""
     code = ErrorCode.UNAUTHENTICATED
     return Error(code=int(code), detail=f"{ERROR_MEANINGS[code]}: {detail}")
 
@@ -296,7 +305,8 @@ def test_a_heartbeat_echo_counts_as_acceptance() -> None:
 def test_the_coordinator_words_for_revoked_and_expired_are_recognized(
     tmp_path: Path, revoked: bool
 ) -> None:
-    """The detail the coordinator forwards (``_authentic``), produced by the real registry."""
+    """The detail the coordinator forwards (``coordinator.intake.authentic``), produced by the
+    real registry."""
     kit = init_kit(tmp_path / "kit")
     now = 1_000_000.0 if revoked else 1e12  # far past the certificate's validity
     cert = issue_site(kit, "eu", 30, now=1_000_000.0 - 60).certificate
@@ -306,12 +316,12 @@ def test_the_coordinator_words_for_revoked_and_expired_are_recognized(
     with pytest.raises(AuthError) as exc:
         registry.check_peer(user_id="eu", serial=cert.serial, claimed_site_id="eu", now=now)
     assert exc.value.reason == ("revoked" if revoked else "expired")
-    assert refusal_reason(refusal(exc.value.detail).detail) == exc.value.reason
+    assert refusal_cause(refusal(exc.value.detail).detail) == exc.value.reason
     # A connection whose identity the coordinator does not know (yet) is not definitive.
     with pytest.raises(AuthError) as exc:
         registry.check_peer(user_id="eu", serial="nope", claimed_site_id="eu", now=now)
     assert exc.value.reason == "unknown_key"
-    assert refusal_reason(refusal(exc.value.detail).detail) == "other"
+    assert refusal_cause(refusal(exc.value.detail).detail) == "other"
 
 
 # ---- 3. what the site remembers about rounds stays bounded --------------------------------
@@ -331,8 +341,8 @@ def test_cancelled_rounds_are_not_remembered_forever(tmp_path: Path) -> None:
     script.append((after_update(rounds + 1), Shutdown(reason="done")))
     agent = make_agent(tmp_path, script)
     assert agent.run() == EXIT_OK
-    assert isinstance(agent.link, ScriptedLink) and not agent.link.stuck
-    assert agent.link.updates() == list(range(1, rounds + 2))
+    assert not link_of(agent).stuck
+    assert link_of(agent).updates() == list(range(1, rounds + 2))
     assert len(agent.rounds.cancelled) <= MAX_CANCELLED
     assert len(agent.rounds.pending) == 0
 
@@ -413,10 +423,10 @@ def test_an_update_is_sent_again_when_the_link_comes_back_after_a_silence(
             (updates_of(1), Shutdown(reason="done")),
         ],
         clock=lambda: now[0],
+        link=CutLink,
     )
-    link = CutLink(agent.link.script)  # type: ignore[union-attr]
-    agent.link = link  # type: ignore[assignment]
     assert agent.run() == EXIT_OK
+    link = link_of(agent)
     assert not link.stuck, "the update was never sent again"
     assert link.updates() == [1, 1]
 
@@ -475,11 +485,10 @@ def _silence(tmp_path: Path, silence_s: float, resets: int = 0) -> list[int]:
             (later, Shutdown(reason="done")),
         ],
         clock=lambda: now[0],
+        link=SilentLink,
     )
-    link = SilentLink(agent.link.script)  # type: ignore[union-attr]
-    agent.link = link  # type: ignore[assignment]
     assert agent.run() == EXIT_OK
-    return link.updates()
+    return link_of(agent).updates()
 
 
 def test_a_short_pause_between_echoes_sends_nothing_again(tmp_path: Path) -> None:
@@ -554,7 +563,7 @@ def test_utilization_compares_the_step_rate_with_the_rate_when_no_sync_is_in_fli
     def timed(num_steps: int) -> TrainStats:
         # One second a step; two while an update of ours is in flight (communication threads
         # taking the cores).
-        clock.now += num_steps * (2.0 if agent._sent else 1.0)
+        clock.now += num_steps * (2.0 if agent.replica.in_flight else 1.0)
         trained.append(num_steps)
         return train(num_steps)
 
@@ -568,3 +577,38 @@ def test_utilization_compares_the_step_rate_with_the_rate_when_no_sync_is_in_fli
     # Round 2 trained at least one step while round 1's update was in flight.
     assert st["steps_per_second"] < 1.0
     assert st["compute_utilization"] == pytest.approx(st["steps_per_second"] / 1.0, rel=1e-12)
+
+
+# ---- an update that cannot be encoded leaves the error feedback as it was --------------------
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+@pytest.mark.parametrize("failure", ["non_finite", "bad_residual"])
+def test_an_update_that_fails_to_encode_leaves_every_residual_as_it_was(
+    tmp_path: Path, failure: str
+) -> None:
+    """Nothing went out, so the progress stays local and goes out with the next update: every
+    residual must still owe exactly what it owed, those of the tensors encoded before the one
+    that failed included (else the next update counts their progress twice, or drops the
+    error they carried)."""
+    agent = make_agent(tmp_path, [])
+    trainer = agent.trainer
+    assert isinstance(trainer, FakeTrainer)
+    before = {"a": np.full(4, 0.25, np.float32)}
+    if failure == "non_finite":
+        # "b" plus its residual overflows float32: its encoding is not finite.
+        trainer.params["b"] = np.full(3, -3e38, np.float32)
+        before = {"b": np.full(3, 3e38, np.float32)}
+    else:
+        before["b"] = np.zeros(5, np.float32)  # a residual of another shape: a ValueError
+    agent.sender.feedback.load_state_dict(before)
+    stats = trainer.train_steps(1)
+    plan = round_start(1, overlap=True)
+    taken = agent.replica.take_pseudo_gradient(plan, stats.loss_mean)
+    assert taken is not None
+    sent = agent.sender.send_update(plan, stats, taken[0], global_version=0)
+    assert not sent and link_of(agent).updates() == []
+    after = agent.sender.feedback.state_dict()
+    assert set(after) == set(before)
+    for name, residual in before.items():
+        np.testing.assert_array_equal(after[name], residual)

@@ -78,14 +78,14 @@ class RoundsMachine(RuleBasedStateMachine):
     @rule()
     def shutdown(self) -> None:
         self.m.shutdown()
-        assert isinstance(self.m.next(), Stop)
+        assert isinstance(self.m.next_action(), Stop)
 
     # ---- the site's side ---------------------------------------------------------------
 
     @precondition(lambda self: self.m.training is None)
     @rule()
     def between_rounds(self) -> None:
-        d = self.m.next()
+        d = self.m.next_action()
         if isinstance(d, Train):
             assert d.plan.round_id not in self.cancelled, "trains a cancelled round"
             self.trained.append(d.plan.round_id)
@@ -151,40 +151,40 @@ def test_without_overlap_it_waits_for_the_result_then_trains_on() -> None:
     m = SiteRounds(global_version=0)
     m.round_start(plan(1, overlap=False, fragments=1))
     m.round_start(plan(2, overlap=False, fragments=1))
-    assert isinstance(m.next(), Train)
+    assert isinstance(m.next_action(), Train)
     assert isinstance(m.slot_done(), Send)
-    assert isinstance(m.next(), Wait)  # round 1's result first
+    assert isinstance(m.next_action(), Wait)  # round 1's result first
     m.global_applied(1)
-    d = m.next()
+    d = m.next_action()
     assert isinstance(d, Train) and d.plan.round_id == 2
 
 
 def test_a_cancel_of_the_awaited_round_releases_the_wait() -> None:
     m = SiteRounds(global_version=0)
     m.round_start(plan(1, overlap=False, fragments=1))
-    m.next()
+    m.next_action()
     m.slot_done()
     m.round_cancel([1])
     m.round_start(plan(2, overlap=False, fragments=1))
-    d = m.next()
+    d = m.next_action()
     assert isinstance(d, Train) and d.plan.round_id == 2
 
 
 def test_a_rejoin_during_a_slot_drops_that_round() -> None:
     m = SiteRounds(global_version=0)
     m.round_start(plan(1, overlap=True, fragments=1))
-    m.next()
+    m.next_action()
     m.rejoin()
     m.round_start(plan(2, overlap=True, fragments=1))
     assert m.slot_done() == Drop(1, "abandoned")
-    d = m.next()
+    d = m.next_action()
     assert isinstance(d, Train) and d.plan.round_id == 2
 
 
 def test_the_slot_waits_for_its_fragment_base_unless_cancelled() -> None:
     m = SiteRounds(global_version=0)
     m.round_start(plan(4, overlap=True, fragments=3))  # base: round 1's result
-    m.next()
+    m.next_action()
     assert isinstance(m.slot_done(), Wait)
     m.round_cancel([4])
     assert isinstance(m.slot_done(), Drop)

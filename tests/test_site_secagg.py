@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from comm.security.secagg import SecAggSession
+from comm.transport.stats import ChannelStats
 from comm.wire.schema import Message, RoundStart, Update
-from site_agent.agent import build_agent
+from site_agent.agent import SiteAgent
 from site_agent.config import load_site_config
+from site_agent.launch import build_job_trainer
 from tests.conftest import write_site_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -22,10 +23,16 @@ class RecordingLink:
 
     def __init__(self) -> None:
         self.sent: list[Message] = []
-        self.stats = SimpleNamespace(rtt_s=0.05, goodput_bps=1e8, bytes_sent=0, bytes_received=0)
+        self.stats = ChannelStats(rtt_s=0.05, goodput_bps=1e8)
 
     def send(self, msg: Message) -> None:
         self.sent.append(msg)
+
+    def recv(self, timeout_s: float) -> Message | None:
+        return None
+
+    def close(self) -> None:
+        pass
 
 
 def _round(round_id: int, secagg: dict[str, Any]) -> RoundStart:
@@ -50,21 +57,21 @@ def test_a_site_that_cannot_mask_keeps_its_progress_for_the_next_update(tmp_path
     cfg = load_site_config(
         write_site_config(tmp_path, "eu", 0, 2, secure_aggregation={"clip_bound": 64.0})
     )
-    agent = build_agent(cfg)
-    (tmp_path / "site-eu").mkdir()  # what start() would create
     assert cfg.secure_aggregation is not None
     link = RecordingLink()
-    agent.link = link  # type: ignore[assignment]
-    agent.secagg = SecAggSession(site_id="eu", session_id="s", config=cfg.secure_aggregation)
+    agent = SiteAgent(cfg, trainer=build_job_trainer(cfg), link=link)
+    agent.start()
+    agent.sender.open_session("s")
     stats = agent.trainer.train_steps(2)
-    agent._tokens[0] = stats.tokens
+    agent.sender.trained(1, stats.tokens)
 
     # A plan without the peers' keys cannot be masked: nothing goes out, nothing is recorded as
     # sent, and the tokens stay for the update that will carry this progress.
     agent._send_update(_round(1, {"attempt": 0}), stats)
     assert link.sent == []
-    assert agent._sent == {} and agent._tokens == {0: stats.tokens}
-    assert agent._unmasked == {}
+    assert not agent.replica.in_flight and agent.sender.tokens_pending(0) == stats.tokens
+    # Nothing is kept for a re-run of that round either.
+    assert not agent.sender.remask(_round(1, {"attempt": 1}), global_version=0)
     rejected = agent.metrics.registry.get_sample_value(
         "crossdc_site_rejected_total", {"site": "eu", "reason": "secagg_plan"}
     )
@@ -72,10 +79,10 @@ def test_a_site_that_cannot_mask_keeps_its_progress_for_the_next_update(tmp_path
 
     # A usable plan (the other site's keys): the masked update goes out and is recorded.
     other = SecAggSession(site_id="us", session_id="s", config=cfg.secure_aggregation)
-    peers = {
-        site: [session.session_public.hex(), ""]
-        for site, session in (("eu", agent.secagg), ("us", other))
-    }
+    mine = agent.sender.secagg_public()
+    assert mine is not None
+    peers = {"eu": [mine.hex(), ""], "us": [other.session_public.hex(), ""]}
     agent._send_update(_round(2, {"attempt": 0, "peers": peers}), stats)
     assert [type(m) for m in link.sent] == [Update]
-    assert set(agent._sent) == {0} and agent._tokens == {}
+    assert agent.replica.in_flight and agent.sender.tokens_pending(0) == 0
+    assert agent.status()["rounds_sent"] == 1

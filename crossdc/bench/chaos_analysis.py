@@ -124,9 +124,9 @@ def site_rejoins(
 def evaluate(site_config: Path, params: dict[str, np.ndarray] | None) -> float:
     """Validation loss as a site computes it (its validation batches), of ``params`` or of the
     initial model when ``params`` is None."""
-    from site_agent.agent import build_local_trainer, load_site_data
     from site_agent.config import load_site_config
     from site_agent.data import eval_batches
+    from site_agent.launch import build_local_trainer, load_site_data
 
     cfg = load_site_config(site_config)
     data = load_site_data(cfg)

@@ -50,17 +50,12 @@ from comm.wire.schema import (
 )
 from comm.wire.tensors import decode_tensors, encode_tensors, spec_of, state_hash
 from crossdc.ddp.trainer import Batch, DDPTrainer
-from site_agent.agent import (
-    EXIT_FATAL,
-    EXIT_OK,
-    build_local_trainer,
-    load_site_data,
-    read_endpoint_file,
-    resolve_device,
-)
-from site_agent.config import SiteConfig
+from site_agent.config import SiteConfig, resolve_device
 from site_agent.data import eval_batches
+from site_agent.exits import EXIT_FATAL, EXIT_OK
+from site_agent.launch import build_local_trainer, load_site_data
 from site_agent.model import model_fingerprint
+from site_agent.session import read_endpoint_file
 
 log = logging.getLogger("crossdc.site.ddp")
 

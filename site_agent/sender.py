@@ -1,0 +1,364 @@
+"""Sending a round's update: the pseudo-gradient of its fragment, privatized (differential
+privacy), then compressed with error feedback or masked for secure aggregation, with the site's
+link measurements; and sending again the updates a dropped link may have lost.
+
+:class:`UpdateSender` owns everything that shapes what leaves the site: the error-feedback
+residuals, the privacy accountant and its noise, the secure-aggregation session and the unmasked
+update kept for a re-run, the tokens trained per fragment since its last send (the update's
+weight), and the updates still awaiting their round's result.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Collection
+from typing import Any, Protocol
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from comm.codecs.base import EncodedTensor, NonFiniteError
+from comm.codecs.feedback import ErrorFeedback
+from comm.codecs.registry import get_codec
+from comm.security.kits import SiteKit
+from comm.security.masking import (
+    Peer,
+    SecAggConfig,
+    x25519_from_curve_secret,
+    x25519_public_bytes,
+)
+from comm.security.secagg import SecAggSession
+from comm.wire.schema import Message, RoundStart, Update
+from site_agent.config import SiteConfig
+from site_agent.exits import EXIT_FAULT_DRILL
+from site_agent.metrics import SiteMetrics
+from site_agent.privacy import DPConfig, PrivacyAccountant, new_noise_generator, privatize
+from site_agent.trainer import TrainStats
+
+log = logging.getLogger("crossdc.site")
+
+Params = dict[str, np.ndarray]
+
+MAX_UNANSWERED = 4
+"""Updates kept for sending again at most (only a few rounds are ever in flight)."""
+
+
+class UpdateChannel(Protocol):
+    """Where updates go (the site's session with its coordinator)."""
+
+    def send(self, msg: Message) -> None: ...
+
+    def link_estimate(self) -> tuple[float, float]: ...
+
+
+class UpdateSender:
+    """Turns a round's pseudo-gradient into the update that goes out (see the module
+    docstring). The send methods return whether an update went out."""
+
+    def __init__(
+        self,
+        *,
+        site_id: str,
+        channel: UpdateChannel,
+        metrics: SiteMetrics,
+        feedback: ErrorFeedback,
+        secure_aggregation: SecAggConfig | None = None,
+        privacy: DPConfig | None = None,
+        static_key: X25519PrivateKey | None = None,
+        fault_exit_round: int = 0,
+    ) -> None:
+        """``static_key``: the site's CURVE key as X25519, binding its masks to its certified
+        identity. ``fault_exit_round``: a fault drill, the round whose masked update the process
+        dies before sending (0: none)."""
+        self.site_id = site_id
+        self._channel = channel
+        self._metrics = metrics
+        self.feedback = feedback
+        self._secagg_cfg = secure_aggregation
+        self._privacy = privacy
+        self.accountant = PrivacyAccountant(privacy) if privacy is not None else None
+        self._noise = new_noise_generator()
+        # Secure aggregation: one X25519 key per process, announced at join; the masking session
+        # is bound to the coordinator's session (every site derives pair keys from the same id).
+        self._secagg_key = X25519PrivateKey.generate() if secure_aggregation else None
+        self._static_key = static_key
+        self.secagg: SecAggSession | None = None
+        self._unmasked: dict[int, tuple[Params, TrainStats]] = {}  # kept for a re-run
+        self._fault_exit_round = fault_exit_round
+        self._tokens: dict[int, int] = {}  # per fragment: tokens trained since its last send
+        self._unanswered: dict[int, Update] = {}  # sent, no result yet: resent after a gap
+
+    @classmethod
+    def for_site(
+        cls,
+        cfg: SiteConfig,
+        *,
+        channel: UpdateChannel,
+        metrics: SiteMetrics,
+        feedback: ErrorFeedback,
+        kit: SiteKit | None,
+    ) -> UpdateSender:
+        masked = cfg.secure_aggregation is not None
+        return cls(
+            site_id=cfg.site_id,
+            channel=channel,
+            metrics=metrics,
+            feedback=feedback,
+            secure_aggregation=cfg.secure_aggregation,
+            privacy=cfg.privacy,
+            static_key=x25519_from_curve_secret(kit.curve.secret) if masked and kit else None,
+            fault_exit_round=cfg.fault_exit_before_send_round,
+        )
+
+    # ---- the session -------------------------------------------------------------------------
+
+    def secagg_public(self) -> bytes | None:
+        """The masking key this process announces at its join (None without secure
+        aggregation)."""
+        key = self._secagg_key
+        return None if key is None else x25519_public_bytes(key)
+
+    def open_session(self, session_id: str) -> None:
+        """The coordinator welcomed us in ``session_id``: masks are bound to it."""
+        if self._secagg_cfg is None or self._secagg_key is None:
+            return
+        self.secagg = SecAggSession(
+            site_id=self.site_id,
+            session_id=session_id,
+            config=self._secagg_cfg,
+            session_key=self._secagg_key,
+            static_key=self._static_key,
+        )
+
+    def trained(self, num_fragments: int, tokens: int) -> None:
+        """A slot trained ``tokens`` tokens, which count for every fragment's next update."""
+        for f in range(num_fragments):
+            self._tokens[f] = self._tokens.get(f, 0) + tokens
+
+    def tokens_pending(self, fragment: int) -> int:
+        """Tokens trained since ``fragment`` was last sent."""
+        return self._tokens.get(fragment, 0)
+
+    # ---- sending -------------------------------------------------------------------------------
+
+    def send_update(
+        self, rs: RoundStart, stats: TrainStats, delta: Params, *, global_version: int
+    ) -> bool:
+        """Send round ``rs``'s update of pseudo-gradient ``delta`` (finite), trained on top of
+        ``global_version``. False when nothing went out: the progress stays local and goes out
+        with the next update."""
+        if self._secagg_cfg is not None:
+            # Masked sums are plain means: every site's weight is the same (and hidden).
+            if not self._send_masked(rs, delta, stats, global_version):
+                return False
+            self._tokens.pop(rs.fragment, None)
+            return True
+        delta = self._privatize(rs, delta)
+        payload = self._compress(rs, delta)
+        if payload is None:
+            return False
+        weight = float(self._tokens.pop(rs.fragment, 0) or stats.tokens)
+        self._send(rs, stats, payload, weight, global_version)
+        self._metrics.ef_norm(self.feedback.residual_norm())
+        log.info(
+            "[site=%s round=%d] sent fragment %d/%d (%s): %d steps loss=%.4f %.1fs compute",
+            self.site_id,
+            rs.round_id,
+            rs.fragment,
+            rs.num_fragments,
+            rs.codec,
+            stats.steps,
+            stats.loss_mean,
+            stats.compute_seconds,
+        )
+        return True
+
+    def _privatize(self, rs: RoundStart, delta: Params) -> Params:
+        """Differential privacy (when on): clip and noise the pseudo-gradient before anything
+        leaves the site; the noise is fresh each round, and the accountant tracks the (epsilon,
+        delta) spent."""
+        if self._privacy is None or self.accountant is None:
+            return delta
+        delta, norm = privatize(delta, self._privacy, self._noise)
+        self.accountant.step()
+        self._metrics.dp_epsilon(self.accountant.epsilon())
+        log.info(
+            "[site=%s round=%d] DP: norm %.3g clipped to %.3g, epsilon spent %.3f (delta %g)",
+            self.site_id,
+            rs.round_id,
+            norm,
+            self._privacy.clip_norm,
+            self.accountant.epsilon(),
+            self._privacy.delta,
+        )
+        return delta
+
+    def _compress(self, rs: RoundStart, delta: Params) -> tuple[EncodedTensor, ...] | None:
+        """``delta`` encoded with the round's codec and the error feedback; None when it cannot
+        be: then every residual owes what it owed before, those of the tensors encoded before
+        the failing one included."""
+        residuals = self.feedback.state_dict()
+        try:
+            codec = get_codec(rs.codec)
+            return tuple(self.feedback.compress(k, v, codec) for k, v in delta.items())
+        except NonFiniteError as exc:
+            self._metrics.rejected("non_finite_local")
+            log.error("[site=%s round=%d] not sending: %s", self.site_id, rs.round_id, exc)
+        except ValueError as exc:
+            log.error(
+                "[site=%s round=%d] cannot encode with %r: %s",
+                self.site_id,
+                rs.round_id,
+                rs.codec,
+                exc,
+            )
+        self.feedback.load_state_dict(residuals)
+        return None
+
+    def _send(
+        self,
+        rs: RoundStart,
+        stats: TrainStats,
+        payload: tuple[EncodedTensor, ...],
+        weight: float,
+        global_version: int,
+    ) -> None:
+        """Send one round's update with this site's measurements; keep it until its result."""
+        rtt_s, goodput_bps = self._channel.link_estimate()
+        msg = Update(
+            site_id=self.site_id,
+            round_id=rs.round_id,
+            global_version=global_version,
+            fragment=rs.fragment,
+            weight=weight,
+            train_loss=stats.loss_mean,
+            compute_seconds=stats.compute_seconds,
+            step_seconds=stats.compute_seconds / max(1, stats.steps),
+            link_rtt_s=rtt_s,
+            link_goodput_bps=goodput_bps,
+            payload=payload,
+        )
+        self._channel.send(msg)
+        self._unanswered[rs.round_id] = msg
+        while len(self._unanswered) > MAX_UNANSWERED:
+            del self._unanswered[min(self._unanswered)]
+
+    # ---- secure aggregation ------------------------------------------------------------------
+
+    def _send_masked(
+        self, rs: RoundStart, delta: Params, stats: TrainStats, global_version: int
+    ) -> bool:
+        """Clip to the fixed-point range, mask, send; keep for a re-run. False when the round's
+        masking plan is unusable and nothing was sent."""
+        assert self._secagg_cfg is not None
+        bound = self._secagg_cfg.clip_bound
+        if self._privacy is not None and self.accountant is not None:
+            delta, _norm = privatize(delta, self._privacy, self._noise)
+            self.accountant.step()
+            self._metrics.dp_epsilon(self.accountant.epsilon())
+        clipped = sum(int((np.abs(v) > bound).sum()) for v in delta.values())
+        if clipped:
+            log.warning(
+                "[site=%s round=%d] %d values clipped to +-%g for masking",
+                self.site_id,
+                rs.round_id,
+                clipped,
+                bound,
+            )
+        delta = {k: np.clip(v, -bound, bound) for k, v in delta.items()}
+        self._unmasked = {rs.round_id: (delta, stats)}
+        if self._mask_and_send(rs, delta, stats, global_version):
+            return True
+        self._unmasked.clear()  # a re-run must not send what stays local
+        return False
+
+    def remask(self, rs: RoundStart, *, global_version: int) -> bool:
+        """A re-run of round ``rs`` after a dropout: mask the kept update again, for the
+        survivors. False when nothing went out."""
+        kept = self._unmasked.get(rs.round_id)
+        if kept is None:
+            log.warning(
+                "[site=%s round=%d] re-run for an update I do not hold", self.site_id, rs.round_id
+            )
+            return False
+        log.info(
+            "[site=%s round=%d] secure aggregation re-run, attempt %d",
+            self.site_id,
+            rs.round_id,
+            rs.secagg["attempt"],
+        )
+        delta, stats = kept
+        return self._mask_and_send(rs, delta, stats, global_version)
+
+    def _mask_and_send(
+        self, rs: RoundStart, delta: Params, stats: TrainStats, global_version: int
+    ) -> bool:
+        assert self.secagg is not None, "open_session() first"
+        attempt = int(rs.secagg.get("attempt", 0))
+        try:
+            peers = {
+                site: Peer(
+                    session_public=bytes.fromhex(keys[0]),
+                    static_public=keys[1].encode() if keys[1] else None,
+                )
+                for site, keys in rs.secagg["peers"].items()
+            }
+            masked = self.secagg.mask(
+                delta, round_id=rs.round_id, participants=peers, attempt=attempt
+            )
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            self._metrics.rejected("secagg_plan")
+            log.error("[site=%s round=%d] not masking: %s", self.site_id, rs.round_id, exc)
+            return False
+        if rs.round_id == self._fault_exit_round and attempt == 0:
+            log.error(
+                "[site=%s round=%d] fault drill: exiting after masking", self.site_id, rs.round_id
+            )
+            logging.shutdown()
+            os._exit(EXIT_FAULT_DRILL)
+        payload = tuple(
+            EncodedTensor(
+                name=name,
+                shape=tuple(arr.shape),
+                codec="secagg",
+                meta={"attempt": attempt},
+                buffers=(arr.reshape(-1),),
+            )
+            for name, arr in masked.items()
+        )
+        self._send(rs, stats, payload, float(stats.tokens), global_version)
+        log.info(
+            "[site=%s round=%d] sent masked fragment %d (attempt %d)",
+            self.site_id,
+            rs.round_id,
+            rs.fragment,
+            attempt,
+        )
+        return True
+
+    # ---- updates in flight ---------------------------------------------------------------------
+
+    def forget_unanswered(self) -> None:
+        """Their rounds are void (the coordinator forgot this site): nothing to send again."""
+        self._unanswered.clear()
+
+    def resend_unanswered(self, why: str, *, done_version: int, cancelled: Collection[int]) -> None:
+        """The link dropped (reset, or silent for the heartbeat timeout) and is back: what was in
+        flight may be lost, and a lost update would hold its round until the deadline. Send again
+        the updates whose round has no result yet (``done_version`` is the global held) and was
+        not cancelled; a copy that did arrive is refused as a duplicate, harmlessly."""
+        self._unanswered = {
+            r: m for r, m in self._unanswered.items() if r > done_version and r not in cancelled
+        }
+        for round_id, msg in sorted(self._unanswered.items()):
+            log.warning(
+                "[site=%s round=%d] link back after %s: sending the update again",
+                self.site_id,
+                round_id,
+                why,
+            )
+            self._channel.send(msg)
+
+    def status(self) -> dict[str, Any]:
+        return {"dp_epsilon": self.accountant.epsilon() if self.accountant else None}
