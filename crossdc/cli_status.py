@@ -8,7 +8,7 @@ import sys
 import urllib.request
 from typing import TYPE_CHECKING
 
-from crossdc.cli import EXIT_BAD_CONFIG, _command
+from crossdc.cli_common import EXIT_BAD_CONFIG, SubParsers, add_command
 from crossdc.progress import format_metrics
 
 if TYPE_CHECKING:
@@ -108,8 +108,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_status_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    s = _command(sub, "status", help="show a running role's /status")
+def add_status_command(sub: SubParsers) -> None:
+    s = add_command(sub, "status", help="show a running role's /status")
     s.add_argument("--url", default="http://127.0.0.1:9710")
     s.add_argument("--ca-file", default="", help="PEM CA to verify an https --url against")
     s.add_argument("--user", default="", help="basic auth user ([*.http] basic_auth_user)")
