@@ -17,14 +17,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TOP_LEVEL = ("comm", "coordinator", "site_agent", "crossdc")
 
-_COMM = {"comm.codecs", "comm.wire", "comm.security", "comm.transport", "comm.ops"}
+_COMM = {"comm.codecs", "comm.wire", "comm.security", "comm.transport", "comm.ops", "comm.durable"}
 
 ALLOWED: dict[str, set[str]] = {
     # comm: the shared layer, layered inside; it never imports coordinator, site_agent, crossdc.
     "comm": set(),
+    # Crash-safe file writes: the standard library only, for every layer that writes a file.
+    "comm.durable": set(),
     "comm.codecs": set(),
     "comm.wire": {"comm.codecs"},
-    "comm.security": set(),
+    "comm.security": {"comm.durable"},
     "comm.ops": set(),
     "comm.transport": {"comm.wire", "comm.security"},
     # The two roles share only comm: neither imports the other, nor crossdc.
