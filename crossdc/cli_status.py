@@ -9,7 +9,7 @@ import urllib.request
 from typing import TYPE_CHECKING
 
 from crossdc.cli_common import EXIT_BAD_CONFIG, SubParsers, add_command
-from crossdc.progress import format_metrics
+from crossdc.progress_view import format_metrics
 
 if TYPE_CHECKING:
     import ssl

@@ -28,26 +28,19 @@ from crossdc.demo_roles import (
     DEMO_MODEL,
     DEMO_SEED,
     DemoRun,
-    _read_status,
-    _wait_endpoint,
     job_options,
     kit_problem,
     link_profiles,
     make_kits,
     site_ids,
+    wait_endpoint,
     write_coordinator_config,
     write_site_configs,
 )
 from crossdc.lab.profiles import LinkProfile
 from crossdc.lab.wanem import LinkEmulator
-from crossdc.progress import (
-    Progress,
-    add_progress_argument,
-    fmt_bytes,
-    format_metrics,
-    open_progress,
-    rounds_view,
-)
+from crossdc.progress import Progress, add_progress_argument, open_progress
+from crossdc.progress_view import fmt_bytes, format_metrics, read_status, rounds_view
 
 
 def add_outer_rule_arguments(p: argparse.ArgumentParser) -> None:
@@ -192,7 +185,7 @@ def _start_roles(
     python = [sys.executable, "-m", "crossdc"]
     workdir = run.workdir
     run.spawn("coordinator", [*python, "coordinator", "--config", str(coord_cfg)], env)
-    endpoint = _wait_endpoint(
+    endpoint = wait_endpoint(
         workdir / "coordinator" / "endpoint.json", run.procs["coordinator"], 120
     )
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
@@ -222,12 +215,12 @@ class _Progress:
 
     def update(self) -> None:
         """Read the status again (keeping the last one if unreadable); print new rounds."""
-        self.status = _read_status(self.path) or self.status
+        self.status = read_status(self.path) or self.status
         if self.status is None:
             return
         if not self.quiet:
             self.shown = _print_rounds(self.status, self.shown, self.path.parent)
-        sites = {s: _read_status(d / "status.json") for s, d in self.site_dirs.items()}
+        sites = {s: read_status(d / "status.json") for s, d in self.site_dirs.items()}
         self.reporter.rounds(rounds_view(self.status, total=self.total, sites=sites))
 
 
@@ -269,7 +262,7 @@ def _full_report(
     log = read_history(workdir / "coordinator")
     report = build_report(args, status, wall, log)
     report["tokens_merged"] = sum(float(h.get("tokens", 0.0)) for h in log.history)
-    sites_status = {s: _read_status(workdir / f"site-{s}" / "status.json") or {} for s in ids}
+    sites_status = {s: read_status(workdir / f"site-{s}" / "status.json") or {} for s in ids}
     report["dp_epsilon"] = {s: st.get("dp_epsilon") for s, st in sites_status.items()}
     # Per site: inner steps per second over its training period / its rate with no sync of its
     # in flight, both measured in this run (null where a site measured neither).
