@@ -28,6 +28,7 @@ from crossdc.cli_common import (
 )
 from crossdc.cli_keys import add_keys_command
 from crossdc.cli_status import add_status_command
+from crossdc.demo_args import add_demo_arguments
 
 if TYPE_CHECKING:
     from coordinator.config import InitialModelConfig
@@ -258,8 +259,6 @@ def _add_role_commands(sub: SubParsers) -> None:
     a.set_defaults(func=cmd_agent)
 
     d = add_command(sub, "demo", help="a coordinator and N sites on this machine")
-    from crossdc.demo import add_demo_arguments
-
     add_demo_arguments(d)
     d.set_defaults(func=cmd_demo)
 

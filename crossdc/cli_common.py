@@ -3,7 +3,7 @@
 and ``add_command``, which gives a (sub)command those options after its name too.
 
 ``crossdc.cli`` assembles the parser from these and from the commands' own modules
-(``crossdc.cli_keys``, ``crossdc.cli_status``), and ``python -m crossdc.ddp`` sets up its logging
+(``crossdc.cli_keys``, ``crossdc.cli_status``, ``crossdc.demo_args``), and ``python -m crossdc.ddp`` sets up its logging
 with them; none of them imports ``crossdc.cli`` back. Only the standard library is imported here.
 """
 

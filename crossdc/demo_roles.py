@@ -12,12 +12,14 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from comm.ops.configio import dump_toml
 from crossdc.lab.profiles import PRESETS, LinkProfile, parse_profile
-from crossdc.lab.wanem import LinkEmulator
 from crossdc.progress_view import read_status
+
+if TYPE_CHECKING:
+    from crossdc.lab.wanem import LinkEmulator
 
 SITE_NAMES = ("eu", "us", "ap", "sa", "af", "me", "oc", "na")
 
