@@ -36,6 +36,24 @@ if TYPE_CHECKING:
     from site_agent.config import SiteConfig
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: print ``crossdc VERSION`` and exit; the installed version is looked up
+    only then, not each time the parser is built."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **_kw: Any) -> None:
+        super().__init__(
+            option_strings,
+            dest=argparse.SUPPRESS,
+            default=argparse.SUPPRESS,
+            nargs=0,
+            help="show program's version number and exit",
+        )
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: Any) -> None:
+        print(f"crossdc {package_version()}")
+        parser.exit()
+
+
 def package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -232,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.splitlines()[0],
         parents=[global_options(suppress=False)],
     )
-    p.add_argument("--version", action="version", version=f"crossdc {package_version()}")
+    p.add_argument("--version", action=_VersionAction)
     sub = p.add_subparsers(dest="command", required=True)
     _add_role_commands(sub)
     add_keys_command(sub)
