@@ -1,5 +1,5 @@
 """The ``crossdc`` command: coordinator, agent, demo, bench, plot; keys (``crossdc.cli_keys``) and
-status (``crossdc.cli_status``).
+status (``crossdc.cli_status``), on the parser pieces every command shares (``crossdc.cli_common``).
 
 Every command that reports takes ``--json``. A bad config prints one line naming the field and
 exits with code 2.
@@ -9,89 +9,49 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from crossdc.cli_common import (
+    EXIT_BAD_CONFIG,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    SubParsers,
+    add_command,
+    global_options,
+    setup_logging,
+)
+from crossdc.cli_keys import add_keys_command
+from crossdc.cli_status import add_status_command
+from crossdc.demo_args import add_demo_arguments
 
 if TYPE_CHECKING:
     from coordinator.config import InitialModelConfig
     from coordinator.service import InitialModel
     from site_agent.config import SiteConfig
 
-EXIT_BAD_CONFIG = 2
 
+class _VersionAction(argparse.Action):
+    """``--version``: print ``crossdc VERSION`` and exit; the installed version is looked up
+    only then, not each time the parser is built."""
 
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-LOG_FORMATS = ("text", "json")
+    def __init__(self, option_strings: Sequence[str], dest: str, **_kw: Any) -> None:
+        super().__init__(
+            option_strings,
+            dest=argparse.SUPPRESS,
+            default=argparse.SUPPRESS,
+            nargs=0,
+            help="show program's version number and exit",
+        )
 
-
-class JsonLogFormatter(logging.Formatter):
-    """One JSON object a line: time (UTC, ISO 8601), level, logger, message (and the
-    exception's traceback when there is one), for log shippers that parse lines."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, ensure_ascii=False)
-
-
-def _setup_logging(level: str, fmt: str = "text") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        formatter: logging.Formatter = JsonLogFormatter()
-        formatter.converter = time.gmtime
-    else:
-        formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
-    handler.setFormatter(formatter)
-    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)
-
-
-def _choice(kind: str, allowed: Sequence[str]) -> Any:
-    """An argparse type: one of ``allowed``, any case; otherwise an error naming them."""
-
-    def parse(value: str) -> str:
-        v = value.strip().lower()
-        if v not in allowed:
-            raise argparse.ArgumentTypeError(
-                f"{kind} must be one of {', '.join(allowed)}, got {value!r}"
-            )
-        return v
-
-    parse.__name__ = kind
-    return parse
-
-
-def _global_options(*, suppress: bool) -> argparse.ArgumentParser:
-    """``--log-level`` and ``--log-format``: before the command or after it (``suppress``: the
-    command's copy leaves the value given before it alone unless it is given again)."""
-    g = argparse.ArgumentParser(add_help=False)
-    level = os.environ.get("CROSSDC_LOG_LEVEL", "info")
-    fmt = os.environ.get("CROSSDC_LOG_FORMAT", "text")
-    g.add_argument(
-        "--log-level",
-        type=_choice("log level", LOG_LEVELS),
-        default=argparse.SUPPRESS if suppress else level,
-        help=f"{', '.join(LOG_LEVELS)} (default {level}; env CROSSDC_LOG_LEVEL)",
-    )
-    g.add_argument(
-        "--log-format",
-        type=_choice("log format", LOG_FORMATS),
-        default=argparse.SUPPRESS if suppress else fmt,
-        help=f"text or json, one object a line (default {fmt}; env CROSSDC_LOG_FORMAT)",
-    )
-    return g
+    def __call__(self, parser: argparse.ArgumentParser, *_args: Any) -> None:
+        print(f"crossdc {package_version()}")
+        parser.exit()
 
 
 def package_version() -> str:
@@ -284,57 +244,45 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return rc
 
 
-def _command(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, **kw: Any
-) -> argparse.ArgumentParser:
-    """A (sub)command that takes the global options after its name too."""
-    return sub.add_parser(name, parents=[_global_options(suppress=True)], **kw)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="crossdc",
         description=__doc__.splitlines()[0],
-        parents=[_global_options(suppress=False)],
+        parents=[global_options(suppress=False)],
     )
-    p.add_argument("--version", action="version", version=f"crossdc {package_version()}")
+    p.add_argument("--version", action=_VersionAction)
     sub = p.add_subparsers(dest="command", required=True)
     _add_role_commands(sub)
-    from crossdc.cli_keys import add_keys_command
-    from crossdc.cli_status import add_status_command
-
     add_keys_command(sub)
     add_status_command(sub)
     _add_bench_command(sub)
-    pl = _command(sub, "plot", help="PNG figures of a run directory (crossdc plot RUN_DIR)")
+    pl = add_command(sub, "plot", help="PNG figures of a run directory (crossdc plot RUN_DIR)")
     pl.add_argument("rest", nargs=argparse.REMAINDER)
     pl.set_defaults(func=cmd_plot)
     return p
 
 
-def _add_role_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_role_commands(sub: SubParsers) -> None:
     """``coordinator``, ``agent`` and ``demo``."""
-    c = _command(sub, "coordinator", help="run the coordinator service")
+    c = add_command(sub, "coordinator", help="run the coordinator service")
     c.add_argument("--config", required=True, help="TOML file with a [coordinator] table")
     c.add_argument("--insecure", action="store_true", help="no CURVE, no certificates (loopback)")
     c.set_defaults(func=cmd_coordinator)
 
-    a = _command(sub, "agent", help="run a site agent")
+    a = add_command(sub, "agent", help="run a site agent")
     a.add_argument("--config", required=True, help="TOML file with a [site] table")
     a.add_argument("--insecure", action="store_true", help="no CURVE, no certificates (loopback)")
     a.add_argument("--stages", type=int, default=None, help="pipeline stages (overrides config)")
     a.add_argument("--replicas", type=int, default=None, help="data-parallel replicas (overrides)")
     a.set_defaults(func=cmd_agent)
 
-    d = _command(sub, "demo", help="a coordinator and N sites on this machine")
-    from crossdc.demo import add_demo_arguments
-
+    d = add_command(sub, "demo", help="a coordinator and N sites on this machine")
     add_demo_arguments(d)
     d.set_defaults(func=cmd_demo)
 
 
-def _add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    b = _command(sub, "bench", help="benchmarks (print JSON with --json)")
+def _add_bench_command(sub: SubParsers) -> None:
+    b = add_command(sub, "bench", help="benchmarks (print JSON with --json)")
     b.add_argument(
         "suite",
         choices=[
@@ -360,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if value is not None and value.strip().lower() not in allowed:
             parser.error(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
     args = parser.parse_args(argv)
-    _setup_logging(args.log_level, args.log_format)
+    setup_logging(args.log_level, args.log_format)
     rc: int = args.func(args)
     return rc
 

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from crossdc.cli import EXIT_BAD_CONFIG, _command
+from crossdc.cli_common import EXIT_BAD_CONFIG, SubParsers, add_command
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
@@ -59,28 +59,28 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_keys_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_keys_command(sub: SubParsers) -> None:
     """``keys init``, ``keys issue``, ``keys revoke`` and ``keys migrate``."""
-    k = _command(sub, "keys", help="federation keys: CA, coordinator and site kits")
+    k = add_command(sub, "keys", help="federation keys: CA, coordinator and site kits")
     ksub = k.add_subparsers(dest="keys_command", required=True)
-    ki = _command(ksub, "init", help="create a federation kit (CA and coordinator keys)")
+    ki = add_command(ksub, "init", help="create a federation kit (CA and coordinator keys)")
     ki.add_argument("kit_dir")
     ki.add_argument(
         "--ca-days", type=float, default=3650.0, help="the CA certificate's validity (days)"
     )
     ki.add_argument("--json", action="store_true")
-    ks = _command(ksub, "issue", help="issue a site its keys, certificate and startup kit")
+    ks = add_command(ksub, "issue", help="issue a site its keys, certificate and startup kit")
     ks.add_argument("--kit", required=True)
     ks.add_argument("--site", required=True)
     ks.add_argument("--days", type=float, default=90.0)
     ks.add_argument("--out", default=None, help="where the site's startup kit goes")
     ks.add_argument("--endpoint", default="tcp://COORDINATOR_HOST:7710")
     ks.add_argument("--json", action="store_true")
-    kr = _command(ksub, "revoke", help="revoke every certificate of a site")
+    kr = add_command(ksub, "revoke", help="revoke every certificate of a site")
     kr.add_argument("--kit", required=True)
     kr.add_argument("--site", required=True)
     kr.add_argument("--json", action="store_true")
-    km = _command(
+    km = add_command(
         ksub, "migrate", help="convert a format-1 kit to X.509, keeping every site's identity"
     )
     km.add_argument("--kit", required=True)

@@ -6,18 +6,20 @@ processes (``DemoRun``), and reading what the coordinator writes (``endpoint.jso
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import subprocess
 import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from comm.ops.configio import dump_toml
 from crossdc.lab.profiles import PRESETS, LinkProfile, parse_profile
-from crossdc.lab.wanem import LinkEmulator
+from crossdc.progress_view import read_status
+
+if TYPE_CHECKING:
+    from crossdc.lab.wanem import LinkEmulator
 
 SITE_NAMES = ("eu", "us", "ap", "sa", "af", "me", "oc", "na")
 
@@ -245,21 +247,14 @@ def write_site_configs(
     return sites
 
 
-def _wait_endpoint(path: Path, coord: subprocess.Popen[bytes], timeout_s: float) -> str:
+def wait_endpoint(path: Path, coord: subprocess.Popen[bytes], timeout_s: float) -> str:
+    """The endpoint the coordinator writes to ``path`` once it listens (``endpoint.json``)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if coord.poll() is not None:
             raise RuntimeError(f"coordinator exited with {coord.returncode} before listening")
-        status = _read_status(path)
+        status = read_status(path)
         if status is not None:
             return str(status["endpoint"])
         time.sleep(0.05)
     raise RuntimeError(f"coordinator did not write {path} within {timeout_s:.0f}s")
-
-
-def _read_status(path: Path) -> dict[str, Any] | None:
-    try:
-        status: dict[str, Any] = json.loads(path.read_text())
-        return status
-    except (OSError, ValueError):
-        return None

@@ -67,7 +67,7 @@ def _loss_points(
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """Write the four figures of the run in ``run_dir`` into ``out_dir`` (default: the run
+    """Write the figures of the run in ``run_dir`` into ``out_dir`` (default: the run
     directory); return their paths. Raises ``ValueError`` when the run completed no round."""
     import matplotlib
 
@@ -81,26 +81,54 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     if not history:
         raise ValueError(f"{run / 'coordinator'} holds no completed round")
     out.mkdir(parents=True, exist_ok=True)
-    sites = _site_status(run)
     seconds, wan_bytes, losses = _loss_points(history, log.val_losses)
     paths = [out / name for name in FIGURES]
+    _line_figure(
+        plt,
+        paths[0],
+        seconds,
+        losses,
+        "wall seconds since the first round",
+        "validation loss",
+        title="Validation loss against time",
+    )
+    _line_figure(
+        plt,
+        paths[1],
+        [b / 1e6 for b in wan_bytes],
+        losses,
+        "WAN MB on the coordinator's socket (every byte)",
+        "validation loss",
+        title="Validation loss against WAN bytes",
+    )
+    _bytes_per_round_figure(plt, paths[2], history)
+    _utilization_figure(plt, paths[3], _site_status(run))
+    return paths + _metric_figures(plt, history, log.val_metrics, out)
 
+
+def _line_figure(
+    plt: Any,
+    path: Path,
+    xs: Sequence[float],
+    ys: Sequence[float],
+    xlabel: str,
+    ylabel: str,
+    *,
+    title: str,
+) -> None:
+    """One line with markers on a grid."""
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(seconds, losses, marker="o")
-    ax.set(xlabel="wall seconds since the first round", ylabel="validation loss")
-    ax.set_title("Validation loss against time")
+    ax.plot(xs, ys, marker="o")
+    ax.set(xlabel=xlabel, ylabel=ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
-    fig.savefig(paths[0], dpi=100, bbox_inches="tight")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([b / 1e6 for b in wan_bytes], losses, marker="o")
-    ax.set(xlabel="WAN MB on the coordinator's socket (every byte)", ylabel="validation loss")
-    ax.set_title("Validation loss against WAN bytes")
-    ax.grid(alpha=0.3)
-    fig.savefig(paths[1], dpi=100, bbox_inches="tight")
-    plt.close(fig)
 
+def _bytes_per_round_figure(plt: Any, path: Path, history: Sequence[dict[str, Any]]) -> None:
+    """Per round: each site's update MB (or all sites' together, for a history from before
+    per-site counts) and the broadcast's, side by side."""
     rounds = [int(h["round_id"]) for h in history]
     by_site = [h.get("update_bytes_by_site") for h in history]
     series: dict[str, list[float]] = {}
@@ -118,9 +146,13 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     ax.set(xlabel="round", ylabel="MB")
     ax.set_title("Bytes per round")
     ax.legend(fontsize="small")
-    fig.savefig(paths[2], dpi=100, bbox_inches="tight")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
 
+
+def _utilization_figure(plt: Any, path: Path, sites: dict[str, dict[str, Any]]) -> None:
+    """Per site that measured it: its compute utilization in percent; the title names the
+    sites that did not."""
     fig, ax = plt.subplots(figsize=(6, 4))
     util = {s: st.get("compute_utilization") for s, st in sites.items()}
     measured = {s: u for s, u in util.items() if u is not None}
@@ -130,9 +162,8 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     unmeasured = sorted(set(util) - set(measured))
     title = "Compute utilization" + (f" (not measured: {', '.join(unmeasured)})" * bool(unmeasured))
     ax.set_title(title)
-    fig.savefig(paths[3], dpi=100, bbox_inches="tight")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
-    return paths + _metric_figures(plt, history, log.val_metrics, out)
 
 
 def _metric_figures(
@@ -144,13 +175,15 @@ def _metric_figures(
         values = {v: m[name] for v, m in val_metrics.items() if name in m}
         seconds, _bytes, points = _loss_points(history, values)
         path = out / f"val_{name}_vs_time.png"
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(seconds, points, marker="o")
-        ax.set(xlabel="wall seconds since the first round", ylabel=f"validation {name}")
-        ax.set_title(f"Validation {name} against time")
-        ax.grid(alpha=0.3)
-        fig.savefig(path, dpi=100, bbox_inches="tight")
-        plt.close(fig)
+        _line_figure(
+            plt,
+            path,
+            seconds,
+            points,
+            "wall seconds since the first round",
+            f"validation {name}",
+            title=f"Validation {name} against time",
+        )
         paths.append(path)
     return paths
 

@@ -20,7 +20,7 @@ from coordinator.file_store import FileStateStore
 from coordinator.history_log import read_history
 from coordinator.state import GlobalState
 from coordinator.status_board import StatusBoard
-from crossdc import demo
+from crossdc import demo_report
 from crossdc.bench import wan
 from crossdc.cli import build_parser, main
 from crossdc.demo_roles import make_kits
@@ -119,7 +119,7 @@ def test_demo_prints_every_round_of_a_run_longer_than_the_status_tail(
 ) -> None:
     status = _coordinator_dir(tmp_path, 30)
     assert len(status["history"]) < 30
-    assert demo._print_rounds(status, 0, tmp_path / "coordinator") == 30
+    assert demo_report.print_rounds(status, 0, tmp_path / "coordinator") == 30
     ids = [int(line.split()[0]) for line in capsys.readouterr().out.splitlines()]
     assert ids == list(range(1, 31))
 
@@ -132,8 +132,8 @@ def test_demo_follows_new_rounds_from_the_status_tail_alone(
     def no_reads(_state_dir: Path) -> None:
         raise AssertionError("the tail covers these rounds")
 
-    monkeypatch.setattr(demo, "read_history", no_reads)
-    assert demo._print_rounds(status, 25, tmp_path / "coordinator") == 30
+    monkeypatch.setattr(demo_report, "read_history", no_reads)
+    assert demo_report.print_rounds(status, 25, tmp_path / "coordinator") == 30
     lines = capsys.readouterr().out.splitlines()
     assert [int(line.split()[0]) for line in lines] == [26, 27, 28, 29, 30]
     assert lines[0].split()[1] == f"{5.0 - 26 / 100:.4f}"
@@ -142,7 +142,7 @@ def test_demo_follows_new_rounds_from_the_status_tail_alone(
 def test_demo_report_covers_the_whole_history(tmp_path: Path) -> None:
     status = _coordinator_dir(tmp_path, 30)
     args = build_parser().parse_args(["demo", "--sites", "2", "--rounds", "30"])
-    report = demo.build_report(args, status, 99.0, read_history(tmp_path / "coordinator"))
+    report = demo_report.build_report(args, status, 99.0, read_history(tmp_path / "coordinator"))
     assert report["round_seconds"] == [1.0 + r for r in range(1, 31)]
     assert report["val_loss_initial"] == 5.0 and report["val_loss_final"] == 5.0 - 30 / 100
     assert len(report["val_loss_by_version"]) == 31
@@ -195,13 +195,13 @@ def test_demo_report_and_summary_without_a_final_validation_loss(
 ) -> None:
     status = _coordinator_dir(tmp_path, 3, final_val=False)
     args = build_parser().parse_args(["demo", "--sites", "2", "--rounds", "3"])
-    report = demo.build_report(args, status, 9.0, read_history(tmp_path / "coordinator"))
+    report = demo_report.build_report(args, status, 9.0, read_history(tmp_path / "coordinator"))
     assert report["val_loss_final"] is None and report["val_loss_initial"] == 5.0
     assert json.loads(json.dumps(report))["val_loss_final"] is None
     report["compute_utilization"] = 0.5
-    demo._print_summary(report)
+    demo_report.print_summary(report)
     assert "validation loss 5.0000 -> n/a (n/a)" in capsys.readouterr().out
-    demo._print_summary({**report, "val_loss_initial": None})
+    demo_report.print_summary({**report, "val_loss_initial": None})
     assert "validation loss n/a -> n/a (n/a)" in capsys.readouterr().out
 
 

@@ -16,7 +16,8 @@ from rich.console import Console
 from crossdc import demo, progress
 from crossdc.bench import convergence, scale
 from crossdc.cli import build_parser
-from crossdc.progress import Progress, RoundsView, SiteView, open_progress, rounds_view
+from crossdc.progress import Progress, open_progress
+from crossdc.progress_view import RoundsView, SiteView, rounds_view
 
 pytestmark = pytest.mark.timeout(60)
 

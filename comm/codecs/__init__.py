@@ -25,6 +25,10 @@ Modules: ``base`` (the encoded form, the protocol, finiteness), ``plumbing`` (sh
 and the codec skeleton), ``floats``, ``quantize``, ``sparse``, ``entropy`` (the codec families),
 ``registry`` (spec strings and wire ids, chunked encoding), ``feedback`` (error feedback).
 
+Importing any of it imports no torch: specs, wire ids, layouts and sizes need none, so a
+coordinator's config or a frame parses without it. The functions that encode and decode import
+torch where they use it (the first call pays for the import).
+
 Import rule: this package is the bottom of ``comm``; it imports nothing else from ``comm`` (nor
 from ``coordinator``, ``site_agent`` or ``crossdc``).
 """

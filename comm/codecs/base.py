@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 FloatArray = npt.NDArray[np.float32]
-TensorLike = npt.NDArray[Any] | torch.Tensor
+TensorLike: TypeAlias = "npt.NDArray[Any] | torch.Tensor"
 """What ``encode`` accepts: a float16/float32/float64 numpy array or torch tensor (any device)."""
 
 FP16_MAX = 65504.0
-BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+BF16_MAX = (2 - 2**-7) * 2.0**127
+"""The largest finite bfloat16 (fp32's exponent, an 8-bit significand): 3.3895e38."""
 
 # Elementwise work on CPU runs in tiles of this many values (4 MiB of float32): the temporaries
 # stay in cache, and each tile is one vectorized torch op chain, so the Python loop is per tile
@@ -30,7 +33,6 @@ _TILE_ELEMS = 1 << 20
 _ZSTD_FLAG = 0x10
 _MAX_BLOCK = 1 << 20
 _DEFAULT_ZSTD_LEVEL = 3
-_CPU = torch.device("cpu")
 _F16 = np.dtype(np.float16)
 _U8 = np.dtype(np.uint8)
 
@@ -44,6 +46,8 @@ class NonFiniteError(ValueError):
 
 
 def _raise_non_finite(name: str, t: torch.Tensor, *, stage: str = "") -> NoReturn:
+    import torch
+
     nan = int(torch.isnan(t).sum())
     inf = int(torch.isinf(t).sum())
     where = f" {stage}" if stage else ""
@@ -52,6 +56,8 @@ def _raise_non_finite(name: str, t: torch.Tensor, *, stage: str = "") -> NoRetur
 
 def check_finite(name: str, x: TensorLike) -> None:
     """Raise :class:`NonFiniteError` naming ``name`` if ``x`` holds a NaN or an Inf."""
+    import torch
+
     if not isinstance(x, torch.Tensor):
         arr = np.asarray(x)
         # min/max propagate NaN and expose +-Inf, without copying read-only arrays.

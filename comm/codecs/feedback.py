@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from comm.codecs.base import EncodedTensor, FloatArray, PayloadCodec, TensorLike, check_finite
+
+if TYPE_CHECKING:
+    pass
 
 
 class ErrorFeedback:
@@ -97,6 +100,8 @@ class ErrorFeedback:
 
 def _as_f32(name: str, x: TensorLike) -> FloatArray:
     """A fresh float32 copy of ``x`` on the host."""
+    import torch
+
     if isinstance(x, torch.Tensor):
         if not x.is_floating_point():
             raise ValueError(f"tensor {name!r}: expected a floating dtype, got {x.dtype}")

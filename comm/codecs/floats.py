@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
-from comm.codecs.base import _CPU, BF16_MAX, FP16_MAX, EncodedTensor, TensorLike
+from comm.codecs.base import BF16_MAX, FP16_MAX, EncodedTensor, TensorLike
 from comm.codecs.plumbing import (
     Layout,
     _bad_meta,
@@ -22,6 +21,9 @@ from comm.codecs.plumbing import (
     _to_numpy,
     _torch_view,
 )
+
+if TYPE_CHECKING:
+    pass
 
 # --------------------------------------------------------------------------------------------
 # Elementwise codecs
@@ -63,6 +65,8 @@ class Fp32Codec(_ElementwiseCodec):
     def _decode_arrays(
         self, enc: EncodedTensor, numel: int, arrays: list[npt.NDArray[Any]]
     ) -> npt.NDArray[np.float32]:
+        import torch
+
         out = np.empty(numel, dtype=np.float32)
         np.copyto(out, arrays[0])
         _check_decoded(enc, torch.from_numpy(out))
@@ -81,7 +85,9 @@ class Fp16Codec(_ElementwiseCodec):
     def _decode_arrays(
         self, enc: EncodedTensor, numel: int, arrays: list[npt.NDArray[Any]]
     ) -> npt.NDArray[np.float32]:
-        out = _new(numel, np.dtype(np.float32), _CPU)
+        import torch
+
+        out = _new(numel, np.dtype(np.float32), torch.device("cpu"))
         out.copy_(_torch_view(arrays[0]))
         _check_decoded(enc, out)
         return out.numpy()
@@ -98,6 +104,8 @@ class Bf16Codec(_ElementwiseCodec):
     limit: ClassVar[float] = BF16_MAX
 
     def encode(self, name: str, x: TensorLike) -> EncodedTensor:
+        import torch
+
         t, shape = _flat_f32(name, x)
         t = _range_checked(name, t, BF16_MAX)
         bits = _new(t.numel(), np.dtype(np.int16), t.device)
@@ -108,7 +116,9 @@ class Bf16Codec(_ElementwiseCodec):
     def _decode_arrays(
         self, enc: EncodedTensor, numel: int, arrays: list[npt.NDArray[Any]]
     ) -> npt.NDArray[np.float32]:
-        out = _new(numel, np.dtype(np.float32), _CPU)
+        import torch
+
+        out = _new(numel, np.dtype(np.float32), torch.device("cpu"))
         out.copy_(_torch_view(arrays[0].view(np.int16)).view(torch.bfloat16))
         _check_decoded(enc, out)
         return out.numpy()

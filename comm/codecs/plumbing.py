@@ -8,13 +8,15 @@ allocated, and :class:`_Codec`, the base of the concrete codecs.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from comm.codecs.base import EncodedTensor, FloatArray, TensorLike, _raise_non_finite
+
+if TYPE_CHECKING:
+    import torch
 
 # --------------------------------------------------------------------------------------------
 # Array plumbing
@@ -22,6 +24,8 @@ from comm.codecs.base import EncodedTensor, FloatArray, TensorLike, _raise_non_f
 
 def _torch_view(arr: npt.NDArray[Any]) -> torch.Tensor:
     """A torch tensor over ``arr``'s memory, copying only when torch cannot share it."""
+    import torch
+
     if not (arr.flags.c_contiguous and arr.flags.aligned and arr.flags.writeable):
         # Read-only (e.g. a received frame) or unaligned memory: torch cannot wrap it safely.
         arr = np.array(arr, order="C", copy=True)
@@ -31,6 +35,8 @@ def _torch_view(arr: npt.NDArray[Any]) -> torch.Tensor:
 def _new(numel: int, dtype: np.dtype[Any], device: torch.device) -> torch.Tensor:
     """A fresh uninitialized 1-D tensor. On CPU it is numpy-allocated, which asks the kernel for
     huge pages on large arrays: page faults otherwise cost more than the codec math."""
+    import torch
+
     if device.type == "cpu":
         return torch.from_numpy(np.empty(numel, dtype=dtype))
     tdtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
@@ -43,6 +49,8 @@ def _to_numpy(t: torch.Tensor) -> npt.NDArray[Any]:
 
 def _flat_f32(name: str, x: TensorLike) -> tuple[torch.Tensor, tuple[int, ...]]:
     """``x`` as a flat contiguous float32 torch tensor (no copy when it already is one)."""
+    import torch
+
     if isinstance(x, torch.Tensor):
         if not x.is_floating_point():
             raise ValueError(f"tensor {name!r}: expected a floating dtype, got {x.dtype}")
@@ -105,6 +113,8 @@ def _check_family(enc: EncodedTensor, name: str) -> None:
 
 
 def _check_decoded(enc: EncodedTensor, out: torch.Tensor) -> None:
+    import torch
+
     if out.numel():
         lo, hi = torch.aminmax(out)
         if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
@@ -113,6 +123,8 @@ def _check_decoded(enc: EncodedTensor, out: torch.Tensor) -> None:
 
 def _range_checked(name: str, t: torch.Tensor, limit: float) -> torch.Tensor:
     """Reject NaN/Inf; saturate finite values beyond +-``limit`` (a copy only when needed)."""
+    import torch
+
     if t.numel() == 0:
         return t
     lo, hi = torch.aminmax(t)

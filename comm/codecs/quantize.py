@@ -7,15 +7,13 @@ int4 and int3 pack two values per byte, int2 four. Work on CPU runs in tiles of 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from comm.codecs import base
 from comm.codecs.base import (
-    _CPU,
     _F16,
     _MAX_BLOCK,
     FP16_MAX,
@@ -34,6 +32,9 @@ from comm.codecs.plumbing import (
     _torch_view,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 # --------------------------------------------------------------------------------------------
 # Blockwise absmax quantization
 
@@ -47,6 +48,8 @@ def _block_scales(
     too small for fp16 becomes the smallest subnormal instead of 0. A zero block gets scale 0
     and reciprocal 0. NaN/Inf in ``x2d`` surfaces here: max and min propagate them.
     """
+    import torch
+
     # Reducing over the transposed view lets torch vectorize across blocks: much faster than a
     # row reduction for short blocks.
     cols = x2d.t()
@@ -72,6 +75,8 @@ def _block_scales(
 
 def _quantize_rows(x2d: torch.Tensor, inv: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     """round(x * inv) per row into ``scratch`` (float32, round half to even)."""
+    import torch
+
     tmp = scratch[: x2d.numel()].view(x2d.shape)
     torch.mul(x2d, inv[:, None], out=tmp)
     return tmp.round_()
@@ -138,6 +143,8 @@ class _BlockCodec(_Codec):
         raise NotImplementedError
 
     def encode(self, name: str, x: TensorLike) -> EncodedTensor:
+        import torch
+
         t, shape = _flat_f32(name, x)
         n, b = t.numel(), self.block
         full = n - n % b
@@ -164,6 +171,8 @@ class _BlockCodec(_Codec):
     def _encode_blocks(
         self, name: str, x2d: torch.Tensor, values: torch.Tensor, s_out: torch.Tensor
     ) -> None:
+        import torch
+
         s16, inv = _block_scales(name, x2d, self.qmax, self.name)
         s_out.copy_(s16)
         nrows = x2d.shape[0]
@@ -180,19 +189,21 @@ class _BlockCodec(_Codec):
     def _decode_arrays(
         self, enc: EncodedTensor, numel: int, arrays: list[npt.NDArray[Any]]
     ) -> npt.NDArray[np.float32]:
+        import torch
+
         block = _meta_int(enc.meta, "block", self.name)
         values = _torch_view(arrays[0])
         s32 = torch.from_numpy(arrays[1].astype(np.float32))
         # |q| <= qmax and |scale| <= 65504, so the output is finite iff every scale is.
         if not bool(torch.isfinite(s32).all()):
             _raise_non_finite(enc.name, s32, stage="after decoding (in the block scales)")
-        out = _new(numel, np.dtype(np.float32), _CPU)
+        out = _new(numel, np.dtype(np.float32), torch.device("cpu"))
         full = numel - numel % block
         per_row = self._value_count(block)
         if full:
             out2d = out[:full].view(-1, block)
             nrows = out2d.shape[0]
-            rows = _tile_rows(block, nrows, _CPU)
+            rows = _tile_rows(block, nrows, torch.device("cpu"))
             scratch = torch.empty(min(rows, nrows) * block, dtype=torch.int16)
             for r0 in range(0, nrows, rows):
                 o = out2d[r0 : r0 + rows]
@@ -254,6 +265,8 @@ class Int4Codec(_BlockCodec):
         return (numel + 1) // 2
 
     def _pack_tile(self, q2d: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> None:
+        import torch
+
         pairs = q2d.view(-1, 2)
         # (lo + 8) + 16 * (hi + 8) is exact in float32, then one cast to uint8.
         sums = work[: pairs.shape[0]]
@@ -264,6 +277,8 @@ class Int4Codec(_BlockCodec):
     def _unpack_tile(
         self, values: torch.Tensor, s32: torch.Tensor, out2d: torch.Tensor, scratch: torch.Tensor
     ) -> None:
+        import torch
+
         wide = scratch[: values.numel()]
         shifted = scratch[values.numel() : 2 * values.numel()]
         # Spread each byte's two nibbles over the two bytes of an int16: (w | w << 4) & 0x0F0F
@@ -312,6 +327,8 @@ class Int2Codec(_BlockCodec):
         return (numel + 3) // 4
 
     def _pack_tile(self, q2d: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> None:
+        import torch
+
         quads = q2d.view(-1, 4)
         # Σ (q_k + 1) 4^k is at most 170: exact in float32, then one cast to uint8.
         sums = work[: quads.shape[0]]
@@ -323,6 +340,8 @@ class Int2Codec(_BlockCodec):
     def _unpack_tile(
         self, values: torch.Tensor, s32: torch.Tensor, out2d: torch.Tensor, scratch: torch.Tensor
     ) -> None:
+        import torch
+
         wide = scratch[: values.numel()]
         wide.copy_(values)
         crumbs = torch.stack(

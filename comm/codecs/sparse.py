@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from comm.codecs import base
 from comm.codecs.base import FP16_MAX, EncodedTensor, TensorLike
@@ -22,6 +21,9 @@ from comm.codecs.plumbing import (
     _range_checked,
     _to_numpy,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 # --------------------------------------------------------------------------------------------
 # Top-k sparsification
@@ -74,6 +76,8 @@ class TopKCodec(_Codec):
         return [(_VALUE_DTYPES[values], k), (np.dtype(np.uint32), k)]
 
     def encode(self, name: str, x: TensorLike) -> EncodedTensor:
+        import torch
+
         t, shape = _flat_f32(name, x)
         n = t.numel()
         if n >= 1 << 32:
@@ -92,6 +96,8 @@ class TopKCodec(_Codec):
     def _decode_arrays(
         self, enc: EncodedTensor, numel: int, arrays: list[npt.NDArray[Any]]
     ) -> npt.NDArray[np.float32]:
+        import torch
+
         vals = arrays[0].astype(np.float32)
         idx = arrays[1].astype(np.int64)
         if idx.size and (int(idx[-1]) >= numel or not bool(np.all(idx[1:] > idx[:-1]))):
@@ -107,6 +113,8 @@ class TopKCodec(_Codec):
 
 def _topk_indices(t: torch.Tensor, k: int) -> torch.Tensor:
     """Ascending int64 indices of the k largest |t|; ties at the k-th magnitude by lowest index."""
+    import torch
+
     n = t.numel()
     if k == n:
         return torch.arange(n, device=t.device)
@@ -136,6 +144,8 @@ def _topk_indices(t: torch.Tensor, k: int) -> torch.Tensor:
 
 def _at_least(t: torch.Tensor, thr: float) -> torch.Tensor:
     """Ascending int64 indices where |t| >= thr."""
+    import torch
+
     if t.device.type != "cpu":
         return torch.nonzero(t.abs() >= thr).squeeze(1)
     # numpy's nonzero is several times faster than torch's on CPU; tiles keep the temporaries

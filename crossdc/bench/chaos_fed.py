@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from crossdc.demo import add_demo_arguments
+from crossdc.demo_args import add_demo_arguments, resolve_outer_rule_defaults
 from crossdc.demo_roles import (
     DemoRun,
     link_profiles,
@@ -96,7 +96,9 @@ def demo_args(spec: FedSpec) -> argparse.Namespace:
     add_demo_arguments(parser)
     argv = [f"--sites={spec.sites}", f"--inner-steps={spec.inner_steps}"]
     argv += ["--no-outer-final-mean", "--eval-every=1000000"]
-    return parser.parse_args([*argv, *([] if spec.overlap else ["--no-overlap"])])
+    args = parser.parse_args([*argv, *([] if spec.overlap else ["--no-overlap"])])
+    resolve_outer_rule_defaults(args)
+    return args
 
 
 class Federation:

@@ -25,13 +25,13 @@ from comm.ops.configio import dump_toml
 from crossdc.demo_roles import (
     DEMO_MODEL,
     DemoRun,
-    _read_status,
-    _wait_endpoint,
     link_profiles,
     site_ids,
+    wait_endpoint,
     write_site_configs,
 )
 from crossdc.lab.wanem import LinkEmulator
+from crossdc.progress_view import read_status
 
 RESULT_FILE = "ddp-result.json"  # written by crossdc.ddp.site into each site's state dir
 
@@ -101,7 +101,7 @@ def _run(
             "ddp", [sys.executable, "-m", "crossdc.ddp", "coordinator", "--config", str(cfg)], env
         )
         coord = run.procs["ddp"]
-        endpoint = _wait_endpoint(workdir / "ddp" / "endpoint.json", coord, 120)
+        endpoint = wait_endpoint(workdir / "ddp" / "endpoint.json", coord, 120)
         host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
         endpoints = {s: endpoint for s in ids}
         for site_id, prof in profiles.items():
@@ -129,7 +129,7 @@ def _run(
     finally:
         run.close()
     wall = time.monotonic() - started
-    status = _read_status(status_path)
+    status = read_status(status_path)
     if status is None or not status.get("finished") or status.get("aborted"):
         raise RuntimeError(f"the run did not complete: {status and status.get('outcome')}")
     results = {s: json.loads((workdir / f"site-{s}" / RESULT_FILE).read_text()) for s in ids}

@@ -32,7 +32,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.strategy import DiLoCo, weighted_mean
 from crossdc.bench import print_report
 from crossdc.ddp.trainer import DDPTrainer
-from crossdc.demo import add_outer_rule_arguments
+from crossdc.demo_args import add_outer_rule_arguments, resolve_outer_rule_defaults
 from crossdc.demo_roles import DEMO_MODEL
 from crossdc.progress import (
     SILENT,
@@ -183,6 +183,7 @@ def run_diloco(
 
 
 def run(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]:
+    resolve_outer_rule_defaults(args)
     if min(args.sites, args.steps, args.inner_steps, args.batch_size, args.eval_every) < 1:
         raise ValueError("--sites, --steps, --inner-steps, --batch-size, --eval-every must be >= 1")
     if args.outer_warmup_steps < 0 or args.overlap_steps < 0:

@@ -89,14 +89,9 @@ def run_crossdc(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]:
+    """The four measurements (module docstring) and what derives from them."""
     out: dict[str, Any] = {"config": vars(args).copy()}
-    if not args.skip_goodput:
-        progress.phase("goodput of a 64 MiB transfer over a shaped 100 Mbit/s veth", 1, 4)
-    goodput = run_goodput(size_mib=64, rate_mbit=100) if not args.skip_goodput else {}
-    out["goodput_ratio"] = goodput.get("goodput_ratio")
-    out["tcp_goodput_ratio"] = goodput.get("tcp_goodput_ratio")
-    if goodput.get("skipped"):
-        out["goodput_skipped"] = goodput["skipped"]
+    out.update(_goodput(args, progress))
     progress.phase(f"crossdc: {args.sites} sites x {args.rounds} rounds over the WAN", 2, 4)
     with tempfile.TemporaryDirectory(prefix="crossdc-wan-") as tmp:
         demo_dir = Path(tmp) / "crossdc"
@@ -105,15 +100,7 @@ def run(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]
             ours = run_crossdc(args, demo_dir)
     # Kept on stderr as soon as measured: a baseline run that fails later loses nothing of it.
     progress.log(json.dumps({"crossdc": ours}, default=str))
-    # Equal tokens: sites that landed early trained extra steps (arrival alignment), so the
-    # baseline runs as many steps as the sites' merged tokens fill, never fewer than the plan's.
-    site_step_tokens = ours["batch_size"] * ours["context_len"]
-    inner_steps = max(
-        args.rounds * args.inner_steps,
-        math.ceil(ours["tokens_merged"] / (args.sites * site_step_tokens)),
-    )
-    ours_bytes_per_step = ours["wan_bytes_total"] / inner_steps
-    ours_sync_bytes_per_step = ours["sync_bytes"] / inner_steps
+    inner_steps = _equal_token_steps(args, ours)
     progress.phase(f"synchronous baseline over the WAN, {args.ddp_wan_steps} steps", 3, 4)
     ddp_wan = run_ddp(
         sites=args.sites, steps=args.ddp_wan_steps, eval_every=0, wan=True, timeout_s=args.timeout
@@ -126,6 +113,44 @@ def run(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]
         wan=False,
         timeout_s=args.timeout,
     )
+    out.update(_comparison(ours, ddp_wan, ddp_eq, inner_steps))
+    return out
+
+
+def _goodput(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
+    """Measurement 1, unless ``--skip-goodput``: the goodput ratios (None when skipped, with
+    why where the measurement itself could not run)."""
+    if not args.skip_goodput:
+        progress.phase("goodput of a 64 MiB transfer over a shaped 100 Mbit/s veth", 1, 4)
+    goodput = run_goodput(size_mib=64, rate_mbit=100) if not args.skip_goodput else {}
+    fields = {
+        "goodput_ratio": goodput.get("goodput_ratio"),
+        "tcp_goodput_ratio": goodput.get("tcp_goodput_ratio"),
+    }
+    if goodput.get("skipped"):
+        fields["goodput_skipped"] = goodput["skipped"]
+    return fields
+
+
+def _equal_token_steps(args: argparse.Namespace, ours: dict[str, Any]) -> int:
+    """The baseline's steps at equal tokens: sites that landed early trained extra steps
+    (arrival alignment), so as many steps as the sites' merged tokens fill, never fewer than
+    the plan's."""
+    site_step_tokens = ours["batch_size"] * ours["context_len"]
+    steps: int = max(
+        args.rounds * args.inner_steps,
+        math.ceil(ours["tokens_merged"] / (args.sites * site_step_tokens)),
+    )
+    return steps
+
+
+def _comparison(
+    ours: dict[str, Any], ddp_wan: dict[str, Any], ddp_eq: dict[str, Any], inner_steps: int
+) -> dict[str, Any]:
+    """crossdc against the baseline: utilization, bytes per inner step, losses at equal tokens
+    and the time to the worse final loss (null where either final loss never arrived)."""
+    ours_bytes_per_step = ours["wan_bytes_total"] / inner_steps
+    ours_sync_bytes_per_step = ours["sync_bytes"] / inner_steps
     ddp_losses = {int(k): v for k, v in ddp_eq["val_loss_by_step"].items()}
     ddp_final = ddp_losses.get(inner_steps)
     ours_final = ours["val_loss_final"]
@@ -137,36 +162,31 @@ def run(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]
     )
     ddp_step_s = ddp_wan["run_seconds"] / ddp_wan["steps"]
     ddp_s_to_target = ddp_steps_to_target * ddp_step_s if ddp_steps_to_target is not None else None
-    out.update(
-        {
-            "compute_utilization": ours["compute_utilization"],
-            "site_compute_utilization": ours["site_compute_utilization"],
-            "ddp_compute_utilization": ddp_wan["compute_utilization"],
-            "crossdc_wan_bytes_per_inner_step": ours_bytes_per_step,
-            "crossdc_wan_bytes_total": ours["wan_bytes_total"],
-            "crossdc_sync_bytes_per_inner_step": ours_sync_bytes_per_step,
-            "ddp_wan_bytes_per_inner_step": ddp_wan["wan_bytes_per_inner_step"],
-            "bytes_ratio_vs_ddp": ddp_wan["wan_bytes_per_inner_step"] / ours_bytes_per_step,
-            "sync_bytes_ratio_vs_ddp": (
-                ddp_wan["wan_bytes_per_inner_step"] / ours_sync_bytes_per_step
-            ),
-            "inner_steps": inner_steps,
-            "val_loss_crossdc": ours_final,
-            "val_loss_ddp_equal_tokens": ddp_final,
-            "val_loss_gap": (ours_final - ddp_final) / ddp_final if both else None,
-            "target_val_loss": target,
-            "crossdc_seconds_to_target": ours["train_seconds"] if both else None,
-            "ddp_step_seconds_wan": ddp_step_s,
-            "ddp_steps_to_target": ddp_steps_to_target,
-            "ddp_seconds_to_target_estimate": ddp_s_to_target,
-            "time_to_target_ratio_estimate": (
-                ddp_s_to_target / ours["train_seconds"] if ddp_s_to_target is not None else None
-            ),
-            "links": ours.get("links"),
-            "codecs_used": ours.get("codecs_used"),
-        }
-    )
-    return out
+    return {
+        "compute_utilization": ours["compute_utilization"],
+        "site_compute_utilization": ours["site_compute_utilization"],
+        "ddp_compute_utilization": ddp_wan["compute_utilization"],
+        "crossdc_wan_bytes_per_inner_step": ours_bytes_per_step,
+        "crossdc_wan_bytes_total": ours["wan_bytes_total"],
+        "crossdc_sync_bytes_per_inner_step": ours_sync_bytes_per_step,
+        "ddp_wan_bytes_per_inner_step": ddp_wan["wan_bytes_per_inner_step"],
+        "bytes_ratio_vs_ddp": ddp_wan["wan_bytes_per_inner_step"] / ours_bytes_per_step,
+        "sync_bytes_ratio_vs_ddp": ddp_wan["wan_bytes_per_inner_step"] / ours_sync_bytes_per_step,
+        "inner_steps": inner_steps,
+        "val_loss_crossdc": ours_final,
+        "val_loss_ddp_equal_tokens": ddp_final,
+        "val_loss_gap": (ours_final - ddp_final) / ddp_final if both else None,
+        "target_val_loss": target,
+        "crossdc_seconds_to_target": ours["train_seconds"] if both else None,
+        "ddp_step_seconds_wan": ddp_step_s,
+        "ddp_steps_to_target": ddp_steps_to_target,
+        "ddp_seconds_to_target_estimate": ddp_s_to_target,
+        "time_to_target_ratio_estimate": (
+            ddp_s_to_target / ours["train_seconds"] if ddp_s_to_target is not None else None
+        ),
+        "links": ours.get("links"),
+        "codecs_used": ours.get("codecs_used"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from crossdc.cli import LOG_LEVELS, _choice, _setup_logging
+from crossdc.cli_common import LOG_LEVELS, choice, setup_logging
 
 EXIT_OK = 0
 EXIT_ABORTED = 1
@@ -89,11 +89,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="TOML file with a [ddp] or [site] table")
     p.add_argument(
         "--log-level",
-        type=_choice("log level", LOG_LEVELS),
+        type=choice("log level", LOG_LEVELS),
         default=os.environ.get("CROSSDC_LOG_LEVEL", "info"),
     )
     args = p.parse_args(argv)
-    _setup_logging(args.log_level)
+    setup_logging(args.log_level)
     if args.role == "coordinator":
         return run_coordinator(args.config)
     return run_site(args.config)
