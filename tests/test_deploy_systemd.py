@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from crossdc.cli import EXIT_BAD_CONFIG
+from crossdc.cli_common import EXIT_BAD_CONFIG
 from site_agent.exits import EXIT_AUTH_REFUSED, EXIT_FATAL
 from tests.support.deploy import CONFIGS, SYSTEMD, SYSTEMD_ANALYZE
 
