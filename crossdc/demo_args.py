@@ -22,7 +22,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     _add_sync_arguments(p)
     _add_output_arguments(p)
     _add_link_and_security_arguments(p)
-    _add_job_arguments(p)
+    add_job_arguments(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--timeout", type=float, default=1800.0, help="give up after this many s")
     add_progress_argument(p)
@@ -153,7 +153,7 @@ def _add_link_and_security_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_job_arguments(p: argparse.ArgumentParser) -> None:
+def add_job_arguments(p: argparse.ArgumentParser) -> None:
     """Another job than the embedded byte GPT, and its options."""
     p.add_argument(
         "--job",

@@ -52,6 +52,43 @@ def test_bad_arguments_exit_1_and_start_nothing(tmp_path: Path) -> None:
     assert not workdir.exists()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (["--job", "no_such_module:make_job"], "cannot import 'no_such_module'"),
+        (["--job", "site_agent.jobs.digits:missing"], "has no 'missing'"),
+        (["--job-option", "skew=1.0"], "--job-option need --job"),
+        (["--job", "site_agent.jobs.digits:make_job", "--job-option", "skew"], "not KEY=VALUE"),
+    ],
+)
+def test_a_bad_job_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], named: str
+) -> None:
+    workdir = tmp_path / "run"
+    assert chaos.main(["--workdir", str(workdir), *extra]) == 1
+    assert named in capsys.readouterr().err
+    assert not workdir.exists()
+
+
+@pytest.mark.timeout(30)
+def test_a_job_reaches_every_site_as_the_demo_writes_it(tmp_path: Path) -> None:
+    from crossdc.bench.chaos_fed import FedSpec, demo_args
+    from crossdc.demo_roles import write_coordinator_config, write_site_configs
+
+    args = chaos.parse_args(
+        ["--job", "site_agent.jobs.digits:make_job", "--job-option", "site_index={site_index}"]
+    )
+    args = demo_args(FedSpec(sites=3, job=chaos.job_argv(args)))
+    coord = write_coordinator_config(args, tmp_path).read_text()
+    assert "initial_model" not in coord  # θ0 comes from the first site
+    endpoints = {s: "tcp://127.0.0.1:1" for s in ("eu", "us", "ap")}
+    for index, (_, path) in enumerate(write_site_configs(args, tmp_path, endpoints)):
+        text = path.read_text()
+        assert 'factory = "site_agent.jobs.digits:make_job"' in text
+        assert f"site_index = {index}" in text
+
+
 @pytest.mark.timeout(1200)
 def test_short_soak_loses_nothing_and_ends_in_agreement(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -29,6 +29,8 @@ from crossdc.bench import chaos_analysis as an
 from crossdc.bench import print_report
 from crossdc.bench.chaos_faults import Injector
 from crossdc.bench.chaos_fed import Federation, FedSpec
+from crossdc.demo_args import add_job_arguments
+from crossdc.demo_roles import job_options
 from crossdc.progress import (
     SILENT,
     Progress,
@@ -258,6 +260,26 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def job_argv(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--job`` and its options as the demo's arguments, checked before anything starts: the
+    factory must import and be callable and its options must parse."""
+    if (args.job_path or args.job_option) and not args.job:
+        raise ValueError("--job-path and --job-option need --job")
+    if not args.job:
+        return ()
+    from site_agent.jobs.contract import load_factory  # torch: only for a job
+
+    for index in range(args.sites):
+        job_options(args, index)
+    load_factory(args.job, [str(Path(p).resolve()) for p in args.job_path])
+    out = ["--job", args.job]
+    for path in args.job_path:
+        out += ["--job-path", str(Path(path).resolve())]
+    for option in args.job_option:
+        out += ["--job-option", option]
+    return tuple(out)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="crossdc bench chaos", description=__doc__)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -273,6 +295,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=300.0, help="seconds to recover")
     p.add_argument("--skip-fault-free", action="store_true", help="no fault-free comparison run")
     p.add_argument("--workdir", default="", help="where configs, state and logs go")
+    add_job_arguments(p)
     add_progress_argument(p)
     return p.parse_args(argv)
 
@@ -280,6 +303,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]:
     if args.sites < 2 or args.minutes < 0 or args.period <= 0:
         raise ValueError("--sites must be >= 2, --minutes >= 0 and --period > 0")
+    job = job_argv(args)
     spec = FedSpec(
         sites=args.sites,
         min_sites=args.min_sites or max(1, args.sites - 1),
@@ -287,6 +311,7 @@ def run(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]
         overlap=not args.no_overlap,
         site_timeout_s=args.site_timeout,
         round_deadline_s=args.round_deadline,
+        job=job,
     )
     workdir = Path(args.workdir or f"runs/chaos-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     started = time.monotonic()

@@ -55,6 +55,9 @@ class FedSpec:
     site_timeout_s: float = 10.0
     round_deadline_s: float = 60.0
     model: dict[str, int] = field(default_factory=lambda: dict(CHAOS_MODEL))
+    """The embedded byte GPT's shape (unused with ``job``)."""
+    job: tuple[str, ...] = ()
+    """Another job than the byte GPT, as the demo's arguments (``--job F --job-option K=V``)."""
 
 
 @dataclass
@@ -96,7 +99,8 @@ def demo_args(spec: FedSpec) -> argparse.Namespace:
     add_demo_arguments(parser)
     argv = [f"--sites={spec.sites}", f"--inner-steps={spec.inner_steps}"]
     argv += ["--no-outer-final-mean", "--eval-every=1000000"]
-    args = parser.parse_args([*argv, *([] if spec.overlap else ["--no-overlap"])])
+    argv += [*([] if spec.overlap else ["--no-overlap"]), *spec.job]
+    args = parser.parse_args(argv)
     resolve_outer_rule_defaults(args)
     return args
 
