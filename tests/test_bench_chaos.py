@@ -89,6 +89,29 @@ def test_a_job_reaches_every_site_as_the_demo_writes_it(tmp_path: Path) -> None:
         assert f"site_index = {index}" in text
 
 
+@pytest.mark.timeout(120)
+def test_the_soaks_validation_scores_any_job_as_its_sites_do(tmp_path: Path) -> None:
+    """The final and initial losses a soak reports come from the job's own ``evaluate``: for a
+    job that is not the byte GPT too (its parameters are not the byte GPT's)."""
+    from crossdc.bench import chaos_analysis as an
+    from crossdc.bench.chaos_fed import FedSpec, demo_args
+    from crossdc.demo_roles import write_site_configs
+    from site_agent.config import load_site_config
+    from site_agent.launch import build_job_trainer
+
+    job = ["--job", "site_agent.jobs.digits:make_job", "--job-option", "site_index={site_index}"]
+    args = demo_args(FedSpec(sites=2, job=chaos.job_argv(chaos.parse_args(job))))
+    endpoints = {s: "tcp://127.0.0.1:1" for s in ("eu", "us")}
+    path = write_site_configs(args, tmp_path, endpoints)[0][1]
+    trainer = build_job_trainer(load_site_config(path))
+    initial = trainer.parameters_numpy()
+    assert an.evaluate(path, None) == trainer.validate()["loss"]
+    trainer.train_steps(30)
+    trained = trainer.parameters_numpy()
+    assert an.evaluate(path, trained) == trainer.validate()["loss"]
+    assert an.evaluate(path, trained) < an.evaluate(path, initial)
+
+
 @pytest.mark.timeout(1200)
 def test_short_soak_loses_nothing_and_ends_in_agreement(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -122,21 +122,15 @@ def site_rejoins(
 
 
 def evaluate(site_config: Path, params: dict[str, np.ndarray] | None) -> float:
-    """Validation loss as a site computes it (its validation batches), of ``params`` or of the
-    initial model when ``params`` is None."""
+    """Validation loss as a site computes it (its job's ``evaluate``), of ``params`` or of the
+    initial model when ``params`` is None; any job, the byte GPT included."""
     from site_agent.config import load_site_config
-    from site_agent.data import eval_batches
-    from site_agent.launch import build_local_trainer, load_site_data
+    from site_agent.launch import build_job_trainer
 
-    cfg = load_site_config(site_config)
-    data = load_site_data(cfg)
-    trainer = build_local_trainer(cfg, data)
-    batches = eval_batches(
-        data.val, cfg.eval_batches, cfg.eval_batch_size, cfg.model.context_len, seed=0
-    )
+    trainer = build_job_trainer(load_site_config(site_config))
     if params is not None:
         trainer.load_parameters(params)
-    return trainer.evaluate(batches)
+    return float(trainer.validate()["loss"])
 
 
 def final_params(state_dir: Path) -> dict[str, np.ndarray] | None:
