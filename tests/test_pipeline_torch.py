@@ -273,3 +273,78 @@ def test_pipelined_steps_equal_one_process(
         np.testing.assert_allclose(last_losses[0], expected_losses, rtol=1e-5)
     else:
         np.testing.assert_allclose(np.mean(last_losses, axis=0), expected_losses, rtol=1e-5)
+
+
+# -- the leader's trainer and the workers' loop -----------------------------------------------
+
+
+def _site_config(schedule: str, num_stages: int, num_replicas: int) -> Any:
+    from site_agent.pipeline.jobsite import JobSiteConfig
+
+    return JobSiteConfig(
+        factory="site_agent.jobs.bytegpt:make_job",
+        options=BYTEGPT_OPTIONS,
+        seed=3,
+        num_stages=num_stages,
+        num_replicas=num_replicas,
+        num_microbatches=2,
+        schedule=schedule,
+        profile_steps=1,
+    )
+
+
+def _site_run(rank: int, world_size: int, schedule: str, num_replicas: int) -> Any:
+    from site_agent.pipeline.jobsite import JobPipelineTrainer, job_worker_loop
+
+    torch.set_num_threads(1)
+    cfg = _site_config(schedule, world_size // num_replicas, num_replicas)
+    device = torch.device("cpu")
+    if rank != 0:
+        job_worker_loop(cfg, device)
+        return None
+    with JobPipelineTrainer(cfg, device) as trainer:
+        first = trainer.train_steps(2)
+        state = trainer.state_dict()
+        after_three = trainer.train_steps(1)
+        params_three = trainer.parameters_numpy()
+        metrics = trainer.validate()
+        trainer.load_state_dict(state)  # back to step 2: the third step again
+        again = trainer.train_steps(1)
+        params_again = trainer.parameters_numpy()
+        trainer.load_parameters({k: v * 0 for k, v in params_again.items()})
+        zeros = trainer.parameters_numpy()
+        return {
+            "losses": [first.loss_mean, after_three.loss_mean, again.loss_mean],
+            "params": params_three,
+            "params_again": params_again,
+            "zeros": max(float(np.abs(v).max()) for v in zeros.values()),
+            "metrics": metrics,
+            "fingerprint": trainer.fingerprint("site_agent.jobs.bytegpt:make_job"),
+            "state_keys": sorted(state),
+        }
+
+
+@pytest.mark.parametrize(("schedule", "world_size", "num_replicas"), [("1f1b", 2, 1)])
+def test_a_pipelined_job_site_trains_resumes_and_syncs_by_name(
+    group: LocalProcessGroup, schedule: str, world_size: int, num_replicas: int
+) -> None:
+    from site_agent.jobs.contract import build_job
+
+    out = group.run(_site_run, schedule, num_replicas, world_size=world_size)[0]
+    job = build_job(
+        "site_agent.jobs.bytegpt:make_job",
+        JobContext(site_id="t", seed=3, device=torch.device("cpu"), options=BYTEGPT_OPTIONS),
+    )
+    single = JobTrainer(job, grad_clip=1.0)
+    stats = [single.train_steps(2), single.train_steps(1)]
+    for name, value in single.parameters_numpy().items():
+        np.testing.assert_allclose(out["params"][name], value, rtol=0, atol=5e-5, err_msg=name)
+    np.testing.assert_allclose(out["losses"][:2], [s.loss_mean for s in stats], rtol=1e-5)
+    # Resumed from its own checkpoint, the site takes the same third step again.
+    assert out["losses"][2] == out["losses"][1]
+    for name, value in out["params"].items():
+        np.testing.assert_array_equal(out["params_again"][name], value, err_msg=name)
+    assert out["zeros"] == 0.0
+    assert out["metrics"]["loss"] > 0
+    assert out["fingerprint"] == single.fingerprint("site_agent.jobs.bytegpt:make_job")
+    assert out["state_keys"] == ["job", "layout", "model", "ranks", "step"]
