@@ -251,6 +251,7 @@ def _single_process(kind: str, steps: int) -> tuple[dict[str, np.ndarray], list[
         ("bytegpt", "zbv", 2, 1),
         ("hf", "1f1b", 2, 1),
         ("bytegpt", "1f1b", 4, 2),
+        ("bytegpt", "gpipe", 4, 2),
     ],
 )
 def test_pipelined_steps_equal_one_process(
@@ -260,9 +261,13 @@ def test_pipelined_steps_equal_one_process(
     expected, expected_losses = _single_process(kind, steps)
     results = group.run(_rank_run, kind, schedule, num_replicas, steps, world_size=world_size)
     merged: dict[str, np.ndarray] = {}
-    for params, _ in results:
+    pp_size = world_size // num_replicas
+    for params, _ in results[:pp_size]:  # replica 0
         assert not set(params) & set(merged), "each stage holds its own tensors"
         merged.update(params)
+    for rank in range(pp_size, world_size):  # the other replicas hold the same values
+        for name, value in results[rank][0].items():
+            np.testing.assert_array_equal(value, results[rank % pp_size][0][name])
     assert list(expected) == [n for n in expected if n in merged] and set(merged) == set(expected)
     for name, value in expected.items():
         np.testing.assert_allclose(merged[name], value, rtol=0, atol=5e-5, err_msg=name)
@@ -294,7 +299,8 @@ def _site_config(schedule: str, num_stages: int, num_replicas: int) -> Any:
 
 
 def _site_run(rank: int, world_size: int, schedule: str, num_replicas: int) -> Any:
-    from site_agent.pipeline.jobsite import JobPipelineTrainer, job_worker_loop
+    from site_agent.pipeline.jobleader import JobPipelineTrainer
+    from site_agent.pipeline.jobsite import job_worker_loop
 
     torch.set_num_threads(1)
     cfg = _site_config(schedule, world_size // num_replicas, num_replicas)

@@ -20,6 +20,7 @@ This module owns how a model becomes stages:
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 import warnings
@@ -195,6 +196,51 @@ def unit_modules(model: nn.Module, units: Units) -> list[list[nn.Module]]:
     return out
 
 
+class _UnitTimer:
+    """Module hooks that add each unit's forward and backward seconds and note its output size."""
+
+    def __init__(self, groups: list[list[nn.Module]], cuda: bool) -> None:
+        self.seconds = [0.0] * len(groups)
+        self.sizes = [0] * len(groups)
+        self.cuda = cuda
+        self._started: dict[int, float] = {}
+        self._handles: list[Any] = []
+        for u, modules in enumerate(groups):
+            for m in modules:
+                self._handles += [
+                    m.register_forward_pre_hook(lambda m, _a: self._start(m)),
+                    m.register_forward_hook(lambda m, _a, out, u=u: self._stop(m, u, out)),
+                    m.register_full_backward_pre_hook(lambda m, _g: self._start(m)),
+                    m.register_full_backward_hook(functools.partial(self._backward_done, u)),
+                ]
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _start(self, module: nn.Module) -> None:
+        self._started[id(module)] = self._now()
+
+    def _stop(self, module: nn.Module, unit: int, out: Any = None) -> None:
+        started = self._started.pop(id(module), None)
+        if started is not None:
+            self.seconds[unit] += self._now() - started
+        if out is not None:
+            try:
+                t = first_tensor(out)
+                self.sizes[unit] = t.numel() * t.element_size()
+            except (ValueError, TypeError):
+                pass
+
+    def _backward_done(self, unit: int, module: nn.Module, _gi: Any, _go: Any) -> None:
+        self._stop(module, unit)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
 def profile_units(
     model: nn.Module,
     units: Units,
@@ -210,57 +256,18 @@ def profile_units(
         raise ValueError(f"steps must be >= 1, got {steps}")
     groups = unit_modules(model, units)
     times: list[list[float]] = [[] for _ in groups]
-    sizes = [0] * len(groups)
-    current = [0.0] * len(groups)
-    started: dict[int, float] = {}
-    handles = []
-    cuda = any(p.is_cuda for p in model.parameters())
-
-    def now() -> float:
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    for u, modules in enumerate(groups):
-        for m in modules:
-
-            def pre(_m: nn.Module, _args: Any, key: int = id(m)) -> None:
-                started[key] = now()
-
-            def post(_m: nn.Module, _args: Any, out: Any, key: int = id(m), u: int = u) -> None:
-                current[u] += now() - started.pop(key)
-                try:
-                    t = first_tensor(out)
-                    sizes[u] = t.numel() * t.element_size()
-                except ValueError:
-                    pass
-
-            def bpre(_m: nn.Module, _g: Any, key: int = id(m)) -> None:
-                started[key] = now()
-
-            def bpost(_m: nn.Module, _gi: Any, _go: Any, key: int = id(m), u: int = u) -> None:
-                if key in started:
-                    current[u] += now() - started.pop(key)
-
-            handles += [
-                m.register_forward_pre_hook(pre),
-                m.register_forward_hook(post),
-                m.register_full_backward_pre_hook(bpre),
-                m.register_full_backward_hook(bpost),
-            ]
+    timer = _UnitTimer(groups, cuda=any(p.is_cuda for p in model.parameters()))
     params = [p for p in model.parameters() if p.requires_grad]
     try:
         # A unit whose inputs need no gradient (the embedding) still times its backward.
         with torch.enable_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             for step in range(steps + 1):
-                current[:] = [0.0] * len(groups)
-                loss = run()
-                torch.autograd.grad(loss, params, allow_unused=True)
+                timer.seconds = [0.0] * len(groups)
+                torch.autograd.grad(run(), params, allow_unused=True)
                 if step > 0:
-                    for u, seconds in enumerate(current):
+                    for u, seconds in enumerate(timer.seconds):
                         times[u].append(seconds)
     finally:
-        for h in handles:
-            h.remove()
-    return [statistics.median(t) for t in times], sizes
+        timer.close()
+    return [statistics.median(t) for t in times], timer.sizes

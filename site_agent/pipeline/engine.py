@@ -2,7 +2,7 @@
 
 This module owns what a rank of a pipelined site builds and runs for any job that may be
 pipelined (``split`` and ``output_loss``, see ``site_agent.jobs.contract``): its stages (the
-job's model cut by ``cut``, one ``PipelineStage`` each, DDP across replicas), torch's schedule
+job's model cut by ``cut``, one ``PipelineStage`` each, gradients averaged across replicas), torch's schedule
 named by ``[site] schedule``, and the inner step around it (the job's optimizer over this rank's
 parameters only, gradient clipping by the norm over the whole pipeline, the job's scheduler).
 It also owns the plan: the units profiled on one sample micro-batch and cut by the
@@ -34,7 +34,6 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
-from torch.nn.parallel import DistributedDataParallel
 
 from site_agent.jobs.contract import federated_state, first_tensor
 from site_agent.pipeline.cut import (
@@ -45,6 +44,7 @@ from site_agent.pipeline.cut import (
     units_of,
 )
 from site_agent.pipeline.partition import PartitionPlan, TransferModel, partition_layers
+from site_agent.pipeline.schedule import TORCH_SCHEDULE_STAGES
 from site_agent.pipeline.stage import PipelineLayout
 
 log = logging.getLogger(__name__)
@@ -53,12 +53,15 @@ log = logging.getLogger(__name__)
 _CLIP_EPS = 1e-6
 
 TORCH_SCHEDULES: dict[str, tuple[Any, int]] = {
-    "gpipe": (ScheduleGPipe, 1),
-    "1f1b": (Schedule1F1B, 1),
-    "interleaved_1f1b": (ScheduleInterleaved1F1B, 2),
-    "looped_bfs": (ScheduleLoopedBFS, 2),
-    "interleaved_zb": (ScheduleInterleavedZeroBubble, 2),
-    "zbv": (ScheduleZBVZeroBubble, 2),
+    name: (cls, TORCH_SCHEDULE_STAGES[name])
+    for name, cls in [
+        ("gpipe", ScheduleGPipe),
+        ("1f1b", Schedule1F1B),
+        ("interleaved_1f1b", ScheduleInterleaved1F1B),
+        ("looped_bfs", ScheduleLoopedBFS),
+        ("interleaved_zb", ScheduleInterleavedZeroBubble),
+        ("zbv", ScheduleZBVZeroBubble),
+    ]
 }
 """``[site] schedule`` -> (torch's schedule class, stages per rank)."""
 
@@ -174,31 +177,23 @@ class RankPipeline:
         self.holds_last = self.num_stages - 1 in self.indices
 
         model: nn.Module = job.model
-        name_of = {id(p): n for n, p in model.named_parameters()}
+        name_of = {id(p): n for n, p in model.named_parameters()}  # before the cut
         many = len(self.indices) > 1
         self.modules = [
             strip_to_stage(copy.deepcopy(model) if many else model, plan.owned(i)).to(device)
             for i in self.indices
         ]
-        # The job's optimizer (and so its scheduler) now steps this rank's parameters only.
-        local = {n: p for m in self.modules for n, p in m.named_parameters()}
-        optimizer: torch.optim.Optimizer = job.optimizer
-        for group in optimizer.param_groups:
-            group["params"] = [
-                local[name_of[id(p)]] for p in group["params"] if name_of[id(p)] in local
-            ]
-        optimizer.state.clear()
-        self.optimizer = optimizer
+        self.optimizer = _keep_local_parameters(job.optimizer, name_of, self.modules)
         self.scheduler = getattr(job, "scheduler", None)
 
-        stages = []
-        for index, module in zip(self.indices, self.modules, strict=True):
-            stage_module: nn.Module = StageForward(module)
-            if dp_group is not None:
-                stage_module = DistributedDataParallel(stage_module, process_group=dp_group)
-            stages.append(
-                PipelineStage(stage_module, index, self.num_stages, device, group=pp_group)
-            )
+        # Replicas average their gradients after the schedule (one flat all-reduce per rank):
+        # torch's DDP wrapper fails under GPipe here (its reducer's bucket rebuild asserts on the
+        # second step, torch 2.13, gloo), and one all-reduce per step is what DDP would send.
+        self.dp_group = dp_group
+        stages = [
+            PipelineStage(StageForward(module), index, self.num_stages, device, group=pp_group)
+            for index, module in zip(self.indices, self.modules, strict=True)
+        ]
         cls, per_rank = TORCH_SCHEDULES[schedule]
         self.schedule = cls(
             stages if per_rank > 1 else stages[0],
@@ -226,6 +221,7 @@ class RankPipeline:
         if self.holds_last:
             kwargs = {"target": target, "losses": losses}
         self.schedule.step(*(inputs if self.holds_first else ()), **kwargs)
+        self._average_over_replicas()
         self._clip()
         self.optimizer.step()
         if self.scheduler is not None:
@@ -233,6 +229,22 @@ class RankPipeline:
         if not self.holds_last:
             return None
         return torch.stack([loss.detach().float() for loss in losses]).mean()
+
+    def _average_over_replicas(self) -> None:
+        if self.dp_group is None:
+            return
+        params = [p for m in self.modules for p in m.parameters()]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
+        flat.div_(self.layout.num_replicas)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def _clip(self) -> None:
         """Scale gradients so the norm over the whole model is at most ``grad_clip``; the
@@ -251,23 +263,25 @@ class RankPipeline:
             g.mul_(coef)
 
 
-def gather_full(
-    parts: Sequence[Mapping[str, torch.Tensor]], order: Sequence[str]
-) -> dict[str, Any]:
-    """Every rank's named tensors joined, in the model's ``state_dict`` order."""
-    merged: dict[str, Any] = {}
-    for part in parts:
-        merged.update(part)
-    missing = [n for n in order if n not in merged]
-    assert not missing, f"no rank holds {missing[:3]}"
-    return {n: merged[n] for n in order}
+def _keep_local_parameters(
+    optimizer: torch.optim.Optimizer, name_of: Mapping[int, str], modules: Sequence[nn.Module]
+) -> torch.optim.Optimizer:
+    """The job's optimizer (and so its scheduler) made to step this rank's parameters only:
+    each group keeps its hyper-parameters and the stage modules' tensors of its parameters
+    (``name_of``: the whole model's parameter names by tensor id, taken before the cut)."""
+    local = {n: p for m in modules for n, p in m.named_parameters()}
+    for group in optimizer.param_groups:
+        group["params"] = [
+            local[name_of[id(p)]] for p in group["params"] if name_of[id(p)] in local
+        ]
+    optimizer.state.clear()
+    return optimizer
 
 
 __all__ = [
     "TORCH_SCHEDULES",
     "RankPipeline",
     "StagePlan",
-    "gather_full",
     "make_stage_plan",
     "stage_indices",
     "stages_per_rank",

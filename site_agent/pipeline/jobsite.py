@@ -4,7 +4,7 @@ This module owns how the ranks of a site that pipelines a job (``site_agent.jobs
 ``split``, ``output_loss``) carry out the leader's commands. Every rank builds the job with its
 factory (same seed, so every stage starts from the single-process weights), rank 0 profiles and
 cuts it and broadcasts the plan, and each rank keeps its stages (``engine.RankPipeline``).
-Rank 0 holds a :class:`JobPipelineTrainer`, the agent's trainer surface (``train_steps``,
+Rank 0 holds a ``jobleader.JobPipelineTrainer``, the agent's trainer surface (``train_steps``,
 ``validate``, ``parameters_numpy``, ``load_parameters``, ``state_spec``, ``fingerprint``,
 ``state_dict``, ``load_state_dict``); every other rank runs :func:`job_worker_loop`. Each call
 broadcasts a command on a gloo control group (``worker.broadcast_command``) and all ranks carry
@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import copy
 import logging
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -43,20 +41,17 @@ from torch import nn
 
 from site_agent.jobs.contract import (
     JobContext,
-    JobError,
     StateSpec,
     build_job,
-    check_metrics,
     check_pipeline_job,
     federated_state,
-    job_fingerprint,
     state_spec,
 )
 from site_agent.jobs.contract import buffer_names as federated_buffer_names
 from site_agent.pipeline.engine import RankPipeline, StagePlan, make_stage_plan, stages_per_rank
 from site_agent.pipeline.stage import PipelineLayout
-from site_agent.pipeline.worker import broadcast_command, receive_command
-from site_agent.trainer import TrainStats, _to_cpu, first_dimension, to_device
+from site_agent.pipeline.worker import receive_command
+from site_agent.trainer import _to_cpu, first_dimension, to_device
 
 log = logging.getLogger(__name__)
 
@@ -137,42 +132,9 @@ class JobRank:
         self.buffers = federated_buffer_names(model)
         self.architecture = getattr(self.job, "architecture", None)
         self._weight: Callable[[Any], int] = getattr(self.job, "weight", first_dimension)
-        # Every rank draws the sample, so all stay in lockstep even without a job state to put back.
-        saved = copy.deepcopy(self.job.state_dict()) if hasattr(self.job, "state_dict") else None
-        sample = to_device(next(iter(self.job.batches())), device)
-        if saved is not None:
-            self.job.load_state_dict(saved)  # type: ignore[attr-defined]
-        self._batches = iter(self.job.batches())
         self.eval_model: nn.Module | None = None
-        box: list[Any] = [None]
-        if rank == 0:
-            check_pipeline_job(self.job, sample, where)
-            num_stages = layout.num_stages * stages_per_rank(cfg.schedule)
-            plan = make_stage_plan(
-                self.job,
-                sample,
-                num_stages,
-                num_microbatches=cfg.num_microbatches * cfg.num_replicas,
-                profile_steps=cfg.profile_steps,
-            )
-            self.eval_model = copy.deepcopy(model).to("cpu")
-            box[0] = plan
-            p = plan.partition
-            log.info(
-                "[site=%s rank=0] pipeline plan: stages=%d replicas=%d schedule=%s "
-                "microbatches=%d units=%s boundaries=%s stage_times_s=%s "
-                "predicted_bottleneck_s=%.6f lower_bound_s=%.6f",
-                cfg.site_id,
-                num_stages,
-                layout.num_replicas,
-                cfg.schedule,
-                cfg.num_microbatches,
-                list(plan.units.names),
-                list(p.boundaries),
-                [round(t, 6) for t in p.stage_times],
-                p.bottleneck,
-                p.lower_bound,
-            )
+        sample = self._draw_sample()
+        box: list[Any] = [self._make_plan(sample, where) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=self.control)
         self.plan: StagePlan = box[0]
         # Group creation is collective over the whole world, in the same order on every rank.
@@ -196,6 +158,48 @@ class JobRank:
         )
         self.step = 0
         dist.barrier(group=self.control)
+
+    def _draw_sample(self) -> Any:
+        """One batch to check and profile the job on; every rank draws it, so all stay in
+        lockstep even without a job state to put back."""
+        job = self.job
+        saved = copy.deepcopy(job.state_dict()) if hasattr(job, "state_dict") else None
+        sample = to_device(next(iter(job.batches())), self.device)
+        if saved is not None:
+            job.load_state_dict(saved)  # type: ignore[attr-defined]
+        self._batches = iter(job.batches())
+        return sample
+
+    def _make_plan(self, sample: Any, where: str) -> StagePlan:
+        """The leader's part: check the job, keep a copy for validation, profile and cut."""
+        cfg = self.cfg
+        check_pipeline_job(self.job, sample, where)
+        self.eval_model = copy.deepcopy(self.job.model).to("cpu")
+        num_stages = cfg.num_stages * stages_per_rank(cfg.schedule)
+        plan = make_stage_plan(
+            self.job,
+            sample,
+            num_stages,
+            num_microbatches=cfg.num_microbatches * cfg.num_replicas,
+            profile_steps=cfg.profile_steps,
+        )
+        p = plan.partition
+        log.info(
+            "[site=%s rank=0] pipeline plan: stages=%d replicas=%d schedule=%s "
+            "microbatches=%d units=%s boundaries=%s stage_times_s=%s "
+            "predicted_bottleneck_s=%.6f lower_bound_s=%.6f",
+            cfg.site_id,
+            num_stages,
+            cfg.num_replicas,
+            cfg.schedule,
+            cfg.num_microbatches,
+            list(plan.units.names),
+            list(p.boundaries),
+            [round(t, 6) for t in p.stage_times],
+            p.bottleneck,
+            p.lower_bound,
+        )
+        return plan
 
     # -- commands --------------------------------------------------------------------------
 
@@ -337,125 +341,4 @@ def job_worker_loop(cfg: JobSiteConfig, device: torch.device) -> None:
             raise AssertionError(f"unknown command {name!r}")
 
 
-class JobPipelineTrainer:
-    """Rank 0's handle on the whole site: the agent's trainer surface (``SiteTrainer``)."""
-
-    def __init__(self, cfg: JobSiteConfig, device: torch.device) -> None:
-        if not dist.is_initialized() or dist.get_rank() != 0:
-            raise ValueError("JobPipelineTrainer runs on rank 0; other ranks run job_worker_loop")
-        self._rank = JobRank(cfg, device)
-        self.cfg = cfg
-        self._closed = False
-        self._broken = False
-        self.where = f"the job from {cfg.factory!r}"
-
-    @property
-    def step(self) -> int:
-        return self._rank.step
-
-    @property
-    def plan(self) -> StagePlan:
-        return self._rank.plan
-
-    def train_steps(self, num_steps: int) -> TrainStats:
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        start = time.perf_counter()
-        losses, weight = self._command(("train", num_steps), lambda r: r.train(num_steps))
-        return TrainStats(
-            steps=num_steps,
-            tokens=weight,
-            loss_mean=float(losses.mean()),
-            loss_last=float(losses[-1]),
-            compute_seconds=time.perf_counter() - start,
-        )
-
-    def validate(self) -> dict[str, float]:
-        """The job's metrics of the site's model (gathered into the leader's CPU copy)."""
-        params = self.parameters_numpy()
-        model = self._rank.eval_model
-        assert model is not None, "rank 0 keeps the model for validation"
-        state = federated_state(model)
-        with torch.no_grad():
-            for name, tensor in state.items():
-                tensor.copy_(torch.as_tensor(params[name]))
-        model.eval()
-        with torch.no_grad():
-            metrics = self._rank.job.evaluate(model)
-        return check_metrics(metrics, self.where, finite_loss=False)
-
-    def state_spec(self) -> StateSpec:
-        return self._rank.spec
-
-    def buffer_names(self) -> list[str]:
-        return list(self._rank.buffers)
-
-    def fingerprint(self, factory_path: str) -> str:
-        return job_fingerprint(factory_path, self._rank.spec, self._rank.architecture)
-
-    def parameters_numpy(self) -> dict[str, np.ndarray]:
-        params: dict[str, np.ndarray] | None = self._command(("params",), lambda r: r.gather())
-        assert params is not None
-        return params
-
-    def load_parameters(self, params: Mapping[str, np.ndarray]) -> None:
-        expected = {name: shape for name, shape, _ in self._rank.spec}
-        for name in expected:
-            if name not in params:
-                raise ValueError(f"parameter {name!r} is missing")
-        for name in params:
-            if name not in expected:
-                raise ValueError(f"unexpected parameter {name!r}")
-            if tuple(np.shape(params[name])) != tuple(expected[name]):
-                raise ValueError(
-                    f"parameter {name!r} has shape {tuple(np.shape(params[name]))}, "
-                    f"expected {tuple(expected[name])}"
-                )
-        self._command(("load_params",), lambda r: r.scatter(params))
-
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] | None = self._command(("state",), lambda r: r.gather_state())
-        assert state is not None
-        return state
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        for key in ("model", "step"):
-            if key not in state:
-                raise ValueError(f"state has no {key!r} entry")
-        missing = [n for n in self._rank.order if n not in state["model"]]
-        if missing:
-            raise JobError(f"the checkpoint lacks {missing[0]!r}")
-        self._command(("load_state",), lambda r: r.scatter_state(state))
-
-    def close(self) -> None:
-        """Release the workers (their loop returns). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if not self._broken:
-            broadcast_command(("stop",), self._rank.control)
-
-    def __enter__(self) -> JobPipelineTrainer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def _command(self, command: tuple[Any, ...], run: Callable[[JobRank], Any]) -> Any:
-        if self._closed:
-            raise ValueError("the pipeline trainer is closed")
-        if self._broken:
-            raise RuntimeError("an earlier command failed; the site's ranks are out of step")
-        self._broken = True
-        broadcast_command(command, self._rank.control)
-        result = run(self._rank)
-        self._broken = False
-        return result
-
-
-__all__ = ["JobPipelineTrainer", "JobRank", "JobSiteConfig", "job_worker_loop"]
+__all__ = ["JobRank", "JobSiteConfig", "job_worker_loop"]
