@@ -3,6 +3,7 @@ federation on SIGTERM, and exits with its leader's status."""
 
 from __future__ import annotations
 
+import os
 import signal
 import tomllib
 from pathlib import Path
@@ -157,3 +158,45 @@ def test_three_layouts_of_one_hugging_face_job_federate(procs: Procs, tmp_path: 
         ckpt = torch.load(tmp_path / f"site-{site}" / "checkpoint.pt", weights_only=True)
         params = {k: v.numpy() for k, v in ckpt["global_params"].items()}
         assert (int(ckpt["global_version"]), state_hash(params)) == (2, final), site
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, read from /proc."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            out += [child, *_descendants(child)]
+    return out
+
+
+def test_a_killed_pipelined_site_resumes_from_its_checkpoint(procs: Procs, tmp_path: Path) -> None:
+    cfg = write_coordinator_config(tmp_path, min_sites=1, max_rounds=8, num_inner_steps=4)
+    procs.start("coordinator", "coordinator", "--config", str(cfg))
+    # Half a second a step: the federation is still running when the site is killed.
+    site = write_site_config(tmp_path, "eu", 0, 1, stages=2, microbatches=2, fault_slow_step_s=0.5)
+    first = procs.start("site-eu-1", "agent", "--config", str(site))
+    checkpoint = tmp_path / "site-eu" / "checkpoint.pt"
+    wait_for(
+        lambda: (
+            checkpoint.exists() and (read_status(tmp_path) or {}).get("rounds_completed", 0) >= 1
+        ),
+        timeout_s=200,
+        what="a round and a checkpoint",
+        procs=procs,
+    )
+    # The agent, torchrun (in a session of its own) and every rank at once, as a lost host would.
+    for pid in [first.pid, *_descendants(first.pid)]:
+        os.kill(pid, signal.SIGKILL)
+    first.wait(timeout=30)
+    version = int(torch.load(checkpoint, weights_only=True)["global_version"])
+    assert version >= 1
+    second = procs.start("site-eu-2", "agent", "--config", str(site))
+    assert second.wait(timeout=240) == 0, procs.log("site-eu-2")
+    assert f"resumed from checkpoint at v{version}" in procs.log("site-eu-2")
+    assert procs.procs["coordinator"].wait(timeout=60) == 0, procs.log("coordinator")
+    status = read_status(tmp_path)
+    assert status is not None and status["rounds_completed"] == 8
