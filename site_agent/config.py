@@ -17,6 +17,7 @@ from comm.transport.profile import ChannelConfig
 from site_agent.data import DataConfig
 from site_agent.jobs.contract import BYTEGPT_FACTORY
 from site_agent.model import ModelConfig
+from site_agent.pipeline.schedule import TORCH_SCHEDULE_STAGES
 from site_agent.privacy import DPConfig
 from site_agent.trainer import InnerOptimConfig
 
@@ -88,7 +89,8 @@ class SiteConfig:
     replicas: int = 1
     """Data-parallel replicas of the pipeline inside the site."""
     schedule: str = "1f1b"
-    """Pipeline schedule: ``gpipe`` or ``1f1b``."""
+    """Pipeline schedule, one of torch's: ``gpipe``, ``1f1b``, ``interleaved_1f1b``,
+    ``looped_bfs``, ``interleaved_zb`` or ``zbv`` (the last four put two stages on each rank)."""
     microbatches: int = 4
     """Micro-batches per pipeline step."""
     security: SecurityConfig = field(default_factory=SecurityConfig)
@@ -132,12 +134,15 @@ class SiteConfig:
             raise ValueError("site.stages and site.replicas must be >= 1")
         if not self.job.is_builtin_bytegpt:
             self._check_custom_job()
-        if self.stages > self.model.num_layers + 2:
+        if self.job.is_builtin_bytegpt and self.stages > self.model.num_layers + 2:
             raise ValueError(
                 f"site.stages={self.stages} exceeds the model's {self.model.num_layers + 2} layers"
             )
-        if self.schedule not in ("gpipe", "1f1b"):
-            raise ValueError(f"site.schedule must be gpipe or 1f1b, got {self.schedule!r}")
+        if self.schedule not in TORCH_SCHEDULE_STAGES:
+            raise ValueError(
+                f"site.schedule must be one of {', '.join(TORCH_SCHEDULE_STAGES)}, "
+                f"got {self.schedule!r}"
+            )
         if self.microbatches < 1:
             raise ValueError("site.microbatches must be >= 1")
 
@@ -165,11 +170,6 @@ class SiteConfig:
                     f"{self.job.factory!r} builds its own optimizer); site.optim.grad_clip "
                     "applies to every job"
                 )
-        if self.stages * self.replicas > 1:
-            raise ValueError(
-                "site.stages and site.replicas > 1 pipeline the built-in byte GPT job only; "
-                f"the job {self.job.factory!r} trains in one process per site"
-            )
 
     @property
     def state_path(self) -> Path:

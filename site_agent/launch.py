@@ -7,23 +7,21 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from comm.durable import atomic_write
 from site_agent.agent import SiteAgent
 from site_agent.config import SiteConfig, resolve_device
-from site_agent.data import BatchSampler, SiteData, eval_batches, load_corpora, sampler_seed
+from site_agent.data import BatchSampler, SiteData, load_corpora, sampler_seed
 from site_agent.exits import EXIT_OK
 from site_agent.jobs.bytegpt import LocalTrainer
-from site_agent.jobs.contract import BYTEGPT_FACTORY, JobContext, StateSpec, build_job
+from site_agent.jobs.contract import JobContext, build_job
 from site_agent.metrics import SiteMetrics
-from site_agent.model import ModelConfig, build_model, model_fingerprint
-from site_agent.trainer import JobTrainer, TrainStats
+from site_agent.model import build_model
+from site_agent.trainer import JobTrainer
 
 log = logging.getLogger("crossdc.site")
 
@@ -105,21 +103,37 @@ def torchrun_argv(cfg: SiteConfig, agent_argv: list[str]) -> list[str]:
     ]
 
 
+def pipeline_site_config(cfg: SiteConfig) -> Any:
+    """What every rank of the pipelined site agrees on, from the site's config."""
+    from site_agent.pipeline.jobsite import JobSiteConfig
+
+    return JobSiteConfig(
+        factory=cfg.job.factory,
+        python_path=tuple(cfg.job.python_path),
+        options=cfg.job_options(),
+        seed=cfg.seed,
+        site_id=cfg.site_id,
+        state_dir=str(cfg.state_path),
+        num_stages=cfg.stages,
+        num_replicas=cfg.replicas,
+        num_microbatches=cfg.microbatches,
+        schedule=cfg.schedule,
+        grad_clip=cfg.optim.grad_clip,
+    )
+
+
 def run_pipeline_site(cfg: SiteConfig) -> int:
     """Entry point of every rank of a pipelined site (launched by torchrun).
 
     Rank 0 is the site leader: it runs the agent, whose trainer drives the other ranks through
-    torch.distributed. Only rank 0 ever opens a WAN socket; the workers run ``worker_loop``.
+    torch.distributed. Only rank 0 ever opens a WAN socket; the workers run
+    ``job_worker_loop``. Any job with ``split`` and ``output_loss`` runs so, the byte GPT too.
     """
     import torch.distributed as dist
 
-    from site_agent.pipeline.runtime import (
-        PipelineConfig,
-        PipelineJob,
-        PipelineTrainer,
-        init_from_torchrun_env,
-        worker_loop,
-    )
+    from site_agent.pipeline.jobleader import JobPipelineTrainer
+    from site_agent.pipeline.jobsite import job_worker_loop
+    from site_agent.pipeline.procgroup import init_from_torchrun_env
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -129,30 +143,16 @@ def run_pipeline_site(cfg: SiteConfig) -> int:
             f"torchrun started {env.world_size} processes but site.stages x site.replicas = "
             f"{cfg.stages * cfg.replicas}"
         )
-    data = load_site_data(cfg)
-    job = PipelineJob(
-        model=cfg.model,
-        optim=cfg.optim,
-        pipeline=PipelineConfig(
-            num_stages=cfg.stages,
-            num_replicas=cfg.replicas,
-            num_microbatches=cfg.microbatches,
-            schedule=cfg.schedule,
-        ),
-        model_seed=cfg.seed,
-        data_seed=sampler_seed(cfg.seed, cfg.data.shard_index),
-        site_id=cfg.site_id,
-    )
+    site = pipeline_site_config(cfg)
     try:
         if env.rank != 0:
             # A stop is the leader's to carry out, between steps (it then releases us): a worker
             # that died on SIGTERM would leave the leader inside a collective.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            worker_loop(job, data.train, device=env.device)
+            job_worker_loop(site, env.device)
             return EXIT_OK
-        val = eval_batches(data.val, cfg.eval_batches, cfg.eval_batch_size, cfg.model.context_len)
-        with PipelineTrainer.start(job, data.train, device=env.device) as pipeline:
-            agent = SiteAgent(cfg, trainer=PipelinedSiteTrainer(pipeline, val, cfg.model))
+        with JobPipelineTrainer(site, env.device) as pipeline:
+            agent = SiteAgent(cfg, trainer=pipeline)
             signal.signal(signal.SIGTERM, lambda *_: agent.request_stop("stopped by signal"))
             agent.start()
             try:
@@ -183,53 +183,3 @@ def read_leader_exit(cfg: SiteConfig) -> int | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return code if isinstance(code, int) else None
-
-
-class PipelinedSiteTrainer:
-    """The byte GPT's pipeline trainer (rank 0's handle) with the agent's trainer surface: its
-    validation scores a fixed list of held-out batches."""
-
-    def __init__(
-        self,
-        pipeline: Any,
-        val_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        model_cfg: ModelConfig,
-    ) -> None:
-        self.pipeline = pipeline
-        self.val_batches = list(val_batches)
-        self.model_cfg = model_cfg
-        self._spec: StateSpec | None = None
-
-    def buffer_names(self) -> list[str]:
-        return []  # the byte GPT has parameters only
-
-    def fingerprint(self, factory_path: str) -> str:
-        assert factory_path == BYTEGPT_FACTORY, "only the byte GPT is pipelined"
-        return model_fingerprint(self.model_cfg)
-
-    def train_steps(self, num_steps: int) -> TrainStats:
-        stats: TrainStats = self.pipeline.train_steps(num_steps)
-        return stats
-
-    def validate(self) -> dict[str, float]:
-        return {"loss": float(self.pipeline.evaluate(self.val_batches))}
-
-    def state_spec(self) -> StateSpec:
-        if self._spec is None:
-            params = self.parameters_numpy()
-            self._spec = [(name, tuple(a.shape), "float32") for name, a in params.items()]
-        return self._spec
-
-    def parameters_numpy(self) -> dict[str, np.ndarray]:
-        params: dict[str, np.ndarray] = self.pipeline.parameters_numpy()
-        return params
-
-    def load_parameters(self, params: Mapping[str, np.ndarray]) -> None:
-        self.pipeline.load_parameters(params)
-
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = self.pipeline.state_dict()
-        return state
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.pipeline.load_state_dict(state)

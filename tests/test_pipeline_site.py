@@ -3,11 +3,17 @@ federation on SIGTERM, and exits with its leader's status."""
 
 from __future__ import annotations
 
+import os
 import signal
+import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
+from comm.ops.configio import dump_toml
+from comm.wire.tensors import state_hash
+from coordinator.file_store import FileStateStore
 from site_agent.exits import EXIT_FATAL
 from tests.conftest import (
     TINY_MODEL,
@@ -89,3 +95,108 @@ def test_a_pipelined_site_exits_with_its_leaders_status(procs: Procs, tmp_path: 
     site = write_site_config(tmp_path, "eu", 0, 1, stages=2, microbatches=2)
     main = procs.start("site-eu", "agent", "--config", str(site))
     assert main.wait(timeout=200) == EXIT_FATAL, procs.log("site-eu")
+
+
+HF_OPTIONS = {
+    "config": {"num_hidden_layers": 2, "max_position_embeddings": 32},
+    "data": {"num_shards": 3, "max_bytes": 200_000},
+    "context_len": 16,
+    "batch_size": 8,
+    "eval_batches": 2,
+    "eval_batch_size": 8,
+    "warmup_steps": 2,
+}
+
+
+def test_three_layouts_of_one_hugging_face_job_federate(procs: Procs, tmp_path: Path) -> None:
+    """One process, 2 stages (1F1B), 2 stages x 2 DDP replicas (GPipe): the same job, one
+    federation, every site ends on the coordinator's model."""
+    cfg = write_coordinator_config(
+        tmp_path,
+        min_sites=3,
+        max_rounds=2,
+        num_inner_steps=4,
+        uplink_codec="fp32",
+        downlink_codec="fp32",
+        overlap=False,
+    )
+    procs.start("coordinator", "coordinator", "--config", str(cfg))
+    layouts = {
+        "one": {},
+        "two": {"stages": 2, "microbatches": 2, "schedule": "1f1b"},
+        "four": {"stages": 2, "replicas": 2, "microbatches": 2, "schedule": "gpipe"},
+    }
+    for i, (site, layout) in enumerate(layouts.items()):
+        options = {**HF_OPTIONS, "data": {**HF_OPTIONS["data"], "shard_index": i}}
+        path = write_site_config(
+            tmp_path,
+            site,
+            i,
+            3,
+            job={"factory": "site_agent.jobs.hf:make_job", "options": options},
+            **layout,
+        )
+        # The byte GPT's own sections mean nothing to the hf job.
+        text = path.read_text()
+        table = tomllib.loads(text)["site"]
+        for key in ("model", "data", "optim", "eval_batches", "eval_batch_size"):
+            table.pop(key, None)
+        path.write_text(dump_toml({"site": table}))
+        procs.start(f"site-{site}", "agent", "--config", str(path))
+    assert procs.procs["coordinator"].wait(timeout=400) == 0, procs.log("coordinator")
+    for site in layouts:
+        assert procs.procs[f"site-{site}"].wait(timeout=60) == 0, procs.log(f"site-{site}")
+    assert "pipeline plan: stages=2 replicas=2 schedule=gpipe" in procs.log("site-four")
+    status = read_status(tmp_path)
+    assert status is not None and status["rounds_completed"] == 2
+    vals = {int(k): v for k, v in status["val_losses"].items()}
+    assert vals[2] < vals[0], vals
+    state = FileStateStore(tmp_path / "coordinator").load()
+    assert state is not None and state.global_version == 2
+    final = state_hash(state.params)
+    for site in layouts:
+        ckpt = torch.load(tmp_path / f"site-{site}" / "checkpoint.pt", weights_only=True)
+        params = {k: v.numpy() for k, v in ckpt["global_params"].items()}
+        assert (int(ckpt["global_version"]), state_hash(params)) == (2, final), site
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, read from /proc."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            out += [child, *_descendants(child)]
+    return out
+
+
+def test_a_killed_pipelined_site_resumes_from_its_checkpoint(procs: Procs, tmp_path: Path) -> None:
+    cfg = write_coordinator_config(tmp_path, min_sites=1, max_rounds=8, num_inner_steps=4)
+    procs.start("coordinator", "coordinator", "--config", str(cfg))
+    # Half a second a step: the federation is still running when the site is killed.
+    site = write_site_config(tmp_path, "eu", 0, 1, stages=2, microbatches=2, fault_slow_step_s=0.5)
+    first = procs.start("site-eu-1", "agent", "--config", str(site))
+    checkpoint = tmp_path / "site-eu" / "checkpoint.pt"
+    wait_for(
+        lambda: (
+            checkpoint.exists() and (read_status(tmp_path) or {}).get("rounds_completed", 0) >= 1
+        ),
+        timeout_s=200,
+        what="a round and a checkpoint",
+        procs=procs,
+    )
+    # The agent, torchrun (in a session of its own) and every rank at once, as a lost host would.
+    for pid in [first.pid, *_descendants(first.pid)]:
+        os.kill(pid, signal.SIGKILL)
+    first.wait(timeout=30)
+    version = int(torch.load(checkpoint, weights_only=True)["global_version"])
+    assert version >= 1
+    second = procs.start("site-eu-2", "agent", "--config", str(site))
+    assert second.wait(timeout=240) == 0, procs.log("site-eu-2")
+    assert f"resumed from checkpoint at v{version}" in procs.log("site-eu-2")
+    assert procs.procs["coordinator"].wait(timeout=60) == 0, procs.log("coordinator")
+    status = read_status(tmp_path)
+    assert status is not None and status["rounds_completed"] == 8

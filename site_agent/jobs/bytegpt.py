@@ -95,6 +95,12 @@ class ByteGPTJob:
         x, y = batch
         return lm_loss(model(x), y)
 
+    def split(self, batch: Batch) -> Batch:
+        return batch  # (token ids, next-token targets)
+
+    def output_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return lm_loss(output, target)
+
     def weight(self, batch: Batch) -> int:
         return int(batch[1].numel())
 

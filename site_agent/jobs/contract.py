@@ -33,6 +33,13 @@ REQUIRED_MEMBERS = ("model", "optimizer", "batches", "loss", "evaluate")
 """What every job object must have; ``scheduler``, ``weight``, ``state_dict`` and
 ``load_state_dict`` are optional."""
 
+PIPELINE_MEMBERS = ("split", "output_loss")
+"""What a job that may be pipelined (``site.stages > 1``) gives besides: ``split(batch) ->
+(inputs, target)`` (``inputs`` a tensor or a tuple of the model's positional arguments) and
+``output_loss(output, target) -> Tensor`` (the loss from the model's output, reduced to its
+first tensor, e.g. a Hugging Face model's logits). ``cut_points`` (module names a stage may
+start at, in order) is optional."""
+
 
 class JobError(ValueError):
     """A job that cannot be used: its factory does not import, is not callable, rejects its
@@ -178,9 +185,16 @@ def check_job(job: object, factory_path: str) -> None:
     for name in ("batches", "loss", "evaluate"):
         if not callable(getattr(job, name)):
             raise JobError(f"{where}: {name!r} must be callable")
-    for name in ("weight", "state_dict", "load_state_dict"):
+    for name in ("weight", "state_dict", "load_state_dict", *PIPELINE_MEMBERS):
         if hasattr(job, name) and not callable(getattr(job, name)):
             raise JobError(f"{where}: {name!r} must be callable when present")
+    cut_points = getattr(job, "cut_points", None)
+    if cut_points is not None and (
+        isinstance(cut_points, str)
+        or not isinstance(cut_points, Sequence)
+        or not all(isinstance(p, str) for p in cut_points)
+    ):
+        raise JobError(f"{where}: 'cut_points' must be a list of module names when present")
     architecture = getattr(job, "architecture", None)
     if architecture is not None and not isinstance(architecture, Mapping):
         raise JobError(f"{where}: 'architecture' must be a mapping when present")
@@ -197,6 +211,45 @@ def check_job(job: object, factory_path: str) -> None:
             f"{where}: the optimizer's param group {stray[0]} holds tensors that are not "
             "parameters of 'model'"
         )
+
+
+def first_tensor(output: Any) -> torch.Tensor:
+    """The tensor a stage hands on: ``output`` itself, or the first tensor of a tuple, list or
+    mapping (a Hugging Face ``ModelOutput`` gives its logits)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    values = list(output.values()) if isinstance(output, Mapping) else list(output)
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value
+    raise ValueError(f"the model's output holds no tensor ({type(output).__name__})")
+
+
+def check_pipeline_job(job: Job, batch: Any, where: str = "the job") -> float:
+    """A job may be pipelined: it has ``split`` and ``output_loss``, and on ``batch`` (already on
+    the device) ``output_loss`` of the model's output equals ``loss``; returns the loss.
+    :class:`JobError` otherwise. Runs without gradients; the RNG is put back."""
+    missing = [name for name in PIPELINE_MEMBERS if not hasattr(job, name)]
+    if missing:
+        raise JobError(
+            f"{where} cannot be pipelined: it has no {missing[0]!r} (a pipelined job gives "
+            f"{', '.join(PIPELINE_MEMBERS)})"
+        )
+    model = job.model
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        state = torch.get_rng_state()
+        whole = job.loss(model, batch)
+        torch.set_rng_state(state)
+        inputs, target = job.split(batch)  # type: ignore[attr-defined]
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        output = job.output_loss(first_tensor(model(*args)), target)  # type: ignore[attr-defined]
+    a, b = float(whole), float(output)
+    if not math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6):
+        raise JobError(
+            f"{where}: output_loss(model(*split(batch).inputs), target) = {b} differs from "
+            f"loss(model, batch) = {a}"
+        )
+    return a
 
 
 def federated_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -124,8 +124,14 @@ class HFJob:
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         x, y = batch
-        logits = model(input_ids=x, use_cache=False).logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        return self.output_loss(model(input_ids=x, use_cache=False).logits, y)
+
+    def split(self, batch: Batch) -> Batch:
+        return batch  # (input ids, next-token targets); the model's first argument is input_ids
+
+    def output_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Cross entropy of the logits (what a pipeline's last stage hands on)."""
+        return F.cross_entropy(output.flatten(0, 1).float(), target.flatten())
 
     def weight(self, batch: Batch) -> int:
         return int(batch[1].numel())
@@ -198,6 +204,9 @@ def make_job(ctx: JobContext) -> HFJob:
     architecture = json.loads(json.dumps(config.to_dict(), default=str))
     for key in ("transformers_version", "_name_or_path"):
         architecture.pop(key, None)
+    # No key/value cache in training (a pipeline stage calls the model with its inputs alone);
+    # set after the architecture is read, so the fingerprint stays what it was.
+    model.config.use_cache = False
     data = load_corpora(opts.data)
     train, val = data.train, data.val
     architecture["vocabulary"] = "bytes"

@@ -78,6 +78,17 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
 """Schedule generators by the name a config uses."""
 
+TORCH_SCHEDULE_STAGES: dict[str, int] = {
+    "gpipe": 1,
+    "1f1b": 1,
+    "interleaved_1f1b": 2,
+    "looped_bfs": 2,
+    "interleaved_zb": 2,
+    "zbv": 2,
+}
+"""``[site] schedule``: the names of torch's schedules a site runs (``engine.TORCH_SCHEDULES``)
+and the stages each puts on one rank."""
+
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
     """Build the schedule called ``name`` (a key of ``SCHEDULES``)."""

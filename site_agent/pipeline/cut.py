@@ -1,0 +1,273 @@
+"""Cutting any job's model into pipeline stages by module name, without rewriting the model.
+
+This module owns how a model becomes stages:
+
+- the candidate **units**: contiguous runs of the model's ``state_dict`` that start at a cut
+  point (a module name, e.g. ``model.layers.3``). A job may name its cut points
+  (``cut_points``); by default they are the entries of the model's longest ``nn.ModuleList``
+  (HF Llama's ``model.layers``, the byte GPT's ``layers``) plus the first module after it that
+  holds tensors, so what precedes the list is one unit and what follows it another;
+- a **stage**: the model itself with every module that holds only other stages' tensors
+  replaced by a :class:`PassThrough`, so the model's own forward runs on every stage (a
+  module without tensors, such as a rotary embedding, stays everywhere). Its ``state_dict``
+  holds exactly the stage's tensors under their full-model names;
+- :class:`StageForward`, the stage as torch's ``PipelineStage`` takes it (inputs in, one tensor
+  out);
+- :func:`profile_units`, each unit's forward + backward seconds and output bytes measured on one
+  sample micro-batch through the whole model (module hooks, so any model's forward works), the
+  partitioner's input.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from site_agent.jobs.contract import first_tensor
+
+
+class PassThrough(nn.Module):
+    """Stands in for a module held by another stage: returns its first input unchanged."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+class StageForward(nn.Module):
+    """One stage for ``PipelineStage``: the (cut) model's own forward on the received inputs,
+    reduced to one tensor by :func:`first_tensor`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return first_tensor(self.model(*inputs))
+
+
+@dataclass(frozen=True)
+class Units:
+    """The candidate units of a model, in ``state_dict`` order."""
+
+    names: tuple[str, ...]
+    """A name per unit: the cut point it starts at (``"<prefix>"`` for what precedes the first)."""
+    tensors: tuple[tuple[str, ...], ...]
+    """The ``state_dict`` names each unit holds."""
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def owned(self, unit_indices: Sequence[int]) -> set[str]:
+        return {name for i in unit_indices for name in self.tensors[i]}
+
+
+def _tensor_names(model: nn.Module) -> list[str]:
+    """``state_dict`` names, a tensor held under two names (tied) counted under its first."""
+    seen: set[int] = set()
+    names = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        names.append(name)
+    return names
+
+
+def _under(name: str, module_name: str) -> bool:
+    return name == module_name or name.startswith(module_name + ".")
+
+
+def default_cut_points(model: nn.Module) -> list[str]:
+    """The entries of the model's longest ``nn.ModuleList`` (ties: the first in module order)
+    and the first module after it that holds tensors (its suffix, e.g. final norm and head)."""
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ValueError("the model has no nn.ModuleList of blocks to cut: give the job cut_points")
+    list_name, blocks = max(lists, key=lambda item: len(item[1]))
+    prefix = f"{list_name}." if list_name else ""
+    points = [f"{prefix}{i}" for i, block in enumerate(blocks) if _tensor_names(block)]
+    names = _tensor_names(model)
+    after = [n for n in names if not _under(n, list_name)]
+    last_in_list = max(i for i, n in enumerate(names) if _under(n, list_name))
+    following = [n for n in names[last_in_list + 1 :] if n in after]
+    if following:
+        points.append(_owner_module(model, following[0]))
+    return points
+
+
+def _owner_module(model: nn.Module, tensor_name: str) -> str:
+    """The module that holds ``tensor_name``, e.g. ``model.norm`` for ``model.norm.weight``."""
+    return tensor_name.rsplit(".", 1)[0] if "." in tensor_name else tensor_name
+
+
+def units_of(model: nn.Module, cut_points: Sequence[str] | None = None) -> Units:
+    """Split the model's tensors into units at ``cut_points`` (default: :func:`default_cut_points`).
+
+    A cut point must name a module that holds tensors, and cut points must follow the model's
+    ``state_dict`` order; ``ValueError`` otherwise.
+    """
+    points = list(cut_points) if cut_points else default_cut_points(model)
+    modules = dict(model.named_modules())
+    names = _tensor_names(model)
+    starts: list[int] = []
+    for point in points:
+        if point not in modules:
+            raise ValueError(f"cut point {point!r} is not a module of the model")
+        first = next((i for i, n in enumerate(names) if _under(n, point)), None)
+        if first is None:
+            raise ValueError(f"cut point {point!r} holds no parameters or buffers")
+        if starts and first <= starts[-1]:
+            raise ValueError(f"cut point {point!r} comes before the one it follows")
+        starts.append(first)
+    unit_names = list(points)
+    if starts[0] > 0:
+        starts.insert(0, 0)
+        unit_names.insert(0, "<prefix>")
+    ends = [*starts[1:], len(names)]
+    tensors = tuple(tuple(names[a:b]) for a, b in zip(starts, ends, strict=True))
+    return Units(names=tuple(unit_names), tensors=tensors)
+
+
+def _module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t) for n, t in module.state_dict(keep_vars=True).items()]
+
+
+def strip_to_stage(model: nn.Module, owned: set[str]) -> nn.Module:
+    """Replace, in place, every module holding only tensors not in ``owned`` by a
+    :class:`PassThrough`; returns ``model``. Containers (``ModuleList``, ``ModuleDict``) are
+    entered, never replaced, because the forward indexes or iterates them. A module whose own
+    tensors are split between stages, or a tensor tied across stages, is a ``ValueError``."""
+    owned_ids = {id(t) for n, t in _module_tensors(model) if n in owned}
+    foreign_ids = {id(t) for n, t in _module_tensors(model) if n not in owned}
+    if owned_ids & foreign_ids:
+        raise ValueError("a tensor tied under two names is cut across stages")
+
+    def visit(module: nn.Module, where: str) -> None:
+        for child_name, child in list(module.named_children()):
+            path = f"{where}.{child_name}" if where else child_name
+            ids = {id(t) for _, t in _module_tensors(child)}
+            if not ids or ids <= owned_ids:
+                continue
+            if ids <= foreign_ids and not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                setattr(module, child_name, PassThrough())
+                continue
+            own = {id(t) for t in child.parameters(recurse=False)} | {
+                id(t) for t in child.buffers(recurse=False)
+            }
+            if own & owned_ids and own & foreign_ids:
+                raise ValueError(f"module {path!r} is split between stages: cut at modules")
+            visit(child, path)
+
+    visit(model, "")
+    return model
+
+
+def unit_modules(model: nn.Module, units: Units) -> list[list[nn.Module]]:
+    """Per unit, the largest modules whose tensors all belong to it (what its time is)."""
+    owner = {}
+    for i, names in enumerate(units.tensors):
+        for n in names:
+            owner[n] = i
+    by_id: dict[int, int] = {}
+    for name, tensor in _module_tensors(model):
+        if name in owner:
+            by_id.setdefault(id(tensor), owner[name])
+    out: list[list[nn.Module]] = [[] for _ in range(len(units))]
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            unit_ids = {by_id[id(t)] for _, t in _module_tensors(child) if id(t) in by_id}
+            if not unit_ids:
+                continue
+            if len(unit_ids) == 1 and not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                out[unit_ids.pop()].append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return out
+
+
+class _UnitTimer:
+    """Module hooks that add each unit's forward and backward seconds and note its output size."""
+
+    def __init__(self, groups: list[list[nn.Module]], cuda: bool) -> None:
+        self.seconds = [0.0] * len(groups)
+        self.sizes = [0] * len(groups)
+        self.cuda = cuda
+        self._started: dict[int, float] = {}
+        self._handles: list[Any] = []
+        for u, modules in enumerate(groups):
+            for m in modules:
+                self._handles += [
+                    m.register_forward_pre_hook(lambda m, _a: self._start(m)),
+                    m.register_forward_hook(lambda m, _a, out, u=u: self._stop(m, u, out)),
+                    m.register_full_backward_pre_hook(lambda m, _g: self._start(m)),
+                    m.register_full_backward_hook(functools.partial(self._backward_done, u)),
+                ]
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _start(self, module: nn.Module) -> None:
+        self._started[id(module)] = self._now()
+
+    def _stop(self, module: nn.Module, unit: int, out: Any = None) -> None:
+        started = self._started.pop(id(module), None)
+        if started is not None:
+            self.seconds[unit] += self._now() - started
+        if out is not None:
+            try:
+                t = first_tensor(out)
+                self.sizes[unit] = t.numel() * t.element_size()
+            except (ValueError, TypeError):
+                pass
+
+    def _backward_done(self, unit: int, module: nn.Module, _gi: Any, _go: Any) -> None:
+        self._stop(module, unit)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def profile_units(
+    model: nn.Module,
+    units: Units,
+    run: Callable[[], torch.Tensor],
+    *,
+    steps: int = 3,
+) -> tuple[list[float], list[int]]:
+    """Each unit's forward + backward seconds (median of ``steps`` passes after one warm-up) and
+    its output's bytes, measured by module hooks while ``run()`` (a forward returning a scalar
+    loss through the whole model) is back-propagated. Gradients are taken with
+    ``torch.autograd.grad``, so ``.grad`` fields stay untouched."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    groups = unit_modules(model, units)
+    times: list[list[float]] = [[] for _ in groups]
+    timer = _UnitTimer(groups, cuda=any(p.is_cuda for p in model.parameters()))
+    params = [p for p in model.parameters() if p.requires_grad]
+    try:
+        # A unit whose inputs need no gradient (the embedding) still times its backward.
+        with torch.enable_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            for step in range(steps + 1):
+                timer.seconds = [0.0] * len(groups)
+                torch.autograd.grad(run(), params, allow_unused=True)
+                if step > 0:
+                    for u, seconds in enumerate(timer.seconds):
+                        times[u].append(seconds)
+    finally:
+        timer.close()
+    return [statistics.median(t) for t in times], timer.sizes

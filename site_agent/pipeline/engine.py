@@ -1,0 +1,288 @@
+"""One rank's share of a pipelined job under ``torch.distributed.pipelining``.
+
+This module owns what a rank of a pipelined site builds and runs for any job that may be
+pipelined (``split`` and ``output_loss``, see ``site_agent.jobs.contract``): its stages (the
+job's model cut by ``cut``, one ``PipelineStage`` each, gradients averaged across replicas), torch's schedule
+named by ``[site] schedule``, and the inner step around it (the job's optimizer over this rank's
+parameters only, gradient clipping by the norm over the whole pipeline, the job's scheduler).
+It also owns the plan: the units profiled on one sample micro-batch and cut by the
+bottleneck-optimal partitioner (``partition``), computed on one rank and shared.
+
+Rank layout as ``stage.PipelineLayout``: rank = replica * pipeline ranks + pipeline rank. A
+schedule with several stages per rank (interleaved, looped, zero-bubble V) puts stage
+``pp_rank + k * pp_size`` on each rank, or the V shape (``pp_rank`` and ``2 pp_size - 1 -
+pp_rank``) for ``zbv``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+
+from site_agent.jobs.contract import federated_state, first_tensor
+from site_agent.pipeline.cut import (
+    StageForward,
+    Units,
+    profile_units,
+    strip_to_stage,
+    units_of,
+)
+from site_agent.pipeline.partition import PartitionPlan, TransferModel, partition_layers
+from site_agent.pipeline.schedule import TORCH_SCHEDULE_STAGES
+from site_agent.pipeline.stage import PipelineLayout
+
+log = logging.getLogger(__name__)
+
+# Same constant as torch.nn.utils.clip_grad_norm_, so clipping matches the single-process trainer.
+_CLIP_EPS = 1e-6
+
+TORCH_SCHEDULES: dict[str, tuple[Any, int]] = {
+    name: (cls, TORCH_SCHEDULE_STAGES[name])
+    for name, cls in [
+        ("gpipe", ScheduleGPipe),
+        ("1f1b", Schedule1F1B),
+        ("interleaved_1f1b", ScheduleInterleaved1F1B),
+        ("looped_bfs", ScheduleLoopedBFS),
+        ("interleaved_zb", ScheduleInterleavedZeroBubble),
+        ("zbv", ScheduleZBVZeroBubble),
+    ]
+}
+"""``[site] schedule`` -> (torch's schedule class, stages per rank)."""
+
+
+def stages_per_rank(schedule: str) -> int:
+    if schedule not in TORCH_SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(TORCH_SCHEDULES)}, got {schedule!r}")
+    return TORCH_SCHEDULES[schedule][1]
+
+
+def stage_indices(schedule: str, pp_rank: int, pp_size: int) -> list[int]:
+    """The pipeline stages rank ``pp_rank`` of ``pp_size`` holds under ``schedule``."""
+    k = stages_per_rank(schedule)
+    if schedule == "zbv":
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + j * pp_size for j in range(k)]
+
+
+def split_batch(job: Any, batch: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """``job.split(batch)`` with the inputs as a tuple of positional arguments."""
+    inputs, target = job.split(batch)
+    return (inputs if isinstance(inputs, tuple) else (inputs,)), target
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """The cut every rank applies: the units and which of them each stage holds."""
+
+    units: Units
+    partition: PartitionPlan
+
+    def owned(self, stage: int) -> set[str]:
+        return self.units.owned(self.partition.stages[stage])
+
+
+def make_stage_plan(
+    job: Any,
+    sample_batch: Any,
+    num_stages: int,
+    *,
+    num_microbatches: int,
+    boundaries: Sequence[int] | None = None,
+    transfer: TransferModel | None = None,
+    profile_steps: int = 3,
+) -> StagePlan:
+    """Profile the job's units on one micro-batch of ``sample_batch`` and cut them into
+    ``num_stages`` stages (or at ``boundaries``, unit indices of each stage's first unit)."""
+    model: nn.Module = job.model
+    units = units_of(model, getattr(job, "cut_points", None))
+    if num_stages > len(units):
+        raise ValueError(f"{num_stages} stages exceed the model's {len(units)} units {units.names}")
+    inputs, target = split_batch(job, sample_batch)
+    size = inputs[0].shape[0] // num_microbatches
+    mb_inputs = tuple(x[:size] for x in inputs)
+    mb_target = target[:size]
+
+    def run() -> torch.Tensor:
+        loss: torch.Tensor = job.output_loss(first_tensor(model(*mb_inputs)), mb_target)
+        return loss
+
+    state = copy.deepcopy(model.state_dict())
+    with torch.random.fork_rng(devices=[]):
+        costs, sizes = profile_units(model, units, run, steps=profile_steps)
+    model.load_state_dict(state)
+    if boundaries is None:
+        plan = partition_layers(costs, sizes, num_stages, transfer)
+    else:
+        from site_agent.pipeline.setup import fixed_plan
+
+        plan = fixed_plan(costs, sizes, boundaries, transfer)
+    return StagePlan(units=units, partition=plan)
+
+
+class RankPipeline:
+    """This rank's stages of the job, torch's schedule over them, and the inner step.
+
+    ``job``: built on this rank by the job's factory (same seed on every rank, so every stage
+    starts from the single-process weights); its model is cut here, in place. ``pp_group`` holds
+    this replica's pipeline ranks, ``dp_group`` this pipeline rank in every replica (``None``
+    for one replica).
+    """
+
+    def __init__(
+        self,
+        *,
+        job: Any,
+        plan: StagePlan,
+        schedule: str,
+        num_microbatches: int,
+        layout: PipelineLayout,
+        rank: int,
+        device: torch.device,
+        pp_group: dist.ProcessGroup | None,
+        dp_group: dist.ProcessGroup | None,
+        grad_clip: float,
+    ) -> None:
+        pp_size = layout.num_stages
+        self.layout = layout
+        self.pp_rank = layout.stage_of(rank)
+        self.replica = layout.replica_of(rank)
+        self.num_stages = pp_size * stages_per_rank(schedule)
+        if plan.partition.num_stages != self.num_stages:
+            raise ValueError(
+                f"the plan has {plan.partition.num_stages} stages, schedule {schedule!r} on "
+                f"{pp_size} ranks needs {self.num_stages}"
+            )
+        self.job = job
+        self.device = device
+        self.pp_group = pp_group
+        self.grad_clip = grad_clip
+        self.indices = stage_indices(schedule, self.pp_rank, pp_size)
+        self.holds_first = 0 in self.indices
+        self.holds_last = self.num_stages - 1 in self.indices
+
+        model: nn.Module = job.model
+        name_of = {id(p): n for n, p in model.named_parameters()}  # before the cut
+        many = len(self.indices) > 1
+        self.modules = [
+            strip_to_stage(copy.deepcopy(model) if many else model, plan.owned(i)).to(device)
+            for i in self.indices
+        ]
+        self.optimizer = _keep_local_parameters(job.optimizer, name_of, self.modules)
+        self.scheduler = getattr(job, "scheduler", None)
+
+        # Replicas average their gradients after the schedule (one flat all-reduce per rank):
+        # torch's DDP wrapper fails under GPipe here (its reducer's bucket rebuild asserts on the
+        # second step, torch 2.13, gloo), and one all-reduce per step is what DDP would send.
+        self.dp_group = dp_group
+        stages = [
+            PipelineStage(StageForward(module), index, self.num_stages, device, group=pp_group)
+            for index, module in zip(self.indices, self.modules, strict=True)
+        ]
+        cls, per_rank = TORCH_SCHEDULES[schedule]
+        self.schedule = cls(
+            stages if per_rank > 1 else stages[0],
+            n_microbatches=num_microbatches,
+            loss_fn=job.output_loss,
+            scale_grads=True,
+        )
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """This rank's federated tensors, by full-model name."""
+        out: dict[str, torch.Tensor] = {}
+        for module in self.modules:
+            out.update(federated_state(module))
+        return out
+
+    def train_step(self, batch: Any) -> torch.Tensor | None:
+        """One inner step on this replica's ``batch``; returns, where the last stage lives, the
+        mean of its micro-batch losses (detached)."""
+        inputs, target = split_batch(self.job, batch)
+        for module in self.modules:
+            module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {}
+        if self.holds_last:
+            kwargs = {"target": target, "losses": losses}
+        self.schedule.step(*(inputs if self.holds_first else ()), **kwargs)
+        self._average_over_replicas()
+        self._clip()
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        if not self.holds_last:
+            return None
+        return torch.stack([loss.detach().float() for loss in losses]).mean()
+
+    def _average_over_replicas(self) -> None:
+        if self.dp_group is None:
+            return
+        params = [p for m in self.modules for p in m.parameters()]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
+        flat.div_(self.layout.num_replicas)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _clip(self) -> None:
+        """Scale gradients so the norm over the whole model is at most ``grad_clip``; the
+        squared norms of every stage of the pipeline are summed over ``pp_group``."""
+        if self.grad_clip <= 0:
+            return
+        grads = [p.grad for m in self.modules for p in m.parameters() if p.grad is not None]
+        squared = torch.zeros((), dtype=torch.float32, device=self.device)
+        if grads:
+            norms = torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads])
+            squared = norms.pow(2).sum()
+        if self.layout.num_stages > 1:
+            dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.pp_group)
+        coef = torch.clamp(self.grad_clip / (squared.sqrt() + _CLIP_EPS), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+
+
+def _keep_local_parameters(
+    optimizer: torch.optim.Optimizer, name_of: Mapping[int, str], modules: Sequence[nn.Module]
+) -> torch.optim.Optimizer:
+    """The job's optimizer (and so its scheduler) made to step this rank's parameters only:
+    each group keeps its hyper-parameters and the stage modules' tensors of its parameters
+    (``name_of``: the whole model's parameter names by tensor id, taken before the cut)."""
+    local = {n: p for m in modules for n, p in m.named_parameters()}
+    for group in optimizer.param_groups:
+        group["params"] = [
+            local[name_of[id(p)]] for p in group["params"] if name_of[id(p)] in local
+        ]
+    optimizer.state.clear()
+    return optimizer
+
+
+__all__ = [
+    "TORCH_SCHEDULES",
+    "RankPipeline",
+    "StagePlan",
+    "make_stage_plan",
+    "stage_indices",
+    "stages_per_rank",
+]

@@ -1,0 +1,154 @@
+"""The leader's handle on a pipelined job site: the agent's trainer surface over every rank.
+
+This module owns :class:`JobPipelineTrainer`, which rank 0 holds while every other rank runs
+``jobsite.job_worker_loop``. Each call validates its arguments on the leader, broadcasts a
+command on the control group and carries out rank 0's part (``jobsite.JobRank``), so a rejected
+call leaves every rank in step. The site agent drives it exactly as a ``JobTrainer``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from site_agent.jobs.contract import (
+    JobError,
+    StateSpec,
+    check_metrics,
+    federated_state,
+    job_fingerprint,
+)
+from site_agent.pipeline.engine import StagePlan
+from site_agent.pipeline.jobsite import JobRank, JobSiteConfig
+from site_agent.pipeline.worker import broadcast_command
+from site_agent.trainer import TrainStats
+
+
+class JobPipelineTrainer:
+    """Rank 0's handle on the whole site: the agent's trainer surface (``SiteTrainer``)."""
+
+    def __init__(self, cfg: JobSiteConfig, device: torch.device) -> None:
+        if not dist.is_initialized() or dist.get_rank() != 0:
+            raise ValueError("JobPipelineTrainer runs on rank 0; other ranks run job_worker_loop")
+        self._rank = JobRank(cfg, device)
+        self.cfg = cfg
+        self._closed = False
+        self._broken = False
+        self.where = f"the job from {cfg.factory!r}"
+
+    @property
+    def step(self) -> int:
+        return self._rank.step
+
+    @property
+    def plan(self) -> StagePlan:
+        return self._rank.plan
+
+    def train_steps(self, num_steps: int) -> TrainStats:
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        start = time.perf_counter()
+        losses, weight = self._command(("train", num_steps), lambda r: r.train(num_steps))
+        return TrainStats(
+            steps=num_steps,
+            tokens=weight,
+            loss_mean=float(losses.mean()),
+            loss_last=float(losses[-1]),
+            compute_seconds=time.perf_counter() - start,
+        )
+
+    def validate(self) -> dict[str, float]:
+        """The job's metrics of the site's model (gathered into the leader's CPU copy)."""
+        params = self.parameters_numpy()
+        model = self._rank.eval_model
+        assert model is not None, "rank 0 keeps the model for validation"
+        state = federated_state(model)
+        with torch.no_grad():
+            for name, tensor in state.items():
+                tensor.copy_(torch.as_tensor(params[name]))
+        model.eval()
+        with torch.no_grad():
+            metrics = self._rank.job.evaluate(model)
+        return check_metrics(metrics, self.where, finite_loss=False)
+
+    def state_spec(self) -> StateSpec:
+        return self._rank.spec
+
+    def buffer_names(self) -> list[str]:
+        return list(self._rank.buffers)
+
+    def fingerprint(self, factory_path: str) -> str:
+        return job_fingerprint(factory_path, self._rank.spec, self._rank.architecture)
+
+    def parameters_numpy(self) -> dict[str, np.ndarray]:
+        params: dict[str, np.ndarray] | None = self._command(("params",), lambda r: r.gather())
+        assert params is not None
+        return params
+
+    def load_parameters(self, params: Mapping[str, np.ndarray]) -> None:
+        expected = {name: shape for name, shape, _ in self._rank.spec}
+        for name in expected:
+            if name not in params:
+                raise ValueError(f"parameter {name!r} is missing")
+        for name in params:
+            if name not in expected:
+                raise ValueError(f"unexpected parameter {name!r}")
+            if tuple(np.shape(params[name])) != tuple(expected[name]):
+                raise ValueError(
+                    f"parameter {name!r} has shape {tuple(np.shape(params[name]))}, "
+                    f"expected {tuple(expected[name])}"
+                )
+        self._command(("load_params",), lambda r: r.scatter(params))
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] | None = self._command(("state",), lambda r: r.gather_state())
+        assert state is not None
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for key in ("model", "step"):
+            if key not in state:
+                raise ValueError(f"state has no {key!r} entry")
+        missing = [n for n in self._rank.order if n not in state["model"]]
+        if missing:
+            raise JobError(f"the checkpoint lacks {missing[0]!r}")
+        self._command(("load_state",), lambda r: r.scatter_state(state))
+
+    def close(self) -> None:
+        """Release the workers (their loop returns). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._broken:
+            broadcast_command(("stop",), self._rank.control)
+
+    def __enter__(self) -> JobPipelineTrainer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _command(self, command: tuple[Any, ...], run: Callable[[JobRank], Any]) -> Any:
+        if self._closed:
+            raise ValueError("the pipeline trainer is closed")
+        if self._broken:
+            raise RuntimeError("an earlier command failed; the site's ranks are out of step")
+        self._broken = True
+        broadcast_command(command, self._rank.control)
+        result = run(self._rank)
+        self._broken = False
+        return result
+
+
+__all__ = ["JobPipelineTrainer"]

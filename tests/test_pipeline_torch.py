@@ -1,0 +1,356 @@
+"""Any job cut into stages by module name and trained by torch.distributed.pipelining.
+
+Unit tests (one process): the candidate units of the byte GPT and of a Hugging Face Llama, the
+stages' forwards composing to the whole model's exactly, the job contract's pipeline members and
+the per-unit profile. Distributed tests (spawned CPU processes in a gloo group): a pipelined
+step equals one process training on the same global batch, to float rounding, for torch's
+GPipe, 1F1B, interleaved 1F1B and zero-bubble V schedules, for the Hugging Face job, and for two
+stages x two DDP replicas.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from site_agent.jobs.contract import JobContext, JobError, check_pipeline_job
+from site_agent.pipeline.cut import (
+    PassThrough,
+    StageForward,
+    profile_units,
+    strip_to_stage,
+    units_of,
+)
+from site_agent.pipeline.engine import RankPipeline, make_stage_plan, stage_indices, stages_per_rank
+from site_agent.pipeline.procgroup import LocalProcessGroup
+from site_agent.pipeline.stage import PipelineLayout
+from site_agent.trainer import JobTrainer
+
+pytestmark = pytest.mark.timeout(300)
+
+BYTEGPT_OPTIONS = {
+    "model": {"context_len": 16, "num_layers": 4, "d_model": 32, "num_heads": 4},
+    "data": {"max_bytes": 20_000},
+    "optim": {"batch_size": 8, "warmup_steps": 2},
+}
+HF_OPTIONS = {
+    "context_len": 16,
+    "batch_size": 8,
+    "warmup_steps": 2,
+    "config": {"num_hidden_layers": 3},
+    "data": {"max_bytes": 20_000},
+}
+
+
+def make_job(kind: str, seed: int = 3) -> Any:
+    ctx = dict(site_id="t", seed=seed, device=torch.device("cpu"))
+    if kind == "hf":
+        from site_agent.jobs.hf import make_job as make_hf
+
+        return make_hf(JobContext(**ctx, options=HF_OPTIONS))  # type: ignore[arg-type]
+    from site_agent.jobs.bytegpt import make_job as make_bytegpt
+
+    return make_bytegpt(JobContext(**ctx, options=BYTEGPT_OPTIONS))  # type: ignore[arg-type]
+
+
+# -- one process ---------------------------------------------------------------------------
+
+
+def test_units_of_the_byte_gpt_are_its_layers() -> None:
+    units = units_of(make_job("bytegpt").model)
+    assert units.names == tuple(f"layers.{i}" for i in range(6))
+    assert units.tensors[0] == ("layers.0.token.weight", "layers.0.position.weight")
+
+
+def test_units_of_a_llama_are_prefix_blocks_and_suffix() -> None:
+    units = units_of(make_job("hf").model)
+    assert units.names == (
+        "<prefix>",
+        "model.layers.0",
+        "model.layers.1",
+        "model.layers.2",
+        "model.norm",
+    )
+    assert units.tensors[0] == ("model.embed_tokens.weight",)
+    assert units.tensors[-1] == ("model.norm.weight", "lm_head.weight")
+
+
+def test_cut_points_named_by_the_job() -> None:
+    model = make_job("hf").model
+    units = units_of(model, ["model.layers.1", "model.norm"])
+    assert units.names == ("<prefix>", "model.layers.1", "model.norm")
+    assert units.tensors[0][0] == "model.embed_tokens.weight"
+    assert units.tensors[0][-1].startswith("model.layers.0.")
+    with pytest.raises(ValueError, match="not a module"):
+        units_of(model, ["model.layers.9"])
+    with pytest.raises(ValueError, match="comes before"):
+        units_of(model, ["model.layers.1", "model.layers.0"])
+    with pytest.raises(ValueError, match="holds no parameters"):
+        units_of(model, ["model.rotary_emb"])
+
+
+@pytest.mark.parametrize("kind", ["bytegpt", "hf"])
+def test_stages_compose_to_the_whole_model(kind: str) -> None:
+    model = make_job(kind).model.eval()
+    units = units_of(model)
+    x = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        whole = StageForward(model)(x)
+        cuts = [(0, 2), (2, 4), (4, len(units))]
+        stages = [
+            StageForward(strip_to_stage(copy.deepcopy(model), units.owned(range(a, b))))
+            for a, b in cuts
+        ]
+        out: torch.Tensor = x
+        for stage in stages:
+            out = stage(out)
+    torch.testing.assert_close(out, whole, rtol=0, atol=0)
+    # Each stage holds exactly its units' tensors, under the whole model's names.
+    for stage, (a, b) in zip(stages, cuts, strict=True):
+        assert set(stage.model.state_dict()) == units.owned(range(a, b))
+    assert any(isinstance(m, PassThrough) for m in stages[0].modules())
+
+
+def test_a_module_split_between_stages_is_refused() -> None:
+    model = make_job("bytegpt").model
+    owned = set(model.state_dict()) - {"layers.1.ln_attn.bias"}  # a LayerNorm's weight alone
+    with pytest.raises(ValueError, match="split between stages"):
+        strip_to_stage(model, owned)
+
+
+@pytest.mark.parametrize("kind", ["bytegpt", "hf"])
+def test_output_loss_agrees_with_loss(kind: str) -> None:
+    job = make_job(kind)
+    batch = next(iter(job.batches()))
+    assert check_pipeline_job(job, batch) > 0
+
+
+def test_a_job_without_split_cannot_be_pipelined() -> None:
+    job = make_job("bytegpt")
+
+    class NoSplit:
+        model, optimizer = job.model, job.optimizer
+        loss, evaluate, batches = job.loss, job.evaluate, job.batches
+
+    with pytest.raises(JobError, match="no 'split'"):
+        check_pipeline_job(NoSplit(), next(iter(job.batches())))  # type: ignore[arg-type]
+
+    class Disagrees(NoSplit):
+        split = job.split
+
+        def output_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return job.output_loss(output, target) * 2
+
+    with pytest.raises(JobError, match="differs from"):
+        check_pipeline_job(Disagrees(), next(iter(job.batches())))  # type: ignore[arg-type]
+
+
+def test_profile_units_times_every_unit() -> None:
+    job = make_job("hf")
+    units = units_of(job.model)
+    x, y = next(iter(job.batches()))
+    before = copy.deepcopy(job.model.state_dict())
+    costs, sizes = profile_units(
+        job.model, units, lambda: job.output_loss(job.model(x).logits, y), steps=1
+    )
+    assert len(costs) == len(sizes) == len(units)
+    assert all(c > 0 for c in costs)
+    assert sizes[:-1] == [8 * 16 * 64 * 4] * 4  # hidden states out of every unit but the last
+    assert sizes[-1] == 8 * 16 * 256 * 4  # the logits
+    assert all(p.grad is None for p in job.model.parameters())
+    for name, value in job.model.state_dict().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0)
+
+
+def test_stage_indices() -> None:
+    assert stage_indices("1f1b", 1, 2) == [1]
+    assert stage_indices("interleaved_1f1b", 1, 2) == [1, 3]
+    assert stage_indices("zbv", 0, 2) == [0, 3]
+    assert stage_indices("zbv", 1, 2) == [1, 2]
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        stages_per_rank("pipedream")
+
+
+# -- spawned processes ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[LocalProcessGroup]:
+    with LocalProcessGroup(4, timeout_s=280) as pool:
+        yield pool
+
+
+def _rank_run(
+    rank: int, world_size: int, kind: str, schedule: str, num_replicas: int, steps: int
+) -> tuple[dict[str, np.ndarray], list[float | None]]:
+    torch.set_num_threads(1)
+    job = make_job(kind)
+    layout = PipelineLayout(num_stages=world_size // num_replicas, num_replicas=num_replicas)
+    batches = [next(iter(job.batches())) for _ in range(steps)]
+    box: list[Any] = [None]
+    if rank == 0:
+        box[0] = make_stage_plan(
+            job,
+            batches[0],
+            layout.num_stages * stages_per_rank(schedule),
+            num_microbatches=4,
+            profile_steps=1,
+        )
+    dist.broadcast_object_list(box, src=0)
+    pp_groups = [dist.new_group(layout.replica_ranks(r)) for r in range(num_replicas)]
+    dp_groups = (
+        [dist.new_group(layout.stage_ranks(s)) for s in range(layout.num_stages)]
+        if num_replicas > 1
+        else None
+    )
+    pipeline = RankPipeline(
+        job=job,
+        plan=box[0],
+        schedule=schedule,
+        num_microbatches=4,
+        layout=layout,
+        rank=rank,
+        device=torch.device("cpu"),
+        pp_group=pp_groups[layout.replica_of(rank)],
+        dp_group=dp_groups[layout.stage_of(rank)] if dp_groups else None,
+        grad_clip=1.0,
+    )
+    replica = layout.replica_of(rank)
+    losses = []
+    for x, y in batches:
+        n = x.shape[0] // num_replicas
+        share = slice(replica * n, (replica + 1) * n)
+        loss = pipeline.train_step((x[share], y[share]))
+        losses.append(None if loss is None else float(loss))
+    return {k: v.detach().numpy().copy() for k, v in pipeline.state().items()}, losses
+
+
+def _single_process(kind: str, steps: int) -> tuple[dict[str, np.ndarray], list[float]]:
+    job = make_job(kind)
+    trainer = JobTrainer(job, grad_clip=1.0)
+    batches = [next(iter(job.batches())) for _ in range(steps)]
+    losses = []
+    for batch in batches:
+        trainer._batches = iter([batch])
+        losses.append(trainer.train_steps(1).loss_mean)
+    return trainer.parameters_numpy(), losses
+
+
+@pytest.mark.parametrize(
+    ("kind", "schedule", "world_size", "num_replicas"),
+    [
+        ("bytegpt", "gpipe", 2, 1),
+        ("bytegpt", "1f1b", 2, 1),
+        ("bytegpt", "interleaved_1f1b", 2, 1),
+        ("bytegpt", "zbv", 2, 1),
+        ("hf", "1f1b", 2, 1),
+        ("bytegpt", "1f1b", 4, 2),
+        ("bytegpt", "gpipe", 4, 2),
+    ],
+)
+def test_pipelined_steps_equal_one_process(
+    group: LocalProcessGroup, kind: str, schedule: str, world_size: int, num_replicas: int
+) -> None:
+    steps = 3
+    expected, expected_losses = _single_process(kind, steps)
+    results = group.run(_rank_run, kind, schedule, num_replicas, steps, world_size=world_size)
+    merged: dict[str, np.ndarray] = {}
+    pp_size = world_size // num_replicas
+    for params, _ in results[:pp_size]:  # replica 0
+        assert not set(params) & set(merged), "each stage holds its own tensors"
+        merged.update(params)
+    for rank in range(pp_size, world_size):  # the other replicas hold the same values
+        for name, value in results[rank][0].items():
+            np.testing.assert_array_equal(value, results[rank % pp_size][0][name])
+    assert list(expected) == [n for n in expected if n in merged] and set(merged) == set(expected)
+    for name, value in expected.items():
+        np.testing.assert_allclose(merged[name], value, rtol=0, atol=5e-5, err_msg=name)
+    # The loss of a replica's last stage: the whole batch's when there is one replica.
+    last_losses = [losses for _, losses in results if losses[0] is not None]
+    assert len(last_losses) == num_replicas
+    if num_replicas == 1:
+        np.testing.assert_allclose(last_losses[0], expected_losses, rtol=1e-5)
+    else:
+        np.testing.assert_allclose(np.mean(last_losses, axis=0), expected_losses, rtol=1e-5)
+
+
+# -- the leader's trainer and the workers' loop -----------------------------------------------
+
+
+def _site_config(schedule: str, num_stages: int, num_replicas: int) -> Any:
+    from site_agent.pipeline.jobsite import JobSiteConfig
+
+    return JobSiteConfig(
+        factory="site_agent.jobs.bytegpt:make_job",
+        options=BYTEGPT_OPTIONS,
+        seed=3,
+        num_stages=num_stages,
+        num_replicas=num_replicas,
+        num_microbatches=2,
+        schedule=schedule,
+        profile_steps=1,
+    )
+
+
+def _site_run(rank: int, world_size: int, schedule: str, num_replicas: int) -> Any:
+    from site_agent.pipeline.jobleader import JobPipelineTrainer
+    from site_agent.pipeline.jobsite import job_worker_loop
+
+    torch.set_num_threads(1)
+    cfg = _site_config(schedule, world_size // num_replicas, num_replicas)
+    device = torch.device("cpu")
+    if rank != 0:
+        job_worker_loop(cfg, device)
+        return None
+    with JobPipelineTrainer(cfg, device) as trainer:
+        first = trainer.train_steps(2)
+        state = trainer.state_dict()
+        after_three = trainer.train_steps(1)
+        params_three = trainer.parameters_numpy()
+        metrics = trainer.validate()
+        trainer.load_state_dict(state)  # back to step 2: the third step again
+        again = trainer.train_steps(1)
+        params_again = trainer.parameters_numpy()
+        trainer.load_parameters({k: v * 0 for k, v in params_again.items()})
+        zeros = trainer.parameters_numpy()
+        return {
+            "losses": [first.loss_mean, after_three.loss_mean, again.loss_mean],
+            "params": params_three,
+            "params_again": params_again,
+            "zeros": max(float(np.abs(v).max()) for v in zeros.values()),
+            "metrics": metrics,
+            "fingerprint": trainer.fingerprint("site_agent.jobs.bytegpt:make_job"),
+            "state_keys": sorted(state),
+        }
+
+
+@pytest.mark.parametrize(("schedule", "world_size", "num_replicas"), [("1f1b", 2, 1)])
+def test_a_pipelined_job_site_trains_resumes_and_syncs_by_name(
+    group: LocalProcessGroup, schedule: str, world_size: int, num_replicas: int
+) -> None:
+    from site_agent.jobs.contract import build_job
+
+    out = group.run(_site_run, schedule, num_replicas, world_size=world_size)[0]
+    job = build_job(
+        "site_agent.jobs.bytegpt:make_job",
+        JobContext(site_id="t", seed=3, device=torch.device("cpu"), options=BYTEGPT_OPTIONS),
+    )
+    single = JobTrainer(job, grad_clip=1.0)
+    stats = [single.train_steps(2), single.train_steps(1)]
+    for name, value in single.parameters_numpy().items():
+        np.testing.assert_allclose(out["params"][name], value, rtol=0, atol=5e-5, err_msg=name)
+    np.testing.assert_allclose(out["losses"][:2], [s.loss_mean for s in stats], rtol=1e-5)
+    # Resumed from its own checkpoint, the site takes the same third step again.
+    assert out["losses"][2] == out["losses"][1]
+    for name, value in out["params"].items():
+        np.testing.assert_array_equal(out["params_again"][name], value, err_msg=name)
+    assert out["zeros"] == 0.0
+    assert out["metrics"]["loss"] > 0
+    assert out["fingerprint"] == single.fingerprint("site_agent.jobs.bytegpt:make_job")
+    assert out["state_keys"] == ["job", "layout", "model", "ranks", "step"]
