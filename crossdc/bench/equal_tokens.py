@@ -396,14 +396,11 @@ def _setting_args(args: argparse.Namespace, seed: int, h: int, k: int, bits: int
     return one
 
 
-def _sweep_one(args: argparse.Namespace) -> dict[str, Any]:
-    ddp = compute_baseline(args)
-    return report(args, ddp, compute_diloco(args))
-
-
 def sweep(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]:
-    """Every (H, k, bits) for every seed; the baselines first (one per seed), then the settings,
-    ``--jobs`` processes at a time. Writes ``frontier.json`` and ``frontier.png`` to ``--out``."""
+    """Every (H, k, bits) for every seed, ``--jobs`` processes at a time: per seed its baseline
+    (once, from the cache when there) and then its settings, so the first seed's figures come
+    first. ``frontier.json`` in ``--out`` is rewritten as each run completes (a sweep stopped
+    early leaves what it measured); ``frontier.png`` is drawn at the end."""
     check_arguments(args)
     seeds = _int_list("--seeds", args.seeds)
     grid = [
@@ -412,32 +409,35 @@ def sweep(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, An
         for k in _int_list("--sweep-k", args.sweep_k)
         for b in _int_list("--sweep-bits", args.sweep_bits)
     ]
-    runs = [_setting_args(args, seed, h, k, b) for h, k, b in grid for seed in seeds]
+    runs = {seed: [_setting_args(args, seed, h, k, b) for h, k, b in grid] for seed in seeds}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    progress.phase(f"sweep: {len(seeds)} baselines, then {len(runs)} settings", 1, 1)
-    with _pool(args.jobs) as pool:
-        base_args = [argparse.Namespace(**{**vars(args), "seed": s}) for s in seeds]
-        list(pool.map(compute_baseline, base_args))
-        results = []
-        for i, res in enumerate(pool.map(_sweep_one, runs), 1):
-            results.append(res)
-            progress.count(i, len(runs), "settings")
-    points = [
-        {
-            "inner_steps": r["config"]["inner_steps"],
-            "codec": r["config"]["uplink_codec"],
-            "seed": r["config"]["seed"],
-            "bytes_ratio_vs_ddp": r["bytes_ratio_vs_ddp"],
-            "val_loss_gap": r["val_loss_gap"],
-            "val_loss_diloco": r["val_loss_diloco"],
-            "val_loss_ddp": r["val_loss_ddp"],
-        }
-        for r in results
-    ]
-    frontier = {"config": vars(args).copy(), "points": points}
     json_path = out_dir / "frontier.json"
-    json_path.write_text(json.dumps(frontier, indent=1))
+    total = len(seeds) * len(grid)
+    progress.phase(f"sweep: {len(seeds)} baselines and {total} settings", 1, 1)
+    points: list[dict[str, Any]] = []
+    frontier: dict[str, Any] = {"config": vars(args).copy(), "points": points}
+    with _pool(args.jobs) as pool:
+        pending = []
+        for seed in seeds:
+            base = pool.submit(compute_baseline, argparse.Namespace(**{**vars(args), "seed": seed}))
+            pending += [(one, base, pool.submit(compute_diloco, one)) for one in runs[seed]]
+        for i, (one, base, dl) in enumerate(pending, 1):
+            r = report(one, base.result(), dl.result())
+            points.append(
+                {
+                    "inner_steps": one.inner_steps,
+                    "codec": one.uplink_codec,
+                    "seed": one.seed,
+                    "bytes_ratio_vs_ddp": r["bytes_ratio_vs_ddp"],
+                    "val_loss_gap": r["val_loss_gap"],
+                    "val_loss_diloco": r["val_loss_diloco"],
+                    "val_loss_ddp": r["val_loss_ddp"],
+                    "diloco_val_loss_by_step": r["diloco_val_loss_by_step"],
+                }
+            )
+            json_path.write_text(json.dumps(frontier, indent=1))
+            progress.count(i, total, "settings")
     from crossdc.plot import plot_frontier
 
     png = plot_frontier(json_path, out_dir / "frontier.png")
