@@ -397,9 +397,8 @@ def _setting_args(args: argparse.Namespace, seed: int, h: int, k: int, bits: int
 
 
 def sweep(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]:
-    """Every (H, k, bits) for every seed, ``--jobs`` processes at a time: per seed its baseline
-    (once, from the cache when there) and then its settings, so the first seed's figures come
-    first. ``frontier.json`` in ``--out`` is rewritten as each run completes (a sweep stopped
+    """Every (H, k, bits) for every seed, ``--jobs`` processes at a time, each seed's baseline
+    once (from the cache when there). ``frontier.json`` in ``--out`` is rewritten as each run completes (a sweep stopped
     early leaves what it measured); ``frontier.png`` is drawn at the end."""
     check_arguments(args)
     seeds = _int_list("--seeds", args.seeds)
@@ -418,10 +417,17 @@ def sweep(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, An
     points: list[dict[str, Any]] = []
     frontier: dict[str, Any] = {"config": vars(args).copy(), "points": points}
     with _pool(args.jobs) as pool:
+        # Setting by setting, each for every seed, a seed's baseline submitted just before its
+        # first setting: the first setting's figures on every seed come first.
+        bases: dict[int, Any] = {}
         pending = []
-        for seed in seeds:
-            base = pool.submit(compute_baseline, argparse.Namespace(**{**vars(args), "seed": seed}))
-            pending += [(one, base, pool.submit(compute_diloco, one)) for one in runs[seed]]
+        for i in range(len(grid)):
+            for seed in seeds:
+                if seed not in bases:
+                    seed_args = argparse.Namespace(**{**vars(args), "seed": seed})
+                    bases[seed] = pool.submit(compute_baseline, seed_args)
+                one = runs[seed][i]
+                pending.append((one, bases[seed], pool.submit(compute_diloco, one)))
         for i, (one, base, dl) in enumerate(pending, 1):
             r = report(one, base.result(), dl.result())
             points.append(
