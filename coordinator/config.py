@@ -67,9 +67,9 @@ class CoordinatorConfig:
     """``diloco``: token-weighted mean, then SGD with Nesterov momentum (``outer_momentum``, with
     the warm-up and final mean above). ``sparseloco``: the sites' error-feedback accumulators
     are the only memory: the mean of their sparse updates times ``outer_lr``, no momentum buffer
-    (pair it with the ``chunktopk`` uplink codec). A running federation still broadcasts the
-    dense delta through the downlink codec and its sites' residuals do not decay yet; the full
-    recipe (decayed residual, sparse broadcast) is ``crossdc bench equal_tokens``'s so far."""
+    (pair it with the ``chunktopk`` uplink codec and ``site.error_feedback_decay = 0.95``). A
+    running federation still broadcasts the dense delta through the downlink codec; the sparse
+    broadcast is ``crossdc bench equal_tokens``'s so far."""
     outer_final_mean: bool = True
     """With ``max_rounds`` set and one fragment, the last round merges by the plain mean too: the
     kept model is the sites' average, not Nesterov's look-ahead past it."""

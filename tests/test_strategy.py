@@ -153,3 +153,16 @@ def test_outer_strategy_config_names_the_field() -> None:
     cfg = CoordinatorConfig(security=insecure, outer_strategy="sparseloco", outer_lr=0.65)
     assert _configured_strategy(cfg) == SparseLoCo(lr=0.65)
     assert isinstance(_configured_strategy(CoordinatorConfig(security=insecure)), DiLoCo)
+
+
+@pytest.mark.timeout(60)
+def test_site_error_feedback_decay_is_checked() -> None:
+    from comm.security.kits import SecurityConfig
+    from site_agent.config import SiteConfig
+
+    base = {"site_id": "eu", "coordinator": "tcp://127.0.0.1:1"}
+    insecure = SecurityConfig(insecure=True)
+    with pytest.raises(ValueError, match="site.error_feedback_decay"):
+        SiteConfig(**base, security=insecure, error_feedback_decay=1.5)
+    cfg = SiteConfig(**base, security=insecure, error_feedback_decay=0.95)
+    assert cfg.error_feedback_decay == 0.95
