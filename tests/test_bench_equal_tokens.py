@@ -169,3 +169,16 @@ def test_sweep_writes_the_frontier_json_and_picture(
         (2, "chunktopk"),
     }
     assert (tmp_path / "sweep" / "frontier.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(300)
+def test_selsync_sends_markers_for_insignificant_updates(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ("--sites", "2", "--steps", "2", "--inner-steps", "1", "--eval-every", "1")
+    sparse = ("--strategy", "sparseloco", "--outer-lr", "1", "--uplink-codec", "chunktopk")
+    out = _run(capsys, *argv, *sparse, "--broadcast", "sparse", "--selsync-threshold", "1e9")
+    # Every update skipped: 2 markers up, each site receiving both, every round.
+    assert out["diloco_wire_bytes_per_inner_step"] == 16 * (2 + 2 * 2)
+    losses = list(out["diloco_val_loss_by_step"].values())
+    assert losses[0] == losses[1]  # nothing merged: the global model did not move

@@ -124,3 +124,16 @@ def test_sparse_broadcast_leaves_every_site_on_the_coordinators_hash() -> None:
         for site in sites:
             sites[site] = apply_sparse_broadcast(sites[site], parts, lr=0.65, averaged={"norm"})
             assert state_hash(sites[site]) == state_hash(theta)
+
+
+@pytest.mark.timeout(60)
+def test_a_held_update_is_sent_later_with_the_decay() -> None:
+    codec, beta = get_codec("chunktopk:chunk=64,k=4"), 0.9
+    fb = ErrorFeedback(decay=beta)
+    rng = np.random.default_rng(3)
+    x1, x2 = (rng.standard_normal(200).astype(np.float32) for _ in range(2))
+    assert fb.accumulated_norm("w", x1) == pytest.approx(float(np.linalg.norm(x1)), rel=1e-6)
+    fb.hold("w", x1)
+    np.testing.assert_array_equal(fb.residual("w"), x1)
+    sent = decode_tensor(fb.compress("w", x2, codec))
+    np.testing.assert_allclose(sent + fb.residual("w"), x2 + np.float32(beta) * x1, rtol=1e-6)

@@ -118,13 +118,31 @@ def _train_slot(
         trainer.train_steps(h - before)
 
 
+SKIP_MARKER_BYTES = 16
+"""What a skipped (insignificant) update costs on the wire: a small "nothing significant" marker."""
+
+
 def _encode_update(
-    fb: ErrorFeedback, params: Arrays, local: Arrays, codec: PayloadCodec
+    fb: ErrorFeedback,
+    params: Arrays,
+    local: Arrays,
+    codec: PayloadCodec,
+    skip_below: float = 0.0,
 ) -> tuple[Arrays, int]:
     """A site's pseudo-gradient through its codec and error feedback: what the coordinator
-    decodes, and the bytes encoded."""
+    decodes, and the bytes encoded. SelSync's rule with ``skip_below`` > 0: when the
+    accumulator's norm relative to the parameters' is below it, the update is held in the
+    residual and a marker is sent instead; the round counts it as a zero update."""
     decoded: Arrays = {}
     nbytes = 0
+    if skip_below > 0:
+        acc = sum(fb.accumulated_norm(k, v - local[k]) ** 2 for k, v in params.items())
+        ref = sum(float(np.dot(v.ravel(), v.ravel())) for v in params.values())
+        if acc < skip_below**2 * ref:
+            for name, value in params.items():
+                fb.hold(name, value - local[name])
+                decoded[name] = np.zeros_like(value)
+            return decoded, SKIP_MARKER_BYTES
     for name, value in params.items():
         enc = fb.compress(name, value - local[name], codec)
         nbytes += enc.nbytes
@@ -159,6 +177,7 @@ def run_diloco(
     strategy: str = "diloco",
     ef_decay: float = 1.0,
     broadcast: str = "dense",
+    selsync_threshold: float = 0.0,
     progress: Progress = SILENT,
 ) -> tuple[dict[int, float], int]:
     """DiLoCo rounds; returns the curve (the global model after each round) and the bytes encoded.
@@ -188,7 +207,7 @@ def run_diloco(
         for i, (trainer, fb) in enumerate(zip(trainers, site_fb, strict=True)):
             _train_slot(trainer, params, at_send[i], h, overlap_steps)
             local = at_send[i] = trainer.parameters_numpy()
-            decoded, nbytes = _encode_update(fb, params, local, up)
+            decoded, nbytes = _encode_update(fb, params, local, up, selsync_threshold)
             round_bytes += nbytes
             updates.append((f"site{i}", float(h), decoded))
         wire_bytes += round_bytes
@@ -233,6 +252,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError("--broadcast must be dense or sparse")
     if args.broadcast == "sparse" and args.strategy != "sparseloco":
         raise ValueError("--broadcast sparse needs --strategy sparseloco (no momentum buffer)")
+    if not args.selsync_threshold >= 0:
+        raise ValueError(f"--selsync-threshold must be >= 0, got {args.selsync_threshold}")
     if args.jobs < 1:
         raise ValueError("--jobs must be >= 1")
     for flag in ("codec", "uplink_codec", "downlink_codec"):
@@ -338,6 +359,7 @@ def compute_diloco(args: argparse.Namespace, progress: Progress = SILENT) -> dic
         strategy=args.strategy,
         ef_decay=args.ef_decay,
         broadcast=args.broadcast,
+        selsync_threshold=args.selsync_threshold,
         progress=progress,
     )
     return {"curve": curve, "wire_bytes": wire_bytes, "seconds": time.perf_counter() - start}
@@ -501,6 +523,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=("dense", "sparse"),
         help="dense: the outer delta through the downlink codec; sparse (sparseloco): the "
         "sites' encoded updates forwarded",
+    )
+    p.add_argument(
+        "--selsync-threshold",
+        type=float,
+        default=0.0,
+        help="SelSync: a site whose accumulator's norm over the parameters' is below this sends "
+        "a marker instead of its update (held for later); 0 sends every update",
     )
     p.add_argument("--eval-every", type=int, default=150, help="baseline evaluation period")
     p.add_argument("--seed", type=int, default=0, help="model and sampler seed")
