@@ -14,6 +14,7 @@ from comm.security.masking import SecAggConfig
 from comm.transport.profile import ChannelConfig
 from coordinator.faults import FaultPlan
 from coordinator.scheduler import directions
+from coordinator.strategy import OUTER_STRATEGIES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +63,13 @@ class CoordinatorConfig:
     """Rounds whose model has at most this many inner steps behind it (the slots of the completed
     rounds and its own) merge by a plain mean (outer lr 1, no momentum); Nesterov from then on.
     0: Nesterov from the first round."""
+    outer_strategy: str = "diloco"
+    """``diloco``: token-weighted mean, then SGD with Nesterov momentum (``outer_momentum``, with
+    the warm-up and final mean above). ``sparseloco``: the sites' error-feedback accumulators
+    are the only memory: the mean of their sparse updates times ``outer_lr``, no momentum buffer
+    (pair it with the ``chunktopk`` uplink codec and ``site.error_feedback_decay = 0.95``). A
+    running federation still broadcasts the dense delta through the downlink codec; the sparse
+    broadcast is ``crossdc bench equal_tokens``'s so far."""
     outer_final_mean: bool = True
     """With ``max_rounds`` set and one fragment, the last round merges by the plain mean too: the
     kept model is the sites' average, not Nesterov's look-ahead past it."""
@@ -188,6 +196,17 @@ class CoordinatorConfig:
         if self.outer_warmup_steps < 0:
             raise ValueError(
                 f"coordinator.outer_warmup_steps must be >= 0, got {self.outer_warmup_steps}"
+            )
+        if self.outer_strategy not in OUTER_STRATEGIES:
+            raise ValueError(
+                f"coordinator.outer_strategy must be one of {', '.join(OUTER_STRATEGIES)}, "
+                f"got {self.outer_strategy!r}"
+            )
+        if self.outer_strategy == "sparseloco" and self.secure_aggregation is not None:
+            raise ValueError(
+                "coordinator.outer_strategy = 'sparseloco' cannot run with "
+                "coordinator.secure_aggregation: the pairwise masks are dense, so a masked "
+                "update cannot stay sparse; use 'diloco' or turn secure aggregation off"
             )
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(

@@ -51,7 +51,7 @@ from coordinator.rounds import OpenRound
 from coordinator.state import GlobalState, StateStore
 from coordinator.status import CoordinatorStatus
 from coordinator.status_board import write_endpoint
-from coordinator.strategy import DiLoCo, Strategy
+from coordinator.strategy import DiLoCo, SparseLoCo, Strategy
 from coordinator.updates import UpdateIntake
 
 log = logging.getLogger("crossdc.coordinator")
@@ -106,12 +106,7 @@ class Coordinator:
             model=self.model,
             post=self.post,
         )
-        self._assemble(
-            strategy
-            or DiLoCo(
-                lr=cfg.outer_lr, momentum=cfg.outer_momentum, warmup_steps=cfg.outer_warmup_steps
-            )
-        )
+        self._assemble(strategy or _configured_strategy(cfg))
 
     def _assemble(self, strategy: Strategy) -> None:
         """The components that handle messages and carry decisions out."""
@@ -355,3 +350,10 @@ class Coordinator:
 
     def _publish_status(self) -> None:
         self.status_report.publish(finished=self.finished)
+
+
+def _configured_strategy(cfg: CoordinatorConfig) -> Strategy:
+    """The outer optimizer ``coordinator.outer_strategy`` names."""
+    if cfg.outer_strategy == "sparseloco":
+        return SparseLoCo(lr=cfg.outer_lr)
+    return DiLoCo(lr=cfg.outer_lr, momentum=cfg.outer_momentum, warmup_steps=cfg.outer_warmup_steps)

@@ -2,8 +2,11 @@
 
 DiLoCo (Douillard et al., 2023): the outer gradient is the token-weighted mean of the sites'
 pseudo-gradients Δ_s = θ_t − θ_s; the outer optimizer is SGD with Nesterov momentum, written to
-match ``torch.optim.SGD(nesterov=True)`` with a zero-initialised buffer. Everything is float32
-and iterates sites in a fixed order, so the same inputs give bit-identical outputs.
+match ``torch.optim.SGD(nesterov=True)`` with a zero-initialised buffer. SparseLoCo (Sarfi et
+al., 2025): the sites' decayed error-feedback accumulators are the only memory, and the outer
+step is plain SGD on the mean of their sparse updates (``comm.codecs.broadcast.sparse_step``,
+the same function the sites apply to the sparse broadcast). Everything is float32 and iterates
+sites in a fixed order, so the same inputs give bit-identical outputs.
 """
 
 from __future__ import annotations
@@ -15,7 +18,12 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from comm.codecs.broadcast import sparse_step
+
 Arrays = dict[str, npt.NDArray[np.float32]]
+
+OUTER_STRATEGIES = ("diloco", "sparseloco")
+"""Values of ``coordinator.outer_strategy``."""
 
 
 def weighted_mean(updates: Sequence[tuple[float, Mapping[str, np.ndarray]]]) -> Arrays:
@@ -156,3 +164,41 @@ class DiLoCo:
             new_buf = {k: {**new_buf, **mean_buf}[k] for k in params}
             rule += f"; {len(stats)} statistics tensors: mean"
         return OuterResult(new_params, new_buf, global_norm(grad), rule)
+
+
+@dataclass(frozen=True)
+class SparseLoCo:
+    """Outer SGD without momentum: θ ← θ − lr · (token-weighted mean of the sparse updates).
+
+    The momentum of DiLoCo is replaced by each site's decayed error-feedback accumulator
+    (e ← βe + Δ, send the chunk top-k of e, keep the rest), so the coordinator keeps no buffer:
+    ``momentum`` passes through unchanged. The step is :func:`sparse_step`, which the sites also
+    run on the broadcast (the sites' sparse updates forwarded), so they land on the coordinator's
+    exact parameters. Statistics tensors take the plain mean.
+    """
+
+    lr: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"outer lr must be > 0, got {self.lr}")
+
+    def outer_step(
+        self,
+        params: Mapping[str, np.ndarray],
+        momentum: Mapping[str, np.ndarray],
+        updates: Sequence[tuple[str, float, Mapping[str, np.ndarray]]],
+        *,
+        inner_steps: int | None = None,
+        final: bool = False,
+        averaged: Collection[str] = (),
+    ) -> OuterResult:
+        ordered = sorted(updates, key=lambda u: u[0])  # site order fixes float summation order
+        weighted = [(w, t) for _, w, t in ordered]
+        new_params = sparse_step(params, weighted, lr=self.lr, averaged=averaged)
+        grad = weighted_mean(weighted)
+        rule = f"sparse sgd lr={self.lr:g} (no momentum)"
+        if any(k in averaged for k in params):
+            rule += "; statistics tensors: mean"
+        buf: Arrays = {k: np.asarray(v, dtype=np.float32) for k, v in momentum.items()}
+        return OuterResult(new_params, buf, global_norm(grad), rule)

@@ -12,6 +12,10 @@ that site's ``status.json``. Four figures:
 - ``val_<metric>_vs_time.png``: one per other validation metric the job reports (accuracy, say);
 - ``compute_utilization.png``: per site, inner steps per second over the training period
   against its own rate with no sync in flight.
+
+``crossdc plot --frontier FRONTIER.json`` draws what ``crossdc bench equal_tokens --sweep``
+wrote instead: every setting's bytes ratio against data parallelism over its validation-loss gap,
+one marker per seed, and the frontier (the best ratio reached at each gap or better).
 """
 
 from __future__ import annotations
@@ -188,14 +192,72 @@ def _metric_figures(
     return paths
 
 
+def frontier_points(points: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(gap, ratio) of the points no other point beats on both (a lower gap and a higher ratio),
+    by increasing gap."""
+    best: list[tuple[float, float]] = []
+    for p in sorted(points, key=lambda q: (q["val_loss_gap"], -q["bytes_ratio_vs_ddp"])):
+        if not best or p["bytes_ratio_vs_ddp"] > best[-1][1]:
+            best.append((p["val_loss_gap"], p["bytes_ratio_vs_ddp"]))
+    return best
+
+
+def plot_frontier(json_path: str | Path, png_path: str | Path) -> Path:
+    """The sweep's frontier picture: bytes ratio (log) over loss gap (%), a marker per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a display
+    import matplotlib.pyplot as plt
+
+    points = json.loads(Path(json_path).read_text())["points"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for seed, marker in zip(sorted({p["seed"] for p in points}), "os^vD", strict=False):
+        mine = [p for p in points if p["seed"] == seed]
+        ax.scatter(
+            [100 * p["val_loss_gap"] for p in mine],
+            [p["bytes_ratio_vs_ddp"] for p in mine],
+            marker=marker,
+            label=f"seed {seed}",
+        )
+        for p in mine:
+            ax.annotate(
+                f"H={p['inner_steps']} {p['codec']}",
+                (100 * p["val_loss_gap"], p["bytes_ratio_vs_ddp"]),
+                fontsize=6,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+    front = frontier_points(points)
+    ax.step([100 * g for g, _ in front], [r for _, r in front], where="post", color="grey")
+    ax.set_yscale("log")
+    ax.set_xlabel("validation-loss gap to data parallelism (%)")
+    ax.set_ylabel("WAN bytes ratio vs data parallelism")
+    ax.set_title("Bytes against loss at equal tokens")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    out = Path(png_path)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="crossdc plot", description=__doc__.splitlines()[0])
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", nargs="?")
     p.add_argument("--out", default=None, help="where the PNGs go (default: RUN_DIR)")
+    p.add_argument("--frontier", default=None, help="a sweep's frontier.json to draw instead")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if (args.run_dir is None) == (args.frontier is None):
+        print("crossdc plot: give RUN_DIR or --frontier FILE", file=sys.stderr)
+        return 2
     try:
-        paths = plot_run(args.run_dir, args.out)
+        if args.frontier is not None:
+            src = Path(args.frontier)
+            paths = [plot_frontier(src, Path(args.out or src.parent) / "frontier.png")]
+        else:
+            paths = plot_run(args.run_dir, args.out)
     except (ValueError, OSError) as exc:
         print(f"crossdc plot: {exc}", file=sys.stderr)
         return 1

@@ -70,7 +70,8 @@ class SiteAgent:
         self.metrics = metrics = metrics or SiteMetrics(cfg.site_id)
         kit = _load_kit(cfg, metrics)
         self.rounds = SiteRounds()
-        feedback = ErrorFeedback()  # the uplink's residuals: the sender's, checkpointed
+        # The uplink's residuals: the sender's, checkpointed.
+        feedback = ErrorFeedback(decay=cfg.error_feedback_decay)
         self.replica = replica = Replica.for_site(
             cfg, trainer=trainer, rounds=self.rounds, feedback=feedback, metrics=metrics, kit=kit
         )

@@ -108,8 +108,16 @@ class SiteConfig:
     optim: InnerOptimConfig = field(default_factory=InnerOptimConfig)
     """Byte GPT job: its AdamW and batch size; ``grad_clip`` applies to every job."""
     channel: ChannelConfig = field(default_factory=ChannelConfig)
+    error_feedback_decay: float = 1.0
+    """β of the uplink's error feedback: each round sends C(Δ + β e) and keeps the rest as e. 1
+    conserves every dropped value; SparseLoCo's recipe (``coordinator.outer_strategy =
+    "sparseloco"``) uses 0.95, the decayed residual standing in for outer momentum."""
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.error_feedback_decay <= 1.0:
+            raise ValueError(
+                f"site.error_feedback_decay must be in [0, 1], got {self.error_feedback_decay}"
+            )
         if not self.site_id or not self.site_id.replace("-", "").replace("_", "").isalnum():
             raise ValueError(
                 f"site.site_id must be non-empty letters, digits, '-' or '_', got {self.site_id!r}"

@@ -4,6 +4,8 @@ and its byte count is the codecs' encoded sizes."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +13,13 @@ from comm.codecs.registry import get_codec
 from crossdc.bench import equal_tokens
 from crossdc.demo_roles import DEMO_MODEL
 from site_agent.model import ModelConfig, build_model
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Baselines cached per test, never in the user's cache."""
+    monkeypatch.setenv("CROSSDC_CACHE_DIR", str(tmp_path / "cache"))
+    yield
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:  # type: ignore[type-arg]
@@ -91,3 +100,85 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--sites" in capsys.readouterr().err
     assert equal_tokens.main(["--outer-warmup-steps", "-1"]) == 2
     assert "--outer-warmup-steps and --overlap-steps must be >= 0" in capsys.readouterr().err
+
+    assert equal_tokens.main(["--broadcast", "sparse"]) == 2
+    assert "--broadcast sparse needs --strategy sparseloco" in capsys.readouterr().err
+
+
+def test_every_argument_is_checked_before_any_work(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_work(*_: object, **__: object) -> None:
+        raise AssertionError("training started before the arguments were checked")
+
+    monkeypatch.setattr(equal_tokens, "run_ddp", no_work)
+    monkeypatch.setattr(equal_tokens, "run_diloco", no_work)
+    for argv, words in (
+        (["--codec", "nope", "--steps", "2400"], "--codec: unknown codec 'nope'"),
+        (["--uplink-codec", "chunktopk:bits=3"], "--uplink-codec: chunktopk: bits"),
+        (["--ef-decay", "1.5"], "--ef-decay"),
+        (["--sweep", "--sweep-k", "x"], "--sweep-k"),
+        (["--sweep", "--sweep-bits", "3"], "bits must be 1 or 2"),
+    ):
+        assert equal_tokens.main(argv) == 2
+        assert words in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_sparseloco_run_reuses_the_cached_baseline_and_reports_the_bytes_ratio(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = (
+        *("--sites", "2", "--steps", "4", "--inner-steps", "2", "--eval-every", "2"),
+        *("--strategy", "sparseloco", "--ef-decay", "0.95", "--outer-lr", "1"),
+        *("--uplink-codec", "chunktopk", "--broadcast", "sparse"),
+    )
+    first = _run(capsys, *argv)
+    second = _run(capsys, *argv, "--jobs", "1")
+    assert not first["ddp_cached"] and second["ddp_cached"]
+    assert first["ddp_val_loss_by_step"] == second["ddp_val_loss_by_step"]
+    assert first["diloco_val_loss_by_step"] == second["diloco_val_loss_by_step"]
+    numel = sum(t.numel() for t in build_model(ModelConfig(**DEMO_MODEL), 0).state_dict().values())
+    assert first["ddp_wire_bytes_per_inner_step"] == 2 * 2 * 4 * numel
+    assert first["bytes_ratio_vs_ddp"] == pytest.approx(
+        first["ddp_wire_bytes_per_inner_step"] / first["diloco_wire_bytes_per_inner_step"]
+    )
+    # The sparse broadcast forwards the sites' updates: every site receives both of them, so
+    # the bytes are the uplink's times (1 + sites), at about 0.16 bits a value per update.
+    per_update = first["diloco_wire_bytes_per_inner_step"] * 4 / (2 * 2 * 3)
+    assert 8 * per_update / numel < 0.3
+
+
+@pytest.mark.timeout(600)
+def test_sweep_writes_the_frontier_json_and_picture(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = _run(
+        capsys,
+        *("--sites", "2", "--steps", "2", "--eval-every", "2", "--seeds", "0"),
+        *("--strategy", "sparseloco", "--outer-lr", "1", "--broadcast", "sparse"),
+        *("--sweep", "--sweep-inner-steps", "1,2", "--sweep-k", "64", "--sweep-bits", "1,2"),
+        *("--out", str(tmp_path / "sweep")),
+    )
+    points = json.loads((tmp_path / "sweep" / "frontier.json").read_text())["points"]
+    assert len(points) == len(out["points"]) == 4
+    assert {(p["inner_steps"], p["codec"]) for p in points} == {
+        (1, "chunktopk:bits=1"),
+        (1, "chunktopk"),
+        (2, "chunktopk:bits=1"),
+        (2, "chunktopk"),
+    }
+    assert (tmp_path / "sweep" / "frontier.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(300)
+def test_selsync_sends_markers_for_insignificant_updates(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ("--sites", "2", "--steps", "2", "--inner-steps", "1", "--eval-every", "1")
+    sparse = ("--strategy", "sparseloco", "--outer-lr", "1", "--uplink-codec", "chunktopk")
+    out = _run(capsys, *argv, *sparse, "--broadcast", "sparse", "--selsync-threshold", "1e9")
+    # Every update skipped: 2 markers up, each site receiving both, every round.
+    assert out["diloco_wire_bytes_per_inner_step"] == 16 * (2 + 2 * 2)
+    losses = list(out["diloco_val_loss_by_step"].values())
+    assert losses[0] == losses[1]  # nothing merged: the global model did not move

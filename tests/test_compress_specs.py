@@ -43,6 +43,7 @@ def test_codec_ids_are_stable() -> None:
         "topk": 6,
         "int2": 7,
         "int3": 8,
+        "chunktopk": 9,
     }
     assert get_codec("int8+zstd").codec_id == 0x14
     assert get_codec("int4:block=32").codec_id == 5
@@ -92,7 +93,7 @@ def test_bad_specs_name_the_problem(spec: str, message: str) -> None:
         get_codec(spec)
 
 
-@pytest.mark.parametrize("codec_id", [0, 9, 0x10, 0x19, 99, -1, True])
+@pytest.mark.parametrize("codec_id", [0, 10, 0x10, 0x19, 99, -1, True])
 def test_unknown_codec_id(codec_id: int) -> None:
     with pytest.raises(ValueError, match="unknown codec id"):
         codec_from_id(codec_id)

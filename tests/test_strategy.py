@@ -113,3 +113,56 @@ def test_statistics_tensors_are_averaged_never_extrapolated() -> None:
     expected_w = DiLoCo(lr=0.7, momentum=0.9).outer_step(params, mom, ups).params["w"]
     np.testing.assert_array_equal(out.params["w"], expected_w)
     assert not np.array_equal(expected_w, out.params["var"])
+
+
+@pytest.mark.timeout(60)
+def test_sparseloco_is_plain_sgd_on_the_mean_without_momentum() -> None:
+    from coordinator.strategy import SparseLoCo
+
+    params = {"w": np.array([1.0, 2.0], dtype=np.float32)}
+    buf = {"w": np.array([5.0, 5.0], dtype=np.float32)}
+    updates = [
+        ("b", 3.0, {"w": np.array([0.0, 4.0], dtype=np.float32)}),
+        ("a", 1.0, {"w": np.array([4.0, 0.0], dtype=np.float32)}),
+    ]
+    out = SparseLoCo(lr=0.5).outer_step(params, buf, updates)
+    np.testing.assert_allclose(out.params["w"], [1.0 - 0.5 * 1.0, 2.0 - 0.5 * 3.0], rtol=1e-6)
+    np.testing.assert_array_equal(out.momentum["w"], buf["w"])  # no buffer of its own
+    # Same inputs, any order: bit-identical.
+    again = SparseLoCo(lr=0.5).outer_step(params, buf, updates[::-1])
+    assert again.params["w"].tobytes() == out.params["w"].tobytes()
+
+
+@pytest.mark.timeout(60)
+def test_outer_strategy_config_names_the_field() -> None:
+    from comm.security.kits import SecurityConfig
+    from comm.security.masking import SecAggConfig
+    from coordinator.config import CoordinatorConfig
+    from coordinator.service import _configured_strategy
+    from coordinator.strategy import SparseLoCo
+
+    insecure = SecurityConfig(insecure=True)
+    with pytest.raises(ValueError, match="coordinator.outer_strategy"):
+        CoordinatorConfig(security=insecure, outer_strategy="sparse")
+    with pytest.raises(ValueError, match="outer_strategy = 'sparseloco' cannot run with"):
+        CoordinatorConfig(
+            security=insecure,
+            outer_strategy="sparseloco",
+            secure_aggregation=SecAggConfig(clip_bound=8.0),
+        )
+    cfg = CoordinatorConfig(security=insecure, outer_strategy="sparseloco", outer_lr=0.65)
+    assert _configured_strategy(cfg) == SparseLoCo(lr=0.65)
+    assert isinstance(_configured_strategy(CoordinatorConfig(security=insecure)), DiLoCo)
+
+
+@pytest.mark.timeout(60)
+def test_site_error_feedback_decay_is_checked() -> None:
+    from comm.security.kits import SecurityConfig
+    from site_agent.config import SiteConfig
+
+    base = {"site_id": "eu", "coordinator": "tcp://127.0.0.1:1"}
+    insecure = SecurityConfig(insecure=True)
+    with pytest.raises(ValueError, match="site.error_feedback_decay"):
+        SiteConfig(**base, security=insecure, error_feedback_decay=1.5)
+    cfg = SiteConfig(**base, security=insecure, error_feedback_decay=0.95)
+    assert cfg.error_feedback_decay == 0.95

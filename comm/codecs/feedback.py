@@ -55,6 +55,30 @@ class ErrorFeedback:
         self._residuals[name] = y
         return enc
 
+    def hold(self, name: str, x: TensorLike) -> None:
+        """Fold ``x`` into the residual without sending anything (residual = x + decay ·
+        residual): a sync skipped as insignificant keeps its update for a later one."""
+        y = _as_f32(name, x)
+        check_finite(name, y)
+        residual = self._residuals.get(name)
+        if residual is not None:
+            if residual.shape != y.shape:
+                raise ValueError(
+                    f"tensor {name!r}: shape {y.shape} differs from its residual's "
+                    f"{residual.shape}; reset() it first"
+                )
+            y += np.float32(self.decay) * residual
+        self._residuals[name] = y
+
+    def accumulated_norm(self, name: str, x: TensorLike) -> float:
+        """L2 norm of what ``compress(name, x, ...)`` would encode (x + decay · residual)."""
+        y = _as_f32(name, x)
+        residual = self._residuals.get(name)
+        if residual is not None and residual.shape == y.shape:
+            y += np.float32(self.decay) * residual
+        flat = y.reshape(-1).astype(np.float64)
+        return math.sqrt(float(flat @ flat))
+
     def residual(self, name: str) -> FloatArray | None:
         """A copy of the residual carried for ``name``, or None."""
         r = self._residuals.get(name)

@@ -15,6 +15,7 @@ from functools import lru_cache
 import numpy as np
 
 from comm.codecs.base import _ZSTD_FLAG, EncodedTensor, FloatArray, PayloadCodec, TensorLike
+from comm.codecs.chunktopk import ChunkTopKCodec
 from comm.codecs.entropy import ZstdCodec, _InnerCodec
 from comm.codecs.floats import Bf16Codec, Fp16Codec, Fp32Codec
 from comm.codecs.quantize import Int2Codec, Int3Codec, Int4Codec, Int8Codec
@@ -34,6 +35,7 @@ CODEC_IDS: dict[str, int] = {
         TopKCodec,
         Int2Codec,
         Int3Codec,
+        ChunkTopKCodec,
     )
 }
 """Stable wire ids of the codec families; ``+zstd`` sets bit 0x10 (``int8+zstd`` is 0x14)."""
@@ -76,7 +78,7 @@ def _reject_extra(
         raise ValueError(f"{family}: unknown parameter {unknown[0]!r} (allowed: {known})")
 
 
-def _parse_base(text: str) -> _InnerCodec:
+def _parse_base(text: str) -> _InnerCodec | ChunkTopKCodec:
     family, colon, params = text.partition(":")
     positional, keywords = _parse_params(family, params if colon else None)
     if family in ("fp32", "fp16", "bf16"):
@@ -102,6 +104,9 @@ def _parse_base(text: str) -> _InnerCodec:
         except ValueError:
             raise ValueError(f"topk: fraction must be a number, got {raw!r}") from None
         return TopKCodec(fraction=fraction, values=keywords.get("values", "fp32"))
+    if family == "chunktopk":
+        _reject_extra(family, positional, keywords, {"chunk", "k", "bits"})
+        return ChunkTopKCodec(**{key: _int_param(family, key, v) for key, v in keywords.items()})
     known = ", ".join(CODEC_IDS)
     raise ValueError(f"unknown codec {family!r} in spec {text!r}; known: {known}")
 
@@ -123,6 +128,8 @@ def _get_codec(spec: str) -> PayloadCodec:
     inner = _parse_base(base)
     if not plus:
         return inner
+    if isinstance(inner, ChunkTopKCodec):
+        raise ValueError(f"{spec!r}: chunktopk entropy-codes its own positions; drop the stage")
     stage_name, colon, params = stage.partition(":")
     if stage_name != "zstd":
         raise ValueError(f"unknown stage {stage_name!r} in spec {spec!r}; known: zstd")
@@ -138,6 +145,7 @@ _DEFAULT_SPECS: dict[int, str] = {
     **{
         fid | _ZSTD_FLAG: ("topk:0.01" if fam == "topk" else fam) + "+zstd"
         for fam, fid in CODEC_IDS.items()
+        if fam != ChunkTopKCodec.name
     },
 }
 

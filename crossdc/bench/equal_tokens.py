@@ -11,15 +11,34 @@ taking d inner steps. A setting (inner steps per round, outer learning rate, mom
 overlap, codec, batch, run length) can so be compared at equal tokens in minutes.
 
 Prints the validation-loss curves of both, their final values, ``val_loss_gap`` ((DiLoCo −
-baseline) / baseline) and DiLoCo's encoded bytes per inner step (every site's update and every
-site's copy of the broadcast, as ``bench wan`` counts them).
+baseline) / baseline), DiLoCo's encoded bytes per inner step (every site's update and every
+site's copy of the broadcast, as ``bench wan`` counts them) and ``bytes_ratio_vs_ddp``: the
+baseline's wire bytes per step (every site's fp32 gradient up and the fp32 mean down to every
+site, 2 x sites x 4 bytes a parameter) over DiLoCo's.
+
+``--strategy sparseloco`` is SparseLoCo's recipe: the sites' error feedback decays by
+``--ef-decay`` and is the only memory, the outer step is SGD at ``--outer-lr`` without momentum,
+and with ``--broadcast sparse`` the sites receive the sites' encoded updates themselves and apply
+the coordinator's step exactly (counted as every site receiving every update).
+
+The baseline depends only on the sites, steps, batch, inner lr, evaluation period and seed: it is
+computed once and kept in a cache file named by those (``--baseline-cache``), and while it is
+computed DiLoCo runs in a second process. ``--sweep`` runs the grid ``--sweep-inner-steps`` x
+``--sweep-k`` x ``--sweep-bits`` of ``chunktopk`` settings for every seed of ``--seeds``,
+``--jobs`` at a time, and writes the frontier (bytes ratio against loss gap) as JSON and a PNG.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,7 +48,7 @@ from comm.codecs.base import PayloadCodec
 from comm.codecs.feedback import ErrorFeedback
 from comm.codecs.registry import decode_tensor, get_codec
 from coordinator.config import CoordinatorConfig
-from coordinator.strategy import DiLoCo, weighted_mean
+from coordinator.strategy import OUTER_STRATEGIES, DiLoCo, SparseLoCo, weighted_mean
 from crossdc.bench import print_report
 from crossdc.ddp.trainer import DDPTrainer
 from crossdc.demo_args import add_outer_rule_arguments, resolve_outer_rule_defaults
@@ -99,13 +118,31 @@ def _train_slot(
         trainer.train_steps(h - before)
 
 
+SKIP_MARKER_BYTES = 16
+"""What a skipped (insignificant) update costs on the wire: a small "nothing significant" marker."""
+
+
 def _encode_update(
-    fb: ErrorFeedback, params: Arrays, local: Arrays, codec: PayloadCodec
+    fb: ErrorFeedback,
+    params: Arrays,
+    local: Arrays,
+    codec: PayloadCodec,
+    skip_below: float = 0.0,
 ) -> tuple[Arrays, int]:
     """A site's pseudo-gradient through its codec and error feedback: what the coordinator
-    decodes, and the bytes encoded."""
+    decodes, and the bytes encoded. SelSync's rule with ``skip_below`` > 0: when the
+    accumulator's norm relative to the parameters' is below it, the update is held in the
+    residual and a marker is sent instead; the round counts it as a zero update."""
     decoded: Arrays = {}
     nbytes = 0
+    if skip_below > 0:
+        acc = sum(fb.accumulated_norm(k, v - local[k]) ** 2 for k, v in params.items())
+        ref = sum(float(np.dot(v.ravel(), v.ravel())) for v in params.values())
+        if acc < skip_below**2 * ref:
+            for name, value in params.items():
+                fb.hold(name, value - local[name])
+                decoded[name] = np.zeros_like(value)
+            return decoded, SKIP_MARKER_BYTES
     for name, value in params.items():
         enc = fb.compress(name, value - local[name], codec)
         nbytes += enc.nbytes
@@ -137,6 +174,10 @@ def run_diloco(
     overlap_steps: int = 0,
     uplink: str,
     downlink: str,
+    strategy: str = "diloco",
+    ef_decay: float = 1.0,
+    broadcast: str = "dense",
+    selsync_threshold: float = 0.0,
     progress: Progress = SILENT,
 ) -> tuple[dict[int, float], int]:
     """DiLoCo rounds; returns the curve (the global model after each round) and the bytes encoded.
@@ -147,9 +188,13 @@ def run_diloco(
     result, keeping its progress since the send (θ ← θ + θ_global_new − θ_at_send).
     """
     up, down = get_codec(uplink), get_codec(downlink)
-    site_fb = [ErrorFeedback() for _ in trainers]
+    site_fb = [ErrorFeedback(decay=ef_decay) for _ in trainers]
     coord_fb = ErrorFeedback()
-    outer = DiLoCo(lr=outer_lr, momentum=outer_momentum, warmup_steps=outer_warmup_steps)
+    outer: DiLoCo | SparseLoCo = (
+        SparseLoCo(lr=outer_lr)
+        if strategy == "sparseloco"
+        else DiLoCo(lr=outer_lr, momentum=outer_momentum, warmup_steps=outer_warmup_steps)
+    )
     params: Arrays = trainers[0].parameters_numpy()
     momentum: Arrays = {k: np.zeros_like(v) for k, v in params.items()}
     at_send: list[Arrays | None] = [None for _ in trainers]
@@ -158,12 +203,14 @@ def run_diloco(
     while done < steps:
         h = min(inner_steps, steps - done)
         updates: list[tuple[str, float, Arrays]] = []
+        round_bytes = 0
         for i, (trainer, fb) in enumerate(zip(trainers, site_fb, strict=True)):
             _train_slot(trainer, params, at_send[i], h, overlap_steps)
             local = at_send[i] = trainer.parameters_numpy()
-            decoded, nbytes = _encode_update(fb, params, local, up)
-            wire_bytes += nbytes
+            decoded, nbytes = _encode_update(fb, params, local, up, selsync_threshold)
+            round_bytes += nbytes
             updates.append((f"site{i}", float(h), decoded))
+        wire_bytes += round_bytes
         result = outer.outer_step(
             params,
             momentum,
@@ -172,7 +219,13 @@ def run_diloco(
             final=outer_final_mean and done + h == steps,
         )
         momentum = result.momentum
-        wire_bytes += _broadcast(coord_fb, params, result.params, down) * len(trainers)
+        if broadcast == "sparse":
+            # Every site receives every site's encoded update and runs the coordinator's step
+            # (comm.codecs.broadcast.sparse_step) on them: it lands on result.params exactly.
+            params = {k: v.copy() for k, v in result.params.items()}
+            wire_bytes += round_bytes * len(trainers)
+        else:
+            wire_bytes += _broadcast(coord_fb, params, result.params, down) * len(trainers)
         done += h
         site0 = trainers[0].parameters_numpy()
         trainers[0].load_parameters(params)
@@ -182,12 +235,37 @@ def run_diloco(
     return curve, wire_bytes
 
 
-def run(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]:
+def check_arguments(args: argparse.Namespace) -> None:
+    """Every argument checked before any work; ``ValueError`` naming the one that is wrong."""
     resolve_outer_rule_defaults(args)
     if min(args.sites, args.steps, args.inner_steps, args.batch_size, args.eval_every) < 1:
         raise ValueError("--sites, --steps, --inner-steps, --batch-size, --eval-every must be >= 1")
     if args.outer_warmup_steps < 0 or args.overlap_steps < 0:
         raise ValueError("--outer-warmup-steps and --overlap-steps must be >= 0")
+    if not args.outer_lr > 0 or not 0.0 <= args.outer_momentum < 1.0:
+        raise ValueError("--outer-lr must be > 0 and --outer-momentum in [0, 1)")
+    if args.strategy not in OUTER_STRATEGIES:
+        raise ValueError(f"--strategy must be one of {', '.join(OUTER_STRATEGIES)}")
+    if not 0.0 <= args.ef_decay <= 1.0:
+        raise ValueError(f"--ef-decay must be in [0, 1], got {args.ef_decay}")
+    if args.broadcast not in ("dense", "sparse"):
+        raise ValueError("--broadcast must be dense or sparse")
+    if args.broadcast == "sparse" and args.strategy != "sparseloco":
+        raise ValueError("--broadcast sparse needs --strategy sparseloco (no momentum buffer)")
+    if not args.selsync_threshold >= 0:
+        raise ValueError(f"--selsync-threshold must be >= 0, got {args.selsync_threshold}")
+    if args.jobs < 1:
+        raise ValueError("--jobs must be >= 1")
+    for flag in ("codec", "uplink_codec", "downlink_codec"):
+        spec = getattr(args, flag)
+        if spec is not None:
+            try:
+                get_codec(spec)
+            except ValueError as exc:
+                raise ValueError(f"--{flag.replace('_', '-')}: {exc}") from None
+
+
+def _setup(args: argparse.Namespace) -> tuple[ModelConfig, InnerOptimConfig, list[Any], list[Any]]:
     torch.set_num_threads(1)
     model = ModelConfig(**DEMO_MODEL)
     optim = InnerOptimConfig(lr=args.lr, batch_size=args.batch_size)
@@ -195,18 +273,79 @@ def run(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]
     evals = eval_batches(
         ByteCorpus.from_stdlib_modules(heldout, 4 << 20), 8, 16, model.context_len, seed=0
     )
+    return model, optim, shards, evals
 
-    def trainers() -> list[LocalTrainer]:
-        return [_trainer(s, i, model, optim, args.seed) for i, s in enumerate(shards)]
 
-    progress.phase(f"synchronous baseline, {args.sites} sites x {args.steps} steps", 1, 2)
+def _trainers(args: argparse.Namespace) -> tuple[list[LocalTrainer], list[Any]]:
+    model, optim, shards, evals = _setup(args)
+    return [_trainer(s, i, model, optim, args.seed) for i, s in enumerate(shards)], evals
+
+
+def _baseline_key(args: argparse.Namespace) -> dict[str, Any]:
+    """What the baseline's curve depends on (and nothing DiLoCo alone reads)."""
+    return {
+        "sites": args.sites,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "eval_every": args.eval_every,
+        "seed": args.seed,
+        "model": DEMO_MODEL,
+    }
+
+
+def baseline_cache_path(args: argparse.Namespace) -> Path | None:
+    """The baseline's cache file for these settings; None with ``--no-baseline-cache``."""
+    if args.baseline_cache is None:
+        return None
+    text = json.dumps(_baseline_key(args), sort_keys=True)
+    digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    return Path(args.baseline_cache) / f"ddp-{digest}.json"
+
+
+def _read_baseline(path: Path | None, args: argparse.Namespace) -> dict[str, Any] | None:
+    if path is None or not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if data.get("key") != json.loads(json.dumps(_baseline_key(args))):
+        return None
+    return {"curve": {int(k): float(v) for k, v in data["curve"].items()}, **data["meta"]}
+
+
+def compute_baseline(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]:
+    """The baseline's curve and per-step wire bytes, from the cache or computed (and cached)."""
+    path = baseline_cache_path(args)
+    cached = _read_baseline(path, args)
+    if cached is not None:
+        return {**cached, "cached": True}
+    trainers, evals = _trainers(args)
+    numel = sum(int(v.size) for v in trainers[0].parameters_numpy().values())
     start = time.perf_counter()
-    ddp_curve = run_ddp(trainers(), args.steps, evals, args.eval_every, progress)
-    ddp_s = time.perf_counter() - start
-    progress.phase(f"DiLoCo, {args.sites} sites x {args.steps} steps", 2, 2)
+    curve = run_ddp(trainers, args.steps, evals, args.eval_every, progress)
+    meta = {
+        "seconds": time.perf_counter() - start,
+        # Every step: each site's fp32 gradient up, the fp32 mean down to each site.
+        "wire_bytes_per_step": 2 * args.sites * 4 * numel,
+        "numel": numel,
+    }
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(
+            json.dumps({"key": _baseline_key(args), "curve": curve, "meta": meta}, indent=1)
+        )
+        tmp.replace(path)
+    return {"curve": curve, **meta, "cached": False}
+
+
+def compute_diloco(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]:
+    trainers, evals = _trainers(args)
     start = time.perf_counter()
-    dl_curve, wire_bytes = run_diloco(
-        trainers(),
+    curve, wire_bytes = run_diloco(
+        trainers,
         args.steps,
         evals,
         inner_steps=args.inner_steps,
@@ -217,21 +356,135 @@ def run(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]
         overlap_steps=args.overlap_steps,
         uplink=args.uplink_codec or args.codec,
         downlink=args.downlink_codec or args.codec,
+        strategy=args.strategy,
+        ef_decay=args.ef_decay,
+        broadcast=args.broadcast,
+        selsync_threshold=args.selsync_threshold,
         progress=progress,
     )
-    dl_s = time.perf_counter() - start
-    ddp_final, dl_final = ddp_curve[args.steps], dl_curve[args.steps]
+    return {"curve": curve, "wire_bytes": wire_bytes, "seconds": time.perf_counter() - start}
+
+
+def _pool(jobs: int) -> ProcessPoolExecutor:
+    # spawn, not fork: a forked torch with live intra-op threads can deadlock.
+    return ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"))
+
+
+def run(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]:
+    check_arguments(args)
+    cached = _read_baseline(baseline_cache_path(args), args)
+    if cached is not None:
+        progress.phase(f"DiLoCo, {args.sites} sites x {args.steps} steps (baseline cached)", 1, 1)
+        ddp = {**cached, "cached": True}
+        dl = compute_diloco(args, progress)
+    elif args.jobs >= 2:
+        progress.phase(f"baseline and DiLoCo side by side, {args.steps} steps", 1, 1)
+        with _pool(1) as pool:
+            pending = pool.submit(compute_baseline, args)
+            dl = compute_diloco(args, progress)
+            ddp = pending.result()
+    else:
+        progress.phase(f"synchronous baseline, {args.sites} sites x {args.steps} steps", 1, 2)
+        ddp = compute_baseline(args, progress)
+        progress.phase(f"DiLoCo, {args.sites} sites x {args.steps} steps", 2, 2)
+        dl = compute_diloco(args, progress)
+    return report(args, ddp, dl)
+
+
+def report(args: argparse.Namespace, ddp: dict[str, Any], dl: dict[str, Any]) -> dict[str, Any]:
+    ddp_final, dl_final = ddp["curve"][args.steps], dl["curve"][args.steps]
+    dl_per_step = dl["wire_bytes"] / args.steps
     return {
         "config": vars(args).copy(),
-        "ddp_val_loss_by_step": ddp_curve,
-        "diloco_val_loss_by_step": dl_curve,
+        "ddp_val_loss_by_step": ddp["curve"],
+        "diloco_val_loss_by_step": dl["curve"],
         "val_loss_ddp": ddp_final,
         "val_loss_diloco": dl_final,
         "val_loss_gap": (dl_final - ddp_final) / ddp_final,
-        "diloco_wire_bytes_per_inner_step": wire_bytes / args.steps,
-        "ddp_seconds": ddp_s,
-        "diloco_seconds": dl_s,
+        "diloco_wire_bytes_per_inner_step": dl_per_step,
+        "ddp_wire_bytes_per_inner_step": ddp["wire_bytes_per_step"],
+        "bytes_ratio_vs_ddp": ddp["wire_bytes_per_step"] / dl_per_step if dl_per_step else None,
+        "ddp_seconds": ddp["seconds"],
+        "ddp_cached": ddp["cached"],
+        "diloco_seconds": dl["seconds"],
     }
+
+
+def _setting_args(args: argparse.Namespace, seed: int, h: int, k: int, bits: int) -> Any:
+    one = argparse.Namespace(**vars(args))
+    one.seed, one.inner_steps = seed, h
+    spec = get_codec(f"chunktopk:chunk={args.sweep_chunk},k={k},bits={bits}").spec
+    one.uplink_codec = spec
+    return one
+
+
+def sweep(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]:
+    """Every (H, k, bits) for every seed, ``--jobs`` processes at a time, each seed's baseline
+    once (from the cache when there). ``frontier.json`` in ``--out`` is rewritten as each run completes (a sweep stopped
+    early leaves what it measured); ``frontier.png`` is drawn at the end."""
+    check_arguments(args)
+    seeds = _int_list("--seeds", args.seeds)
+    grid = [
+        (h, k, b)
+        for h in _int_list("--sweep-inner-steps", args.sweep_inner_steps)
+        for k in _int_list("--sweep-k", args.sweep_k)
+        for b in _int_list("--sweep-bits", args.sweep_bits)
+    ]
+    runs = {seed: [_setting_args(args, seed, h, k, b) for h, k, b in grid] for seed in seeds}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "frontier.json"
+    total = len(seeds) * len(grid)
+    progress.phase(f"sweep: {len(seeds)} baselines and {total} settings", 1, 1)
+    points: list[dict[str, Any]] = []
+    frontier: dict[str, Any] = {"config": vars(args).copy(), "points": points}
+    with _pool(args.jobs) as pool:
+        # Setting by setting, each for every seed, a seed's baseline submitted just before its
+        # first setting: the first setting's figures on every seed come first.
+        bases: dict[int, Any] = {}
+        pending = []
+        for i in range(len(grid)):
+            for seed in seeds:
+                if seed not in bases:
+                    seed_args = argparse.Namespace(**{**vars(args), "seed": seed})
+                    bases[seed] = pool.submit(compute_baseline, seed_args)
+                one = runs[seed][i]
+                pending.append((one, bases[seed], pool.submit(compute_diloco, one)))
+        for i, (one, base, dl) in enumerate(pending, 1):
+            r = report(one, base.result(), dl.result())
+            points.append(
+                {
+                    "inner_steps": one.inner_steps,
+                    "codec": one.uplink_codec,
+                    "seed": one.seed,
+                    "bytes_ratio_vs_ddp": r["bytes_ratio_vs_ddp"],
+                    "val_loss_gap": r["val_loss_gap"],
+                    "val_loss_diloco": r["val_loss_diloco"],
+                    "val_loss_ddp": r["val_loss_ddp"],
+                    "diloco_val_loss_by_step": r["diloco_val_loss_by_step"],
+                }
+            )
+            json_path.write_text(json.dumps(frontier, indent=1))
+            progress.count(i, total, "settings")
+    from crossdc.plot import plot_frontier
+
+    png = plot_frontier(json_path, out_dir / "frontier.png")
+    return {**frontier, "json": str(json_path), "png": str(png)}
+
+
+def _int_list(flag: str, text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise ValueError(f"{flag} takes comma-separated integers >= 0, got {text!r}")
+    return values
+
+
+def _default_cache() -> str:
+    root = os.environ.get("CROSSDC_CACHE_DIR") or str(Path.home() / ".cache" / "crossdc")
+    return str(Path(root) / "equal_tokens")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,15 +509,52 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codec", default="fp32", help="both directions unless overridden")
     p.add_argument("--uplink-codec", default=None)
     p.add_argument("--downlink-codec", default=None)
+    p.add_argument(
+        "--strategy",
+        default="diloco",
+        choices=OUTER_STRATEGIES,
+        help="diloco: Nesterov outer step; sparseloco: outer SGD, no momentum (the sites' "
+        "decayed error feedback is the memory)",
+    )
+    p.add_argument("--ef-decay", type=float, default=1.0, help="site residual decay beta")
+    p.add_argument(
+        "--broadcast",
+        default="dense",
+        choices=("dense", "sparse"),
+        help="dense: the outer delta through the downlink codec; sparse (sparseloco): the "
+        "sites' encoded updates forwarded",
+    )
+    p.add_argument(
+        "--selsync-threshold",
+        type=float,
+        default=0.0,
+        help="SelSync: a site whose accumulator's norm over the parameters' is below this sends "
+        "a marker instead of its update (held for later); 0 sends every update",
+    )
     p.add_argument("--eval-every", type=int, default=150, help="baseline evaluation period")
     p.add_argument("--seed", type=int, default=0, help="model and sampler seed")
+    p.add_argument(
+        "--baseline-cache",
+        default=_default_cache(),
+        help="folder of cached baseline curves (default $CROSSDC_CACHE_DIR/equal_tokens or "
+        "~/.cache/crossdc/equal_tokens)",
+    )
+    p.add_argument("--no-baseline-cache", dest="baseline_cache", action="store_const", const=None)
+    p.add_argument("--jobs", type=int, default=2, help="processes (the baseline beside DiLoCo)")
+    p.add_argument("--sweep", action="store_true", help="run the chunktopk grid below")
+    p.add_argument("--sweep-inner-steps", default="30", help="H values, comma-separated")
+    p.add_argument("--sweep-k", default="64", help="values kept per chunk, comma-separated")
+    p.add_argument("--sweep-bits", default="2", help="bits per kept value (1, 2)")
+    p.add_argument("--sweep-chunk", type=int, default=4096)
+    p.add_argument("--seeds", default="0,1", help="the sweep's seeds")
+    p.add_argument("--out", default="equal_tokens_sweep", help="the sweep's output folder")
     p.add_argument("--json", action="store_true")
     add_progress_argument(p)
     args = p.parse_args(argv)
     progress = open_progress("crossdc bench equal_tokens", no_progress=pop_no_progress(args))
     try:
         with progress:
-            out = run(args, progress)
+            out = sweep(args, progress) if args.sweep else run(args, progress)
     except ValueError as exc:
         print(f"crossdc bench equal_tokens: {exc}", file=sys.stderr)
         return 2
