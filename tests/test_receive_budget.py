@@ -469,19 +469,27 @@ def test_resumes_back_off_while_a_receiver_stays_silent(ctx: zmq.Context[Any]) -
         (tx,) = dealer.outgoing()
         start = tx.last_progress_at
         assert start is not None
+        tick_s = 1 / 8  # exact in binary: ticks land on the waits, not a rounding past them
         resumed_at: list[float] = []
-        for tenth in range(1, 700):
-            now = start + tenth / 10
+        for tick in range(1, 560):
+            now = start + tick * tick_s
             before = dealer.stats.transfer_resumes
             dealer._tick(now)
             if dealer.stats.transfer_resumes > before:
-                resumed_at.append(round(now - start, 1))
+                resumed_at.append(now - start)
             if dealer.pending_transfers == 0:
                 break
         # 1 s, then 2, 4, 8, 16 and 16 s after each resume: every chunk resent six times, not 60.
-        assert resumed_at == [1.0, 3.0, 7.0, 15.0, 31.0, 47.0]
+        # Each wait is measured from the tick the previous resume happened at, so a gap is its
+        # wait, or one tick more where ``start + t`` rounds across a power of two.
+        gaps = [b - a for a, b in zip([0.0, *resumed_at[:-1]], resumed_at, strict=True)]
+        assert len(gaps) == 6, resumed_at
+        for gap, wait in zip(gaps, [1.0, 2.0, 4.0, 8.0, 16.0, 16.0], strict=True):
+            assert wait - 1e-9 <= gap <= wait + tick_s + 1e-9, resumed_at
         assert dealer.pending_transfers == 0 and dealer.stats.messages_dropped == 1
-        assert round(now - start, 1) == 63.0  # the send timeout, checked at the next stall
+        # The send timeout (60 s), checked at the next stall: 16 s after the last resume (63 s).
+        dropped_after = now - start - resumed_at[-1]
+        assert 16.0 - 1e-9 <= dropped_after <= 16.0 + tick_s + 1e-9, (resumed_at, now - start)
     finally:
         dealer.close(flush_timeout_s=0)
         silent.close(linger=0)
