@@ -99,6 +99,7 @@ def test_a_plain_script_federates_beside_two_agents(procs: Procs, tmp_path: Path
 
 
 DDP_SCRIPT = """
+import os
 import sys
 import torch
 import torch.distributed as dist
@@ -124,8 +125,12 @@ with crossdc.Federation(sys.argv[1], model, optimizer) as fed:
 state = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 gathered = [torch.zeros_like(state) for _ in range(dist.get_world_size())]
 dist.all_gather(gathered, state)
-print(f"rank {rank} steps {step} same {all(torch.equal(g, state) for g in gathered)}")
+print(f"rank {rank} steps {step} same {all(torch.equal(g, state) for g in gathered)}", flush=True)
+del ddp  # the DDP reducer goes while its process group is alive
 dist.destroy_process_group()
+# Skip interpreter finalization: gloo's worker threads can still hold tensors then, and torch
+# 2.13 may abort a finished process there ("terminate called without an active exception").
+os._exit(0)
 """
 
 
