@@ -181,6 +181,18 @@ def _drain(run: _Run, site: _Site) -> bool:
     return busy
 
 
+def _await_welcome(run: _Run, site: _Site, timeout_s: float) -> None:
+    """Wait for the coordinator's Welcome to ``site`` and answer it (InitParams when asked)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        msg = site.chan.recv(0.1)
+        if msg is not None:
+            _answer(run, site, msg)
+            if isinstance(msg, Welcome):
+                return
+    raise RuntimeError(f"no Welcome to {site.site_id} within {timeout_s:.0f}s")
+
+
 def _serve(run: _Run, coord: subprocess.Popen[bytes], timeout_s: float) -> None:
     """Drive every site's channel until all got Shutdown (or the coordinator exited)."""
     deadline = time.monotonic() + timeout_s
@@ -240,7 +252,7 @@ def run_case(
                 )
             )
             if i == 0:
-                time.sleep(0.5)  # the first join is the one asked for the initial model
+                _await_welcome(run, site, timeout_s)  # so the first join is the one asked for θ0
         started = time.monotonic()
         _serve(run, coord, timeout_s)
         wall = time.monotonic() - started
