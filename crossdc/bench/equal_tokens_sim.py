@@ -119,6 +119,43 @@ def _broadcast(fb: ErrorFeedback, params: Arrays, target: Arrays, codec: Payload
     return nbytes
 
 
+def _outer(strategy: str, lr: float, momentum: float, warmup_steps: int) -> DiLoCo | SparseLoCo:
+    if strategy == "sparseloco":
+        return SparseLoCo(lr=lr)
+    return DiLoCo(lr=lr, momentum=momentum, warmup_steps=warmup_steps)
+
+
+def _site_updates(
+    trainers: list[LocalTrainer],
+    site_fb: list[ErrorFeedback],
+    params: Arrays,
+    at_send: list[Arrays | None],
+    h: int,
+    overlap_steps: int,
+    up: PayloadCodec,
+    selsync_threshold: float,
+) -> tuple[list[tuple[str, float, Arrays]], int]:
+    """Each site's slot of ``h`` inner steps, and its encoded update (and the bytes it took)."""
+    updates: list[tuple[str, float, Arrays]] = []
+    round_bytes = 0
+    for i, (trainer, fb) in enumerate(zip(trainers, site_fb, strict=True)):
+        _train_slot(trainer, params, at_send[i], h, overlap_steps)
+        local = at_send[i] = trainer.parameters_numpy()
+        decoded, nbytes = _encode_update(fb, params, local, up, selsync_threshold)
+        round_bytes += nbytes
+        updates.append((f"site{i}", float(h), decoded))
+    return updates, round_bytes
+
+
+def _evaluate_global(trainer: LocalTrainer, params: Arrays, evals: list[Any]) -> float:
+    """The validation loss of ``params`` on ``trainer``, whose own parameters are put back."""
+    own = trainer.parameters_numpy()
+    trainer.load_parameters(params)
+    loss = trainer.evaluate(evals)
+    trainer.load_parameters(own)
+    return loss
+
+
 def run_diloco(
     trainers: list[LocalTrainer],
     steps: int,
@@ -148,11 +185,7 @@ def run_diloco(
     up, down = get_codec(uplink), get_codec(downlink)
     site_fb = [ErrorFeedback(decay=ef_decay) for _ in trainers]
     coord_fb = ErrorFeedback()
-    outer: DiLoCo | SparseLoCo = (
-        SparseLoCo(lr=outer_lr)
-        if strategy == "sparseloco"
-        else DiLoCo(lr=outer_lr, momentum=outer_momentum, warmup_steps=outer_warmup_steps)
-    )
+    outer = _outer(strategy, outer_lr, outer_momentum, outer_warmup_steps)
     params: Arrays = trainers[0].parameters_numpy()
     momentum: Arrays = {k: np.zeros_like(v) for k, v in params.items()}
     at_send: list[Arrays | None] = [None for _ in trainers]
@@ -160,14 +193,9 @@ def run_diloco(
     done = wire_bytes = 0
     while done < steps:
         h = min(inner_steps, steps - done)
-        updates: list[tuple[str, float, Arrays]] = []
-        round_bytes = 0
-        for i, (trainer, fb) in enumerate(zip(trainers, site_fb, strict=True)):
-            _train_slot(trainer, params, at_send[i], h, overlap_steps)
-            local = at_send[i] = trainer.parameters_numpy()
-            decoded, nbytes = _encode_update(fb, params, local, up, selsync_threshold)
-            round_bytes += nbytes
-            updates.append((f"site{i}", float(h), decoded))
+        updates, round_bytes = _site_updates(
+            trainers, site_fb, params, at_send, h, overlap_steps, up, selsync_threshold
+        )
         wire_bytes += round_bytes
         result = outer.outer_step(
             params,
@@ -185,9 +213,6 @@ def run_diloco(
         else:
             wire_bytes += _broadcast(coord_fb, params, result.params, down) * len(trainers)
         done += h
-        site0 = trainers[0].parameters_numpy()
-        trainers[0].load_parameters(params)
-        curve[done] = trainers[0].evaluate(evals)
-        trainers[0].load_parameters(site0)
+        curve[done] = _evaluate_global(trainers[0], params, evals)
         progress.count(done, steps, "steps")
     return curve, wire_bytes
