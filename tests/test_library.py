@@ -125,7 +125,9 @@ with crossdc.Federation(sys.argv[1], model, optimizer) as fed:
 state = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 gathered = [torch.zeros_like(state) for _ in range(dist.get_world_size())]
 dist.all_gather(gathered, state)
-print(f"rank {rank} steps {step} same {all(torch.equal(g, state) for g in gathered)}", flush=True)
+# One file per rank: two ranks printing to one shared pipe can interleave their lines.
+with open(f"result-{rank}.txt", "w") as out:
+    out.write(f"rank {rank} steps {step} same {all(torch.equal(g, state) for g in gathered)}")
 del ddp  # the DDP reducer goes while its process group is alive
 dist.destroy_process_group()
 # Skip interpreter finalization: gloo's worker threads can still hold tensors then, and torch
@@ -155,7 +157,7 @@ def test_under_torchrun_rank_0_talks_and_the_other_ranks_follow(
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert procs.procs["coordinator"].wait(timeout=60) == 0, procs.log("coordinator")
-    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    lines = [(jobs / f"result-{rank}.txt").read_text() for rank in (0, 1)]
     assert len(lines) == 2 and all(line.endswith("same True") for line in lines), lines
     assert lines[0].split()[3] == lines[1].split()[3]  # both ranks stopped at the same step
     status = read_status(tmp_path)
