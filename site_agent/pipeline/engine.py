@@ -43,7 +43,7 @@ from site_agent.pipeline.cut import (
     strip_to_stage,
     units_of,
 )
-from site_agent.pipeline.partition import PartitionPlan, TransferModel, partition_layers
+from site_agent.pipeline.partition import PartitionPlan, partition_layers
 from site_agent.pipeline.schedule import TORCH_SCHEDULE_STAGES
 from site_agent.pipeline.stage import PipelineLayout
 
@@ -103,12 +103,10 @@ def make_stage_plan(
     num_stages: int,
     *,
     num_microbatches: int,
-    boundaries: Sequence[int] | None = None,
-    transfer: TransferModel | None = None,
     profile_steps: int = 3,
 ) -> StagePlan:
     """Profile the job's units on one micro-batch of ``sample_batch`` and cut them into
-    ``num_stages`` stages (or at ``boundaries``, unit indices of each stage's first unit)."""
+    ``num_stages`` stages, the slowest as fast as possible (``partition_layers``)."""
     model: nn.Module = job.model
     units = units_of(model, getattr(job, "cut_points", None))
     if num_stages > len(units):
@@ -126,13 +124,7 @@ def make_stage_plan(
     with torch.random.fork_rng(devices=[]):
         costs, sizes = profile_units(model, units, run, steps=profile_steps)
     model.load_state_dict(state)
-    if boundaries is None:
-        plan = partition_layers(costs, sizes, num_stages, transfer)
-    else:
-        from site_agent.pipeline.setup import fixed_plan
-
-        plan = fixed_plan(costs, sizes, boundaries, transfer)
-    return StagePlan(units=units, partition=plan)
+    return StagePlan(units=units, partition=partition_layers(costs, sizes, num_stages))
 
 
 class RankPipeline:

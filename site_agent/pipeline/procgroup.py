@@ -1,8 +1,7 @@
 """The process groups a pipelined site runs in.
 
 This module owns joining torchrun's group (``init_from_torchrun_env``: NCCL on the local GPU when
-there is one, else gloo on the CPU), the device a rank computes on by default, and
-``LocalProcessGroup``, which runs functions in spawned CPU processes joined in a gloo group, for
+there is one, else gloo on the CPU) and ``LocalProcessGroup``, which runs functions in spawned CPU processes joined in a gloo group, for
 tests and benchmarks on one machine.
 """
 
@@ -70,12 +69,6 @@ def init_from_torchrun_env(*, timeout: timedelta = timedelta(minutes=30)) -> Dis
         "gloo", init_method="env://", rank=rank, world_size=world_size, timeout=timeout
     )
     return DistEnv(rank, world_size, local_rank, torch.device("cpu"), "gloo")
-
-
-def default_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class LocalProcessGroup:
