@@ -28,9 +28,9 @@ from site_agent.pipeline.cut import (
     units_of,
 )
 from site_agent.pipeline.engine import RankPipeline, make_stage_plan, stage_indices, stages_per_rank
-from site_agent.pipeline.procgroup import LocalProcessGroup
 from site_agent.pipeline.stage import PipelineLayout
 from site_agent.trainer import JobTrainer
+from tests.support.procgroup import LocalProcessGroup
 
 pytestmark = pytest.mark.timeout(300)
 
