@@ -17,7 +17,7 @@ from comm.transport.profile import ChannelConfig
 from site_agent.data import DataConfig
 from site_agent.jobs.contract import BYTEGPT_FACTORY
 from site_agent.model import ModelConfig
-from site_agent.pipeline.schedule import TORCH_SCHEDULE_STAGES
+from site_agent.pipeline.layout import TORCH_SCHEDULE_STAGES
 from site_agent.privacy import DPConfig
 from site_agent.trainer import InnerOptimConfig
 

@@ -27,8 +27,8 @@ from site_agent.pipeline.cut import (
     strip_to_stage,
     units_of,
 )
-from site_agent.pipeline.engine import RankPipeline, make_stage_plan, stage_indices, stages_per_rank
-from site_agent.pipeline.stage import PipelineLayout
+from site_agent.pipeline.engine import RankPipeline, make_stage_plan
+from site_agent.pipeline.layout import PipelineLayout, stage_indices, stages_per_rank
 from site_agent.trainer import JobTrainer
 from tests.support.procgroup import LocalProcessGroup
 

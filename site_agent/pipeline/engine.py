@@ -2,16 +2,12 @@
 
 This module owns what a rank of a pipelined site builds and runs for any job that may be
 pipelined (``split`` and ``output_loss``, see ``site_agent.jobs.contract``): its stages (the
-job's model cut by ``cut``, one ``PipelineStage`` each, gradients averaged across replicas), torch's schedule
-named by ``[site] schedule``, and the inner step around it (the job's optimizer over this rank's
-parameters only, gradient clipping by the norm over the whole pipeline, the job's scheduler).
-It also owns the plan: the units profiled on one sample micro-batch and cut by the
-bottleneck-optimal partitioner (``partition``), computed on one rank and shared.
-
-Rank layout as ``stage.PipelineLayout``: rank = replica * pipeline ranks + pipeline rank. A
-schedule with several stages per rank (interleaved, looped, zero-bubble V) puts stage
-``pp_rank + k * pp_size`` on each rank, or the V shape (``pp_rank`` and ``2 pp_size - 1 -
-pp_rank``) for ``zbv``.
+job's model cut by ``cut``, one ``PipelineStage`` each, placed by ``layout.stage_indices``),
+torch's schedule named by ``[site] schedule``, and the inner step around it (gradients averaged
+across replicas, the job's optimizer over this rank's parameters only, gradient clipping by the
+norm over the whole pipeline, the job's scheduler). It also owns the plan: the units profiled on
+one sample micro-batch and cut by the bottleneck-optimal partitioner (``partition``), computed
+on one rank and shared.
 """
 
 from __future__ import annotations
@@ -43,41 +39,23 @@ from site_agent.pipeline.cut import (
     strip_to_stage,
     units_of,
 )
+from site_agent.pipeline.layout import PipelineLayout, stage_indices, stages_per_rank
 from site_agent.pipeline.partition import PartitionPlan, partition_layers
-from site_agent.pipeline.schedule import TORCH_SCHEDULE_STAGES
-from site_agent.pipeline.stage import PipelineLayout
 
 log = logging.getLogger(__name__)
 
 # Same constant as torch.nn.utils.clip_grad_norm_, so clipping matches the single-process trainer.
 _CLIP_EPS = 1e-6
 
-TORCH_SCHEDULES: dict[str, tuple[Any, int]] = {
-    name: (cls, TORCH_SCHEDULE_STAGES[name])
-    for name, cls in [
-        ("gpipe", ScheduleGPipe),
-        ("1f1b", Schedule1F1B),
-        ("interleaved_1f1b", ScheduleInterleaved1F1B),
-        ("looped_bfs", ScheduleLoopedBFS),
-        ("interleaved_zb", ScheduleInterleavedZeroBubble),
-        ("zbv", ScheduleZBVZeroBubble),
-    ]
+_SCHEDULE_CLASSES: dict[str, Any] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "looped_bfs": ScheduleLoopedBFS,
+    "interleaved_zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
 }
-"""``[site] schedule`` -> (torch's schedule class, stages per rank)."""
-
-
-def stages_per_rank(schedule: str) -> int:
-    if schedule not in TORCH_SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(TORCH_SCHEDULES)}, got {schedule!r}")
-    return TORCH_SCHEDULES[schedule][1]
-
-
-def stage_indices(schedule: str, pp_rank: int, pp_size: int) -> list[int]:
-    """The pipeline stages rank ``pp_rank`` of ``pp_size`` holds under ``schedule``."""
-    k = stages_per_rank(schedule)
-    if schedule == "zbv":
-        return [pp_rank, 2 * pp_size - 1 - pp_rank]
-    return [pp_rank + j * pp_size for j in range(k)]
+"""``[site] schedule`` -> torch's schedule class (``layout.TORCH_SCHEDULE_STAGES``: its names)."""
 
 
 def split_batch(job: Any, batch: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
@@ -186,9 +164,8 @@ class RankPipeline:
             PipelineStage(StageForward(module), index, self.num_stages, device, group=pp_group)
             for index, module in zip(self.indices, self.modules, strict=True)
         ]
-        cls, per_rank = TORCH_SCHEDULES[schedule]
-        self.schedule = cls(
-            stages if per_rank > 1 else stages[0],
+        self.schedule = _SCHEDULE_CLASSES[schedule](
+            stages if len(stages) > 1 else stages[0],
             n_microbatches=num_microbatches,
             loss_fn=job.output_loss,
             scale_grads=True,
@@ -270,11 +247,4 @@ def _keep_local_parameters(
     return optimizer
 
 
-__all__ = [
-    "TORCH_SCHEDULES",
-    "RankPipeline",
-    "StagePlan",
-    "make_stage_plan",
-    "stage_indices",
-    "stages_per_rank",
-]
+__all__ = ["RankPipeline", "StagePlan", "make_stage_plan"]

@@ -48,8 +48,8 @@ from site_agent.jobs.contract import (
     state_spec,
 )
 from site_agent.jobs.contract import buffer_names as federated_buffer_names
-from site_agent.pipeline.engine import RankPipeline, StagePlan, make_stage_plan, stages_per_rank
-from site_agent.pipeline.stage import PipelineLayout
+from site_agent.pipeline.engine import RankPipeline, StagePlan, make_stage_plan
+from site_agent.pipeline.layout import PipelineLayout, stages_per_rank
 from site_agent.pipeline.worker import receive_command
 from site_agent.trainer import _to_cpu, first_dimension, to_device
 
@@ -82,7 +82,7 @@ class JobSiteConfig:
     num_microbatches: int = 4
     """Micro-batches per replica and inner step."""
     schedule: str = "1f1b"
-    """One of ``engine.TORCH_SCHEDULES``."""
+    """One of ``layout.TORCH_SCHEDULE_STAGES``."""
     grad_clip: float = 1.0
     """Largest global gradient norm (0: off)."""
     profile_steps: int = 3
