@@ -1,4 +1,4 @@
-"""Stage partition: exact against brute force, golden numbers, bounds, input errors, profiling."""
+"""Stage partition: exact against brute force, golden numbers, bounds, input errors."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from site_agent.pipeline.partition import (
     TransferModel,
     brute_force_partition,
     partition_layers,
-    profile_layers,
 )
 
 GOLDEN_COSTS = [4.0, 2.0, 7.0, 1.0, 3.0, 5.0, 2.0, 6.0]
@@ -133,43 +132,6 @@ def test_transfer_model_validation() -> None:
         TransferModel(latency_s=-1.0)
     with pytest.raises(ValueError, match="bandwidth_bytes_per_s"):
         TransferModel(bandwidth_bytes_per_s=0.0)
-
-
-def test_profile_layers_on_cpu() -> None:
-    import torch
-
-    class ToDouble(torch.nn.Module):
-        def forward(self, t: torch.Tensor) -> torch.Tensor:
-            return t.double()
-
-    layers: list[torch.nn.Module] = [
-        torch.nn.Linear(16, 32),
-        torch.nn.ReLU(),  # no parameters: backward is the input gradient only
-        ToDouble(),
-        torch.nn.Linear(32, 8, dtype=torch.float64),
-    ]
-    x = torch.randn(4, 16)
-    costs, sizes = profile_layers(layers, x, steps=2)
-    assert len(costs) == len(sizes) == 4
-    assert all(c >= 0 and math.isfinite(c) for c in costs)
-    assert sizes == [4 * 32 * 4, 4 * 32 * 4, 4 * 32 * 8, 4 * 8 * 8]
-    assert all(p.grad is None for layer in layers for p in layer.parameters())
-    # The numbers feed the partitioner directly.
-    plan = partition_layers(costs, sizes, 2, TransferModel(bandwidth_bytes_per_s=1e9))
-    assert plan.num_stages == 2
-
-
-def test_profile_layers_integer_input_and_errors() -> None:
-    import torch
-
-    tokens = torch.randint(0, 50, (2, 5))
-    costs, sizes = profile_layers([torch.nn.Embedding(50, 6), torch.nn.Linear(6, 3)], tokens, 1)
-    assert sizes == [2 * 5 * 6 * 4, 2 * 5 * 3 * 4]
-    assert len(costs) == 2
-    with pytest.raises(ValueError, match="steps"):
-        profile_layers([torch.nn.Identity()], tokens, steps=0)
-    with pytest.raises(ValueError, match="layers is empty"):
-        profile_layers([], tokens)
 
 
 def test_partitioner_does_not_import_torch() -> None:
