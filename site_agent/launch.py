@@ -105,9 +105,9 @@ def torchrun_argv(cfg: SiteConfig, agent_argv: list[str]) -> list[str]:
 
 def pipeline_site_config(cfg: SiteConfig) -> Any:
     """What every rank of the pipelined site agrees on, from the site's config."""
-    from site_agent.pipeline.jobsite import JobSiteConfig
+    from site_agent.pipeline.rank import PipelineSiteConfig
 
-    return JobSiteConfig(
+    return PipelineSiteConfig(
         factory=cfg.job.factory,
         python_path=tuple(cfg.job.python_path),
         options=cfg.job_options(),
@@ -127,13 +127,13 @@ def run_pipeline_site(cfg: SiteConfig) -> int:
 
     Rank 0 is the site leader: it runs the agent, whose trainer drives the other ranks through
     torch.distributed. Only rank 0 ever opens a WAN socket; the workers run
-    ``job_worker_loop``. Any job with ``split`` and ``output_loss`` runs so, the byte GPT too.
+    ``worker_loop``. Any job with ``split`` and ``output_loss`` runs so, the byte GPT too.
     """
     import torch.distributed as dist
 
-    from site_agent.pipeline.jobleader import JobPipelineTrainer
-    from site_agent.pipeline.jobsite import job_worker_loop
+    from site_agent.pipeline.leader import PipelineTrainer
     from site_agent.pipeline.procgroup import init_from_torchrun_env
+    from site_agent.pipeline.rank import worker_loop
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -149,9 +149,9 @@ def run_pipeline_site(cfg: SiteConfig) -> int:
             # A stop is the leader's to carry out, between steps (it then releases us): a worker
             # that died on SIGTERM would leave the leader inside a collective.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            job_worker_loop(site, env.device)
+            worker_loop(site, env.device)
             return EXIT_OK
-        with JobPipelineTrainer(site, env.device) as pipeline:
+        with PipelineTrainer(site, env.device) as pipeline:
             agent = SiteAgent(cfg, trainer=pipeline)
             signal.signal(signal.SIGTERM, lambda *_: agent.request_stop("stopped by signal"))
             agent.start()

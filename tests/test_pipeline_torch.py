@@ -284,9 +284,9 @@ def test_pipelined_steps_equal_one_process(
 
 
 def _site_config(schedule: str, num_stages: int, num_replicas: int) -> Any:
-    from site_agent.pipeline.jobsite import JobSiteConfig
+    from site_agent.pipeline.rank import PipelineSiteConfig
 
-    return JobSiteConfig(
+    return PipelineSiteConfig(
         factory="site_agent.jobs.bytegpt:make_job",
         options=BYTEGPT_OPTIONS,
         seed=3,
@@ -299,16 +299,16 @@ def _site_config(schedule: str, num_stages: int, num_replicas: int) -> Any:
 
 
 def _site_run(rank: int, world_size: int, schedule: str, num_replicas: int) -> Any:
-    from site_agent.pipeline.jobleader import JobPipelineTrainer
-    from site_agent.pipeline.jobsite import job_worker_loop
+    from site_agent.pipeline.leader import PipelineTrainer
+    from site_agent.pipeline.rank import worker_loop
 
     torch.set_num_threads(1)
     cfg = _site_config(schedule, world_size // num_replicas, num_replicas)
     device = torch.device("cpu")
     if rank != 0:
-        job_worker_loop(cfg, device)
+        worker_loop(cfg, device)
         return None
-    with JobPipelineTrainer(cfg, device) as trainer:
+    with PipelineTrainer(cfg, device) as trainer:
         first = trainer.train_steps(2)
         state = trainer.state_dict()
         after_three = trainer.train_steps(1)

@@ -1,8 +1,8 @@
-"""The leader's handle on a pipelined job site: the agent's trainer surface over every rank.
+"""The leader's handle on a pipelined site: the agent's trainer surface over every rank.
 
-This module owns :class:`JobPipelineTrainer`, which rank 0 holds while every other rank runs
-``jobsite.job_worker_loop``. Each call validates its arguments on the leader, broadcasts a
-command on the control group and carries out rank 0's part (``jobsite.JobRank``), so a rejected
+This module owns :class:`PipelineTrainer`, which rank 0 holds while every other rank runs
+``rank.worker_loop``. Each call validates its arguments on the leader, broadcasts a
+command on the control group and carries out rank 0's part (``rank.SiteRank``), so a rejected
 call leaves every rank in step. The site agent drives it exactly as a ``JobTrainer``.
 """
 
@@ -25,18 +25,17 @@ from site_agent.jobs.contract import (
     job_fingerprint,
 )
 from site_agent.pipeline.engine import StagePlan
-from site_agent.pipeline.jobsite import JobRank, JobSiteConfig
-from site_agent.pipeline.worker import broadcast_command
+from site_agent.pipeline.rank import PipelineSiteConfig, SiteRank, broadcast_command
 from site_agent.trainer import TrainStats
 
 
-class JobPipelineTrainer:
+class PipelineTrainer:
     """Rank 0's handle on the whole site: the agent's trainer surface (``SiteTrainer``)."""
 
-    def __init__(self, cfg: JobSiteConfig, device: torch.device) -> None:
+    def __init__(self, cfg: PipelineSiteConfig, device: torch.device) -> None:
         if not dist.is_initialized() or dist.get_rank() != 0:
-            raise ValueError("JobPipelineTrainer runs on rank 0; other ranks run job_worker_loop")
-        self._rank = JobRank(cfg, device)
+            raise ValueError("PipelineTrainer runs on rank 0; other ranks run worker_loop")
+        self._rank = SiteRank(cfg, device)
         self.cfg = cfg
         self._closed = False
         self._broken = False
@@ -128,7 +127,7 @@ class JobPipelineTrainer:
         if not self._broken:
             broadcast_command(("stop",), self._rank.control)
 
-    def __enter__(self) -> JobPipelineTrainer:
+    def __enter__(self) -> PipelineTrainer:
         return self
 
     def __exit__(
@@ -139,7 +138,7 @@ class JobPipelineTrainer:
     ) -> None:
         self.close()
 
-    def _command(self, command: tuple[Any, ...], run: Callable[[JobRank], Any]) -> Any:
+    def _command(self, command: tuple[Any, ...], run: Callable[[SiteRank], Any]) -> Any:
         if self._closed:
             raise ValueError("the pipeline trainer is closed")
         if self._broken:
@@ -151,4 +150,4 @@ class JobPipelineTrainer:
         return result
 
 
-__all__ = ["JobPipelineTrainer"]
+__all__ = ["PipelineTrainer"]

@@ -1,13 +1,13 @@
-"""A pipelined site of any job: the leader's trainer and the workers' loop over ``engine``.
+"""One rank of a pipelined site of any job: its stages, its part in each command, the workers' loop.
 
 This module owns how the ranks of a site that pipelines a job (``site_agent.jobs.contract``:
 ``split``, ``output_loss``) carry out the leader's commands. Every rank builds the job with its
 factory (same seed, so every stage starts from the single-process weights), rank 0 profiles and
 cuts it and broadcasts the plan, and each rank keeps its stages (``engine.RankPipeline``).
-Rank 0 holds a ``jobleader.JobPipelineTrainer``, the agent's trainer surface (``train_steps``,
+Rank 0 holds a ``leader.PipelineTrainer``, the agent's trainer surface (``train_steps``,
 ``validate``, ``parameters_numpy``, ``load_parameters``, ``state_spec``, ``fingerprint``,
-``state_dict``, ``load_state_dict``); every other rank runs :func:`job_worker_loop`. Each call
-broadcasts a command on a gloo control group (``worker.broadcast_command``) and all ranks carry
+``state_dict``, ``load_state_dict``); every other rank runs :func:`worker_loop`. Each call
+broadcasts a command on a gloo control group (``broadcast_command``) and all ranks carry
 it out together; only rank 0 ever talks to the coordinator.
 
 Data: every rank draws the job's batches in lockstep (the same seed); each batch is the site's
@@ -50,7 +50,6 @@ from site_agent.jobs.contract import (
 from site_agent.jobs.contract import buffer_names as federated_buffer_names
 from site_agent.pipeline.engine import RankPipeline, StagePlan, make_stage_plan
 from site_agent.pipeline.layout import PipelineLayout, stages_per_rank
-from site_agent.pipeline.worker import receive_command
 from site_agent.trainer import _to_cpu, first_dimension, to_device
 
 log = logging.getLogger(__name__)
@@ -60,7 +59,7 @@ CONTROL_TIMEOUT = timedelta(days=7)
 
 
 @dataclass(frozen=True, kw_only=True)
-class JobSiteConfig:
+class PipelineSiteConfig:
     """What every rank of a pipelined job site agrees on; all ranks get the same one."""
 
     factory: str
@@ -100,10 +99,10 @@ class JobSiteConfig:
         return PipelineLayout(num_stages=self.num_stages, num_replicas=self.num_replicas)
 
 
-class JobRank:
+class SiteRank:
     """What one rank holds and does; every command method is called on all ranks together."""
 
-    def __init__(self, cfg: JobSiteConfig, device: torch.device) -> None:
+    def __init__(self, cfg: PipelineSiteConfig, device: torch.device) -> None:
         if not dist.is_initialized():
             raise ValueError("torch.distributed is not initialized")
         layout = cfg.layout
@@ -316,12 +315,12 @@ def _share(batch: Any, replica: int, replicas: int) -> Any:
     return batch
 
 
-def job_worker_loop(cfg: JobSiteConfig, device: torch.device) -> None:
+def worker_loop(cfg: PipelineSiteConfig, device: torch.device) -> None:
     """Every rank but 0: set up this rank's stages, then carry out the leader's commands until
-    it closes its :class:`JobPipelineTrainer`."""
+    it closes its :class:`PipelineTrainer`."""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        raise ValueError("job_worker_loop runs on ranks other than 0")
-    r = JobRank(cfg, device)
+        raise ValueError("worker_loop runs on ranks other than 0")
+    r = SiteRank(cfg, device)
     while True:
         command = receive_command(r.control)
         name = command[0]
@@ -341,4 +340,15 @@ def job_worker_loop(cfg: JobSiteConfig, device: torch.device) -> None:
             raise AssertionError(f"unknown command {name!r}")
 
 
-__all__ = ["JobRank", "JobSiteConfig", "job_worker_loop"]
+def broadcast_command(command: tuple[Any, ...], control: dist.ProcessGroup) -> None:
+    dist.broadcast_object_list([command], src=0, group=control)
+
+
+def receive_command(control: dist.ProcessGroup) -> tuple[Any, ...]:
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0, group=control)
+    command: tuple[Any, ...] = box[0]
+    return command
+
+
+__all__ = ["PipelineSiteConfig", "SiteRank", "broadcast_command", "receive_command", "worker_loop"]
