@@ -9,7 +9,7 @@ call leaves every rank in step. The site agent drives it exactly as a ``JobTrain
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
@@ -26,7 +26,7 @@ from site_agent.jobs.contract import (
 )
 from site_agent.pipeline.engine import StagePlan
 from site_agent.pipeline.rank import PipelineSiteConfig, SiteRank, broadcast_command
-from site_agent.trainer import TrainStats
+from site_agent.trainer import TrainStats, check_parameters
 
 
 class PipelineTrainer:
@@ -53,7 +53,7 @@ class PipelineTrainer:
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         start = time.perf_counter()
-        losses, weight = self._command(("train", num_steps), lambda r: r.train(num_steps))
+        losses, weight = self._command("train", num_steps)
         return TrainStats(
             steps=num_steps,
             tokens=weight,
@@ -86,28 +86,15 @@ class PipelineTrainer:
         return job_fingerprint(factory_path, self._rank.spec, self._rank.architecture)
 
     def parameters_numpy(self) -> dict[str, np.ndarray]:
-        params: dict[str, np.ndarray] | None = self._command(("params",), lambda r: r.gather())
-        assert params is not None
+        params: dict[str, np.ndarray] = self._command("gather_parameters")
         return params
 
     def load_parameters(self, params: Mapping[str, np.ndarray]) -> None:
-        expected = {name: shape for name, shape, _ in self._rank.spec}
-        for name in expected:
-            if name not in params:
-                raise ValueError(f"parameter {name!r} is missing")
-        for name in params:
-            if name not in expected:
-                raise ValueError(f"unexpected parameter {name!r}")
-            if tuple(np.shape(params[name])) != tuple(expected[name]):
-                raise ValueError(
-                    f"parameter {name!r} has shape {tuple(np.shape(params[name]))}, "
-                    f"expected {tuple(expected[name])}"
-                )
-        self._command(("load_params",), lambda r: r.scatter(params))
+        check_parameters(params, {name: shape for name, shape, _ in self._rank.spec})
+        self._command("load_parameters", dict(params))
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] | None = self._command(("state",), lambda r: r.gather_state())
-        assert state is not None
+        state: dict[str, Any] = self._command("gather_state")
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -117,7 +104,7 @@ class PipelineTrainer:
         missing = [n for n in self._rank.order if n not in state["model"]]
         if missing:
             raise JobError(f"the checkpoint lacks {missing[0]!r}")
-        self._command(("load_state",), lambda r: r.scatter_state(state))
+        self._command("load_state", state)
 
     def close(self) -> None:
         """Release the workers (their loop returns). Idempotent."""
@@ -138,14 +125,17 @@ class PipelineTrainer:
     ) -> None:
         self.close()
 
-    def _command(self, command: tuple[Any, ...], run: Callable[[SiteRank], Any]) -> Any:
+    def _command(self, name: str, *args: Any) -> Any:
+        """Broadcast ``(name, *args)`` and run rank 0's part; a failure leaves the trainer broken,
+        as the other ranks may be anywhere in it."""
         if self._closed:
             raise ValueError("the pipeline trainer is closed")
         if self._broken:
             raise RuntimeError("an earlier command failed; the site's ranks are out of step")
         self._broken = True
+        command = (name, *args)
         broadcast_command(command, self._rank.control)
-        result = run(self._rank)
+        result = self._rank.run(command)
         self._broken = False
         return result
 

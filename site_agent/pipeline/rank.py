@@ -1,27 +1,22 @@
 """One rank of a pipelined site of any job: its stages, its part in each command, the workers' loop.
 
 This module owns how the ranks of a site that pipelines a job (``site_agent.jobs.contract``:
-``split``, ``output_loss``) carry out the leader's commands. Every rank builds the job with its
-factory (same seed, so every stage starts from the single-process weights), rank 0 profiles and
-cuts it and broadcasts the plan, and each rank keeps its stages (``engine.RankPipeline``).
-Rank 0 holds a ``leader.PipelineTrainer``, the agent's trainer surface (``train_steps``,
-``validate``, ``parameters_numpy``, ``load_parameters``, ``state_spec``, ``fingerprint``,
-``state_dict``, ``load_state_dict``); every other rank runs :func:`worker_loop`. Each call
-broadcasts a command on a gloo control group (``broadcast_command``) and all ranks carry
-it out together; only rank 0 ever talks to the coordinator.
+``split``, ``output_loss``) work together. Every rank builds the job with its factory (same
+seed, so every stage starts from the single-process weights); rank 0 checks, profiles and cuts
+it and broadcasts the plan; each rank keeps its stages (``engine.RankPipeline``). Rank 0 drives
+the site through ``leader.PipelineTrainer``, every other rank runs :func:`worker_loop`. A command
+is the name of one of :class:`SiteRank`'s ``COMMANDS`` and its arguments, broadcast by the
+leader on a gloo control group; every rank then runs that method together.
 
 Data: every rank draws the job's batches in lockstep (the same seed); each batch is the site's
 global batch of one inner step, and replica r trains on its r-th share along the first
 dimension, cut into micro-batches by torch's schedule. So a site's step is one process's step
 on the same batch, to float rounding, whatever its layout.
 
-Validation: rank 0 keeps an unstripped copy of the model on the CPU for the job's ``evaluate``,
-loaded with the gathered state before each call (the job's metrics need its whole model).
-
-Checkpoints: ``state_dict`` holds every rank's share (``ranks``: its stages' tensors, optimizer,
-scheduler) with the ``layout`` it was taken under, the whole model by name (``model``), the step
-and the job's own state. Under the same layout every rank gets its share back; under another the
-model is loaded by name and the inner optimizer starts afresh.
+Checkpoints: ``gather_state`` collects every rank's share (``ranks``: its stages' tensors,
+optimizer, scheduler) with the ``layout`` it was taken under, the whole model by name
+(``model``), the step and the job's own state. Under the same layout every rank gets its share
+back; under another the model is loaded by name and the inner optimizer starts afresh.
 """
 
 from __future__ import annotations
@@ -100,7 +95,12 @@ class PipelineSiteConfig:
 
 
 class SiteRank:
-    """What one rank holds and does; every command method is called on all ranks together."""
+    """What one rank holds. Each of ``COMMANDS`` is run by every rank together; its result is
+    the leader's (``None`` on the workers)."""
+
+    COMMANDS = frozenset(
+        {"train", "gather_parameters", "load_parameters", "gather_state", "load_state"}
+    )
 
     def __init__(self, cfg: PipelineSiteConfig, device: torch.device) -> None:
         if not dist.is_initialized():
@@ -200,7 +200,11 @@ class SiteRank:
         )
         return plan
 
-    # -- commands --------------------------------------------------------------------------
+    def run(self, command: tuple[Any, ...]) -> Any:
+        """Carry out ``(name, *args)``, a command the leader broadcast."""
+        name, *args = command
+        assert name in self.COMMANDS, f"unknown command {name!r}"
+        return getattr(self, name)(*args)
 
     def train(self, num_steps: int) -> tuple[torch.Tensor, int]:
         """``num_steps`` inner steps; returns (the site's loss per step, its weight)."""
@@ -220,7 +224,7 @@ class SiteRank:
         dist.all_reduce(per_step, op=dist.ReduceOp.SUM, group=self.control)
         return per_step, weight
 
-    def gather(self) -> dict[str, np.ndarray] | None:
+    def gather_parameters(self) -> dict[str, np.ndarray] | None:
         """Replica 0's stages send their federated tensors to the leader, by name."""
         own = None
         if self.layout.replica_of(self.rank) == 0:
@@ -228,8 +232,7 @@ class SiteRank:
                 n: t.detach().to("cpu", torch.float32, copy=True).numpy()
                 for n, t in self.pipeline.state().items()
             }
-        parts: list[Any] | None = [None] * self.layout.world_size if self.rank == 0 else None
-        dist.gather_object(own, parts, dst=0, group=self.control)
+        parts = self._gather(own)
         if parts is None:
             return None
         merged: dict[str, np.ndarray] = {}
@@ -237,33 +240,28 @@ class SiteRank:
             merged.update(part or {})
         return {n: merged[n] for n in self.order}
 
-    def scatter(self, params: Mapping[str, np.ndarray] | None = None) -> None:
-        """The leader sends the federated tensors; every rank copies in those it holds."""
-        box: list[Any] = [dict(params) if params is not None else None]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        with torch.no_grad():
-            for name, tensor in self.pipeline.state().items():
-                tensor.copy_(torch.as_tensor(np.asarray(box[0][name])))
+    def load_parameters(self, params: Mapping[str, np.ndarray]) -> None:
+        """Copy in the federated tensors this rank holds; the optimizer state is kept."""
+        self._copy_in(params)
 
     def gather_state(self) -> dict[str, Any] | None:
         """Every rank's share of a checkpoint, and the whole model by name, on the leader."""
         pipeline = self.pipeline
-        share = {
-            "model": _to_cpu({n: t.detach() for n, t in pipeline.state().items()}),
-            "optimizer": _to_cpu(pipeline.optimizer.state_dict()),
-            "scheduler": _to_cpu(pipeline.scheduler.state_dict())
-            if pipeline.scheduler is not None
-            else None,
-        }
-        parts: list[Any] | None = [None] * self.layout.world_size if self.rank == 0 else None
-        dist.gather_object(share, parts, dst=0, group=self.control)
+        scheduler = pipeline.scheduler
+        parts = self._gather(
+            {
+                "model": _to_cpu({n: t.detach() for n, t in pipeline.state().items()}),
+                "optimizer": _to_cpu(pipeline.optimizer.state_dict()),
+                "scheduler": _to_cpu(scheduler.state_dict()) if scheduler is not None else None,
+            }
+        )
         if parts is None:
             return None
         whole: dict[str, Any] = {}
         for part in parts[: self.layout.num_stages]:  # replica 0
             whole.update(part["model"])
         state: dict[str, Any] = {
-            "layout": [self.layout.num_stages, self.layout.num_replicas, self.cfg.schedule],
+            "layout": self._layout_key(),
             "ranks": parts,
             "model": {n: whole[n] for n in self.order},
             "step": self.step,
@@ -272,25 +270,11 @@ class SiteRank:
             state["job"] = _to_cpu(self.job.state_dict())
         return state
 
-    def scatter_state(self, state: Mapping[str, Any] | None = None) -> None:
+    def load_state(self, state: Mapping[str, Any]) -> None:
         """Every rank loads its share (same layout) or the model by name (another one)."""
-        box: list[Any] = [None]
-        if self.rank == 0:
-            assert state is not None
-            box[0] = state
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        state = box[0]
-        assert state is not None
         pipeline = self.pipeline
-        same = list(state.get("layout", [])) == [
-            self.layout.num_stages,
-            self.layout.num_replicas,
-            self.cfg.schedule,
-        ]
-        with torch.no_grad():
-            for name, tensor in pipeline.state().items():
-                tensor.copy_(torch.as_tensor(state["model"][name]))
-        if same:
+        self._copy_in(state["model"])
+        if list(state.get("layout", [])) == self._layout_key():
             share = state["ranks"][self.rank]
             pipeline.optimizer.load_state_dict(share["optimizer"])
             if pipeline.scheduler is not None and share["scheduler"] is not None:
@@ -299,6 +283,20 @@ class SiteRank:
             self.job.load_state_dict(state["job"])
         self._batches = iter(self.job.batches())
         self.step = int(state["step"])
+
+    def _layout_key(self) -> list[Any]:
+        return [self.layout.num_stages, self.layout.num_replicas, self.cfg.schedule]
+
+    def _gather(self, share: Any) -> list[Any] | None:
+        """Every rank's ``share`` (index = rank) on the leader; ``None`` elsewhere."""
+        parts: list[Any] | None = [None] * self.layout.world_size if self.rank == 0 else None
+        dist.gather_object(share, parts, dst=0, group=self.control)
+        return parts
+
+    def _copy_in(self, named: Mapping[str, Any]) -> None:
+        with torch.no_grad():
+            for name, tensor in self.pipeline.state().items():
+                tensor.copy_(torch.as_tensor(np.asarray(named[name])))
 
 
 def _share(batch: Any, replica: int, replicas: int) -> Any:
@@ -315,40 +313,23 @@ def _share(batch: Any, replica: int, replicas: int) -> Any:
     return batch
 
 
-def worker_loop(cfg: PipelineSiteConfig, device: torch.device) -> None:
-    """Every rank but 0: set up this rank's stages, then carry out the leader's commands until
-    it closes its :class:`PipelineTrainer`."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        raise ValueError("worker_loop runs on ranks other than 0")
-    r = SiteRank(cfg, device)
-    while True:
-        command = receive_command(r.control)
-        name = command[0]
-        if name == "stop":
-            return
-        if name == "train":
-            r.train(command[1])
-        elif name == "params":
-            r.gather()
-        elif name == "load_params":
-            r.scatter()
-        elif name == "state":
-            r.gather_state()
-        elif name == "load_state":
-            r.scatter_state()
-        else:
-            raise AssertionError(f"unknown command {name!r}")
-
-
 def broadcast_command(command: tuple[Any, ...], control: dist.ProcessGroup) -> None:
+    """The leader's side: send ``(name, *args)`` (or ``("stop",)``) to every rank."""
     dist.broadcast_object_list([command], src=0, group=control)
 
 
-def receive_command(control: dist.ProcessGroup) -> tuple[Any, ...]:
-    box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0, group=control)
-    command: tuple[Any, ...] = box[0]
-    return command
+def worker_loop(cfg: PipelineSiteConfig, device: torch.device) -> None:
+    """Every rank but 0: set up this rank's stages, then carry out the leader's commands until
+    it closes its ``PipelineTrainer``."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        raise ValueError("worker_loop runs on ranks other than 0")
+    rank = SiteRank(cfg, device)
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=rank.control)
+        if box[0][0] == "stop":
+            return
+        rank.run(box[0])
 
 
-__all__ = ["PipelineSiteConfig", "SiteRank", "broadcast_command", "receive_command", "worker_loop"]
+__all__ = ["PipelineSiteConfig", "SiteRank", "broadcast_command", "worker_loop"]
