@@ -58,6 +58,42 @@ _SCHEDULE_CLASSES: dict[str, Any] = {
 """``[site] schedule`` -> torch's schedule class (``layout.TORCH_SCHEDULE_STAGES``: its names)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """How a site pipelines its job; every rank gets the same one."""
+
+    num_stages: int = 2
+    """Pipeline ranks per replica."""
+    num_replicas: int = 1
+    """Data-parallel copies of the pipeline."""
+    num_microbatches: int = 4
+    """Micro-batches per replica and inner step."""
+    schedule: str = "1f1b"
+    """One of ``layout.TORCH_SCHEDULE_STAGES``."""
+    grad_clip: float = 1.0
+    """Largest global gradient norm (0: off)."""
+    profile_steps: int = 3
+    """Timed passes of the per-unit profile."""
+    site_id: str = "site"
+    """Shown in log lines."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_stages", "num_replicas", "num_microbatches", "profile_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        stages_per_rank(self.schedule)
+
+    @property
+    def layout(self) -> PipelineLayout:
+        return PipelineLayout(num_stages=self.num_stages, num_replicas=self.num_replicas)
+
+    @property
+    def total_stages(self) -> int:
+        """Stages of the whole pipeline: ``num_stages`` times the schedule's stages per rank."""
+        return self.num_stages * stages_per_rank(self.schedule)
+
+
 def split_batch(job: Any, batch: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
     """``job.split(batch)`` with the inputs as a tuple of positional arguments."""
     inputs, target = job.split(batch)
@@ -75,22 +111,17 @@ class StagePlan:
         return self.units.owned(self.partition.stages[stage])
 
 
-def make_stage_plan(
-    job: Any,
-    sample_batch: Any,
-    num_stages: int,
-    *,
-    num_microbatches: int,
-    profile_steps: int = 3,
-) -> StagePlan:
-    """Profile the job's units on one micro-batch of ``sample_batch`` and cut them into
-    ``num_stages`` stages, the slowest as fast as possible (``partition_layers``)."""
+def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePlan:
+    """Profile the job's units on one micro-batch of ``sample_batch`` (the site's global batch)
+    and cut them into ``cfg.total_stages`` stages, the slowest as fast as possible
+    (``partition_layers``); the plan is logged."""
     model: nn.Module = job.model
     units = units_of(model, getattr(job, "cut_points", None))
+    num_stages = cfg.total_stages
     if num_stages > len(units):
         raise ValueError(f"{num_stages} stages exceed the model's {len(units)} units {units.names}")
     inputs, target = split_batch(job, sample_batch)
-    size = inputs[0].shape[0] // num_microbatches
+    size = inputs[0].shape[0] // (cfg.num_microbatches * cfg.num_replicas)
     mb_inputs = tuple(x[:size] for x in inputs)
     mb_target = target[:size]
 
@@ -100,49 +131,56 @@ def make_stage_plan(
 
     state = copy.deepcopy(model.state_dict())
     with torch.random.fork_rng(devices=[]):
-        costs, sizes = profile_units(model, units, run, steps=profile_steps)
+        costs, sizes = profile_units(model, units, run, steps=cfg.profile_steps)
     model.load_state_dict(state)
-    return StagePlan(units=units, partition=partition_layers(costs, sizes, num_stages))
+    plan = partition_layers(costs, sizes, num_stages)
+    log.info(
+        "[site=%s rank=0] pipeline plan: stages=%d replicas=%d schedule=%s "
+        "microbatches=%d units=%s boundaries=%s stage_times_s=%s "
+        "predicted_bottleneck_s=%.6f lower_bound_s=%.6f",
+        cfg.site_id,
+        num_stages,
+        cfg.num_replicas,
+        cfg.schedule,
+        cfg.num_microbatches,
+        list(units.names),
+        list(plan.boundaries),
+        [round(t, 6) for t in plan.stage_times],
+        plan.bottleneck,
+        plan.lower_bound,
+    )
+    return StagePlan(units=units, partition=plan)
 
 
 class RankPipeline:
     """This rank's stages of the job, torch's schedule over them, and the inner step.
 
     ``job``: built on this rank by the job's factory (same seed on every rank, so every stage
-    starts from the single-process weights); its model is cut here, in place. ``pp_group`` holds
-    this replica's pipeline ranks, ``dp_group`` this pipeline rank in every replica (``None``
-    for one replica).
+    starts from the single-process weights); its model is cut here, in place. Collective: every
+    rank of the site constructs its own, and so joins its replica's pipeline group and its
+    pipeline rank's data-parallel group (created on every rank in the same order).
     """
 
     def __init__(
-        self,
-        *,
-        job: Any,
-        plan: StagePlan,
-        schedule: str,
-        num_microbatches: int,
-        layout: PipelineLayout,
-        rank: int,
-        device: torch.device,
-        pp_group: dist.ProcessGroup | None,
-        dp_group: dist.ProcessGroup | None,
-        grad_clip: float,
+        self, job: Any, plan: StagePlan, cfg: PipelineConfig, *, rank: int, device: torch.device
     ) -> None:
-        pp_size = layout.num_stages
-        self.layout = layout
-        self.pp_rank = layout.stage_of(rank)
-        self.replica = layout.replica_of(rank)
-        self.num_stages = pp_size * stages_per_rank(schedule)
+        layout = self.layout = cfg.layout
+        self.num_stages = cfg.total_stages
         if plan.partition.num_stages != self.num_stages:
             raise ValueError(
-                f"the plan has {plan.partition.num_stages} stages, schedule {schedule!r} on "
-                f"{pp_size} ranks needs {self.num_stages}"
+                f"the plan has {plan.partition.num_stages} stages, schedule {cfg.schedule!r} on "
+                f"{layout.num_stages} ranks needs {self.num_stages}"
             )
+        pp_groups = [dist.new_group(layout.replica_ranks(r)) for r in range(layout.num_replicas)]
+        self.pp_group = pp_groups[layout.replica_of(rank)]
+        self.dp_group: dist.ProcessGroup | None = None
+        if layout.num_replicas > 1:
+            dp_groups = [dist.new_group(layout.stage_ranks(s)) for s in range(layout.num_stages)]
+            self.dp_group = dp_groups[layout.stage_of(rank)]
         self.job = job
         self.device = device
-        self.pp_group = pp_group
-        self.grad_clip = grad_clip
-        self.indices = stage_indices(schedule, self.pp_rank, pp_size)
+        self.grad_clip = cfg.grad_clip
+        self.indices = stage_indices(cfg.schedule, layout.stage_of(rank), layout.num_stages)
         self.holds_first = 0 in self.indices
         self.holds_last = self.num_stages - 1 in self.indices
 
@@ -159,14 +197,13 @@ class RankPipeline:
         # Replicas average their gradients after the schedule (one flat all-reduce per rank):
         # torch's DDP wrapper fails under GPipe here (its reducer's bucket rebuild asserts on the
         # second step, torch 2.13, gloo), and one all-reduce per step is what DDP would send.
-        self.dp_group = dp_group
         stages = [
-            PipelineStage(StageForward(module), index, self.num_stages, device, group=pp_group)
+            PipelineStage(StageForward(module), index, self.num_stages, device, group=self.pp_group)
             for index, module in zip(self.indices, self.modules, strict=True)
         ]
-        self.schedule = _SCHEDULE_CLASSES[schedule](
+        self.schedule = _SCHEDULE_CLASSES[cfg.schedule](
             stages if len(stages) > 1 else stages[0],
-            n_microbatches=num_microbatches,
+            n_microbatches=cfg.num_microbatches,
             loss_fn=job.output_loss,
             scale_grads=True,
         )
@@ -247,4 +284,4 @@ def _keep_local_parameters(
     return optimizer
 
 
-__all__ = ["RankPipeline", "StagePlan", "make_stage_plan"]
+__all__ = ["PipelineConfig", "RankPipeline", "StagePlan", "make_stage_plan"]

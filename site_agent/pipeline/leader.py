@@ -18,28 +18,31 @@ import torch
 import torch.distributed as dist
 
 from site_agent.jobs.contract import (
+    Job,
     JobError,
     StateSpec,
     check_metrics,
     federated_state,
     job_fingerprint,
 )
-from site_agent.pipeline.engine import StagePlan
-from site_agent.pipeline.rank import PipelineSiteConfig, SiteRank, broadcast_command
+from site_agent.pipeline.engine import PipelineConfig, StagePlan
+from site_agent.pipeline.rank import SiteRank, broadcast_command
 from site_agent.trainer import TrainStats, check_parameters
 
 
 class PipelineTrainer:
     """Rank 0's handle on the whole site: the agent's trainer surface (``SiteTrainer``)."""
 
-    def __init__(self, cfg: PipelineSiteConfig, device: torch.device) -> None:
+    def __init__(
+        self, job: Job, cfg: PipelineConfig, device: torch.device, *, where: str = "the job"
+    ) -> None:
+        """``job``: built on rank 0 by the job's factory; ``where`` names it in errors."""
         if not dist.is_initialized() or dist.get_rank() != 0:
             raise ValueError("PipelineTrainer runs on rank 0; other ranks run worker_loop")
-        self._rank = SiteRank(cfg, device)
-        self.cfg = cfg
+        self._rank = SiteRank(job, cfg, device, where=where)
+        self.where = where
         self._closed = False
         self._broken = False
-        self.where = f"the job from {cfg.factory!r}"
 
     @property
     def step(self) -> int:
@@ -83,7 +86,8 @@ class PipelineTrainer:
         return list(self._rank.buffers)
 
     def fingerprint(self, factory_path: str) -> str:
-        return job_fingerprint(factory_path, self._rank.spec, self._rank.architecture)
+        architecture = getattr(self._rank.job, "architecture", None)
+        return job_fingerprint(factory_path, self._rank.spec, architecture)
 
     def parameters_numpy(self) -> dict[str, np.ndarray]:
         params: dict[str, np.ndarray] = self._command("gather_parameters")

@@ -1,9 +1,9 @@
 """One rank of a pipelined site of any job: its stages, its part in each command, the workers' loop.
 
 This module owns how the ranks of a site that pipelines a job (``site_agent.jobs.contract``:
-``split``, ``output_loss``) work together. Every rank builds the job with its factory (same
-seed, so every stage starts from the single-process weights); rank 0 checks, profiles and cuts
-it and broadcasts the plan; each rank keeps its stages (``engine.RankPipeline``). Rank 0 drives
+``split``, ``output_loss``) work together. Every rank is given the job built by its factory on
+that rank (same seed, so every stage starts from the single-process weights); rank 0 checks,
+profiles and cuts it and broadcasts the plan; each rank keeps its stages (``engine.RankPipeline``). Rank 0 drives
 the site through ``leader.PipelineTrainer``, every other rank runs :func:`worker_loop`. A command
 is the name of one of :class:`SiteRank`'s ``COMMANDS`` and its arguments, broadcast by the
 leader on a gloo control group; every rank then runs that method together.
@@ -22,11 +22,8 @@ back; under another the model is loaded by name and the inner optimizer starts a
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,63 +32,18 @@ import torch.distributed as dist
 from torch import nn
 
 from site_agent.jobs.contract import (
-    JobContext,
+    Job,
     StateSpec,
-    build_job,
     check_pipeline_job,
     federated_state,
     state_spec,
 )
 from site_agent.jobs.contract import buffer_names as federated_buffer_names
-from site_agent.pipeline.engine import RankPipeline, StagePlan, make_stage_plan
-from site_agent.pipeline.layout import PipelineLayout, stages_per_rank
+from site_agent.pipeline.engine import PipelineConfig, RankPipeline, StagePlan, make_stage_plan
 from site_agent.trainer import _to_cpu, first_dimension, to_device
-
-log = logging.getLogger(__name__)
 
 # Workers wait for the leader's next command as long as the leader spends between calls.
 CONTROL_TIMEOUT = timedelta(days=7)
-
-
-@dataclass(frozen=True, kw_only=True)
-class PipelineSiteConfig:
-    """What every rank of a pipelined job site agrees on; all ranks get the same one."""
-
-    factory: str
-    """The job's factory, ``package.module:callable``."""
-    python_path: tuple[str, ...] = ()
-    """Prepended to ``sys.path`` before the factory is imported."""
-    options: Mapping[str, Any] = field(default_factory=dict)
-    """``[site.job.options]``."""
-    seed: int = 0
-    """The federation's seed."""
-    site_id: str = "site"
-    """Shown in log lines."""
-    state_dir: str = "."
-    """The site's directory."""
-    num_stages: int = 2
-    """Pipeline ranks per replica."""
-    num_replicas: int = 1
-    """Data-parallel copies of the pipeline (DDP per stage)."""
-    num_microbatches: int = 4
-    """Micro-batches per replica and inner step."""
-    schedule: str = "1f1b"
-    """One of ``layout.TORCH_SCHEDULE_STAGES``."""
-    grad_clip: float = 1.0
-    """Largest global gradient norm (0: off)."""
-    profile_steps: int = 3
-    """Timed passes of the per-unit profile."""
-
-    def __post_init__(self) -> None:
-        for name in ("num_stages", "num_replicas", "num_microbatches", "profile_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        stages_per_rank(self.schedule)
-
-    @property
-    def layout(self) -> PipelineLayout:
-        return PipelineLayout(num_stages=self.num_stages, num_replicas=self.num_replicas)
 
 
 class SiteRank:
@@ -102,7 +54,11 @@ class SiteRank:
         {"train", "gather_parameters", "load_parameters", "gather_state", "load_state"}
     )
 
-    def __init__(self, cfg: PipelineSiteConfig, device: torch.device) -> None:
+    def __init__(
+        self, job: Job, cfg: PipelineConfig, device: torch.device, *, where: str = "the job"
+    ) -> None:
+        """Collective. ``job``: built on this rank by the job's factory; ``where`` names it in
+        the leader's errors."""
         if not dist.is_initialized():
             raise ValueError("torch.distributed is not initialized")
         layout = cfg.layout
@@ -112,49 +68,23 @@ class SiteRank:
                 f"the process group has {world} ranks but stages x replicas = "
                 f"{layout.num_stages} x {layout.num_replicas}"
             )
-        self.cfg, self.layout, self.rank, self.device = cfg, layout, rank, device
+        self.job, self.cfg, self.layout, self.rank, self.device = job, cfg, layout, rank, device
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-        context = JobContext(
-            site_id=cfg.site_id,
-            seed=cfg.seed,
-            device=device,
-            options=cfg.options,
-            rank=rank,
-            world_size=world,
-            state_dir=Path(cfg.state_dir),
-        )
-        where = f"the job from {cfg.factory!r}"
-        self.job = build_job(cfg.factory, context, cfg.python_path)
-        model = self.job.model
+        model = job.model
         self.order = list(federated_state(model))
         self.spec: StateSpec = state_spec(model)
         self.buffers = federated_buffer_names(model)
-        self.architecture = getattr(self.job, "architecture", None)
-        self._weight: Callable[[Any], int] = getattr(self.job, "weight", first_dimension)
+        self._weight: Callable[[Any], int] = getattr(job, "weight", first_dimension)
         self.eval_model: nn.Module | None = None
         sample = self._draw_sample()
-        box: list[Any] = [self._make_plan(sample, where) if rank == 0 else None]
+        box: list[Any] = [None]
+        if rank == 0:
+            check_pipeline_job(job, sample, where)
+            self.eval_model = copy.deepcopy(model).to("cpu")  # before the cut, for validation
+            box[0] = make_stage_plan(job, sample, cfg)
         dist.broadcast_object_list(box, src=0, group=self.control)
         self.plan: StagePlan = box[0]
-        # Group creation is collective over the whole world, in the same order on every rank.
-        pp_groups = [dist.new_group(layout.replica_ranks(r)) for r in range(layout.num_replicas)]
-        dp_groups = (
-            [dist.new_group(layout.stage_ranks(s)) for s in range(layout.num_stages)]
-            if layout.num_replicas > 1
-            else None
-        )
-        self.pipeline = RankPipeline(
-            job=self.job,
-            plan=self.plan,
-            schedule=cfg.schedule,
-            num_microbatches=cfg.num_microbatches,
-            layout=layout,
-            rank=rank,
-            device=device,
-            pp_group=pp_groups[layout.replica_of(rank)],
-            dp_group=dp_groups[layout.stage_of(rank)] if dp_groups else None,
-            grad_clip=cfg.grad_clip,
-        )
+        self.pipeline = RankPipeline(job, self.plan, cfg, rank=rank, device=device)
         self.step = 0
         dist.barrier(group=self.control)
 
@@ -168,37 +98,6 @@ class SiteRank:
             job.load_state_dict(saved)  # type: ignore[attr-defined]
         self._batches = iter(job.batches())
         return sample
-
-    def _make_plan(self, sample: Any, where: str) -> StagePlan:
-        """The leader's part: check the job, keep a copy for validation, profile and cut."""
-        cfg = self.cfg
-        check_pipeline_job(self.job, sample, where)
-        self.eval_model = copy.deepcopy(self.job.model).to("cpu")
-        num_stages = cfg.num_stages * stages_per_rank(cfg.schedule)
-        plan = make_stage_plan(
-            self.job,
-            sample,
-            num_stages,
-            num_microbatches=cfg.num_microbatches * cfg.num_replicas,
-            profile_steps=cfg.profile_steps,
-        )
-        p = plan.partition
-        log.info(
-            "[site=%s rank=0] pipeline plan: stages=%d replicas=%d schedule=%s "
-            "microbatches=%d units=%s boundaries=%s stage_times_s=%s "
-            "predicted_bottleneck_s=%.6f lower_bound_s=%.6f",
-            cfg.site_id,
-            num_stages,
-            cfg.num_replicas,
-            cfg.schedule,
-            cfg.num_microbatches,
-            list(plan.units.names),
-            list(p.boundaries),
-            [round(t, 6) for t in p.stage_times],
-            p.bottleneck,
-            p.lower_bound,
-        )
-        return plan
 
     def run(self, command: tuple[Any, ...]) -> Any:
         """Carry out ``(name, *args)``, a command the leader broadcast."""
@@ -318,12 +217,12 @@ def broadcast_command(command: tuple[Any, ...], control: dist.ProcessGroup) -> N
     dist.broadcast_object_list([command], src=0, group=control)
 
 
-def worker_loop(cfg: PipelineSiteConfig, device: torch.device) -> None:
-    """Every rank but 0: set up this rank's stages, then carry out the leader's commands until
-    it closes its ``PipelineTrainer``."""
+def worker_loop(job: Job, cfg: PipelineConfig, device: torch.device) -> None:
+    """Every rank but 0: set up this rank's stages of ``job``, then carry out the leader's
+    commands until it closes its ``PipelineTrainer``."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         raise ValueError("worker_loop runs on ranks other than 0")
-    rank = SiteRank(cfg, device)
+    rank = SiteRank(job, cfg, device)
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=rank.control)
@@ -332,4 +231,4 @@ def worker_loop(cfg: PipelineSiteConfig, device: torch.device) -> None:
         rank.run(box[0])
 
 
-__all__ = ["PipelineSiteConfig", "SiteRank", "broadcast_command", "worker_loop"]
+__all__ = ["SiteRank", "broadcast_command", "worker_loop"]
