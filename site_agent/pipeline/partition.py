@@ -5,13 +5,11 @@ layer's compute cost, each layer's output activation size and a transfer cost mo
 into ``num_stages`` contiguous, non-empty stages so that the slowest stage is as fast as possible.
 A stage's time is the sum of its layers' costs plus the time to send its last layer's activation to
 the next stage; the last stage sends nothing. The chain is solved exactly by dynamic programming
-(O(p n^2)); ``brute_force_partition`` enumerates every cut set and exists to check it. Pure
-Python: the costs come from ``cut.profile_units``.
+(O(p n^2)). Pure Python: the costs come from ``cut.profile_units``.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -111,28 +109,6 @@ def partition_layers(
         boundaries[k - 1] = start
         end = start
     return _plan(costs, send_s, boundaries)
-
-
-def brute_force_partition(
-    layer_costs_s: Sequence[float],
-    activation_bytes: Sequence[int],
-    num_stages: int,
-    transfer: TransferModel | None = None,
-) -> PartitionPlan:
-    """Same contract as ``partition_layers`` by trying every cut set; exponential, for tests.
-
-    Among optimal plans it returns the first in lexicographic order of boundaries, which may differ
-    from ``partition_layers``'s choice; the bottleneck is the same.
-    """
-    costs, sizes, link = _check_inputs(layer_costs_s, activation_bytes, num_stages, transfer)
-    send_s = [link.seconds(b) for b in sizes]
-    best: PartitionPlan | None = None
-    for cuts in itertools.combinations(range(1, len(costs)), num_stages - 1):
-        plan = _plan(costs, send_s, [0, *cuts])
-        if best is None or plan.bottleneck < best.bottleneck:
-            best = plan
-    assert best is not None, "1 <= num_stages <= n leaves at least one cut set"
-    return best
 
 
 def _check_inputs(
