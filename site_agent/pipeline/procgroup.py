@@ -19,9 +19,8 @@ class DistEnv:
 
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
-    backend: str
+    """``cuda:LOCAL_RANK`` under NCCL, else the CPU."""
 
 
 def init_from_torchrun_env(*, timeout: timedelta = timedelta(minutes=30)) -> DistEnv:
@@ -42,19 +41,16 @@ def init_from_torchrun_env(*, timeout: timedelta = timedelta(minutes=30)) -> Dis
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(device)
-        dist.init_process_group(
-            "nccl",
-            init_method="env://",
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-            device_id=device,
-        )
-        return DistEnv(rank, world_size, local_rank, device, "nccl")
     dist.init_process_group(
-        "gloo", init_method="env://", rank=rank, world_size=world_size, timeout=timeout
+        "nccl" if cuda else "gloo",
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if cuda else None,
     )
-    return DistEnv(rank, world_size, local_rank, torch.device("cpu"), "gloo")
+    return DistEnv(rank, world_size, device)
