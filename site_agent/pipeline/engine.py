@@ -247,10 +247,8 @@ class RankPipeline:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
         flat.div_(self.layout.num_replicas)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for g, part in zip(grads, torch.split(flat, [g.numel() for g in grads]), strict=True):
+            g.copy_(part.view_as(g))
 
     def _clip(self) -> None:
         """Scale gradients so the norm over the whole model is at most ``grad_clip``; the

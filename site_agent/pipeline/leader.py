@@ -1,9 +1,10 @@
 """The leader's handle on a pipelined site: the agent's trainer surface over every rank.
 
 This module owns :class:`PipelineTrainer`, which rank 0 holds while every other rank runs
-``rank.worker_loop``. Each call validates its arguments on the leader, broadcasts a
-command on the control group and carries out rank 0's part (``rank.SiteRank``), so a rejected
-call leaves every rank in step. The site agent drives it exactly as a ``JobTrainer``.
+``rank.worker_loop``. Each call validates its arguments on the leader first, so a rejected call
+leaves every rank in step, then broadcasts its command and carries out rank 0's part. The site
+agent drives it exactly as a ``JobTrainer``; validation runs the job's ``evaluate`` on a CPU copy
+of the whole model that rank 0 keeps, loaded with the gathered state.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from site_agent.jobs.contract import (
     federated_state,
     job_fingerprint,
 )
-from site_agent.pipeline.engine import PipelineConfig, StagePlan
+from site_agent.pipeline.engine import PipelineConfig
 from site_agent.pipeline.rank import SiteRank, broadcast_command
 from site_agent.trainer import TrainStats, check_parameters
 
@@ -48,10 +49,6 @@ class PipelineTrainer:
     def step(self) -> int:
         return self._rank.step
 
-    @property
-    def plan(self) -> StagePlan:
-        return self._rank.plan
-
     def train_steps(self, num_steps: int) -> TrainStats:
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
@@ -66,7 +63,6 @@ class PipelineTrainer:
         )
 
     def validate(self) -> dict[str, float]:
-        """The job's metrics of the site's model (gathered into the leader's CPU copy)."""
         params = self.parameters_numpy()
         model = self._rank.eval_model
         assert model is not None, "rank 0 keeps the model for validation"

@@ -3,20 +3,14 @@
 This module owns how the ranks of a site that pipelines a job (``site_agent.jobs.contract``:
 ``split``, ``output_loss``) work together. Every rank is given the job built by its factory on
 that rank (same seed, so every stage starts from the single-process weights); rank 0 checks,
-profiles and cuts it and broadcasts the plan; each rank keeps its stages (``engine.RankPipeline``). Rank 0 drives
-the site through ``leader.PipelineTrainer``, every other rank runs :func:`worker_loop`. A command
-is the name of one of :class:`SiteRank`'s ``COMMANDS`` and its arguments, broadcast by the
-leader on a gloo control group; every rank then runs that method together.
+profiles and cuts it and broadcasts the plan; each rank keeps its stages (``engine.RankPipeline``).
+Rank 0 drives the site through ``leader.PipelineTrainer``, every other rank runs
+:func:`worker_loop`: the leader broadcasts each command (a method of :class:`SiteRank` and its
+arguments) on a gloo control group, and every rank runs it together.
 
-Data: every rank draws the job's batches in lockstep (the same seed); each batch is the site's
-global batch of one inner step, and replica r trains on its r-th share along the first
-dimension, cut into micro-batches by torch's schedule. So a site's step is one process's step
-on the same batch, to float rounding, whatever its layout.
-
-Checkpoints: ``gather_state`` collects every rank's share (``ranks``: its stages' tensors,
-optimizer, scheduler) with the ``layout`` it was taken under, the whole model by name
-(``model``), the step and the job's own state. Under the same layout every rank gets its share
-back; under another the model is loaded by name and the inner optimizer starts afresh.
+Every rank draws the job's batches in lockstep (the same seed); a batch is the site's global batch
+of one inner step, and replica r trains on its r-th share along the first dimension. So a site's
+step is one process's step on the same batch, to float rounding, whatever its layout.
 """
 
 from __future__ import annotations
@@ -39,7 +33,7 @@ from site_agent.jobs.contract import (
     state_spec,
 )
 from site_agent.jobs.contract import buffer_names as federated_buffer_names
-from site_agent.pipeline.engine import PipelineConfig, RankPipeline, StagePlan, make_stage_plan
+from site_agent.pipeline.engine import PipelineConfig, RankPipeline, make_stage_plan
 from site_agent.trainer import _to_cpu, first_dimension, to_device
 
 # Workers wait for the leader's next command as long as the leader spends between calls.
@@ -83,8 +77,7 @@ class SiteRank:
             self.eval_model = copy.deepcopy(model).to("cpu")  # before the cut, for validation
             box[0] = make_stage_plan(job, sample, cfg)
         dist.broadcast_object_list(box, src=0, group=self.control)
-        self.plan: StagePlan = box[0]
-        self.pipeline = RankPipeline(job, self.plan, cfg, rank=rank, device=device)
+        self.pipeline = RankPipeline(job, box[0], cfg, rank=rank, device=device)
         self.step = 0
         dist.barrier(group=self.control)
 
@@ -144,7 +137,9 @@ class SiteRank:
         self._copy_in(params)
 
     def gather_state(self) -> dict[str, Any] | None:
-        """Every rank's share of a checkpoint, and the whole model by name, on the leader."""
+        """The site's checkpoint, on the leader: every rank's share (``ranks``: its stages'
+        tensors, optimizer, scheduler), the ``layout`` it was taken under, the whole model by
+        name (``model``), the step and the job's own state (``job``)."""
         pipeline = self.pipeline
         scheduler = pipeline.scheduler
         parts = self._gather(
@@ -170,7 +165,8 @@ class SiteRank:
         return state
 
     def load_state(self, state: Mapping[str, Any]) -> None:
-        """Every rank loads its share (same layout) or the model by name (another one)."""
+        """Every rank loads its share under the same layout; under another (or from a
+        single-process checkpoint) the model by name, and the inner optimizer starts afresh."""
         pipeline = self.pipeline
         self._copy_in(state["model"])
         if list(state.get("layout", [])) == self._layout_key():
