@@ -21,15 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
 
 from site_agent.jobs.contract import federated_state, first_tensor
 from site_agent.pipeline.cut import (
@@ -39,23 +32,18 @@ from site_agent.pipeline.cut import (
     strip_to_stage,
     units_of,
 )
-from site_agent.pipeline.layout import PipelineLayout, stage_indices, stages_per_rank
+from site_agent.pipeline.layout import (
+    TORCH_SCHEDULES,
+    PipelineLayout,
+    stage_indices,
+    stages_per_rank,
+)
 from site_agent.pipeline.partition import PartitionPlan, partition_layers
 
 log = logging.getLogger(__name__)
 
 # Same constant as torch.nn.utils.clip_grad_norm_, so clipping matches the single-process trainer.
 _CLIP_EPS = 1e-6
-
-_SCHEDULE_CLASSES: dict[str, Any] = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "looped_bfs": ScheduleLoopedBFS,
-    "interleaved_zb": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
-}
-"""``[site] schedule`` -> torch's schedule class (``layout.TORCH_SCHEDULE_STAGES``: its names)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +57,7 @@ class PipelineConfig:
     num_microbatches: int = 4
     """Micro-batches per replica and inner step."""
     schedule: str = "1f1b"
-    """One of ``layout.TORCH_SCHEDULE_STAGES``."""
+    """One of ``layout.TORCH_SCHEDULES``."""
     grad_clip: float = 1.0
     """Largest global gradient norm (0: off)."""
     profile_steps: int = 3
@@ -201,7 +189,8 @@ class RankPipeline:
             PipelineStage(StageForward(module), index, self.num_stages, device, group=self.pp_group)
             for index, module in zip(self.indices, self.modules, strict=True)
         ]
-        self.schedule = _SCHEDULE_CLASSES[cfg.schedule](
+        schedule_class = get_schedule_class(TORCH_SCHEDULES[cfg.schedule][0])
+        self.schedule = schedule_class(
             stages if len(stages) > 1 else stages[0],
             n_microbatches=cfg.num_microbatches,
             loss_fn=job.output_loss,

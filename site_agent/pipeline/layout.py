@@ -4,8 +4,8 @@ This module owns, in pure Python (``site_agent.config`` checks a site's schedule
 
 - ``PipelineLayout``: rank = ``replica * num_stages + pipeline rank``, so the ranks of one
   replica's pipeline are contiguous and rank 0, the site leader, is stage 0 of replica 0;
-- ``TORCH_SCHEDULE_STAGES``: the names of torch's schedules a site may run (``[site]
-  schedule``) and how many stages each puts on one rank;
+- ``TORCH_SCHEDULES``: the schedules a site may run (``[site] schedule``), each with torch's
+  name for it and how many stages it puts on one rank;
 - ``stage_indices``: which stages a pipeline rank holds. A schedule with several stages per rank
   (interleaved, looped, zero-bubble) puts stage ``pp_rank + k * pp_size`` on each rank, or the V
   shape (``pp_rank`` and ``2 pp_size - 1 - pp_rank``) for ``zbv``.
@@ -15,23 +15,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-TORCH_SCHEDULE_STAGES: dict[str, int] = {
-    "gpipe": 1,
-    "1f1b": 1,
-    "interleaved_1f1b": 2,
-    "looped_bfs": 2,
-    "interleaved_zb": 2,
-    "zbv": 2,
+TORCH_SCHEDULES: dict[str, tuple[str, int]] = {
+    "gpipe": ("GPipe", 1),
+    "1f1b": ("1F1B", 1),
+    "interleaved_1f1b": ("Interleaved1F1B", 2),
+    "looped_bfs": ("LoopedBFS", 2),
+    "interleaved_zb": ("InterleavedZeroBubble", 2),
+    "zbv": ("ZBVZeroBubble", 2),
 }
-"""``[site] schedule`` -> stages per rank (``engine`` maps each name to torch's class)."""
+"""``[site] schedule`` -> (torch's name, for ``get_schedule_class``; stages per rank)."""
 
 
 def stages_per_rank(schedule: str) -> int:
-    if schedule not in TORCH_SCHEDULE_STAGES:
-        raise ValueError(
-            f"schedule must be one of {', '.join(TORCH_SCHEDULE_STAGES)}, got {schedule!r}"
-        )
-    return TORCH_SCHEDULE_STAGES[schedule]
+    if schedule not in TORCH_SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(TORCH_SCHEDULES)}, got {schedule!r}")
+    return TORCH_SCHEDULES[schedule][1]
 
 
 def stage_indices(schedule: str, pp_rank: int, pp_size: int) -> list[int]:
