@@ -17,7 +17,7 @@ from comm.transport.profile import ChannelConfig
 from site_agent.data import DataConfig
 from site_agent.jobs.contract import BYTEGPT_FACTORY
 from site_agent.model import ModelConfig
-from site_agent.pipeline.schedule import TORCH_SCHEDULE_STAGES
+from site_agent.pipeline.layout import TORCH_SCHEDULES
 from site_agent.privacy import DPConfig
 from site_agent.trainer import InnerOptimConfig
 
@@ -146,10 +146,9 @@ class SiteConfig:
             raise ValueError(
                 f"site.stages={self.stages} exceeds the model's {self.model.num_layers + 2} layers"
             )
-        if self.schedule not in TORCH_SCHEDULE_STAGES:
+        if self.schedule not in TORCH_SCHEDULES:
             raise ValueError(
-                f"site.schedule must be one of {', '.join(TORCH_SCHEDULE_STAGES)}, "
-                f"got {self.schedule!r}"
+                f"site.schedule must be one of {', '.join(TORCH_SCHEDULES)}, got {self.schedule!r}"
             )
         if self.microbatches < 1:
             raise ValueError("site.microbatches must be >= 1")

@@ -18,7 +18,7 @@ from site_agent.config import SiteConfig, resolve_device
 from site_agent.data import BatchSampler, SiteData, load_corpora, sampler_seed
 from site_agent.exits import EXIT_OK
 from site_agent.jobs.bytegpt import LocalTrainer
-from site_agent.jobs.contract import JobContext, build_job
+from site_agent.jobs.contract import Job, JobContext, build_job
 from site_agent.metrics import SiteMetrics
 from site_agent.model import build_model
 from site_agent.trainer import JobTrainer
@@ -31,12 +31,10 @@ def load_site_data(cfg: SiteConfig) -> SiteData:
     return load_corpora(cfg.data)
 
 
-def build_job_trainer(
-    cfg: SiteConfig, metrics: SiteMetrics | None = None, *, rank: int = 0, world_size: int = 1
-) -> JobTrainer:
-    """The site's job, built by its factory, in a trainer; checked on one batch and θ0 before
-    anything connects (:class:`~site_agent.jobs.contract.JobError` says what is wrong)."""
-    device = torch.device(resolve_device(cfg.device))
+def build_site_job(
+    cfg: SiteConfig, device: torch.device, *, rank: int = 0, world_size: int = 1
+) -> Job:
+    """The site's job, built by its factory for this process (rank ``rank`` of the site)."""
     context = JobContext(
         site_id=cfg.site_id,
         seed=cfg.seed,
@@ -46,9 +44,15 @@ def build_job_trainer(
         world_size=world_size,
         state_dir=cfg.state_path,
     )
-    job = build_job(cfg.job.factory, context, cfg.job.python_path)
+    return build_job(cfg.job.factory, context, cfg.job.python_path)
+
+
+def build_job_trainer(cfg: SiteConfig, metrics: SiteMetrics | None = None) -> JobTrainer:
+    """The site's job, built by its factory, in a trainer; checked on one batch and θ0 before
+    anything connects (:class:`~site_agent.jobs.contract.JobError` says what is wrong)."""
+    device = torch.device(resolve_device(cfg.device))
     trainer = JobTrainer(
-        job,
+        build_site_job(cfg, device),
         grad_clip=cfg.optim.grad_clip,
         device=device,
         max_nonfinite_steps=cfg.job.max_nonfinite_steps,
@@ -103,17 +107,12 @@ def torchrun_argv(cfg: SiteConfig, agent_argv: list[str]) -> list[str]:
     ]
 
 
-def pipeline_site_config(cfg: SiteConfig) -> Any:
-    """What every rank of the pipelined site agrees on, from the site's config."""
-    from site_agent.pipeline.jobsite import JobSiteConfig
+def pipeline_config(cfg: SiteConfig) -> Any:
+    """How every rank of the pipelined site pipelines its job, from the site's config."""
+    from site_agent.pipeline.engine import PipelineConfig
 
-    return JobSiteConfig(
-        factory=cfg.job.factory,
-        python_path=tuple(cfg.job.python_path),
-        options=cfg.job_options(),
-        seed=cfg.seed,
+    return PipelineConfig(
         site_id=cfg.site_id,
-        state_dir=str(cfg.state_path),
         num_stages=cfg.stages,
         num_replicas=cfg.replicas,
         num_microbatches=cfg.microbatches,
@@ -127,13 +126,13 @@ def run_pipeline_site(cfg: SiteConfig) -> int:
 
     Rank 0 is the site leader: it runs the agent, whose trainer drives the other ranks through
     torch.distributed. Only rank 0 ever opens a WAN socket; the workers run
-    ``job_worker_loop``. Any job with ``split`` and ``output_loss`` runs so, the byte GPT too.
+    ``worker_loop``. Any job with ``split`` and ``output_loss`` runs so, the byte GPT too.
     """
     import torch.distributed as dist
 
-    from site_agent.pipeline.jobleader import JobPipelineTrainer
-    from site_agent.pipeline.jobsite import job_worker_loop
+    from site_agent.pipeline.leader import PipelineTrainer
     from site_agent.pipeline.procgroup import init_from_torchrun_env
+    from site_agent.pipeline.rank import worker_loop
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -143,15 +142,17 @@ def run_pipeline_site(cfg: SiteConfig) -> int:
             f"torchrun started {env.world_size} processes but site.stages x site.replicas = "
             f"{cfg.stages * cfg.replicas}"
         )
-    site = pipeline_site_config(cfg)
+    pipeline_cfg = pipeline_config(cfg)
     try:
+        job = build_site_job(cfg, env.device, rank=env.rank, world_size=env.world_size)
         if env.rank != 0:
             # A stop is the leader's to carry out, between steps (it then releases us): a worker
             # that died on SIGTERM would leave the leader inside a collective.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            job_worker_loop(site, env.device)
+            worker_loop(job, pipeline_cfg, env.device)
             return EXIT_OK
-        with JobPipelineTrainer(site, env.device) as pipeline:
+        where = f"the job from {cfg.job.factory!r}"
+        with PipelineTrainer(job, pipeline_cfg, env.device, where=where) as pipeline:
             agent = SiteAgent(cfg, trainer=pipeline)
             signal.signal(signal.SIGTERM, lambda *_: agent.request_stop("stopped by signal"))
             agent.start()

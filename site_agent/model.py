@@ -5,9 +5,9 @@ blocks and a head, each mapping one tensor to one tensor. That shape is what let
 model into pipeline stages without knowing its internals, and why no weights are tied: every stage
 must own a disjoint set of parameters.
 
-The coordinator never sees this class; it holds named tensors. ``param_spec`` and
-``model_fingerprint`` (the job's fingerprint, ``site_agent.jobs.contract``) are what a site shows it
-so that a site with a different model is rejected.
+The coordinator never sees this class; it holds named tensors. ``model_fingerprint`` (the job's
+fingerprint, ``site_agent.jobs.contract``) is what a site shows it so that a site with a different
+model is rejected.
 """
 
 from __future__ import annotations
@@ -185,11 +185,6 @@ def initial_parameters(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     site starts from, and what a coordinator builds instead of taking an upload."""
     model = build_model(cfg, seed)
     return {name: t.detach().numpy().copy() for name, t in model.state_dict().items()}
-
-
-def param_spec(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-    """Names and shapes of the model's state, in ``state_dict`` order."""
-    return [(name, tuple(tensor.shape)) for name, tensor in model.state_dict().items()]
 
 
 def model_fingerprint(cfg: ModelConfig) -> str:

@@ -154,6 +154,20 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def check_parameters(params: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """``ValueError`` unless ``params`` holds exactly the names of ``shapes``, each that shape."""
+    for name in shapes:
+        if name not in params:
+            raise ValueError(f"parameter {name!r} is missing")
+    for name in params:
+        if name not in shapes:
+            raise ValueError(f"unexpected parameter {name!r}")
+    for name, expected in shapes.items():
+        shape = tuple(np.shape(params[name]))
+        if shape != tuple(expected):
+            raise ValueError(f"parameter {name!r} has shape {shape}, expected {tuple(expected)}")
+
+
 def first_dimension(batch: Any) -> int:
     """The default weight of a batch: the first dimension of the first tensor in it."""
     if isinstance(batch, torch.Tensor):
@@ -327,18 +341,7 @@ class JobTrainer:
         Names and shapes must match the federated state exactly; nothing is copied otherwise.
         """
         state = self._state
-        for name in state:
-            if name not in params:
-                raise ValueError(f"parameter {name!r} is missing")
-        for name in params:
-            if name not in state:
-                raise ValueError(f"unexpected parameter {name!r}")
-        for name, tensor in state.items():
-            shape = tuple(np.shape(params[name]))
-            if shape != tuple(tensor.shape):
-                raise ValueError(
-                    f"parameter {name!r} has shape {shape}, expected {tuple(tensor.shape)}"
-                )
+        check_parameters(params, {name: tuple(tensor.shape) for name, tensor in state.items()})
         with torch.no_grad():
             for name, tensor in state.items():
                 # torch.tensor copies, so read-only arrays (e.g. decoded from the wire) are fine.

@@ -16,7 +16,6 @@ from site_agent.model import (
     build_model,
     lm_loss,
     model_fingerprint,
-    param_spec,
 )
 
 torch.set_num_threads(1)
@@ -110,14 +109,6 @@ def test_lm_loss_of_uniform_logits_is_log_vocab() -> None:
     logits = torch.zeros(2, 3, 256)
     targets = torch.randint(0, 256, (2, 3))
     assert lm_loss(logits, targets).item() == pytest.approx(math.log(256))
-
-
-def test_param_spec_matches_state_dict_order() -> None:
-    model = build_model(TINY, seed=0)
-    spec = param_spec(model)
-    assert [name for name, _ in spec] == list(model.state_dict())
-    assert spec[0] == ("layers.0.token.weight", (256, 32))
-    assert spec[-1] == ("layers.3.proj.bias", (256,))
 
 
 def test_fingerprint_changes_with_any_field() -> None:

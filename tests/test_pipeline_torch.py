@@ -27,10 +27,10 @@ from site_agent.pipeline.cut import (
     strip_to_stage,
     units_of,
 )
-from site_agent.pipeline.engine import RankPipeline, make_stage_plan, stage_indices, stages_per_rank
-from site_agent.pipeline.procgroup import LocalProcessGroup
-from site_agent.pipeline.stage import PipelineLayout
+from site_agent.pipeline.engine import PipelineConfig, RankPipeline, make_stage_plan
+from site_agent.pipeline.layout import stage_indices, stages_per_rank
 from site_agent.trainer import JobTrainer
+from tests.support.procgroup import LocalProcessGroup
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -180,6 +180,18 @@ def test_stage_indices() -> None:
 # -- spawned processes ------------------------------------------------------------------------
 
 
+def _pipeline_config(
+    schedule: str, num_stages: int, num_replicas: int, *, microbatches: int
+) -> PipelineConfig:
+    return PipelineConfig(
+        num_stages=num_stages,
+        num_replicas=num_replicas,
+        num_microbatches=microbatches,
+        schedule=schedule,
+        profile_steps=1,
+    )
+
+
 @pytest.fixture(scope="module")
 def group() -> Iterator[LocalProcessGroup]:
     with LocalProcessGroup(4, timeout_s=280) as pool:
@@ -191,37 +203,12 @@ def _rank_run(
 ) -> tuple[dict[str, np.ndarray], list[float | None]]:
     torch.set_num_threads(1)
     job = make_job(kind)
-    layout = PipelineLayout(num_stages=world_size // num_replicas, num_replicas=num_replicas)
+    cfg = _pipeline_config(schedule, world_size // num_replicas, num_replicas, microbatches=4)
     batches = [next(iter(job.batches())) for _ in range(steps)]
-    box: list[Any] = [None]
-    if rank == 0:
-        box[0] = make_stage_plan(
-            job,
-            batches[0],
-            layout.num_stages * stages_per_rank(schedule),
-            num_microbatches=4,
-            profile_steps=1,
-        )
+    box: list[Any] = [make_stage_plan(job, batches[0], cfg) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    pp_groups = [dist.new_group(layout.replica_ranks(r)) for r in range(num_replicas)]
-    dp_groups = (
-        [dist.new_group(layout.stage_ranks(s)) for s in range(layout.num_stages)]
-        if num_replicas > 1
-        else None
-    )
-    pipeline = RankPipeline(
-        job=job,
-        plan=box[0],
-        schedule=schedule,
-        num_microbatches=4,
-        layout=layout,
-        rank=rank,
-        device=torch.device("cpu"),
-        pp_group=pp_groups[layout.replica_of(rank)],
-        dp_group=dp_groups[layout.stage_of(rank)] if dp_groups else None,
-        grad_clip=1.0,
-    )
-    replica = layout.replica_of(rank)
+    pipeline = RankPipeline(job, box[0], cfg, rank=rank, device=torch.device("cpu"))
+    replica = cfg.layout.replica_of(rank)
     losses = []
     for x, y in batches:
         n = x.shape[0] // num_replicas
@@ -283,32 +270,17 @@ def test_pipelined_steps_equal_one_process(
 # -- the leader's trainer and the workers' loop -----------------------------------------------
 
 
-def _site_config(schedule: str, num_stages: int, num_replicas: int) -> Any:
-    from site_agent.pipeline.jobsite import JobSiteConfig
-
-    return JobSiteConfig(
-        factory="site_agent.jobs.bytegpt:make_job",
-        options=BYTEGPT_OPTIONS,
-        seed=3,
-        num_stages=num_stages,
-        num_replicas=num_replicas,
-        num_microbatches=2,
-        schedule=schedule,
-        profile_steps=1,
-    )
-
-
 def _site_run(rank: int, world_size: int, schedule: str, num_replicas: int) -> Any:
-    from site_agent.pipeline.jobleader import JobPipelineTrainer
-    from site_agent.pipeline.jobsite import job_worker_loop
+    from site_agent.pipeline.leader import PipelineTrainer
+    from site_agent.pipeline.rank import worker_loop
 
     torch.set_num_threads(1)
-    cfg = _site_config(schedule, world_size // num_replicas, num_replicas)
-    device = torch.device("cpu")
+    cfg = _pipeline_config(schedule, world_size // num_replicas, num_replicas, microbatches=2)
+    job, device = make_job("bytegpt"), torch.device("cpu")
     if rank != 0:
-        job_worker_loop(cfg, device)
+        worker_loop(job, cfg, device)
         return None
-    with JobPipelineTrainer(cfg, device) as trainer:
+    with PipelineTrainer(job, cfg, device) as trainer:
         first = trainer.train_steps(2)
         state = trainer.state_dict()
         after_three = trainer.train_steps(1)

@@ -1,43 +1,9 @@
-"""Intra-site pipeline parallelism: stage partition, schedules as data, and their simulator.
+"""Intra-site pipeline parallelism over ``torch.distributed.pipelining``.
 
-The pieces here are pure Python (``profile_layers`` imports torch on call): ``partition`` cuts a
-layer chain into stages, ``schedule`` says which forward/backward ops each stage runs in what order,
-and ``simulate`` times a schedule without running it. The modules that run a pipeline over
-torch.distributed (``runtime`` and the modules it names) are imported only by those who need them.
+The pure-Python pieces: ``partition`` cuts a chain of units into stages (bottleneck-optimal),
+``layout`` says which rank holds which stages, ``schedule`` and ``simulate`` time a schedule
+without running it. The torch pieces, imported only by those who need them: ``cut`` (a job's
+model into stages by module name), ``engine`` (one rank's stages and inner step), ``rank`` (a
+rank's part in the leader's commands, the workers' loop), ``leader`` (rank 0's
+``PipelineTrainer``) and ``procgroup`` (joining torchrun's process group).
 """
-
-from site_agent.pipeline.partition import (
-    PartitionPlan,
-    TransferModel,
-    brute_force_partition,
-    partition_layers,
-    profile_layers,
-)
-from site_agent.pipeline.schedule import (
-    SCHEDULES,
-    Op,
-    Schedule,
-    gpipe,
-    make_schedule,
-    one_f_one_b,
-    validate_schedule,
-)
-from site_agent.pipeline.simulate import OpTiming, SimResult, simulate
-
-__all__ = [
-    "SCHEDULES",
-    "Op",
-    "OpTiming",
-    "PartitionPlan",
-    "Schedule",
-    "SimResult",
-    "TransferModel",
-    "brute_force_partition",
-    "gpipe",
-    "make_schedule",
-    "one_f_one_b",
-    "partition_layers",
-    "profile_layers",
-    "simulate",
-    "validate_schedule",
-]

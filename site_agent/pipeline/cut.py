@@ -71,14 +71,10 @@ class Units:
 
 def _tensor_names(model: nn.Module) -> list[str]:
     """``state_dict`` names, a tensor held under two names (tied) counted under its first."""
-    seen: set[int] = set()
-    names = []
+    first: dict[int, str] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        names.append(name)
-    return names
+        first.setdefault(id(tensor), name)
+    return list(first.values())
 
 
 def _under(name: str, module_name: str) -> bool:
@@ -95,17 +91,10 @@ def default_cut_points(model: nn.Module) -> list[str]:
     prefix = f"{list_name}." if list_name else ""
     points = [f"{prefix}{i}" for i, block in enumerate(blocks) if _tensor_names(block)]
     names = _tensor_names(model)
-    after = [n for n in names if not _under(n, list_name)]
-    last_in_list = max(i for i, n in enumerate(names) if _under(n, list_name))
-    following = [n for n in names[last_in_list + 1 :] if n in after]
-    if following:
-        points.append(_owner_module(model, following[0]))
+    following = names[max(i for i, n in enumerate(names) if _under(n, list_name)) + 1 :]
+    if following:  # the module holding the first tensor after the list, e.g. model.norm
+        points.append(following[0].rsplit(".", 1)[0])
     return points
-
-
-def _owner_module(model: nn.Module, tensor_name: str) -> str:
-    """The module that holds ``tensor_name``, e.g. ``model.norm`` for ``model.norm.weight``."""
-    return tensor_name.rsplit(".", 1)[0] if "." in tensor_name else tensor_name
 
 
 def units_of(model: nn.Module, cut_points: Sequence[str] | None = None) -> Units:
@@ -137,7 +126,7 @@ def units_of(model: nn.Module, cut_points: Sequence[str] | None = None) -> Units
 
 
 def _module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [(n, t) for n, t in module.state_dict(keep_vars=True).items()]
+    return list(module.state_dict(keep_vars=True).items())
 
 
 def strip_to_stage(model: nn.Module, owned: set[str]) -> nn.Module:
@@ -172,10 +161,7 @@ def strip_to_stage(model: nn.Module, owned: set[str]) -> nn.Module:
 
 def unit_modules(model: nn.Module, units: Units) -> list[list[nn.Module]]:
     """Per unit, the largest modules whose tensors all belong to it (what its time is)."""
-    owner = {}
-    for i, names in enumerate(units.tensors):
-        for n in names:
-            owner[n] = i
+    owner = {n: i for i, names in enumerate(units.tensors) for n in names}
     by_id: dict[int, int] = {}
     for name, tensor in _module_tensors(model):
         if name in owner:

@@ -2,16 +2,12 @@
 
 This module owns what a rank of a pipelined site builds and runs for any job that may be
 pipelined (``split`` and ``output_loss``, see ``site_agent.jobs.contract``): its stages (the
-job's model cut by ``cut``, one ``PipelineStage`` each, gradients averaged across replicas), torch's schedule
-named by ``[site] schedule``, and the inner step around it (the job's optimizer over this rank's
-parameters only, gradient clipping by the norm over the whole pipeline, the job's scheduler).
-It also owns the plan: the units profiled on one sample micro-batch and cut by the
-bottleneck-optimal partitioner (``partition``), computed on one rank and shared.
-
-Rank layout as ``stage.PipelineLayout``: rank = replica * pipeline ranks + pipeline rank. A
-schedule with several stages per rank (interleaved, looped, zero-bubble V) puts stage
-``pp_rank + k * pp_size`` on each rank, or the V shape (``pp_rank`` and ``2 pp_size - 1 -
-pp_rank``) for ``zbv``.
+job's model cut by ``cut``, one ``PipelineStage`` each, placed by ``layout.stage_indices``),
+torch's schedule named by ``[site] schedule``, and the inner step around it (gradients averaged
+across replicas, the job's optimizer over this rank's parameters only, gradient clipping by the
+norm over the whole pipeline, the job's scheduler). It also owns the plan: the units profiled on
+one sample micro-batch and cut by the bottleneck-optimal partitioner (``partition``), computed
+on one rank and shared.
 """
 
 from __future__ import annotations
@@ -25,15 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
 
 from site_agent.jobs.contract import federated_state, first_tensor
 from site_agent.pipeline.cut import (
@@ -43,41 +32,54 @@ from site_agent.pipeline.cut import (
     strip_to_stage,
     units_of,
 )
-from site_agent.pipeline.partition import PartitionPlan, TransferModel, partition_layers
-from site_agent.pipeline.schedule import TORCH_SCHEDULE_STAGES
-from site_agent.pipeline.stage import PipelineLayout
+from site_agent.pipeline.layout import (
+    TORCH_SCHEDULES,
+    PipelineLayout,
+    stage_indices,
+    stages_per_rank,
+)
+from site_agent.pipeline.partition import PartitionPlan, partition_layers
 
 log = logging.getLogger(__name__)
 
 # Same constant as torch.nn.utils.clip_grad_norm_, so clipping matches the single-process trainer.
 _CLIP_EPS = 1e-6
 
-TORCH_SCHEDULES: dict[str, tuple[Any, int]] = {
-    name: (cls, TORCH_SCHEDULE_STAGES[name])
-    for name, cls in [
-        ("gpipe", ScheduleGPipe),
-        ("1f1b", Schedule1F1B),
-        ("interleaved_1f1b", ScheduleInterleaved1F1B),
-        ("looped_bfs", ScheduleLoopedBFS),
-        ("interleaved_zb", ScheduleInterleavedZeroBubble),
-        ("zbv", ScheduleZBVZeroBubble),
-    ]
-}
-"""``[site] schedule`` -> (torch's schedule class, stages per rank)."""
 
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """How a site pipelines its job; every rank gets the same one."""
 
-def stages_per_rank(schedule: str) -> int:
-    if schedule not in TORCH_SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(TORCH_SCHEDULES)}, got {schedule!r}")
-    return TORCH_SCHEDULES[schedule][1]
+    num_stages: int = 2
+    """Pipeline ranks per replica."""
+    num_replicas: int = 1
+    """Data-parallel copies of the pipeline."""
+    num_microbatches: int = 4
+    """Micro-batches per replica and inner step."""
+    schedule: str = "1f1b"
+    """One of ``layout.TORCH_SCHEDULES``."""
+    grad_clip: float = 1.0
+    """Largest global gradient norm (0: off)."""
+    profile_steps: int = 3
+    """Timed passes of the per-unit profile."""
+    site_id: str = "site"
+    """Shown in log lines."""
 
+    def __post_init__(self) -> None:
+        for name in ("num_stages", "num_replicas", "num_microbatches", "profile_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        stages_per_rank(self.schedule)
 
-def stage_indices(schedule: str, pp_rank: int, pp_size: int) -> list[int]:
-    """The pipeline stages rank ``pp_rank`` of ``pp_size`` holds under ``schedule``."""
-    k = stages_per_rank(schedule)
-    if schedule == "zbv":
-        return [pp_rank, 2 * pp_size - 1 - pp_rank]
-    return [pp_rank + j * pp_size for j in range(k)]
+    @property
+    def layout(self) -> PipelineLayout:
+        return PipelineLayout(num_stages=self.num_stages, num_replicas=self.num_replicas)
+
+    @property
+    def total_stages(self) -> int:
+        """Stages of the whole pipeline: ``num_stages`` times the schedule's stages per rank."""
+        return self.num_stages * stages_per_rank(self.schedule)
 
 
 def split_batch(job: Any, batch: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
@@ -97,24 +99,17 @@ class StagePlan:
         return self.units.owned(self.partition.stages[stage])
 
 
-def make_stage_plan(
-    job: Any,
-    sample_batch: Any,
-    num_stages: int,
-    *,
-    num_microbatches: int,
-    boundaries: Sequence[int] | None = None,
-    transfer: TransferModel | None = None,
-    profile_steps: int = 3,
-) -> StagePlan:
-    """Profile the job's units on one micro-batch of ``sample_batch`` and cut them into
-    ``num_stages`` stages (or at ``boundaries``, unit indices of each stage's first unit)."""
+def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePlan:
+    """Profile the job's units on one micro-batch of ``sample_batch`` (the site's global batch)
+    and cut them into ``cfg.total_stages`` stages, the slowest as fast as possible
+    (``partition_layers``); the plan is logged."""
     model: nn.Module = job.model
     units = units_of(model, getattr(job, "cut_points", None))
+    num_stages = cfg.total_stages
     if num_stages > len(units):
         raise ValueError(f"{num_stages} stages exceed the model's {len(units)} units {units.names}")
     inputs, target = split_batch(job, sample_batch)
-    size = inputs[0].shape[0] // num_microbatches
+    size = inputs[0].shape[0] // (cfg.num_microbatches * cfg.num_replicas)
     mb_inputs = tuple(x[:size] for x in inputs)
     mb_target = target[:size]
 
@@ -124,14 +119,24 @@ def make_stage_plan(
 
     state = copy.deepcopy(model.state_dict())
     with torch.random.fork_rng(devices=[]):
-        costs, sizes = profile_units(model, units, run, steps=profile_steps)
+        costs, sizes = profile_units(model, units, run, steps=cfg.profile_steps)
     model.load_state_dict(state)
-    if boundaries is None:
-        plan = partition_layers(costs, sizes, num_stages, transfer)
-    else:
-        from site_agent.pipeline.setup import fixed_plan
-
-        plan = fixed_plan(costs, sizes, boundaries, transfer)
+    plan = partition_layers(costs, sizes, num_stages)
+    log.info(
+        "[site=%s rank=0] pipeline plan: stages=%d replicas=%d schedule=%s "
+        "microbatches=%d units=%s boundaries=%s stage_times_s=%s "
+        "predicted_bottleneck_s=%.6f lower_bound_s=%.6f",
+        cfg.site_id,
+        num_stages,
+        cfg.num_replicas,
+        cfg.schedule,
+        cfg.num_microbatches,
+        list(units.names),
+        list(plan.boundaries),
+        [round(t, 6) for t in plan.stage_times],
+        plan.bottleneck,
+        plan.lower_bound,
+    )
     return StagePlan(units=units, partition=plan)
 
 
@@ -139,40 +144,32 @@ class RankPipeline:
     """This rank's stages of the job, torch's schedule over them, and the inner step.
 
     ``job``: built on this rank by the job's factory (same seed on every rank, so every stage
-    starts from the single-process weights); its model is cut here, in place. ``pp_group`` holds
-    this replica's pipeline ranks, ``dp_group`` this pipeline rank in every replica (``None``
-    for one replica).
+    starts from the single-process weights); its model is cut here, in place. Collective: every
+    rank of the site constructs its own, and so joins its replica's pipeline group and its
+    pipeline rank's data-parallel group (created on every rank in the same order).
     """
 
     def __init__(
-        self,
-        *,
-        job: Any,
-        plan: StagePlan,
-        schedule: str,
-        num_microbatches: int,
-        layout: PipelineLayout,
-        rank: int,
-        device: torch.device,
-        pp_group: dist.ProcessGroup | None,
-        dp_group: dist.ProcessGroup | None,
-        grad_clip: float,
+        self, job: Any, plan: StagePlan, cfg: PipelineConfig, *, rank: int, device: torch.device
     ) -> None:
-        pp_size = layout.num_stages
-        self.layout = layout
-        self.pp_rank = layout.stage_of(rank)
-        self.replica = layout.replica_of(rank)
-        self.num_stages = pp_size * stages_per_rank(schedule)
+        layout = self.layout = cfg.layout
+        self.num_stages = cfg.total_stages
         if plan.partition.num_stages != self.num_stages:
             raise ValueError(
-                f"the plan has {plan.partition.num_stages} stages, schedule {schedule!r} on "
-                f"{pp_size} ranks needs {self.num_stages}"
+                f"the plan has {plan.partition.num_stages} stages, schedule {cfg.schedule!r} on "
+                f"{layout.num_stages} ranks needs {self.num_stages}"
             )
+        pp_groups = [dist.new_group(layout.replica_ranks(r)) for r in range(layout.num_replicas)]
+        self.pp_group = pp_groups[layout.replica_of(rank)]
+        self.dp_group: dist.ProcessGroup | None = None
+        if layout.num_replicas > 1:
+            dp_groups = [dist.new_group(layout.stage_ranks(s)) for s in range(layout.num_stages)]
+            self.dp_group = dp_groups[layout.stage_of(rank)]
         self.job = job
+        self.plan = plan
         self.device = device
-        self.pp_group = pp_group
-        self.grad_clip = grad_clip
-        self.indices = stage_indices(schedule, self.pp_rank, pp_size)
+        self.grad_clip = cfg.grad_clip
+        self.indices = stage_indices(cfg.schedule, layout.stage_of(rank), layout.num_stages)
         self.holds_first = 0 in self.indices
         self.holds_last = self.num_stages - 1 in self.indices
 
@@ -189,15 +186,14 @@ class RankPipeline:
         # Replicas average their gradients after the schedule (one flat all-reduce per rank):
         # torch's DDP wrapper fails under GPipe here (its reducer's bucket rebuild asserts on the
         # second step, torch 2.13, gloo), and one all-reduce per step is what DDP would send.
-        self.dp_group = dp_group
-        stages = [
-            PipelineStage(StageForward(module), index, self.num_stages, device, group=pp_group)
+        self.stages = stages = [
+            PipelineStage(StageForward(module), index, self.num_stages, device, group=self.pp_group)
             for index, module in zip(self.indices, self.modules, strict=True)
         ]
-        cls, per_rank = TORCH_SCHEDULES[schedule]
-        self.schedule = cls(
-            stages if per_rank > 1 else stages[0],
-            n_microbatches=num_microbatches,
+        schedule_class = get_schedule_class(TORCH_SCHEDULES[cfg.schedule][0])
+        self.schedule = schedule_class(
+            stages if len(stages) > 1 else stages[0],
+            n_microbatches=cfg.num_microbatches,
             loss_fn=job.output_loss,
             scale_grads=True,
         )
@@ -241,10 +237,8 @@ class RankPipeline:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
         flat.div_(self.layout.num_replicas)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for g, part in zip(grads, torch.split(flat, [g.numel() for g in grads]), strict=True):
+            g.copy_(part.view_as(g))
 
     def _clip(self) -> None:
         """Scale gradients so the norm over the whole model is at most ``grad_clip``; the
@@ -278,11 +272,4 @@ def _keep_local_parameters(
     return optimizer
 
 
-__all__ = [
-    "TORCH_SCHEDULES",
-    "RankPipeline",
-    "StagePlan",
-    "make_stage_plan",
-    "stage_indices",
-    "stages_per_rank",
-]
+__all__ = ["PipelineConfig", "RankPipeline", "StagePlan", "make_stage_plan"]

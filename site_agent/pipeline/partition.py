@@ -1,28 +1,18 @@
-"""Bottleneck-optimal split of a layer chain into pipeline stages.
+"""Bottleneck-optimal split of a chain of layers (a model's units) into pipeline stages.
 
 This module owns the stage partition of a site's pipeline (Archer et al., ICML 2024): given each
 layer's compute cost, each layer's output activation size and a transfer cost model, cut the chain
 into ``num_stages`` contiguous, non-empty stages so that the slowest stage is as fast as possible.
 A stage's time is the sum of its layers' costs plus the time to send its last layer's activation to
 the next stage; the last stage sends nothing. The chain is solved exactly by dynamic programming
-(O(p n^2)); ``brute_force_partition`` enumerates every cut set and exists to check it.
-
-Everything here is pure Python except ``profile_layers``, which measures costs with torch and
-imports it locally.
+(O(p n^2)). Pure Python: the costs come from ``cut.profile_units``.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,28 +111,6 @@ def partition_layers(
     return _plan(costs, send_s, boundaries)
 
 
-def brute_force_partition(
-    layer_costs_s: Sequence[float],
-    activation_bytes: Sequence[int],
-    num_stages: int,
-    transfer: TransferModel | None = None,
-) -> PartitionPlan:
-    """Same contract as ``partition_layers`` by trying every cut set; exponential, for tests.
-
-    Among optimal plans it returns the first in lexicographic order of boundaries, which may differ
-    from ``partition_layers``'s choice; the bottleneck is the same.
-    """
-    costs, sizes, link = _check_inputs(layer_costs_s, activation_bytes, num_stages, transfer)
-    send_s = [link.seconds(b) for b in sizes]
-    best: PartitionPlan | None = None
-    for cuts in itertools.combinations(range(1, len(costs)), num_stages - 1):
-        plan = _plan(costs, send_s, [0, *cuts])
-        if best is None or plan.bottleneck < best.bottleneck:
-            best = plan
-    assert best is not None, "1 <= num_stages <= n leaves at least one cut set"
-    return best
-
-
 def _check_inputs(
     layer_costs_s: Sequence[float],
     activation_bytes: Sequence[int],
@@ -189,61 +157,3 @@ def _plan(costs: list[float], send_s: list[float], boundaries: Sequence[int]) ->
         bottleneck=max(stage_times),
         lower_bound=max(max(costs), math.fsum(costs) / len(boundaries)),
     )
-
-
-def profile_layers(
-    layers: list[torch.nn.Module], sample_input: torch.Tensor, steps: int = 3
-) -> tuple[list[float], list[int]]:
-    """Measure each layer's forward+backward seconds and output activation bytes.
-
-    Runs the chain on ``sample_input`` once to warm up, then ``steps`` timed times, and reports the
-    per-layer median. Each layer is timed on its own: its input is a detached copy of the previous
-    output, so its backward covers exactly that layer. Gradients are taken with
-    ``torch.autograd.grad``, so the layers' ``.grad`` fields are left untouched. Every layer must
-    return one tensor. On CUDA the device is synchronized around every timed region, so the
-    numbers are kernel time rather than launch time.
-    """
-    import torch
-
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    if not layers:
-        raise ValueError("layers is empty: nothing to profile")
-    device = sample_input.device
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    times: list[list[float]] = [[] for _ in layers]
-    sizes = [0] * len(layers)
-    with torch.enable_grad():
-        for step in range(steps + 1):  # step 0 is the warm-up, not recorded
-            x = sample_input
-            for i, layer in enumerate(layers):
-                x_in = x.detach().requires_grad_(x.is_floating_point())
-                sync()
-                t0 = time.perf_counter()
-                y = layer(x_in)
-                sync()
-                t1 = time.perf_counter()
-                if not isinstance(y, torch.Tensor):
-                    raise ValueError(
-                        f"layers[{i}] returned {type(y).__name__}; profiling needs one tensor"
-                    )
-                wrt: list[torch.Tensor] = [p for p in layer.parameters() if p.requires_grad]
-                if x_in.requires_grad:
-                    wrt.append(x_in)
-                backward_s = 0.0
-                if y.requires_grad and wrt:
-                    grad_out = torch.ones_like(y)
-                    sync()
-                    t2 = time.perf_counter()
-                    torch.autograd.grad(y, wrt, grad_outputs=grad_out, allow_unused=True)
-                    sync()
-                    backward_s = time.perf_counter() - t2
-                if step > 0:
-                    times[i].append((t1 - t0) + backward_s)
-                sizes[i] = y.numel() * y.element_size()
-                x = y.detach()
-    return [statistics.median(t) for t in times], sizes

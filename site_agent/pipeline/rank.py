@@ -1,267 +1,230 @@
-"""One rank's share of a pipelined site and its part in each of the leader's commands.
+"""One rank of a pipelined site of any job: its stages, its part in each command, the workers' loop.
 
-This module owns ``Rank``: what one rank holds (its stage's module and executor, its replica's
-sampler where it is a first or last stage, the control group, every stage's parameter spec) and
-what it does for each command, called on all ranks together (the leader included): train steps,
-evaluate through replica 0's pipeline, gather and scatter parameters (the outer sync), gather and
-scatter checkpoint state (``checkpoint`` translates the format), gather step traces and probe the
-time of one transfer between stages.
+This module owns how the ranks of a site that pipelines a job (``site_agent.jobs.contract``:
+``split``, ``output_loss``) work together. Every rank is given the job built by its factory on
+that rank (same seed, so every stage starts from the single-process weights); rank 0 checks,
+profiles and cuts it and broadcasts the plan; each rank keeps its stages (``engine.RankPipeline``).
+Rank 0 drives the site through ``leader.PipelineTrainer``, every other rank runs
+:func:`worker_loop`: the leader broadcasts each command (a method of :class:`SiteRank` and its
+arguments) on a gloo control group, and every rank runs it together.
+
+Every rank draws the job's batches in lockstep (the same seed); a batch is the site's global batch
+of one inner step, and replica r trains on its r-th share along the first dimension. So a site's
+step is one process's step on the same batch, to float rounding, whatever its layout.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Sequence
+import copy
+from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from site_agent.data import BatchSampler
-from site_agent.pipeline.checkpoint import merge_state
-from site_agent.pipeline.executor import StageExecutor, StepTrace
-from site_agent.pipeline.job import PipelineJob
-from site_agent.pipeline.partition import PartitionPlan
-from site_agent.pipeline.stage import StageSpec, flatten, unflatten
-from site_agent.trainer import _to_cpu
+from site_agent.jobs.contract import (
+    Job,
+    StateSpec,
+    check_pipeline_job,
+    federated_state,
+    state_spec,
+)
+from site_agent.jobs.contract import buffer_names as federated_buffer_names
+from site_agent.pipeline.engine import PipelineConfig, RankPipeline, make_stage_plan
+from site_agent.trainer import _to_cpu, first_dimension, to_device
 
-_TAG_TARGETS = 7  # evaluation targets from the leader to the last stage
+# Workers wait for the leader's next command as long as the leader spends between calls.
+CONTROL_TIMEOUT = timedelta(days=7)
 
 
-class Rank:
-    """What one rank holds and does; every command method is called on all ranks together."""
+class SiteRank:
+    """What one rank holds. Each of ``COMMANDS`` is run by every rank together; its result is
+    the leader's (``None`` on the workers)."""
+
+    COMMANDS = frozenset(
+        {"train", "gather_parameters", "load_parameters", "gather_state", "load_state"}
+    )
 
     def __init__(
-        self,
-        *,
-        job: PipelineJob,
-        rank: int,
-        device: torch.device,
-        plan: PartitionPlan,
-        executor: StageExecutor,
-        sampler: BatchSampler | None,
-        control: dist.ProcessGroup,
-        full_spec: list[tuple[str, tuple[int, ...]]],
-        full_optim_names: list[str],
-        stage_specs: list[StageSpec],
+        self, job: Job, cfg: PipelineConfig, device: torch.device, *, where: str = "the job"
     ) -> None:
-        self.job = job
-        self.layout = job.layout
-        self.rank = rank
-        self.stage = self.layout.stage_of(rank)
-        self.replica = self.layout.replica_of(rank)
-        self.device = device
-        self.plan = plan
-        self.executor = executor
-        self.module = executor.module
-        self.sampler = sampler
-        self.control = control
-        self.full_spec = full_spec
-        self.full_optim_names = full_optim_names
-        self.stage_specs = stage_specs
-        self.step = 0
-        self.num_microbatches = job.pipeline.num_microbatches
-        self.activation_shape = (job.microbatch_size, job.model.context_len, job.model.d_model)
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.layout.num_stages - 1
-
-    # -- commands --------------------------------------------------------------------------
-
-    def train(self, num_steps: int) -> torch.Tensor:
-        """``num_steps`` inner steps; returns the site's loss per step (every rank gets it)."""
-        losses: list[torch.Tensor] = []
-        m = self.num_microbatches
-        for _ in range(num_steps):
-            inputs = targets = None
-            if self.sampler is not None:
-                x, y = self.sampler.next_batch()
-                if self.is_first:
-                    inputs = [c.to(self.device) for c in x.chunk(m)]
-                if self.is_last:
-                    targets = [c.to(self.device) for c in y.chunk(m)]
-            loss = self.executor.train_step(
-                step=self.step,
-                inputs=inputs,
-                targets=targets,
-                activation_shape=self.activation_shape,
+        """Collective. ``job``: built on this rank by the job's factory; ``where`` names it in
+        the leader's errors."""
+        if not dist.is_initialized():
+            raise ValueError("torch.distributed is not initialized")
+        layout = cfg.layout
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world != layout.world_size:
+            raise ValueError(
+                f"the process group has {world} ranks but stages x replicas = "
+                f"{layout.num_stages} x {layout.num_replicas}"
             )
+        self.job, self.cfg, self.layout, self.rank, self.device = job, cfg, layout, rank, device
+        self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        model = job.model
+        self.order = list(federated_state(model))
+        self.spec: StateSpec = state_spec(model)
+        self.buffers = federated_buffer_names(model)
+        self._weight: Callable[[Any], int] = getattr(job, "weight", first_dimension)
+        self.eval_model: nn.Module | None = None
+        sample = self._draw_sample()
+        box: list[Any] = [None]
+        if rank == 0:
+            check_pipeline_job(job, sample, where)
+            self.eval_model = copy.deepcopy(model).to("cpu")  # before the cut, for validation
+            box[0] = make_stage_plan(job, sample, cfg)
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        self.pipeline = RankPipeline(job, box[0], cfg, rank=rank, device=device)
+        self.step = 0
+        dist.barrier(group=self.control)
+
+    def _draw_sample(self) -> Any:
+        """One batch to check and profile the job on; every rank draws it, so all stay in
+        lockstep even without a job state to put back."""
+        job = self.job
+        saved = copy.deepcopy(job.state_dict()) if hasattr(job, "state_dict") else None
+        sample = to_device(next(iter(job.batches())), self.device)
+        if saved is not None:
+            job.load_state_dict(saved)  # type: ignore[attr-defined]
+        self._batches = iter(job.batches())
+        return sample
+
+    def run(self, command: tuple[Any, ...]) -> Any:
+        """Carry out ``(name, *args)``, a command the leader broadcast."""
+        name, *args = command
+        assert name in self.COMMANDS, f"unknown command {name!r}"
+        return getattr(self, name)(*args)
+
+    def train(self, num_steps: int) -> tuple[torch.Tensor, int]:
+        """``num_steps`` inner steps; returns (the site's loss per step, its weight)."""
+        replica, replicas = self.layout.replica_of(self.rank), self.layout.num_replicas
+        losses: list[torch.Tensor] = []
+        weight = 0
+        for _ in range(num_steps):
+            batch = to_device(next(self._batches), self.device)
+            weight += int(self._weight(batch))
+            loss = self.pipeline.train_step(_share(batch, replica, replicas))
             if loss is not None:
                 losses.append(loss)
             self.step += 1
         per_step = torch.zeros(num_steps, dtype=torch.float64)
         if losses:
-            # One host sync per call: the last stages' losses, averaged over the replicas.
-            per_step = torch.stack(losses).double().cpu() / self.layout.num_replicas
+            per_step = torch.stack(losses).double().cpu() / replicas
         dist.all_reduce(per_step, op=dist.ReduceOp.SUM, group=self.control)
-        return per_step
-
-    def evaluate(
-        self,
-        shapes: Sequence[tuple[int, int]],
-        batches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
-    ) -> float | None:
-        """Replica 0 runs the batches forward; returns the mean loss on the leader."""
-        if self.replica != 0:
-            return None
-        num_stages = self.layout.num_stages
-        last_rank = self.layout.rank(stage=num_stages - 1, replica=0)
-        inputs: list[torch.Tensor] | None = None
-        targets: list[torch.Tensor] | None = None
-        sends: list[tuple[dist.Work, torch.Tensor]] = []
-        if self.rank == 0:
-            assert batches is not None
-            inputs = [x.to(self.device) for x, _ in batches]
-            ys = [y.to(self.device) for _, y in batches]
-            if num_stages == 1:
-                targets = ys
-            else:
-                for y in ys:
-                    work = dist.isend(y, dst=last_rank, tag=_TAG_TARGETS)
-                    assert work is not None
-                    sends.append((work, y))
-        if self.is_last and num_stages > 1:
-            targets = []
-            for shape in shapes:
-                y = torch.empty(shape, dtype=torch.int64, device=self.device)
-                dist.recv(y, src=0, tag=_TAG_TARGETS)
-                targets.append(y)
-        d_model = self.job.model.d_model
-        total = self.executor.forward_only(
-            inputs=inputs,
-            targets=targets,
-            activation_shapes=[(*s, d_model) for s in shapes],
-        )
-        for work, _ in sends:
-            work.wait()
-        if num_stages == 1:
-            assert total is not None
-            return float(total.cpu()) / len(shapes)
-        if self.is_last:
-            assert total is not None
-            dist.send(total, dst=0)
-        if self.rank == 0:
-            received = torch.zeros((), dtype=torch.float64, device=self.device)
-            dist.recv(received, src=last_rank)
-            return float(received.cpu()) / len(shapes)
-        return None
+        return per_step, weight
 
     def gather_parameters(self) -> dict[str, np.ndarray] | None:
-        """Replica 0's stages send their parameters to the leader, which returns them all."""
-        if self.replica != 0:
+        """Replica 0's stages send their federated tensors to the leader, by name."""
+        own = None
+        if self.layout.replica_of(self.rank) == 0:
+            own = {
+                n: t.detach().to("cpu", torch.float32, copy=True).numpy()
+                for n, t in self.pipeline.state().items()
+            }
+        parts = self._gather(own)
+        if parts is None:
             return None
-        own = flatten(list(self.module.state_dict().values())).to(self.device)
-        if self.rank != 0:
-            dist.send(own, dst=0)
-            return None
-        flats = [own]
-        works = []
-        for s in range(1, self.layout.num_stages):
-            buf = torch.empty(self.stage_specs[s].numel, dtype=torch.float32, device=self.device)
-            work = dist.irecv(buf, src=self.layout.rank(stage=s, replica=0))
-            assert work is not None
-            works.append(work)
-            flats.append(buf)
-        for work in works:
-            work.wait()
-        params: dict[str, np.ndarray] = {}
-        for spec, flat in zip(self.stage_specs, flats, strict=True):
-            cpu = flat.to("cpu")
-            offset = 0
-            for name, shape in zip(spec.names, spec.shapes, strict=True):
-                n = int(np.prod(shape))
-                params[name] = cpu[offset : offset + n].view(shape).numpy()
-                offset += n
-        return params
+        merged: dict[str, np.ndarray] = {}
+        for part in parts:
+            merged.update(part or {})
+        return {n: merged[n] for n in self.order}
 
-    def scatter_parameters(self, flats: Sequence[torch.Tensor] | None = None) -> None:
-        """The leader sends each rank its stage's flat parameters; every rank copies them in."""
-        if self.rank == 0:
-            assert flats is not None
-            on_device = [f.to(self.device) for f in flats]
-            works = []
-            for r in range(1, self.layout.world_size):
-                work = dist.isend(on_device[self.layout.stage_of(r)], dst=r)
-                assert work is not None
-                works.append(work)
-            own = on_device[0]
-            for work in works:
-                work.wait()
-        else:
-            own = torch.empty(self.stage_specs[self.stage].numel, device=self.device)
-            dist.recv(own, src=0)
-        tensors = list(self.module.state_dict().values())
-        with torch.no_grad():
-            for tensor, value in zip(tensors, unflatten(own, tensors), strict=True):
-                tensor.copy_(value)
+    def load_parameters(self, params: Mapping[str, np.ndarray]) -> None:
+        """Copy in the federated tensors this rank holds; the optimizer state is kept."""
+        self._copy_in(params)
 
     def gather_state(self) -> dict[str, Any] | None:
-        """Model and optimizer state of replica 0's stages and every replica's sampler."""
-        optimizer = self.executor.optimizer
-        payload: dict[str, Any] = {"model": None, "optimizer": None, "sampler": None}
-        if self.replica == 0:
-            state = optimizer.state_dict()
-            names = self.stage_specs[self.stage].optim_names
-            payload["model"] = _to_cpu(self.module.state_dict())
-            payload["optimizer"] = {
-                "state": {names[idx]: _to_cpu(s) for idx, s in state["state"].items()},
-                "hparams": [
-                    {k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]
-                ],
+        """The site's checkpoint, on the leader: every rank's share (``ranks``: its stages'
+        tensors, optimizer, scheduler), the ``layout`` it was taken under, the whole model by
+        name (``model``), the step and the job's own state (``job``)."""
+        pipeline = self.pipeline
+        scheduler = pipeline.scheduler
+        parts = self._gather(
+            {
+                "model": _to_cpu({n: t.detach() for n, t in pipeline.state().items()}),
+                "optimizer": _to_cpu(pipeline.optimizer.state_dict()),
+                "scheduler": _to_cpu(scheduler.state_dict()) if scheduler is not None else None,
             }
-        if self.is_first and self.sampler is not None:
-            payload["sampler"] = self.sampler.state_dict()
-        gathered: list[Any] | None = [None] * self.layout.world_size if self.rank == 0 else None
-        dist.gather_object(payload, gathered, dst=0, group=self.control)
-        if gathered is None:
+        )
+        if parts is None:
             return None
-        return merge_state(
-            gathered,
-            layout=self.layout,
-            full_spec=self.full_spec,
-            full_optim_names=self.full_optim_names,
-            step=self.step,
-        )
+        whole: dict[str, Any] = {}
+        for part in parts[: self.layout.num_stages]:  # replica 0
+            whole.update(part["model"])
+        state: dict[str, Any] = {
+            "layout": self._layout_key(),
+            "ranks": parts,
+            "model": {n: whole[n] for n in self.order},
+            "step": self.step,
+        }
+        if hasattr(self.job, "state_dict"):
+            state["job"] = _to_cpu(self.job.state_dict())
+        return state
 
-    def scatter_state(self, payloads: Sequence[dict[str, Any]] | None = None) -> None:
-        """The leader sends each rank its share of a checkpoint; every rank loads it."""
-        received: list[Any] = [None]
-        dist.scatter_object_list(
-            received, list(payloads) if payloads else None, src=0, group=self.control
-        )
-        part = received[0]
-        self.module.load_state_dict(part["model"])
-        self.executor.optimizer.load_state_dict(part["optimizer"])
-        if self.sampler is not None:
-            self.sampler.load_state_dict(part["sampler"])
-        self.step = int(part["step"])
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Every rank loads its share under the same layout; under another (or from a
+        single-process checkpoint) the model by name, and the inner optimizer starts afresh."""
+        pipeline = self.pipeline
+        self._copy_in(state["model"])
+        if list(state.get("layout", [])) == self._layout_key():
+            share = state["ranks"][self.rank]
+            pipeline.optimizer.load_state_dict(share["optimizer"])
+            if pipeline.scheduler is not None and share["scheduler"] is not None:
+                pipeline.scheduler.load_state_dict(share["scheduler"])
+        if "job" in state and hasattr(self.job, "load_state_dict"):
+            self.job.load_state_dict(state["job"])
+        self._batches = iter(self.job.batches())
+        self.step = int(state["step"])
 
-    def gather_traces(self) -> list[StepTrace] | None:
-        gathered: list[Any] | None = [None] * self.layout.world_size if self.rank == 0 else None
-        dist.gather_object(self.executor.last_trace, gathered, dst=0, group=self.control)
-        return gathered
+    def _layout_key(self) -> list[Any]:
+        return [self.layout.num_stages, self.layout.num_replicas, self.cfg.schedule]
 
-    def probe_transfer(self, rounds: int) -> float | None:
-        """Median one-way time of an activation between stages 0 and 1 of replica 0."""
-        if self.layout.num_stages == 1 or self.replica != 0 or self.stage > 1:
-            return 0.0 if self.rank == 0 else None
-        buf = torch.zeros(self.activation_shape, device=self.device)
-        times = []
-        for k in range(rounds + 1):  # round 0 warms the connection up
-            start = time.perf_counter()
-            if self.stage == 0:
-                dist.send(buf, dst=1)
-                dist.recv(buf, src=1)
-            else:
-                dist.recv(buf, src=0)
-                dist.send(buf, dst=0)
-            if k > 0:
-                times.append((time.perf_counter() - start) / 2)
-        return statistics.median(times) if self.rank == 0 else None
+    def _gather(self, share: Any) -> list[Any] | None:
+        """Every rank's ``share`` (index = rank) on the leader; ``None`` elsewhere."""
+        parts: list[Any] | None = [None] * self.layout.world_size if self.rank == 0 else None
+        dist.gather_object(share, parts, dst=0, group=self.control)
+        return parts
+
+    def _copy_in(self, named: Mapping[str, Any]) -> None:
+        with torch.no_grad():
+            for name, tensor in self.pipeline.state().items():
+                tensor.copy_(torch.as_tensor(np.asarray(named[name])))
+
+
+def _share(batch: Any, replica: int, replicas: int) -> Any:
+    """Replica ``replica``'s share of every tensor of ``batch`` along its first dimension."""
+    if replicas == 1:
+        return batch
+    if isinstance(batch, torch.Tensor):
+        n = batch.shape[0] // replicas
+        return batch[replica * n : (replica + 1) * n]
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_share(b, replica, replicas) for b in batch)
+    if isinstance(batch, Mapping):
+        return {k: _share(v, replica, replicas) for k, v in batch.items()}
+    return batch
+
+
+def broadcast_command(command: tuple[Any, ...], control: dist.ProcessGroup) -> None:
+    """The leader's side: send ``(name, *args)`` (or ``("stop",)``) to every rank."""
+    dist.broadcast_object_list([command], src=0, group=control)
+
+
+def worker_loop(job: Job, cfg: PipelineConfig, device: torch.device) -> None:
+    """Every rank but 0: set up this rank's stages of ``job``, then carry out the leader's
+    commands until it closes its ``PipelineTrainer``."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        raise ValueError("worker_loop runs on ranks other than 0")
+    rank = SiteRank(job, cfg, device)
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=rank.control)
+        if box[0][0] == "stop":
+            return
+        rank.run(box[0])
+
+
+__all__ = ["SiteRank", "broadcast_command", "worker_loop"]

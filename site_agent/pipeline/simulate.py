@@ -1,28 +1,63 @@
-"""Discrete-event simulation of one pipeline step from a schedule (see ``schedule``).
+"""Discrete-event simulation of one step of a pipeline schedule, in the order torch runs it.
 
-This module owns the timing model the schedules are judged by. It reads the same per-stage op lists
-the executor runs. Each stage executes its ops in list order, one at a time. F(s, i) needs F(s-1, i)
-finished plus one transfer; B(s, i) needs B(s+1, i) finished plus one transfer, and F(s, i), which
-precedes it on the same stage. Transfers are pure delay: links are never contended. The step starts
-at time 0 on every stage.
+This module owns the timing model a schedule's bubble is predicted by. A schedule is an
+``Order``: for each rank of one replica, the compute actions it runs, one at a time, in list
+order (``Action``: the forward ``F``, full backward ``B``, input-gradient backward ``I`` or
+weight-gradient backward ``W`` of one micro-batch on one stage). ``executed_order`` gives the
+order torch's schedules run; ``simulate`` times it:
+
+- F(s, i) needs F(s-1, i); B(s, i) and I(s, i) need the input gradient of stage s+1 (its B or I
+  of micro-batch i); W(s, i) follows I(s, i) on the same rank. An output that crosses to another
+  rank arrives ``transfer_s`` after the action that made it ends; on the same rank at once.
+- Each action lasts ``durations[(stage, kind)]`` seconds; links are never contended; every rank
+  starts at time 0.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-from site_agent.pipeline.schedule import Op, validate_schedule
+Kind = Literal["F", "B", "I", "W"]
+KINDS: tuple[Kind, ...] = ("F", "B", "I", "W")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One compute action of a schedule, written as torch writes it (``1F0``: stage 1's forward
+    of micro-batch 0)."""
+
+    stage: int
+    kind: Kind
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.stage < 0 or self.microbatch < 0:
+            raise ValueError(f"stage and microbatch must be >= 0 in {self!r}")
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+
+Order = Mapping[int, Sequence[Action]]
+"""``order[rank]``: the actions that rank runs, in order."""
+
+Durations = Mapping[tuple[int, str], float]
+"""Seconds one action of ``(stage, kind)`` takes."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class OpTiming:
-    """When one op ran on one stage."""
+class ActionTiming:
+    """When one action ran on one rank."""
 
-    stage: int
-    op: Op
+    rank: int
+    action: Action
     start_s: float
     end_s: float
 
@@ -32,153 +67,226 @@ class SimResult:
     """Outcome of simulating one step."""
 
     step_time_s: float
-    """Time from the step's start until the last op on any stage ends."""
+    """Time from the step's start until the last action on any rank ends."""
     busy_s: tuple[float, ...]
-    """Per stage: seconds spent running ops."""
+    """Per rank: seconds spent running actions."""
     bubble_fraction: float
-    """Idle share of all stages' time: ``1 - sum(busy_s) / (num_stages * step_time_s)``."""
-    peak_in_flight: tuple[int, ...]
-    """Per stage: most microbatches at once whose F has finished and B has not (stored
-    activations)."""
-    timeline: tuple[tuple[OpTiming, ...], ...]
-    """Per stage: each op's start and end, in the stage's list order."""
+    """Idle share of all ranks' time: ``1 - sum(busy_s) / (num_ranks * step_time_s)``."""
+    timeline: tuple[tuple[ActionTiming, ...], ...]
+    """Per rank: each action's start and end, in the rank's order."""
 
 
-def simulate(
-    schedule: Sequence[Sequence[Op]],
-    forward_s: float | Sequence[float],
-    backward_s: float | Sequence[float],
-    transfer_s: float = 0.0,
-) -> SimResult:
-    """Simulate one step of ``schedule``.
+def single_stage_order(
+    schedule: str, num_ranks: int, num_microbatches: int
+) -> dict[int, list[Action]]:
+    """The order torch's ``ScheduleGPipe`` (``"gpipe"``) or ``Schedule1F1B`` (``"1f1b"``) runs:
+    one stage per rank. GPipe: every forward, then every backward in micro-batch order. 1F1B:
+    stage s runs ``min(m, p - s)`` forwards, then alternates one backward and one forward (1B1F)
+    until the forwards run out, then the remaining backwards."""
+    _check_sizes(num_ranks, num_microbatches)
+    m = num_microbatches
+    order: dict[int, list[Action]] = {}
+    for s in range(num_ranks):
+        forwards = [Action(s, "F", i) for i in range(m)]
+        backwards = [Action(s, "B", i) for i in range(m)]
+        if schedule == "gpipe":
+            order[s] = forwards + backwards
+        elif schedule == "1f1b":
+            warmup = min(m, num_ranks - s)
+            ops = forwards[:warmup]
+            for k in range(m):
+                ops.append(backwards[k])
+                if warmup + k < m:
+                    ops.append(forwards[warmup + k])
+            order[s] = ops
+        else:
+            raise ValueError(f"{schedule!r} is not a single-stage schedule (gpipe, 1f1b)")
+    return order
 
-    ``forward_s`` and ``backward_s`` are one microbatch's forward/backward seconds per stage (a
-    list of length ``num_stages``, or one number for every stage); ``transfer_s`` is the time to
-    move one activation or gradient between adjacent stages. Raises ``ValueError`` for an invalid
-    schedule (see ``validate_schedule``) and for one that deadlocks.
+
+_ACTION = re.compile(r"(\d+)([FBIW])(\d+)")
+
+
+def executed_order(
+    schedule: str,
+    num_ranks: int,
+    num_microbatches: int,
+    pipeline_order: Mapping[int, Sequence[str]] | None = None,
+) -> dict[int, list[Action]]:
+    """The compute actions each rank runs under torch's ``schedule``.
+
+    ``gpipe`` and ``1f1b`` follow ``single_stage_order``. The schedules with several stages per
+    rank run their ``pipeline_order`` attribute, which must be given, as torch writes its
+    actions (``"1F0"``; ``""`` for an idle slot): its compute actions are kept, idle slots,
+    communication and gradient reductions dropped.
     """
-    num_stages = len(schedule)
-    if num_stages == 0:
-        raise ValueError("schedule has no stages")
-    num_microbatches = sum(1 for op in schedule[0] if isinstance(op, Op) and op.kind == "F")
-    if num_microbatches == 0:
-        raise ValueError("schedule runs no microbatches: stage 0 has no forward op")
-    validate_schedule(schedule, num_stages, num_microbatches)
-    fwd = _per_stage(forward_s, num_stages, "forward_s")
-    bwd = _per_stage(backward_s, num_stages, "backward_s")
+    if schedule in ("gpipe", "1f1b"):
+        return single_stage_order(schedule, num_ranks, num_microbatches)
+    if pipeline_order is None:
+        raise ValueError(f"schedule {schedule!r} needs torch's pipeline_order")
+    order: dict[int, list[Action]] = {}
+    for rank in range(num_ranks):
+        matches = (_ACTION.fullmatch(text) for text in pipeline_order[rank])
+        order[rank] = [
+            Action(int(m[1]), m[2], int(m[3]))  # type: ignore[arg-type]
+            for m in matches
+            if m is not None
+        ]
+    validate_order(order)
+    return order
+
+
+def validate_order(order: Order) -> tuple[dict[int, int], int]:
+    """Check that ``order`` is a schedule; return (each stage's rank, the micro-batch count).
+
+    Every stage lives on one rank; every stage runs F of every micro-batch once and either B or
+    I then W once, after its F on that rank. Raises ``ValueError`` naming what is wrong.
+    """
+    if not order:
+        raise ValueError("the schedule has no ranks")
+    rank_of: dict[int, int] = {}
+    seen: set[Action] = set()
+    for rank, actions in order.items():
+        for pos, a in enumerate(actions):
+            if not isinstance(a, Action):
+                raise ValueError(f"rank {rank} action {pos}: expected an Action, got {a!r}")
+            if rank_of.setdefault(a.stage, rank) != rank:
+                raise ValueError(f"stage {a.stage} runs on ranks {rank_of[a.stage]} and {rank}")
+            if a in seen:
+                raise ValueError(f"rank {rank} action {pos}: {a} appears twice")
+            needs = {"B": "F", "I": "F", "W": "I"}.get(a.kind)
+            if needs is not None and Action(a.stage, needs, a.microbatch) not in seen:  # type: ignore[arg-type]
+                raise ValueError(f"rank {rank} action {pos}: {a} comes before its {needs}")
+            seen.add(a)
+    stages = sorted(rank_of)
+    if stages != list(range(len(stages))):
+        raise ValueError(f"stages must be 0..{len(stages) - 1}, got {stages}")
+    m = sum(1 for a in seen if a.stage == 0 and a.kind == "F")
+    if m == 0:
+        raise ValueError("stage 0 runs no forward")
+    for s in stages:
+        for i in range(m):
+            f, b, i_, w = (Action(s, k, i) in seen for k in KINDS)
+            if not (f and (b, i_, w) in ((True, False, False), (False, True, True))):
+                raise ValueError(
+                    f"stage {s} does not run micro-batch {i} exactly once (F, B or I+W)"
+                )
+    if len(seen) != sum(len(a) for a in order.values()) or any(a.microbatch >= m for a in seen):
+        raise ValueError(f"actions outside micro-batches 0..{m - 1}")
+    return rank_of, m
+
+
+def simulate(order: Order, durations: Durations, transfer_s: float = 0.0) -> SimResult:
+    """Simulate one step of ``order`` with ``durations`` (every ``(stage, kind)`` the order runs)
+    and ``transfer_s`` per hand-off between ranks. Raises ``ValueError`` for an invalid order,
+    a missing or negative duration, and an order that deadlocks."""
+    rank_of, _ = validate_order(order)
+    for key in {(a.stage, a.kind) for actions in order.values() for a in actions}:
+        value = durations.get(key)
+        if value is None or not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"durations[{key}] must be finite and >= 0, got {value!r}")
     if not (math.isfinite(transfer_s) and transfer_s >= 0):
         raise ValueError(f"transfer_s must be finite and >= 0, got {transfer_s!r}")
-
-    sim = _Simulation(schedule, fwd, bwd, transfer_s)
+    sim = _Simulation(order, rank_of, durations, transfer_s)
     sim.run()
-    sim.check_finished()
     return sim.result()
 
 
 class _Simulation:
-    """The event loop of one step: which op each stage runs next and when each op finished."""
+    """The event loop of one step: which action each rank runs next and when each ended."""
 
     def __init__(
-        self,
-        schedule: Sequence[Sequence[Op]],
-        fwd: list[float],
-        bwd: list[float],
-        transfer_s: float,
+        self, order: Order, rank_of: Mapping[int, int], durations: Durations, transfer_s: float
     ) -> None:
-        num_stages = len(schedule)
-        self.schedule = schedule
-        self.num_stages = num_stages
-        self.fwd = fwd
-        self.bwd = bwd
+        self.ranks = sorted(order)
+        self.order = order
+        self.rank_of = rank_of
+        self.last_stage = max(rank_of)
+        self.durations = durations
         self.transfer_s = transfer_s
-        self.finished_at: dict[tuple[int, Op], float] = {}
-        self.next_pos = [0] * num_stages
-        self.running = [False] * num_stages
-        self.free_at = [0.0] * num_stages
-        self.in_flight = [0] * num_stages
-        self.peak = [0] * num_stages
-        self.timeline: list[list[OpTiming]] = [[] for _ in range(num_stages)]
-        # (end time, tie-break sequence, stage): the op at next_pos[stage] is running until then.
-        self.events: list[tuple[float, int, int]] = []
+        self.ended: dict[Action, float] = {}
+        self.pos = dict.fromkeys(self.ranks, 0)
+        self.free_at = dict.fromkeys(self.ranks, 0.0)
+        self.running = dict.fromkeys(self.ranks, False)
+        self.timeline: dict[int, list[ActionTiming]] = {r: [] for r in self.ranks}
+        self.events: list[tuple[float, int, int]] = []  # (end, tie-break, rank)
         self.seq = 0
 
-    def dependency(self, stage: int, op: Op) -> tuple[int, Op] | None:
-        """The op on a neighbouring stage whose output ``op`` consumes, if any."""
-        if op.kind == "F":
-            return (stage - 1, op) if stage > 0 else None
-        return (stage + 1, op) if stage < self.num_stages - 1 else None
+    def inputs(self, a: Action) -> list[Action]:
+        """The actions on other stages one of which ``a`` takes its input from."""
+        if a.kind == "F" and a.stage > 0:
+            return [Action(a.stage - 1, "F", a.microbatch)]
+        if a.kind in ("B", "I") and a.stage < self.last_stage:
+            return [Action(a.stage + 1, k, a.microbatch) for k in ("B", "I")]
+        return []
 
-    def try_start(self, stage: int) -> None:
-        if self.running[stage] or self.next_pos[stage] == len(self.schedule[stage]):
+    def try_start(self, rank: int) -> None:
+        actions = self.order[rank]
+        if self.running[rank] or self.pos[rank] == len(actions):
             return
-        op = self.schedule[stage][self.next_pos[stage]]
-        start = self.free_at[stage]
-        dep = self.dependency(stage, op)
-        if dep is not None:
-            if dep not in self.finished_at:
-                return  # started again when that op finishes
-            start = max(start, self.finished_at[dep] + self.transfer_s)
-        end = start + (self.fwd[stage] if op.kind == "F" else self.bwd[stage])
-        self.running[stage] = True
-        self.timeline[stage].append(OpTiming(stage=stage, op=op, start_s=start, end_s=end))
-        heapq.heappush(self.events, (end, self.seq, stage))
+        a = actions[self.pos[rank]]
+        start = self.free_at[rank]
+        producers = self.inputs(a)
+        if producers:
+            done = [p for p in producers if p in self.ended]
+            if not done:
+                return  # tried again when the producer ends
+            hop = self.transfer_s if self.rank_of[done[0].stage] != rank else 0.0
+            start = max(start, self.ended[done[0]] + hop)
+        end = start + self.durations[(a.stage, a.kind)]
+        self.running[rank] = True
+        self.timeline[rank].append(ActionTiming(rank=rank, action=a, start_s=start, end_s=end))
+        heapq.heappush(self.events, (end, self.seq, rank))
         self.seq += 1
 
     def run(self) -> None:
-        """Run every op that can run, in order of the time it ends."""
-        for stage in range(self.num_stages):
-            self.try_start(stage)
+        for rank in self.ranks:
+            self.try_start(rank)
         while self.events:
-            end, _, stage = heapq.heappop(self.events)
-            op = self.schedule[stage][self.next_pos[stage]]
-            self.finished_at[(stage, op)] = end
-            self.free_at[stage] = end
-            self.running[stage] = False
-            self.next_pos[stage] += 1
-            self.in_flight[stage] += 1 if op.kind == "F" else -1
-            self.peak[stage] = max(self.peak[stage], self.in_flight[stage])
-            self.try_start(stage)
-            # The only other stage this op can unblock is the one that consumes its output.
-            consumer = stage + 1 if op.kind == "F" else stage - 1
-            if 0 <= consumer < self.num_stages:
-                self.try_start(consumer)
-
-    def check_finished(self) -> None:
-        """Raise ``ValueError`` naming what each stage waits for unless every op ran."""
-        schedule = self.schedule
-        blocked = [s for s in range(self.num_stages) if self.next_pos[s] < len(schedule[s])]
+            end, _, rank = heapq.heappop(self.events)
+            self.ended[self.order[rank][self.pos[rank]]] = end
+            self.free_at[rank] = end
+            self.running[rank] = False
+            self.pos[rank] += 1
+            for r in self.ranks:
+                self.try_start(r)
+        blocked = [r for r in self.ranks if self.pos[r] < len(self.order[r])]
         if blocked:
-            waits = []
-            for s in blocked:
-                op = schedule[s][self.next_pos[s]]
-                dep = self.dependency(s, op)
-                assert dep is not None, "an op with no cross-stage input can always start"
-                waits.append(f"stage {s} at {op} waits for {dep[1]} from stage {dep[0]}")
-            raise ValueError("schedule deadlocks: " + "; ".join(waits))
+            waits = "; ".join(
+                f"rank {r} at {self.order[r][self.pos[r]]}"
+                f" waits for {'/'.join(map(str, self.inputs(self.order[r][self.pos[r]])))}"
+                for r in blocked
+            )
+            raise ValueError("schedule deadlocks: " + waits)
 
     def result(self) -> SimResult:
-        timeline = self.timeline
-        busy = tuple(math.fsum(t.end_s - t.start_s for t in ops) for ops in timeline)
-        step_time = max(t.end_s for ops in timeline for t in ops)
-        bubble = 1.0 - math.fsum(busy) / (self.num_stages * step_time) if step_time > 0 else 0.0
+        timeline = [self.timeline[r] for r in self.ranks]
+        busy = tuple(math.fsum(t.end_s - t.start_s for t in ts) for ts in timeline)
+        step = max((t.end_s for ts in timeline for t in ts), default=0.0)
+        bubble = 1.0 - math.fsum(busy) / (len(timeline) * step) if step > 0 else 0.0
         return SimResult(
-            step_time_s=step_time,
+            step_time_s=step,
             busy_s=busy,
             bubble_fraction=bubble,
-            peak_in_flight=tuple(self.peak),
-            timeline=tuple(tuple(ops) for ops in timeline),
+            timeline=tuple(tuple(ts) for ts in timeline),
         )
 
 
-def _per_stage(value: float | Sequence[float], num_stages: int, name: str) -> list[float]:
-    values = (
-        [float(value)] * num_stages
-        if isinstance(value, (int, float))
-        else [float(v) for v in value]
-    )
-    if len(values) != num_stages:
-        raise ValueError(f"{name} has {len(values)} entries, expected num_stages={num_stages}")
-    for s, v in enumerate(values):
-        if not (math.isfinite(v) and v >= 0):
-            raise ValueError(f"{name}[{s}] must be finite and >= 0, got {v!r}")
-    return values
+def _check_sizes(num_ranks: int, num_microbatches: int) -> None:
+    if num_ranks < 1 or num_microbatches < 1:
+        raise ValueError(
+            f"num_ranks and num_microbatches must be >= 1, got {num_ranks}, {num_microbatches}"
+        )
+
+
+__all__ = [
+    "Action",
+    "ActionTiming",
+    "Durations",
+    "Order",
+    "SimResult",
+    "executed_order",
+    "simulate",
+    "single_stage_order",
+    "validate_order",
+]
