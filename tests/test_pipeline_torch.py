@@ -237,6 +237,7 @@ def _single_process(kind: str, steps: int) -> tuple[dict[str, np.ndarray], list[
         ("bytegpt", "interleaved_1f1b", 2, 1),
         ("bytegpt", "zbv", 2, 1),
         ("hf", "1f1b", 2, 1),
+        ("hf", "zbv", 2, 1),
         ("bytegpt", "1f1b", 4, 2),
         ("bytegpt", "gpipe", 4, 2),
     ],

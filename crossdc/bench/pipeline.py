@@ -141,11 +141,18 @@ def analyze(record: dict[str, Any]) -> dict[str, Any]:
         if not run.waited:
             overhead[key].append(run.start - run.free)
     # An action's cost: its compute and the schedule's own work before it (posting its sends
-    # and receives), known where its input was already there.
+    # and receives): the gap before it where its input was already there, and the same mean
+    # gap (at most the time since its input was made) where the rank waited for its input.
     extra = {key: statistics.fmean(overhead[key]) if overhead[key] else 0.0 for key in compute}
+
+    def work_before(run: _Run) -> float:
+        if run.waited and run.produced is not None:
+            return min(extra[(run.action.stage, run.action.kind)], run.start - run.produced)
+        return run.start - run.free
+
     durations = {key: statistics.fmean(v) + extra[key] for key, v in compute.items()}
     delays = [
-        max(0.0, run.start - run.produced - extra[(run.action.stage, run.action.kind)])
+        run.start - run.produced - work_before(run)
         for runs in steps
         for run in runs
         if run.waited and run.produced is not None
@@ -153,12 +160,7 @@ def analyze(record: dict[str, Any]) -> dict[str, Any]:
     bubbles, windows = [], []
     for runs, ranks in zip(steps, record["traces"], strict=True):
         window = max(run.end for run in runs) - min(r["start"] for r in ranks)
-        busy = math.fsum(
-            run.end
-            - run.start
-            + (extra[(run.action.stage, run.action.kind)] if run.waited else run.start - run.free)
-            for run in runs
-        )
+        busy = math.fsum(run.end - run.start + work_before(run) for run in runs)
         windows.append(window)
         bubbles.append(1.0 - busy / (p * window))
     transfer_s = statistics.median(delays) if delays else 0.0

@@ -50,7 +50,10 @@ class StageForward(nn.Module):
         self.model = model
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return first_tensor(self.model(*inputs))
+        out = first_tensor(self.model(*inputs))
+        # The zero-bubble schedules detach a stage's output in place, which a view does not
+        # allow (a Hugging Face causal LM's logits slice the hidden states a cut head passes).
+        return out.clone() if out._is_view() else out
 
 
 @dataclass(frozen=True)
