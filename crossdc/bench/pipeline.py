@@ -7,14 +7,18 @@ factory, profiled and cut by the partitioner, ``PipelineStage`` per stage, torch
 trains warm-up steps, then times every compute action of the measured steps
 (``crossdc.bench.pipeline_rank``). Per case:
 
-- ``bubble_measured``: ``1 - busy / (ranks * step_seconds)``; busy = every compute action's time
-  (forward with the last stage's loss, backward, and the split backward's input and weight
-  parts), ``step_seconds`` = from the earliest rank's ``schedule.step`` call to the last action's
-  end (the optimizer step after it is not part of a schedule). Median over the measured steps.
+- ``bubble_measured``: ``1 - busy / (ranks * step_seconds)``, the share of the ranks' time spent
+  waiting for a neighbour. ``step_seconds`` runs from the earliest rank's ``schedule.step`` call
+  to the last action's end (the optimizer step after it is not part of a schedule). Busy is every
+  compute action (forward with the last stage's loss, backward, or the split backward's input and
+  weight parts) plus the schedule's own work before it (posting sends and receives): the gap
+  before an action whose input was already there, and that (stage, kind)'s mean such gap where
+  the rank waited for its input. Median over the measured steps.
 - ``bubble_simulated``: ``simulate`` on the order torch runs (``executed_order``, checked against
-  the traced order: ``order_matches``) fed the measured mean time of each (stage, kind) and the
-  measured hand-off (``transfer_s``: the median delay from an action's end to the start of the
-  action on another rank that was already waiting for its output).
+  the traced order: ``order_matches``) fed each (stage, kind)'s mean cost as counted above and
+  the measured hand-off (``transfer_s``: the median delay from the end of an action on one rank
+  to the start of the action on another that was waiting for its output, less that action's own
+  work before it).
 - ``bubble_ideal``: ``(p - 1) / (m + p - 1)`` for p pipeline ranks and m micro-batches.
 - ``bottleneck_predicted`` (the partition plan's, from rank 0's profile) and
   ``bottleneck_measured`` (the slowest stage's mean forward + backward per micro-batch).
@@ -125,6 +129,62 @@ def _runs(ranks: Sequence[dict[str, Any]], rank_of: dict[int, int]) -> list[_Run
     return runs
 
 
+def _compare(
+    order: dict[int, list[Action]],
+    steps: list[list[_Run]],
+    starts: list[float],
+    *,
+    count_work: bool,
+) -> dict[str, Any]:
+    """Measured against simulated bubble, busy time being compute and, with ``count_work``,
+    the schedule's own work before each action (see the module); without it, compute only."""
+    compute: dict[tuple[int, str], list[float]] = defaultdict(list)
+    overhead: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for run in (run for runs in steps for run in runs):
+        key = (run.action.stage, run.action.kind)
+        compute[key].append(run.end - run.start)
+        if not run.waited and count_work:
+            overhead[key].append(run.start - run.free)
+    # Where the rank waited, the action's own work is its kind's mean gap, at most the time
+    # since its input was made.
+    extra = {key: statistics.fmean(overhead[key]) if overhead[key] else 0.0 for key in compute}
+
+    def work_before(run: _Run) -> float:
+        if not count_work:
+            return 0.0
+        if run.waited and run.produced is not None:
+            return min(extra[(run.action.stage, run.action.kind)], run.start - run.produced)
+        return run.start - run.free
+
+    durations = {key: statistics.fmean(v) + extra[key] for key, v in compute.items()}
+    delays = [
+        max(0.0, run.start - run.produced - work_before(run))
+        for runs in steps
+        for run in runs
+        if run.waited and run.produced is not None
+    ]
+    bubbles, windows = [], []
+    for runs, start in zip(steps, starts, strict=True):
+        window = max(run.end for run in runs) - start
+        busy = math.fsum(run.end - run.start + work_before(run) for run in runs)
+        windows.append(window)
+        bubbles.append(1.0 - busy / (len(order) * window))
+    transfer_s = statistics.median(delays) if delays else 0.0
+    sim = simulate(order, durations, transfer_s)
+    measured = statistics.median(bubbles)
+    return {
+        "measured": measured,
+        "simulated": sim.bubble_fraction,
+        "rel_error": abs(measured / sim.bubble_fraction - 1.0)
+        if sim.bubble_fraction > 0
+        else abs(measured),
+        "step_seconds": statistics.median(windows),
+        "step_seconds_simulated": sim.step_time_s,
+        "transfer_s": transfer_s,
+        "durations": durations,
+    }
+
+
 def analyze(record: dict[str, Any]) -> dict[str, Any]:
     """Measured and simulated figures of one case from its ranks' traces (see the module)."""
     p, m, schedule = record["ranks"], record["microbatches"], record["schedule"]
@@ -133,39 +193,10 @@ def analyze(record: dict[str, Any]) -> dict[str, Any]:
     order = executed_order(schedule, p, m, torch_order)
     rank_of = {a.stage: r for r, actions in order.items() for a in actions}
     steps = [_runs(ranks, rank_of) for ranks in record["traces"]]
-    compute: dict[tuple[int, str], list[float]] = defaultdict(list)
-    overhead: dict[tuple[int, str], list[float]] = defaultdict(list)
-    for run in (run for runs in steps for run in runs):
-        key = (run.action.stage, run.action.kind)
-        compute[key].append(run.end - run.start)
-        if not run.waited:
-            overhead[key].append(run.start - run.free)
-    # An action's cost: its compute and the schedule's own work before it (posting its sends
-    # and receives): the gap before it where its input was already there, and the same mean
-    # gap (at most the time since its input was made) where the rank waited for its input.
-    extra = {key: statistics.fmean(overhead[key]) if overhead[key] else 0.0 for key in compute}
-
-    def work_before(run: _Run) -> float:
-        if run.waited and run.produced is not None:
-            return min(extra[(run.action.stage, run.action.kind)], run.start - run.produced)
-        return run.start - run.free
-
-    durations = {key: statistics.fmean(v) + extra[key] for key, v in compute.items()}
-    delays = [
-        run.start - run.produced - work_before(run)
-        for runs in steps
-        for run in runs
-        if run.waited and run.produced is not None
-    ]
-    bubbles, windows = [], []
-    for runs, ranks in zip(steps, record["traces"], strict=True):
-        window = max(run.end for run in runs) - min(r["start"] for r in ranks)
-        busy = math.fsum(run.end - run.start + work_before(run) for run in runs)
-        windows.append(window)
-        bubbles.append(1.0 - busy / (p * window))
-    transfer_s = statistics.median(delays) if delays else 0.0
-    sim = simulate(order, durations, transfer_s)
-    measured = statistics.median(bubbles)
+    starts = [min(r["start"] for r in ranks) for ranks in record["traces"]]
+    figures = _compare(order, steps, starts, count_work=True)
+    compute_only = _compare(order, steps, starts, count_work=False)
+    durations = figures["durations"]
     traced = [{r: [run.action for run in runs if run.rank == r] for r in order} for runs in steps]
     stages = sorted({s for s, _ in durations})
     per_stage = [
@@ -181,17 +212,16 @@ def analyze(record: dict[str, Any]) -> dict[str, Any]:
         "ranks": p,
         "stages": len(stages),
         "microbatches": m,
-        "bubble_measured": measured,
-        "bubble_simulated": sim.bubble_fraction,
-        "bubble_rel_error": abs(measured / sim.bubble_fraction - 1.0)
-        if sim.bubble_fraction > 0
-        else abs(measured),
+        "bubble_measured": figures["measured"],
+        "bubble_simulated": figures["simulated"],
+        "bubble_rel_error": figures["rel_error"],
         "bubble_ideal": (p - 1) / (m + p - 1),
         "within_target": False,  # set below
         "order_matches": all(t == order for t in traced),
-        "step_seconds": statistics.median(windows),
-        "step_seconds_simulated": sim.step_time_s,
-        "transfer_s": transfer_s,
+        "step_seconds": figures["step_seconds"],
+        "step_seconds_simulated": figures["step_seconds_simulated"],
+        "transfer_s": figures["transfer_s"],
+        "compute_only": {k: v for k, v in compute_only.items() if k != "durations"},
         "bottleneck_predicted": record["bottleneck_predicted"],
         "bottleneck_measured": max(per_stage),
         "lower_bound": record["lower_bound"],
