@@ -153,10 +153,20 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _die_with_parent() -> None:
+    """In torchrun's process before it starts: SIGTERM it when the agent dies, however (Linux's
+    ``PR_SET_PDEATHSIG``), so an agent killed outright does not leave torchrun and its ranks
+    training on without a supervisor; torchrun passes the SIGTERM on to every rank."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 def _supervise_torchrun(cfg: SiteConfig, command: list[str]) -> int:
     """Run a pipelined site's torchrun as a child: SIGTERM and SIGINT go to it (so under
     ``KillMode=mixed`` the leader drains and sends LEAVE), and the exit status is the leader's
-    own (2, 3, 4, ...), not torchrun's "a worker failed"."""
+    own (2, 3, 4, ...), not torchrun's "a worker failed". Torchrun ends with the agent."""
     import subprocess
 
     from site_agent.launch import leader_exit_path, read_leader_exit
@@ -165,7 +175,7 @@ def _supervise_torchrun(cfg: SiteConfig, command: list[str]) -> int:
     cfg.state_path.mkdir(parents=True, exist_ok=True)
     leader_exit_path(cfg).unlink(missing_ok=True)
     log.info("[site=%s] launching %s", cfg.site_id, " ".join(command))
-    child = subprocess.Popen(command)
+    child = subprocess.Popen(command, preexec_fn=_die_with_parent)
 
     def forward(signum: int, _frame: Any) -> None:
         child.send_signal(signum)

@@ -200,3 +200,40 @@ def test_a_killed_pipelined_site_resumes_from_its_checkpoint(procs: Procs, tmp_p
     assert procs.procs["coordinator"].wait(timeout=60) == 0, procs.log("coordinator")
     status = read_status(tmp_path)
     assert status is not None and status["rounds_completed"] == 8
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z"
+
+
+def test_a_site_agent_killed_outright_takes_torchrun_and_its_ranks_with_it(
+    procs: Procs, tmp_path: Path
+) -> None:
+    cfg = write_coordinator_config(tmp_path, min_sites=1, max_rounds=50, num_inner_steps=4)
+    procs.start("coordinator", "coordinator", "--config", str(cfg))
+    site = write_site_config(tmp_path, "eu", 0, 1, stages=2, microbatches=2, fault_slow_step_s=0.5)
+    agent = procs.start("site-eu", "agent", "--config", str(site))
+    # torchrun and its two ranks (each rank may have helper children of its own).
+    wait_for(
+        lambda: len(_descendants(agent.pid)) >= 3,
+        timeout_s=120,
+        what="torchrun and both ranks",
+        procs=procs,
+    )
+    below = _descendants(agent.pid)
+    os.kill(agent.pid, signal.SIGKILL)  # the agent alone, as the OOM killer would
+    agent.wait(timeout=30)
+    try:
+        wait_for(
+            lambda: not any(map(_running, below)),
+            timeout_s=90,
+            what="torchrun and its ranks to exit after their agent was killed",
+        )
+    finally:
+        for pid in filter(_running, below):
+            os.kill(pid, signal.SIGKILL)
