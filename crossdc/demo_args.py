@@ -64,8 +64,6 @@ def argument_problem(args: argparse.Namespace) -> str | None:
         return "--sites, --rounds and --inner-steps must be >= 1"
     if args.outer_warmup_steps < 0:
         return "--outer-warmup-steps must be >= 0"
-    if args.job and args.stages > 1:
-        return "--stages > 1 pipelines the embedded byte GPT only, not --job"
     if (args.job_path or args.job_option) and not args.job:
         return "--job-path and --job-option need --job"
     try:
