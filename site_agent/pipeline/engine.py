@@ -2,9 +2,11 @@
 
 This module owns what a rank of a pipelined site builds and runs for any job that may be
 pipelined (``split`` and ``output_loss``, see ``site_agent.jobs.contract``): its stages (the
-job's model cut by ``cut``, one ``PipelineStage`` each, gradients averaged across replicas), torch's schedule
-named by ``[site] schedule``, and the inner step around it (the job's optimizer over this rank's
-parameters only, gradient clipping by the norm over the whole pipeline, the job's scheduler).
+job's model cut by ``cut``, one ``PipelineStage`` each), how the replicas of a stage combine
+their gradients (``[site] data_parallel``: torch's DDP, FSDP2's ``fully_shard`` or one
+all-reduce), torch's schedule named by ``[site] schedule``, and the inner step around it (the
+job's optimizer over this rank's parameters only, gradient clipping by the norm over the whole
+pipeline, the job's scheduler), and this rank's federated state whole or by shard.
 It also owns the plan: the units profiled on one sample micro-batch and cut by the
 bottleneck-optimal partitioner (``partition``), computed on one rank and shared.
 
@@ -16,6 +18,7 @@ pp_rank``) for ``zbv``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Mapping, Sequence
@@ -25,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -34,6 +39,8 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
 
 from site_agent.jobs.contract import federated_state, first_tensor
 from site_agent.pipeline.cut import (
@@ -64,6 +71,37 @@ TORCH_SCHEDULES: dict[str, tuple[Any, int]] = {
     ]
 }
 """``[site] schedule`` -> (torch's schedule class, stages per rank)."""
+
+
+DATA_PARALLEL = ("allreduce", "ddp", "fsdp")
+"""``[site] data_parallel``: how the replicas of a stage combine their gradients (see
+:class:`RankPipeline`)."""
+
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zb", "zbv")
+"""Schedules that split each backward into an input and a weight part. torch's stage computes
+the weight part with ``torch.autograd.grad`` and adds it to ``.grad`` itself, so the parameters'
+gradient accumulators never run and DDP's reducer hooks (which hang on them) never fire: a DDP
+replica's gradients would silently stay local. FSDP's reduction is called by the schedule
+(``perform_reduce_grad``) and the all-reduce by this module, so both run them."""
+
+
+def check_data_parallel(
+    data_parallel: str, schedule: str, num_replicas: int, *, prefix: str = ""
+) -> None:
+    """Refuse an unknown ``data_parallel`` and, with more than one replica, a combination with
+    ``schedule`` that cannot run (``prefix``: how the caller's config names the fields)."""
+    if data_parallel not in DATA_PARALLEL:
+        raise ValueError(
+            f"{prefix}data_parallel must be one of {', '.join(DATA_PARALLEL)}, "
+            f"got {data_parallel!r}"
+        )
+    if num_replicas > 1 and data_parallel == "ddp" and schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise ValueError(
+            f"{prefix}data_parallel = 'ddp' cannot run {prefix}schedule = {schedule!r}: its "
+            "split backward computes weight gradients without DDP's hooks, so replicas would "
+            f"not average them; use {prefix}data_parallel = 'fsdp' or 'allreduce' with "
+            f"{', '.join(SPLIT_BACKWARD_SCHEDULES)}"
+        )
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -157,7 +195,9 @@ class RankPipeline:
         pp_group: dist.ProcessGroup | None,
         dp_group: dist.ProcessGroup | None,
         grad_clip: float,
+        data_parallel: str = "ddp",
     ) -> None:
+        check_data_parallel(data_parallel, schedule, layout.num_replicas)
         pp_size = layout.num_stages
         self.layout = layout
         self.pp_rank = layout.stage_of(rank)
@@ -183,31 +223,102 @@ class RankPipeline:
             strip_to_stage(copy.deepcopy(model) if many else model, plan.owned(i)).to(device)
             for i in self.indices
         ]
-        self.optimizer = _keep_local_parameters(job.optimizer, name_of, self.modules)
         self.scheduler = getattr(job, "scheduler", None)
 
-        # Replicas average their gradients after the schedule (one flat all-reduce per rank):
-        # torch's DDP wrapper fails under GPipe here (its reducer's bucket rebuild asserts on the
-        # second step, torch 2.13, gloo), and one all-reduce per step is what DDP would send.
+        # Replicas of a stage combine their gradients in one of three ways (``data_parallel``):
+        # - "ddp": the stage module is torch's DistributedDataParallel on dp_group, and the
+        #   PipelineStage gets the wrapper itself, so torch's stage runs every micro-batch's
+        #   backward under no_sync and arms the reducer only for the last one (one bucketed
+        #   all-reduce per step, overlapping that backward);
+        # - "fsdp": the stage module is FSDP2's fully_shard on dp_group (parameters, gradients
+        #   and optimizer state sharded; kept unsharded from the first forward to the end of the
+        #   step, as torchtitan does under pipelining); the schedule reduce-scatters at the end;
+        # - "allreduce": plain modules, one flat all-reduce over dp_group after the schedule.
+        # Each divides the sum by the number of replicas; the schedule divides by the number
+        # of micro-batches (scale_grads) after that reduction.
         self.dp_group = dp_group
-        stages = [
-            PipelineStage(StageForward(module), index, self.num_stages, device, group=pp_group)
-            for index, module in zip(self.indices, self.modules, strict=True)
+        self.data_parallel = data_parallel if dp_group is not None else "allreduce"
+        self.wrappers = [
+            _wrap(StageForward(m), self.data_parallel, dp_group, device) for m in self.modules
+        ]
+        # After fully_shard, which replaces the parameters by sharded ones.
+        self.optimizer = _keep_local_parameters(job.optimizer, name_of, self.modules)
+        self.stages = [
+            PipelineStage(wrapper, index, self.num_stages, device, group=pp_group)
+            for index, wrapper in zip(self.indices, self.wrappers, strict=True)
         ]
         cls, per_rank = TORCH_SCHEDULES[schedule]
         self.schedule = cls(
-            stages if per_rank > 1 else stages[0],
+            self.stages if per_rank > 1 else self.stages[0],
             n_microbatches=num_microbatches,
             loss_fn=job.output_loss,
             scale_grads=True,
         )
 
     def state(self) -> dict[str, torch.Tensor]:
-        """This rank's federated tensors, by full-model name."""
+        """This rank's federated tensors, by full-model name: the live parameters and buffers
+        (under FSDP a parameter is a ``DTensor`` holding this rank's shard)."""
         out: dict[str, torch.Tensor] = {}
         for module in self.modules:
             out.update(federated_state(module))
         return out
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """This rank's federated tensors, whole. Under FSDP each sharded one is all-gathered over
+        ``dp_group``: every replica's rank of this pipeline rank must call it together."""
+        return {
+            name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            for name, tensor in self.state().items()
+        }
+
+    def load_state(self, named: Mapping[str, Any]) -> None:
+        """Copy whole tensors (arrays or tensors, by full-model name) into this rank's federated
+        tensors; under FSDP each rank keeps its shard (no communication)."""
+        with torch.no_grad():
+            for name, tensor in self.state().items():
+                value = named[name]
+                whole = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+                if isinstance(tensor, DTensor):
+                    whole = distribute_tensor(
+                        whole.to(tensor.device, tensor.dtype),
+                        tensor.device_mesh,
+                        tensor.placements,
+                        src_data_rank=None,
+                    )
+                tensor.copy_(whole)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's ``state_dict`` with plain tensors: under FSDP a sharded state tensor
+        becomes this rank's shard (it loads back under the same layout only)."""
+        packed = self.optimizer.state_dict()
+        packed["state"] = {
+            index: {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+            for index, st in packed["state"].items()
+        }
+        return packed
+
+    def load_optimizer_state(self, packed: Mapping[str, Any]) -> None:
+        """Load what :meth:`optimizer_state` returned on this rank under the same layout."""
+        # A copy: torch's load_state_dict keeps tensors already of the parameter's dtype and
+        # device as they are, and the steps would then update the caller's checkpoint in place.
+        self.optimizer.load_state_dict(copy.deepcopy(dict(packed)))
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if not isinstance(p, DTensor):
+                    continue
+                shard = p.to_local()
+                st = self.optimizer.state.get(p, {})
+                for key, value in st.items():
+                    # A state tensor the shape of the shard is the shard of a sharded one
+                    # (AdamW's moments); a scalar (its step) stays as it is.
+                    if (
+                        isinstance(value, torch.Tensor)
+                        and value.dim()
+                        and value.shape == shard.shape
+                    ):
+                        st[key] = DTensor.from_local(
+                            value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                        )
 
     def train_step(self, batch: Any) -> torch.Tensor | None:
         """One inner step on this replica's ``batch``; returns, where the last stage lives, the
@@ -220,8 +331,21 @@ class RankPipeline:
         kwargs: dict[str, Any] = {}
         if self.holds_last:
             kwargs = {"target": target, "losses": losses}
-        self.schedule.step(*(inputs if self.holds_first else ()), **kwargs)
-        self._average_over_replicas()
+        # DDP's reducer must be armed by torch's stage alone, before the last micro-batch's
+        # backward (backward_maybe_with_nosync). A DDP forward outside no_sync arms it too, and
+        # the stage runs one: its shape inference on the first step calls the module directly.
+        # Armed so, the first micro-batch's backward all-reduced once more and recorded every
+        # parameter for the bucket rebuild; the last backward recorded them again, and under
+        # GPipe (whose forwards all run before the rebuild) the second step's forward failed
+        # the reducer's assertion "rebuilt parameter indices size is not same as original
+        # model parameters size" (2 x the parameters). Sync is off for the whole step instead.
+        with contextlib.ExitStack() as ddp_sync_off:
+            for wrapper in self.wrappers:
+                if isinstance(wrapper, DistributedDataParallel):
+                    ddp_sync_off.enter_context(wrapper.no_sync())
+            self.schedule.step(*(inputs if self.holds_first else ()), **kwargs)
+        if self.data_parallel == "allreduce":
+            self._average_over_replicas()
         self._clip()
         self.optimizer.step()
         if self.scheduler is not None:
@@ -248,19 +372,50 @@ class RankPipeline:
 
     def _clip(self) -> None:
         """Scale gradients so the norm over the whole model is at most ``grad_clip``; the
-        squared norms of every stage of the pipeline are summed over ``pp_group``."""
+        squared norms of every stage of the pipeline are summed over ``pp_group`` (and, under
+        FSDP, of every shard of a stage over ``dp_group`` first)."""
         if self.grad_clip <= 0:
             return
-        grads = [p.grad for m in self.modules for p in m.parameters() if p.grad is not None]
+        grads = [_local(p.grad) for m in self.modules for p in m.parameters() if p.grad is not None]
         squared = torch.zeros((), dtype=torch.float32, device=self.device)
         if grads:
             norms = torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads])
             squared = norms.pow(2).sum()
+        if self.data_parallel == "fsdp":
+            dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.dp_group)
         if self.layout.num_stages > 1:
             dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.pp_group)
         coef = torch.clamp(self.grad_clip / (squared.sqrt() + _CLIP_EPS), max=1.0)
-        for g in grads:
-            g.mul_(coef)
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(coef)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: its shard (a view) if FSDP sharded it, else itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _wrap(
+    module: nn.Module, data_parallel: str, dp_group: dist.ProcessGroup | None, device: torch.device
+) -> nn.Module:
+    """``module`` as its replicas share it over ``dp_group`` (see ``RankPipeline``)."""
+    if dp_group is None or data_parallel == "allreduce":
+        return module
+    if data_parallel == "ddp":
+        # No device_ids: the stage's inputs are already on the rank's device (CPU or its GPU).
+        # Buffers are not broadcast at each forward: replicas start equal (same seed, and DDP
+        # broadcasts them once here) and the allreduce mode does not sync them either.
+        return DistributedDataParallel(module, process_group=dp_group, forward_sync_buffers=False)
+    # The dimension is named after the group: DTensor caches sharding decisions by mesh, and
+    # meshes compare by ranks and names but not by process group, so in a process that destroys
+    # its groups and makes new ones (the tests' reused workers) a cached decision carried the
+    # old mesh, whose group name then meant nothing, or another group of this run.
+    mesh = DeviceMesh.from_group(
+        dp_group, device.type, mesh_dim_names=(f"replicas_{dp_group.group_name}",)
+    )
+    fully_shard(module, mesh=mesh, reshard_after_forward=False)
+    return module
 
 
 def _keep_local_parameters(
@@ -279,9 +434,12 @@ def _keep_local_parameters(
 
 
 __all__ = [
+    "DATA_PARALLEL",
+    "SPLIT_BACKWARD_SCHEDULES",
     "TORCH_SCHEDULES",
     "RankPipeline",
     "StagePlan",
+    "check_data_parallel",
     "make_stage_plan",
     "stage_indices",
     "stages_per_rank",

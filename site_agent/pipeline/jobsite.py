@@ -19,9 +19,11 @@ Validation: rank 0 keeps an unstripped copy of the model on the CPU for the job'
 loaded with the gathered state before each call (the job's metrics need its whole model).
 
 Checkpoints: ``state_dict`` holds every rank's share (``ranks``: its stages' tensors, optimizer,
-scheduler) with the ``layout`` it was taken under, the whole model by name (``model``), the step
-and the job's own state. Under the same layout every rank gets its share back; under another the
-model is loaded by name and the inner optimizer starts afresh.
+scheduler) with the ``layout`` it was taken under (stages, replicas, schedule, data parallelism),
+the whole model by name (``model``), the step and the job's own state. Under the same layout
+every rank gets its share back; under another the model is loaded by name and the inner
+optimizer starts afresh. Under FSDP a rank's optimizer share is its shards, so only FSDP loads
+it back; DDP and the all-reduce hold the same whole tensors and load each other's.
 """
 
 from __future__ import annotations
@@ -48,7 +50,13 @@ from site_agent.jobs.contract import (
     state_spec,
 )
 from site_agent.jobs.contract import buffer_names as federated_buffer_names
-from site_agent.pipeline.engine import RankPipeline, StagePlan, make_stage_plan, stages_per_rank
+from site_agent.pipeline.engine import (
+    RankPipeline,
+    StagePlan,
+    check_data_parallel,
+    make_stage_plan,
+    stages_per_rank,
+)
 from site_agent.pipeline.stage import PipelineLayout
 from site_agent.pipeline.worker import receive_command
 from site_agent.trainer import _to_cpu, first_dimension, to_device
@@ -78,7 +86,10 @@ class JobSiteConfig:
     num_stages: int = 2
     """Pipeline ranks per replica."""
     num_replicas: int = 1
-    """Data-parallel copies of the pipeline (DDP per stage)."""
+    """Data-parallel copies of the pipeline."""
+    data_parallel: str = "ddp"
+    """How a stage's replicas combine gradients: ``ddp``, ``fsdp`` or ``allreduce``
+    (``engine.check_data_parallel`` says which schedules each runs)."""
     num_microbatches: int = 4
     """Micro-batches per replica and inner step."""
     schedule: str = "1f1b"
@@ -94,6 +105,7 @@ class JobSiteConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         stages_per_rank(self.schedule)
+        check_data_parallel(self.data_parallel, self.schedule, self.num_replicas)
 
     @property
     def layout(self) -> PipelineLayout:
@@ -155,6 +167,7 @@ class JobRank:
             pp_group=pp_groups[layout.replica_of(rank)],
             dp_group=dp_groups[layout.stage_of(rank)] if dp_groups else None,
             grad_clip=cfg.grad_clip,
+            data_parallel=cfg.data_parallel,
         )
         self.step = 0
         dist.barrier(group=self.control)
@@ -186,13 +199,14 @@ class JobRank:
         p = plan.partition
         log.info(
             "[site=%s rank=0] pipeline plan: stages=%d replicas=%d schedule=%s "
-            "microbatches=%d units=%s boundaries=%s stage_times_s=%s "
+            "microbatches=%d data_parallel=%s units=%s boundaries=%s stage_times_s=%s "
             "predicted_bottleneck_s=%.6f lower_bound_s=%.6f",
             cfg.site_id,
             num_stages,
             cfg.num_replicas,
             cfg.schedule,
             cfg.num_microbatches,
+            cfg.data_parallel if cfg.num_replicas > 1 else "-",
             list(plan.units.names),
             list(p.boundaries),
             [round(t, 6) for t in p.stage_times],
@@ -222,12 +236,13 @@ class JobRank:
         return per_step, weight
 
     def gather(self) -> dict[str, np.ndarray] | None:
-        """Replica 0's stages send their federated tensors to the leader, by name."""
+        """Replica 0's stages send their federated tensors to the leader, by name (under FSDP
+        every replica takes part in gathering the shards)."""
+        whole = self.pipeline.full_state()
         own = None
         if self.layout.replica_of(self.rank) == 0:
             own = {
-                n: t.detach().to("cpu", torch.float32, copy=True).numpy()
-                for n, t in self.pipeline.state().items()
+                n: t.detach().to("cpu", torch.float32, copy=True).numpy() for n, t in whole.items()
             }
         parts: list[Any] | None = [None] * self.layout.world_size if self.rank == 0 else None
         dist.gather_object(own, parts, dst=0, group=self.control)
@@ -242,16 +257,14 @@ class JobRank:
         """The leader sends the federated tensors; every rank copies in those it holds."""
         box: list[Any] = [dict(params) if params is not None else None]
         dist.broadcast_object_list(box, src=0, group=self.control)
-        with torch.no_grad():
-            for name, tensor in self.pipeline.state().items():
-                tensor.copy_(torch.as_tensor(np.asarray(box[0][name])))
+        self.pipeline.load_state(box[0])
 
     def gather_state(self) -> dict[str, Any] | None:
         """Every rank's share of a checkpoint, and the whole model by name, on the leader."""
         pipeline = self.pipeline
         share = {
-            "model": _to_cpu({n: t.detach() for n, t in pipeline.state().items()}),
-            "optimizer": _to_cpu(pipeline.optimizer.state_dict()),
+            "model": _to_cpu({n: t.detach() for n, t in pipeline.full_state().items()}),
+            "optimizer": _to_cpu(pipeline.optimizer_state()),
             "scheduler": _to_cpu(pipeline.scheduler.state_dict())
             if pipeline.scheduler is not None
             else None,
@@ -264,7 +277,7 @@ class JobRank:
         for part in parts[: self.layout.num_stages]:  # replica 0
             whole.update(part["model"])
         state: dict[str, Any] = {
-            "layout": [self.layout.num_stages, self.layout.num_replicas, self.cfg.schedule],
+            "layout": [*self._layout_key(), pipeline.data_parallel],
             "ranks": parts,
             "model": {n: whole[n] for n in self.order},
             "step": self.step,
@@ -272,6 +285,9 @@ class JobRank:
         if hasattr(self.job, "state_dict"):
             state["job"] = _to_cpu(self.job.state_dict())
         return state
+
+    def _layout_key(self) -> list[Any]:
+        return [self.layout.num_stages, self.layout.num_replicas, self.cfg.schedule]
 
     def scatter_state(self, state: Mapping[str, Any] | None = None) -> None:
         """Every rank loads its share (same layout) or the model by name (another one)."""
@@ -283,17 +299,18 @@ class JobRank:
         state = box[0]
         assert state is not None
         pipeline = self.pipeline
-        same = list(state.get("layout", [])) == [
-            self.layout.num_stages,
-            self.layout.num_replicas,
-            self.cfg.schedule,
-        ]
-        with torch.no_grad():
-            for name, tensor in pipeline.state().items():
-                tensor.copy_(torch.as_tensor(state["model"][name]))
+        # The optimizer's state is per rank; under FSDP it is this rank's shards, so a
+        # checkpoint taken with or without FSDP loads the other way by name only. (One from
+        # before data_parallel has three entries: its ranks held whole tensors.)
+        taken = list(state.get("layout", []))
+        taken_dp = taken[3] if len(taken) > 3 else "allreduce"
+        same = taken[:3] == self._layout_key() and (taken_dp == "fsdp") == (
+            pipeline.data_parallel == "fsdp"
+        )
+        pipeline.load_state(state["model"])
         if same:
             share = state["ranks"][self.rank]
-            pipeline.optimizer.load_state_dict(share["optimizer"])
+            pipeline.load_optimizer_state(share["optimizer"])
             if pipeline.scheduler is not None and share["scheduler"] is not None:
                 pipeline.scheduler.load_state_dict(share["scheduler"])
         if "job" in state and hasattr(self.job, "load_state_dict"):
