@@ -91,6 +91,13 @@ class SiteConfig:
     schedule: str = "1f1b"
     """Pipeline schedule, one of torch's: ``gpipe``, ``1f1b``, ``interleaved_1f1b``,
     ``looped_bfs``, ``interleaved_zb`` or ``zbv`` (the last four put two stages on each rank)."""
+    data_parallel: str = "ddp"
+    """How the replicas of a pipeline stage combine their gradients: ``ddp`` (torch's
+    DistributedDataParallel around each stage: one bucketed all-reduce per step, overlapping the
+    last micro-batch's backward), ``fsdp`` (FSDP2's ``fully_shard`` on each stage: gradients
+    and optimizer state sharded over the replicas) or ``allreduce`` (one flat all-reduce after
+    the schedule). ``ddp`` cannot run ``interleaved_zb`` or ``zbv``, whose split backward
+    bypasses DDP's hooks; the others run every schedule."""
     microbatches: int = 4
     """Micro-batches per pipeline step."""
     security: SecurityConfig = field(default_factory=SecurityConfig)
@@ -153,6 +160,11 @@ class SiteConfig:
             )
         if self.microbatches < 1:
             raise ValueError("site.microbatches must be >= 1")
+        # The table is the engine's, next to the reason; imported when a config is built, as
+        # the engine brings torch.distributed.pipelining and FSDP (about a second).
+        from site_agent.pipeline.engine import check_data_parallel
+
+        check_data_parallel(self.data_parallel, self.schedule, self.replicas, prefix="site.")
 
         self.security.require()
 
