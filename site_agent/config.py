@@ -17,7 +17,7 @@ from comm.transport.profile import ChannelConfig
 from site_agent.data import DataConfig
 from site_agent.jobs.contract import BYTEGPT_FACTORY
 from site_agent.model import ModelConfig
-from site_agent.pipeline.layout import TORCH_SCHEDULES
+from site_agent.pipeline.layout import TORCH_SCHEDULES, check_data_parallel
 from site_agent.privacy import DPConfig
 from site_agent.trainer import InnerOptimConfig
 
@@ -91,6 +91,13 @@ class SiteConfig:
     schedule: str = "1f1b"
     """Pipeline schedule, one of torch's: ``gpipe``, ``1f1b``, ``interleaved_1f1b``,
     ``looped_bfs``, ``interleaved_zb`` or ``zbv`` (the last four put two stages on each rank)."""
+    data_parallel: str = "ddp"
+    """How the replicas of a pipeline stage combine their gradients: ``ddp`` (torch's
+    DistributedDataParallel around each stage: one bucketed all-reduce per step, overlapping the
+    last micro-batch's backward), ``fsdp`` (FSDP2's ``fully_shard`` on each stage: gradients
+    and optimizer state sharded over the replicas) or ``allreduce`` (one flat all-reduce after
+    the schedule). ``ddp`` cannot run ``interleaved_zb`` or ``zbv``, whose split backward
+    bypasses DDP's hooks; the others run every schedule."""
     microbatches: int = 4
     """Micro-batches per pipeline step."""
     security: SecurityConfig = field(default_factory=SecurityConfig)
@@ -152,6 +159,7 @@ class SiteConfig:
             )
         if self.microbatches < 1:
             raise ValueError("site.microbatches must be >= 1")
+        check_data_parallel(self.data_parallel, self.schedule, self.replicas, prefix="site.")
 
         self.security.require()
 

@@ -117,6 +117,7 @@ def pipeline_config(cfg: SiteConfig) -> Any:
         num_replicas=cfg.replicas,
         num_microbatches=cfg.microbatches,
         schedule=cfg.schedule,
+        data_parallel=cfg.data_parallel,
         grad_clip=cfg.optim.grad_clip,
     )
 

@@ -109,7 +109,7 @@ HF_OPTIONS = {
 
 
 def test_three_layouts_of_one_hugging_face_job_federate(procs: Procs, tmp_path: Path) -> None:
-    """One process, 2 stages (1F1B), 2 stages x 2 DDP replicas (GPipe): the same job, one
+    """One process, 2 stages (1F1B), 2 stages x 2 FSDP replicas (GPipe): the same job, one
     federation, every site ends on the coordinator's model."""
     cfg = write_coordinator_config(
         tmp_path,
@@ -124,7 +124,13 @@ def test_three_layouts_of_one_hugging_face_job_federate(procs: Procs, tmp_path: 
     layouts = {
         "one": {},
         "two": {"stages": 2, "microbatches": 2, "schedule": "1f1b"},
-        "four": {"stages": 2, "replicas": 2, "microbatches": 2, "schedule": "gpipe"},
+        "four": {
+            "stages": 2,
+            "replicas": 2,
+            "microbatches": 2,
+            "schedule": "gpipe",
+            "data_parallel": "fsdp",
+        },
     }
     for i, (site, layout) in enumerate(layouts.items()):
         options = {**HF_OPTIONS, "data": {**HF_OPTIONS["data"], "shard_index": i}}
@@ -147,6 +153,7 @@ def test_three_layouts_of_one_hugging_face_job_federate(procs: Procs, tmp_path: 
     for site in layouts:
         assert procs.procs[f"site-{site}"].wait(timeout=60) == 0, procs.log(f"site-{site}")
     assert "pipeline plan: stages=2 replicas=2 schedule=gpipe" in procs.log("site-four")
+    assert "microbatches=2 data_parallel=fsdp" in procs.log("site-four")
     status = read_status(tmp_path)
     assert status is not None and status["rounds_completed"] == 2
     vals = {int(k): v for k, v in status["val_losses"].items()}

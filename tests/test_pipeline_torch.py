@@ -5,7 +5,7 @@ stages' forwards composing to the whole model's exactly, the job contract's pipe
 the per-unit profile. Distributed tests (spawned CPU processes in a gloo group): a pipelined
 step equals one process training on the same global batch, to float rounding, for torch's
 GPipe, 1F1B, interleaved 1F1B and zero-bubble V schedules, for the Hugging Face job, and for two
-stages x two DDP replicas.
+stages x two replicas averaging by one all-reduce (DDP and FSDP: ``test_pipeline_dp.py``).
 """
 
 from __future__ import annotations
@@ -181,13 +181,19 @@ def test_stage_indices() -> None:
 
 
 def _pipeline_config(
-    schedule: str, num_stages: int, num_replicas: int, *, microbatches: int
+    schedule: str,
+    num_stages: int,
+    num_replicas: int,
+    *,
+    microbatches: int,
+    data_parallel: str = "ddp",
 ) -> PipelineConfig:
     return PipelineConfig(
         num_stages=num_stages,
         num_replicas=num_replicas,
         num_microbatches=microbatches,
         schedule=schedule,
+        data_parallel=data_parallel,
         profile_steps=1,
     )
 
@@ -198,24 +204,60 @@ def group() -> Iterator[LocalProcessGroup]:
         yield pool
 
 
-def _rank_run(
-    rank: int, world_size: int, kind: str, schedule: str, num_replicas: int, steps: int
-) -> tuple[dict[str, np.ndarray], list[float | None]]:
-    torch.set_num_threads(1)
-    job = make_job(kind)
-    cfg = _pipeline_config(schedule, world_size // num_replicas, num_replicas, microbatches=4)
-    batches = [next(iter(job.batches())) for _ in range(steps)]
-    box: list[Any] = [make_stage_plan(job, batches[0], cfg) if rank == 0 else None]
+def _make_pipeline(
+    rank: int,
+    world_size: int,
+    job: Any,
+    sample: Any,
+    schedule: str,
+    num_replicas: int,
+    data_parallel: str,
+) -> RankPipeline:
+    """This rank's stages of ``job`` (its plan made on rank 0 from ``sample``), as the site
+    makes them."""
+    cfg = _pipeline_config(
+        schedule,
+        world_size // num_replicas,
+        num_replicas,
+        microbatches=4,
+        data_parallel=data_parallel,
+    )
+    box: list[Any] = [make_stage_plan(job, sample, cfg) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    pipeline = RankPipeline(job, box[0], cfg, rank=rank, device=torch.device("cpu"))
-    replica = cfg.layout.replica_of(rank)
+    return RankPipeline(job, box[0], cfg, rank=rank, device=torch.device("cpu"))
+
+
+def _train(
+    pipeline: RankPipeline, batches: list[Any], rank: int
+) -> tuple[dict[str, np.ndarray], list[float | None]]:
+    """Replica r's share of each global batch, one step each; the whole federated tensors
+    (every rank takes part: under FSDP they are gathered) and the losses of the last stage."""
+    replica, num_replicas = pipeline.layout.replica_of(rank), pipeline.layout.num_replicas
     losses = []
     for x, y in batches:
         n = x.shape[0] // num_replicas
         share = slice(replica * n, (replica + 1) * n)
         loss = pipeline.train_step((x[share], y[share]))
         losses.append(None if loss is None else float(loss))
-    return {k: v.detach().numpy().copy() for k, v in pipeline.state().items()}, losses
+    return {k: v.detach().numpy().copy() for k, v in pipeline.full_state().items()}, losses
+
+
+def _rank_run(
+    rank: int,
+    world_size: int,
+    kind: str,
+    schedule: str,
+    num_replicas: int,
+    steps: int,
+    data_parallel: str = "allreduce",
+) -> tuple[dict[str, np.ndarray], list[float | None]]:
+    torch.set_num_threads(1)
+    job = make_job(kind)
+    batches = [next(iter(job.batches())) for _ in range(steps)]
+    pipeline = _make_pipeline(
+        rank, world_size, job, batches[0], schedule, num_replicas, data_parallel
+    )
+    return _train(pipeline, batches, rank)
 
 
 def _single_process(kind: str, steps: int) -> tuple[dict[str, np.ndarray], list[float]]:
@@ -246,8 +288,23 @@ def test_pipelined_steps_equal_one_process(
     group: LocalProcessGroup, kind: str, schedule: str, world_size: int, num_replicas: int
 ) -> None:
     steps = 3
-    expected, expected_losses = _single_process(kind, steps)
     results = group.run(_rank_run, kind, schedule, num_replicas, steps, world_size=world_size)
+    check_equals_one_process(results, kind, steps, num_replicas)
+
+
+def check_equals_one_process(
+    results: list[tuple[dict[str, np.ndarray], list[float | None]]],
+    kind: str,
+    steps: int,
+    num_replicas: int,
+) -> None:
+    """Every rank's (federated tensors, last-stage losses) after ``steps`` pipelined steps
+    against one process's ``steps`` steps on the same global batches. The parameters differ by
+    float summation order only (micro-batch and replica gradients summed in another order than
+    one batch's mean, and the clipping norm summed by stage): 5e-5 absolute, where three steps
+    of every layout so far differed by at most 6e-6."""
+    world_size = len(results)
+    expected, expected_losses = _single_process(kind, steps)
     merged: dict[str, np.ndarray] = {}
     pp_size = world_size // num_replicas
     for params, _ in results[:pp_size]:  # replica 0
@@ -271,12 +328,20 @@ def test_pipelined_steps_equal_one_process(
 # -- the leader's trainer and the workers' loop -----------------------------------------------
 
 
-def _site_run(rank: int, world_size: int, schedule: str, num_replicas: int) -> Any:
+def _site_run(
+    rank: int, world_size: int, schedule: str, num_replicas: int, data_parallel: str = "ddp"
+) -> Any:
     from site_agent.pipeline.leader import PipelineTrainer
     from site_agent.pipeline.rank import worker_loop
 
     torch.set_num_threads(1)
-    cfg = _pipeline_config(schedule, world_size // num_replicas, num_replicas, microbatches=2)
+    cfg = _pipeline_config(
+        schedule,
+        world_size // num_replicas,
+        num_replicas,
+        microbatches=2,
+        data_parallel=data_parallel,
+    )
     job, device = make_job("bytegpt"), torch.device("cpu")
     if rank != 0:
         worker_loop(job, cfg, device)
@@ -290,12 +355,19 @@ def _site_run(rank: int, world_size: int, schedule: str, num_replicas: int) -> A
         trainer.load_state_dict(state)  # back to step 2: the third step again
         again = trainer.train_steps(1)
         params_again = trainer.parameters_numpy()
+        # As a checkpoint from before data_parallel was recorded (its ranks held whole tensors).
+        trainer.load_state_dict({**state, "layout": state["layout"][:3]})
+        legacy = trainer.train_steps(1)
+        params_legacy = trainer.parameters_numpy()
         trainer.load_parameters({k: v * 0 for k, v in params_again.items()})
         zeros = trainer.parameters_numpy()
         return {
             "losses": [first.loss_mean, after_three.loss_mean, again.loss_mean],
             "params": params_three,
             "params_again": params_again,
+            "loss_legacy": legacy.loss_mean,
+            "params_legacy": params_legacy,
+            "layout": state["layout"],
             "zeros": max(float(np.abs(v).max()) for v in zeros.values()),
             "metrics": metrics,
             "fingerprint": trainer.fingerprint("site_agent.jobs.bytegpt:make_job"),
@@ -307,9 +379,14 @@ def _site_run(rank: int, world_size: int, schedule: str, num_replicas: int) -> A
 def test_a_pipelined_job_site_trains_resumes_and_syncs_by_name(
     group: LocalProcessGroup, schedule: str, world_size: int, num_replicas: int
 ) -> None:
+    out = group.run(_site_run, schedule, num_replicas, world_size=world_size)[0]
+    check_site_run(out, data_parallel="ddp" if num_replicas > 1 else "allreduce")
+
+
+def check_site_run(out: dict[str, Any], data_parallel: str) -> None:
+    """What ``_site_run`` saw on the leader against one process training the same batches."""
     from site_agent.jobs.contract import build_job
 
-    out = group.run(_site_run, schedule, num_replicas, world_size=world_size)[0]
     job = build_job(
         "site_agent.jobs.bytegpt:make_job",
         JobContext(site_id="t", seed=3, device=torch.device("cpu"), options=BYTEGPT_OPTIONS),
@@ -323,6 +400,14 @@ def test_a_pipelined_job_site_trains_resumes_and_syncs_by_name(
     assert out["losses"][2] == out["losses"][1]
     for name, value in out["params"].items():
         np.testing.assert_array_equal(out["params_again"][name], value, err_msg=name)
+    assert out["layout"][3] == data_parallel
+    # An old checkpoint: the model loads by name (the same third loss), and the optimizer
+    # state too where the ranks hold whole tensors; under FSDP, whose ranks hold shards, not.
+    assert out["loss_legacy"] == out["losses"][1]
+    legacy_equal = all(
+        np.array_equal(out["params_legacy"][name], value) for name, value in out["params"].items()
+    )
+    assert legacy_equal == (data_parallel != "fsdp")
     assert out["zeros"] == 0.0
     assert out["metrics"]["loss"] > 0
     assert out["fingerprint"] == single.fingerprint("site_agent.jobs.bytegpt:make_job")

@@ -2,16 +2,18 @@
 
 This module owns what a rank of a pipelined site builds and runs for any job that may be
 pipelined (``split`` and ``output_loss``, see ``site_agent.jobs.contract``): its stages (the
-job's model cut by ``cut``, one ``PipelineStage`` each, placed by ``layout.stage_indices``),
-torch's schedule named by ``[site] schedule``, and the inner step around it (gradients averaged
-across replicas, the job's optimizer over this rank's parameters only, gradient clipping by the
-norm over the whole pipeline, the job's scheduler). It also owns the plan: the units profiled on
-one sample micro-batch and cut by the bottleneck-optimal partitioner (``partition``), computed
-on one rank and shared.
+job's model cut by ``cut``, one ``PipelineStage`` each, placed by ``layout.stage_indices``), how
+the replicas of a stage combine their gradients (``[site] data_parallel``: torch's DDP, FSDP2's
+``fully_shard`` or one all-reduce), torch's schedule named by ``[site] schedule``, the inner step
+around it (the job's optimizer over this rank's parameters only, gradient clipping by the norm
+over the whole pipeline, the job's scheduler), and this rank's federated state whole or by shard.
+It also owns the plan: the units profiled on one sample micro-batch and cut by the
+bottleneck-optimal partitioner (``partition``), computed on one rank and shared.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Mapping, Sequence
@@ -21,8 +23,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
 
 from site_agent.jobs.contract import federated_state, first_tensor
 from site_agent.pipeline.cut import (
@@ -35,6 +41,7 @@ from site_agent.pipeline.cut import (
 from site_agent.pipeline.layout import (
     TORCH_SCHEDULES,
     PipelineLayout,
+    check_data_parallel,
     stage_indices,
     stages_per_rank,
 )
@@ -58,6 +65,9 @@ class PipelineConfig:
     """Micro-batches per replica and inner step."""
     schedule: str = "1f1b"
     """One of ``layout.TORCH_SCHEDULES``."""
+    data_parallel: str = "ddp"
+    """How a stage's replicas combine gradients: ``ddp``, ``fsdp`` or ``allreduce``
+    (``layout.check_data_parallel`` says which schedules each runs)."""
     grad_clip: float = 1.0
     """Largest global gradient norm (0: off)."""
     profile_steps: int = 3
@@ -71,6 +81,7 @@ class PipelineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         stages_per_rank(self.schedule)
+        check_data_parallel(self.data_parallel, self.schedule, self.num_replicas)
 
     @property
     def layout(self) -> PipelineLayout:
@@ -124,13 +135,14 @@ def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePl
     plan = partition_layers(costs, sizes, num_stages)
     log.info(
         "[site=%s rank=0] pipeline plan: stages=%d replicas=%d schedule=%s "
-        "microbatches=%d units=%s boundaries=%s stage_times_s=%s "
+        "microbatches=%d data_parallel=%s units=%s boundaries=%s stage_times_s=%s "
         "predicted_bottleneck_s=%.6f lower_bound_s=%.6f",
         cfg.site_id,
         num_stages,
         cfg.num_replicas,
         cfg.schedule,
         cfg.num_microbatches,
+        cfg.data_parallel if cfg.num_replicas > 1 else "-",
         list(units.names),
         list(plan.boundaries),
         [round(t, 6) for t in plan.stage_times],
@@ -180,16 +192,22 @@ class RankPipeline:
             strip_to_stage(copy.deepcopy(model) if many else model, plan.owned(i)).to(device)
             for i in self.indices
         ]
-        self.optimizer = _keep_local_parameters(job.optimizer, name_of, self.modules)
         self.scheduler = getattr(job, "scheduler", None)
 
-        # Replicas average their gradients after the schedule (one flat all-reduce per rank):
-        # torch's DDP wrapper fails under GPipe here (its reducer's bucket rebuild asserts on the
-        # second step, torch 2.13, gloo), and one all-reduce per step is what DDP would send.
+        # Each stage's replicas combine their gradients as ``data_parallel`` says (see _wrap).
+        self.data_parallel = cfg.data_parallel if self.dp_group is not None else "allreduce"
         self.stages = stages = [
-            PipelineStage(StageForward(module), index, self.num_stages, device, group=self.pp_group)
+            PipelineStage(
+                _wrap(StageForward(module), self.data_parallel, self.dp_group, device),
+                index,
+                self.num_stages,
+                device,
+                group=self.pp_group,
+            )
             for index, module in zip(self.indices, self.modules, strict=True)
         ]
+        # After fully_shard, which replaces the parameters by sharded ones.
+        self.optimizer = _keep_local_parameters(job.optimizer, name_of, self.modules)
         schedule_class = get_schedule_class(TORCH_SCHEDULES[cfg.schedule][0])
         self.schedule = schedule_class(
             stages if len(stages) > 1 else stages[0],
@@ -199,11 +217,64 @@ class RankPipeline:
         )
 
     def state(self) -> dict[str, torch.Tensor]:
-        """This rank's federated tensors, by full-model name."""
+        """This rank's federated tensors, by full-model name: the live parameters and buffers
+        (under FSDP a parameter is a ``DTensor`` holding this rank's shard)."""
         out: dict[str, torch.Tensor] = {}
         for module in self.modules:
             out.update(federated_state(module))
         return out
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """This rank's federated tensors, whole. Under FSDP each sharded one is all-gathered over
+        ``dp_group``: every replica's rank of this pipeline rank must call it together."""
+        return {
+            name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            for name, tensor in self.state().items()
+        }
+
+    def load_state(self, named: Mapping[str, Any]) -> None:
+        """Copy whole tensors (arrays or tensors, by full-model name) into this rank's federated
+        tensors; under FSDP each rank keeps its shard (no communication)."""
+        with torch.no_grad():
+            for name, tensor in self.state().items():
+                whole = torch.as_tensor(named[name])
+                if isinstance(tensor, DTensor):
+                    whole = distribute_tensor(
+                        whole.to(tensor.device, tensor.dtype),
+                        tensor.device_mesh,
+                        tensor.placements,
+                        src_data_rank=None,
+                    )
+                tensor.copy_(whole)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's ``state_dict`` with plain tensors: under FSDP a sharded state tensor
+        becomes this rank's shard (it loads back under the same layout only)."""
+        packed = self.optimizer.state_dict()
+        packed["state"] = {
+            index: {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+            for index, st in packed["state"].items()
+        }
+        return packed
+
+    def load_optimizer_state(self, packed: Mapping[str, Any]) -> None:
+        """Load what :meth:`optimizer_state` returned on this rank under the same layout."""
+        # A copy: torch's load_state_dict keeps tensors already of the parameter's dtype and
+        # device as they are, and the steps would then update the caller's checkpoint in place.
+        self.optimizer.load_state_dict(copy.deepcopy(dict(packed)))
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if not isinstance(p, DTensor):
+                    continue
+                shape = p.to_local().shape
+                st = self.optimizer.state.get(p, {})
+                for key, value in st.items():
+                    # A state tensor the shape of the shard is the shard of a sharded one
+                    # (AdamW's moments); a scalar (its step) stays as it is.
+                    if isinstance(value, torch.Tensor) and value.dim() and value.shape == shape:
+                        st[key] = DTensor.from_local(
+                            value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                        )
 
     def train_step(self, batch: Any) -> torch.Tensor | None:
         """One inner step on this replica's ``batch``; returns, where the last stage lives, the
@@ -216,8 +287,18 @@ class RankPipeline:
         kwargs: dict[str, Any] = {}
         if self.holds_last:
             kwargs = {"target": target, "losses": losses}
-        self.schedule.step(*(inputs if self.holds_first else ()), **kwargs)
-        self._average_over_replicas()
+        # DDP's reducer must be armed by torch's stage alone, before the last micro-batch's
+        # backward. A DDP forward outside no_sync arms it too, and the stage's shape inference
+        # on the first step runs one: the first backward then all-reduces once more and records
+        # every parameter for the bucket rebuild twice, which under GPipe fails the reducer's
+        # assertion on the second step (docs/pipelines.md). So sync is off for the whole step.
+        with contextlib.ExitStack() as ddp_sync_off:
+            for stage in self.stages:
+                if isinstance(stage.submod, DistributedDataParallel):
+                    ddp_sync_off.enter_context(stage.submod.no_sync())
+            self.schedule.step(*(inputs if self.holds_first else ()), **kwargs)
+        if self.data_parallel == "allreduce":
+            self._average_over_replicas()
         self._clip()
         self.optimizer.step()
         if self.scheduler is not None:
@@ -242,19 +323,61 @@ class RankPipeline:
 
     def _clip(self) -> None:
         """Scale gradients so the norm over the whole model is at most ``grad_clip``; the
-        squared norms of every stage of the pipeline are summed over ``pp_group``."""
+        squared norms of every stage of the pipeline are summed over ``pp_group`` (and, under
+        FSDP, of every shard of a stage over ``dp_group`` first)."""
         if self.grad_clip <= 0:
             return
-        grads = [p.grad for m in self.modules for p in m.parameters() if p.grad is not None]
+        grads = [_local(p.grad) for m in self.modules for p in m.parameters() if p.grad is not None]
         squared = torch.zeros((), dtype=torch.float32, device=self.device)
         if grads:
             norms = torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads])
             squared = norms.pow(2).sum()
+        if self.data_parallel == "fsdp":
+            dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.dp_group)
         if self.layout.num_stages > 1:
             dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.pp_group)
         coef = torch.clamp(self.grad_clip / (squared.sqrt() + _CLIP_EPS), max=1.0)
-        for g in grads:
-            g.mul_(coef)
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(coef)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: its shard (a view) if FSDP sharded it, else itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _wrap(
+    module: nn.Module, data_parallel: str, dp_group: dist.ProcessGroup | None, device: torch.device
+) -> nn.Module:
+    """``module`` as its replicas share it over ``dp_group``; the ``PipelineStage`` gets what
+    this returns. Each mode divides the replicas' sum by their number, and the schedule then
+    divides by the number of micro-batches (``scale_grads``):
+
+    - ``ddp``: torch's ``DistributedDataParallel``, so torch's stage runs every micro-batch's
+      backward under ``no_sync`` and arms the reducer for the last one only (one bucketed
+      all-reduce per step, overlapping that backward);
+    - ``fsdp``: FSDP2's ``fully_shard`` (parameters, gradients and optimizer state sharded; kept
+      unsharded from the first forward to the end of the step, as torchtitan does under
+      pipelining); the schedule reduce-scatters at the end;
+    - ``allreduce``: the plain module; ``RankPipeline`` all-reduces after the schedule.
+    """
+    if dp_group is None or data_parallel == "allreduce":
+        return module
+    if data_parallel == "ddp":
+        # No device_ids: the stage's inputs are already on the rank's device (CPU or its GPU).
+        # Buffers are not broadcast at each forward: replicas start equal (same seed, and DDP
+        # broadcasts them once here) and the allreduce mode does not sync them either.
+        return DistributedDataParallel(module, process_group=dp_group, forward_sync_buffers=False)
+    # The dimension is named after the group: DTensor caches sharding decisions by mesh, and
+    # meshes compare by ranks and names but not by process group, so in a process that destroys
+    # its groups and makes new ones (the tests' reused workers) a cached decision carried the
+    # old mesh, whose group name then meant nothing, or another group of this run.
+    mesh = DeviceMesh.from_group(
+        dp_group, device.type, mesh_dim_names=(f"replicas_{dp_group.group_name}",)
+    )
+    fully_shard(module, mesh=mesh, reshard_after_forward=False)
+    return module
 
 
 def _keep_local_parameters(

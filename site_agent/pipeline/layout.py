@@ -8,7 +8,9 @@ This module owns, in pure Python (``site_agent.config`` checks a site's schedule
   name for it and how many stages it puts on one rank;
 - ``stage_indices``: which stages a pipeline rank holds. A schedule with several stages per rank
   (interleaved, looped, zero-bubble) puts stage ``pp_rank + k * pp_size`` on each rank, or the V
-  shape (``pp_rank`` and ``2 pp_size - 1 - pp_rank``) for ``zbv``.
+  shape (``pp_rank`` and ``2 pp_size - 1 - pp_rank``) for ``zbv``;
+- ``check_data_parallel``: how the replicas of a stage may combine their gradients
+  (``[site] data_parallel``) under a schedule.
 """
 
 from __future__ import annotations
@@ -30,6 +32,37 @@ def stages_per_rank(schedule: str) -> int:
     if schedule not in TORCH_SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(TORCH_SCHEDULES)}, got {schedule!r}")
     return TORCH_SCHEDULES[schedule][1]
+
+
+DATA_PARALLEL = ("allreduce", "ddp", "fsdp")
+"""``[site] data_parallel``: how the replicas of a stage combine their gradients (see
+``engine.RankPipeline``)."""
+
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zb", "zbv")
+"""Schedules that split each backward into an input and a weight part. torch's stage computes
+the weight part with ``torch.autograd.grad`` and adds it to ``.grad`` itself, so the parameters'
+gradient accumulators never run and DDP's reducer hooks (which hang on them) never fire: a DDP
+replica's gradients would silently stay local. FSDP's reduction is called by the schedule
+(``perform_reduce_grad``) and the all-reduce by the engine, so both run them."""
+
+
+def check_data_parallel(
+    data_parallel: str, schedule: str, num_replicas: int, *, prefix: str = ""
+) -> None:
+    """Refuse an unknown ``data_parallel`` and, with more than one replica, a combination with
+    ``schedule`` that cannot run (``prefix``: how the caller's config names the fields)."""
+    if data_parallel not in DATA_PARALLEL:
+        raise ValueError(
+            f"{prefix}data_parallel must be one of {', '.join(DATA_PARALLEL)}, "
+            f"got {data_parallel!r}"
+        )
+    if num_replicas > 1 and data_parallel == "ddp" and schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise ValueError(
+            f"{prefix}data_parallel = 'ddp' cannot run {prefix}schedule = {schedule!r}: its "
+            "split backward computes weight gradients without DDP's hooks, so replicas would "
+            f"not average them; use {prefix}data_parallel = 'fsdp' or 'allreduce' with "
+            f"{', '.join(SPLIT_BACKWARD_SCHEDULES)}"
+        )
 
 
 def stage_indices(schedule: str, pp_rank: int, pp_size: int) -> list[int]:

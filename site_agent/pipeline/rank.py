@@ -117,12 +117,13 @@ class SiteRank:
         return per_step, weight
 
     def gather_parameters(self) -> dict[str, np.ndarray] | None:
-        """Replica 0's stages send their federated tensors to the leader, by name."""
+        """Replica 0's stages send their federated tensors to the leader, by name (under FSDP
+        every replica takes part in gathering the shards)."""
+        whole = self.pipeline.full_state()
         own = None
         if self.layout.replica_of(self.rank) == 0:
             own = {
-                n: t.detach().to("cpu", torch.float32, copy=True).numpy()
-                for n, t in self.pipeline.state().items()
+                n: t.detach().to("cpu", torch.float32, copy=True).numpy() for n, t in whole.items()
             }
         parts = self._gather(own)
         if parts is None:
@@ -134,18 +135,19 @@ class SiteRank:
 
     def load_parameters(self, params: Mapping[str, np.ndarray]) -> None:
         """Copy in the federated tensors this rank holds; the optimizer state is kept."""
-        self._copy_in(params)
+        self.pipeline.load_state(params)
 
     def gather_state(self) -> dict[str, Any] | None:
         """The site's checkpoint, on the leader: every rank's share (``ranks``: its stages'
-        tensors, optimizer, scheduler), the ``layout`` it was taken under, the whole model by
-        name (``model``), the step and the job's own state (``job``)."""
+        tensors, optimizer, scheduler), the ``layout`` it was taken under (stages, replicas,
+        schedule, data parallelism), the whole model by name (``model``), the step and the job's
+        own state (``job``). Under FSDP a rank's optimizer share is its shards."""
         pipeline = self.pipeline
         scheduler = pipeline.scheduler
         parts = self._gather(
             {
-                "model": _to_cpu({n: t.detach() for n, t in pipeline.state().items()}),
-                "optimizer": _to_cpu(pipeline.optimizer.state_dict()),
+                "model": _to_cpu({n: t.detach() for n, t in pipeline.full_state().items()}),
+                "optimizer": _to_cpu(pipeline.optimizer_state()),
                 "scheduler": _to_cpu(scheduler.state_dict()) if scheduler is not None else None,
             }
         )
@@ -166,12 +168,17 @@ class SiteRank:
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Every rank loads its share under the same layout; under another (or from a
-        single-process checkpoint) the model by name, and the inner optimizer starts afresh."""
+        single-process checkpoint) the model by name, and the inner optimizer starts afresh.
+        A share taken under FSDP holds shards and loads under FSDP only; ``ddp`` and
+        ``allreduce`` hold the same whole tensors and load each other's, as do layouts from
+        before ``data_parallel`` (three entries)."""
         pipeline = self.pipeline
-        self._copy_in(state["model"])
-        if list(state.get("layout", [])) == self._layout_key():
+        pipeline.load_state(state["model"])
+        taken, key = list(state.get("layout", [])), self._layout_key()
+        sharded = taken[3:] == ["fsdp"]
+        if taken[:3] == key[:3] and sharded == (key[3] == "fsdp"):
             share = state["ranks"][self.rank]
-            pipeline.optimizer.load_state_dict(share["optimizer"])
+            pipeline.load_optimizer_state(share["optimizer"])
             if pipeline.scheduler is not None and share["scheduler"] is not None:
                 pipeline.scheduler.load_state_dict(share["scheduler"])
         if "job" in state and hasattr(self.job, "load_state_dict"):
@@ -180,18 +187,14 @@ class SiteRank:
         self.step = int(state["step"])
 
     def _layout_key(self) -> list[Any]:
-        return [self.layout.num_stages, self.layout.num_replicas, self.cfg.schedule]
+        layout, cfg = self.layout, self.cfg
+        return [layout.num_stages, layout.num_replicas, cfg.schedule, self.pipeline.data_parallel]
 
     def _gather(self, share: Any) -> list[Any] | None:
         """Every rank's ``share`` (index = rank) on the leader; ``None`` elsewhere."""
         parts: list[Any] | None = [None] * self.layout.world_size if self.rank == 0 else None
         dist.gather_object(share, parts, dst=0, group=self.control)
         return parts
-
-    def _copy_in(self, named: Mapping[str, Any]) -> None:
-        with torch.no_grad():
-            for name, tensor in self.pipeline.state().items():
-                tensor.copy_(torch.as_tensor(np.asarray(named[name])))
 
 
 def _share(batch: Any, replica: int, replicas: int) -> Any:
