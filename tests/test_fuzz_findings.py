@@ -14,9 +14,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from comm.codecs.registry import get_codec
 from comm.security.certs import (
+    Certificate,
     make_ca_certificate,
     make_site_certificate,
+    parse_ca_certificate,
 )
+from comm.security.common import AuthError, curve_raw
+from comm.security.crl import Revocation, RevocationList, parse_revocations
+from comm.security.masking import curve_public_raw
 from comm.wire.frames import WireError, from_wire, to_wire
 from comm.wire.schema import ErrorCode, Update
 from comm.wire.tensors import encode_tensors
@@ -94,3 +99,56 @@ def test_a_payload_buffer_spec_naming_no_dtype_string_is_malformed() -> None:
         with pytest.raises(WireError) as exc:
             from_wire([msgpack.packb(head, use_bin_type=True), *data])
         assert exc.value.code is ErrorCode.MALFORMED
+
+
+# ---- certificates and revocation lists ------------------------------------------------------
+
+
+def test_a_site_certificate_with_an_unknown_key_algorithm_is_refused(site_der: bytes) -> None:
+    """Was cryptography's UnsupportedAlgorithm, raised by the subject key's lookup."""
+    der = _replace_nth(site_der, X25519_OID, UNKNOWN_OID, 1)
+    with pytest.raises(AuthError) as exc:
+        Certificate.from_pem(_pem(der))
+    assert exc.value.reason == "bad_signature"
+
+
+def test_a_ca_certificate_with_an_unknown_key_algorithm_is_refused(ca_der: bytes) -> None:
+    """Was UnsupportedAlgorithm; the second Ed25519 identifier is the subject key's (the
+    first and third name the signature algorithm)."""
+    der = _replace_nth(ca_der, ED25519_OID, UNKNOWN_OID, 2)
+    with pytest.raises(AuthError) as exc:
+        parse_ca_certificate(_pem(der))
+    assert exc.value.reason == "bad_signature"
+
+
+@pytest.mark.parametrize("which", ["site", "ca"])
+def test_a_certificate_of_an_unknown_x509_version_is_refused(
+    which: str, site_der: bytes, ca_der: bytes
+) -> None:
+    """Was cryptography's InvalidVersion, which is no ValueError."""
+    der = _replace_nth(site_der if which == "site" else ca_der, V3, bytes.fromhex("a003020106"), 1)
+    with pytest.raises(AuthError):
+        (Certificate.from_pem if which == "site" else parse_ca_certificate)(_pem(der))
+
+
+def test_a_revocation_list_of_an_unknown_version_is_refused(ca_key: Ed25519PrivateKey) -> None:
+    """Was InvalidVersion, past the loader's except clause: a coordinator re-reading such a
+    crl.pem would have failed instead of keeping the list it had."""
+    serial = "2b".zfill(32)
+    revs = RevocationList(
+        version=3, issued_at=NOW, entries=(Revocation(serial=serial, revoked_at=NOW),)
+    )
+    der = _der(revs.to_pem(ca_key, next_update=NOW + 60))
+    assert parse_revocations(_pem(der, "X509 CRL"), ca_key.public_key()).serials == {serial}
+    bad = _replace_nth(der, bytes.fromhex("020101"), bytes.fromhex("020111"), 1)  # v2 -> v18
+    with pytest.raises(AuthError) as exc:
+        parse_revocations(_pem(bad, "X509 CRL"), ca_key.public_key())
+    assert exc.value.reason == "bad_signature"
+
+
+def test_z85_digits_that_overflow_32_bits_are_no_curve_key() -> None:
+    """Was struct.error from the Z85 decoder (a certificate's CURVE key extension, a masking
+    peer's certified key): '%' is Z85's highest digit, five of them exceed 2^32."""
+    for decode in (curve_raw, curve_public_raw):
+        with pytest.raises(ValueError, match="not a Z85-encoded CURVE key"):
+            decode(b"%" * 40)
