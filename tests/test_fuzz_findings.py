@@ -10,8 +10,10 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+import zstandard
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from comm.codecs.base import EncodedTensor
 from comm.codecs.registry import get_codec
 from comm.security.certs import (
     Certificate,
@@ -152,3 +154,38 @@ def test_z85_digits_that_overflow_32_bits_are_no_curve_key() -> None:
     for decode in (curve_raw, curve_public_raw):
         with pytest.raises(ValueError, match="not a Z85-encoded CURVE key"):
             decode(b"%" * 40)
+
+
+# ---- codecs ---------------------------------------------------------------------------------
+
+
+def test_a_topk_tensor_larger_than_its_indices_address_is_refused() -> None:
+    """Was a MemoryError: a 16-byte payload whose shape claimed 2^35 elements made the decoder
+    allocate them (128 GiB)."""
+    enc = EncodedTensor(
+        name="w",
+        shape=(1 << 35,),
+        codec="topk:0.1",
+        meta={"k": 1, "values": "fp32"},
+        buffers=(np.ones(1, np.float32), np.zeros(1, np.uint32)),
+    )
+    with pytest.raises(ValueError, match="indices address at most"):
+        get_codec("topk:0.1").decode(enc)
+
+
+def test_a_corrupt_zstd_position_bitmap_is_refused() -> None:
+    """Was zstandard's ZstdError: chunktopk checked the bitmap frame's declared size but not
+    that it decompresses."""
+    codec = get_codec("chunktopk:chunk=64,k=4")
+    x = np.random.default_rng(0).standard_normal(128).astype(np.float32)
+    enc = codec.encode("w", x)
+    positions = np.zeros(128, np.uint8)
+    positions[np.flatnonzero(codec.decode(enc))] = 1
+    bitmap = np.packbits(positions).tobytes()
+    frame = bytearray(zstandard.ZstdCompressor(write_checksum=True).compress(bitmap))
+    frame[-5] ^= 0xFF  # the last byte of the block, before the checksum
+    meta = {**enc.meta, "positions": "zbitmap", "rice": 0}
+    buffers = (np.frombuffer(bytes(frame), np.uint8), *enc.buffers[1:])
+    bad = EncodedTensor(name="w", shape=(128,), codec=enc.codec, meta=meta, buffers=buffers)
+    with pytest.raises(ValueError, match="bad zstd frame for positions"):
+        codec.decode(bad)
