@@ -53,6 +53,7 @@ from coordinator.updates import UpdateIntake
 log = logging.getLogger("crossdc.coordinator")
 
 MAX_EVAL_METRICS = 32
+INITIAL_MODEL_CODECS = frozenset({"fp32"})
 
 
 class Intake:
@@ -287,7 +288,9 @@ class Intake:
             )
             return
         try:
-            params = decode_tensors(msg.payload)
+            # θ0 has no shapes to check against: only fp32 (what sites send), whose decoded
+            # size is the size received.
+            params = decode_tensors(msg.payload, codecs=INITIAL_MODEL_CODECS)
         except WireError as exc:
             self._post.reject(peer, exc.code, exc.detail, msg.site_id)
             return
