@@ -180,3 +180,22 @@ def test_mutations_are_deterministic_and_keep_the_layout() -> None:
         assert well_formed > 0.8 * containers
         runs.append(out)
     assert runs[0] == runs[1]
+
+
+# ---- a live coordinator ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_a_live_coordinator_keeps_closing_rounds_under_mutated_frames(tmp_path: Path) -> None:
+    """A real coordinator process with a key kit; two simulated sites close rounds while a
+    third certified site sends it mutated valid frames over CURVE."""
+    from crossdc.bench.fuzz_live import run_live
+
+    report = run_live(5.0, seed=1, workdir=tmp_path)
+    assert report["findings"] == [], report["findings"]
+    assert report["frames_sent"] > 500 and report["frames_mutated"] > 0
+    assert report["rounds_closed_while_fuzzing"] > 0 and report["round_closed_after"]
+    assert report["coordinator_alive"] and report["coordinator_exit_code"] == 0
+    # The frames reached the coordinator's checks, not only the socket.
+    assert sum(report["coordinator_rejected"].values()) > 0
+    assert report["coordinator_replies"].get("unauthenticated", 0) > 0  # claims of "eu"

@@ -10,6 +10,10 @@ any other exception, a result that breaks its contract, or an input that runs pa
 ``--per-input-s`` is a finding. The engine is atheris (libFuzzer) when the ``fuzz`` extra is
 installed, else a built-in loop with line-arc coverage (``crossdc/bench/fuzz_engines.py``).
 
+``--live`` then starts a real ``crossdc coordinator`` process with a key kit and two simulated
+sites that close rounds, and sends it mutated valid frames over a CURVE connection of its own
+(``crossdc/bench/fuzz_live.py``): the coordinator must survive and keep closing rounds.
+
 Prints executions, coverage and findings (``--json``); exits 1 when there is a finding.
 """
 
@@ -43,6 +47,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         "CPU time)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--live", action="store_true", help="also fuzz a live coordinator process")
+    p.add_argument(
+        "--live-seconds", type=float, default=None, help="live fuzzing time (default --seconds)"
+    )
     p.add_argument("--workdir", default="", help="keep the corpus, artifacts and logs here")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -50,6 +58,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--seconds must be >= 0 and --per-input-s > 0")
     if args.engine == "atheris" and not atheris_available():
         p.error("--engine atheris: atheris is not installed (pip install 'crossdc[fuzz]')")
+    if args.live_seconds is None:
+        args.live_seconds = args.seconds
+    if args.live_seconds < 0:
+        p.error("--live-seconds must be >= 0")
     return args
 
 
@@ -75,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                 "engine": args.engine,
                 "per_input_s": args.per_input_s,
                 "seed": args.seed,
+                "live": args.live,
+                "live_seconds": args.live_seconds,
             }
         }
         findings: list[dict[str, Any]] = []
@@ -93,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
                 executions_per_target=result.per_target,
                 restarts=result.restarts,
             )
+        if args.live:
+            from crossdc.bench.fuzz_live import run_live
+
+            live = run_live(args.live_seconds, seed=args.seed, workdir=workdir / "live")
+            findings += live.pop("findings")
+            report["live"] = live
         report["findings"] = findings
     print_report(report, as_json=args.json)
     return 1 if findings else 0
