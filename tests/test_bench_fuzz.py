@@ -19,13 +19,11 @@ import pytest
 from crossdc.bench import fuzz, fuzz_engines
 from crossdc.bench.fuzz_engines import run_builtin
 from crossdc.bench.fuzz_mutate import Mutator
+from crossdc.bench.fuzz_seeds import pack_frames, tokens, unpack_frames
 from crossdc.bench.fuzz_targets import (
     Target,
     all_targets,
     judge,
-    pack_frames,
-    tokens,
-    unpack_frames,
 )
 from tests.conftest import ROOT
 
@@ -162,7 +160,7 @@ def test_every_seed_decodes_and_the_container_never_raises() -> None:
 
 def test_mutations_are_deterministic_and_keep_the_layout() -> None:
     targets = all_targets()
-    words = tokens(targets)
+    words = tokens(t.seeds() for t in targets)
     assert {"zbitmap", "fp32", "int8+zstd"} <= set(words)
     runs = []
     for _ in range(2):

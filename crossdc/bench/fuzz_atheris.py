@@ -39,10 +39,11 @@ def main(argv: list[str] | None = None) -> None:
     with atheris.instrument_imports(include=["comm"]):
         from crossdc.bench import fuzz_targets
     from crossdc.bench.fuzz_mutate import Mutator
+    from crossdc.bench.fuzz_seeds import tokens
 
     everyone = fuzz_targets.all_targets()
     targets = [everyone[int(i)] for i in opts.targets.split(",")]
-    words = fuzz_targets.tokens(targets)
+    words = tokens(t.seeds() for t in targets)
     findings_dir, stats_path = Path(opts.findings), Path(opts.stats)
     per_target = {t.name: 0 for t in targets}
     seen: set[str] = set()

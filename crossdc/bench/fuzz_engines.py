@@ -37,13 +37,13 @@ from types import FrameType
 from typing import Any
 
 from crossdc.bench.fuzz_mutate import Mutator
+from crossdc.bench.fuzz_seeds import tokens
 from crossdc.bench.fuzz_targets import (
     Finding,
     InputTimeout,
     Target,
     all_targets,
     judge,
-    tokens,
 )
 
 MAX_INPUT_BYTES = 1 << 16
@@ -138,7 +138,7 @@ def run_builtin(seconds: float, *, per_input_s: float, seed: int) -> EngineResul
     """Fuzz every target in turn for ``seconds`` of wall time in this process."""
     targets = all_targets()
     rng = random.Random(seed)
-    mutator = Mutator(rng, max_size=MAX_INPUT_BYTES, tokens=tokens(targets))
+    mutator = Mutator(rng, max_size=MAX_INPUT_BYTES, tokens=tokens(t.seeds() for t in targets))
     corpus = {t.name: list(t.seeds()) for t in targets}
     tracer = ArcTracer()
     found: dict[tuple[str, str, str, str], Finding] = {}

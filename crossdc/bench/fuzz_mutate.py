@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-from crossdc.bench.fuzz_targets import pack_frames, unpack_frames
+from crossdc.bench.fuzz_seeds import pack_frames, unpack_frames
 
 INTERESTING_INTS = (
     0,
