@@ -119,7 +119,7 @@ def test_an_input_past_the_time_limit_is_a_hang(only_broken: Any) -> None:
             pass
 
     only_broken(run)
-    result = run_builtin(0.2, per_input_s=0.05, seed=0)
+    result = run_builtin(0.2, per_input_s=0.05, seed=0, warm_up_s=0.05)
     assert result.executions >= 1
     assert {f["kind"] for f in result.findings} == {"hang"}
 

@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         body = Mutator(rng, max_size=max_size - 1, tokens=words).mutate(data[1:], target.shape)
         return bytes([data[0]]) + body
 
+    fuzz_targets.warm_up(targets)
     atheris.Setup([sys.argv[0], *libfuzzer_args], one, custom_mutator=mutate)
     atheris.Fuzz()
 

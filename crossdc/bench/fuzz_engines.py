@@ -25,7 +25,6 @@ import math
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -40,10 +39,11 @@ from crossdc.bench.fuzz_mutate import Mutator
 from crossdc.bench.fuzz_seeds import tokens
 from crossdc.bench.fuzz_targets import (
     Finding,
-    InputTimeout,
     Target,
     all_targets,
+    cpu_limit,
     judge,
+    warm_up,
 )
 
 MAX_INPUT_BYTES = 1 << 16
@@ -117,24 +117,9 @@ class ArcTracer:
             sys.settrace(previous)
 
 
-@contextlib.contextmanager
-def cpu_limit(seconds: float) -> Iterator[None]:
-    """Raise :class:`InputTimeout` in this (main) thread once it used ``seconds`` of CPU.
-    ``ITIMER_VIRTUAL``: SIGALRM stays free for pytest-timeout."""
-
-    def expired(_signum: int, _frame: object) -> None:
-        raise InputTimeout(f"ran past the per-input limit of {seconds:g} s of CPU")
-
-    previous = signal.signal(signal.SIGVTALRM, expired)
-    signal.setitimer(signal.ITIMER_VIRTUAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
-        signal.signal(signal.SIGVTALRM, previous)
-
-
-def run_builtin(seconds: float, *, per_input_s: float, seed: int) -> EngineResult:
+def run_builtin(
+    seconds: float, *, per_input_s: float, seed: int, warm_up_s: float = 20.0
+) -> EngineResult:
     """Fuzz every target in turn for ``seconds`` of wall time in this process."""
     targets = all_targets()
     rng = random.Random(seed)
@@ -157,6 +142,7 @@ def run_builtin(seconds: float, *, per_input_s: float, seed: int) -> EngineResul
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # what the parsers warn about malformed input
+        warm_up(targets, warm_up_s)
         for target in targets:  # the seeds' own coverage first
             for data in corpus[target.name]:
                 run(target, data)
@@ -262,7 +248,14 @@ def _run_group(
             "-print_final_stats=1",
         ]
         with log_path.open("wb") as log:
-            proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, check=False)
+            try:
+                # libFuzzer ends the child at max_total_time; the bound is for a child stuck
+                # before libFuzzer starts (a seed that hangs its warm-up past its limit).
+                proc = subprocess.run(
+                    argv, stdout=log, stderr=subprocess.STDOUT, check=False, timeout=left + 120
+                )
+            except subprocess.TimeoutExpired:
+                proc = subprocess.CompletedProcess(argv, -9)
         text = log_path.read_text(errors="replace")
         _account(result, group_coverage, text, stats)
         run += 1

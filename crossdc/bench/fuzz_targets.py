@@ -12,11 +12,13 @@ budget before reassembly, the model's shapes before a tensor is decoded.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
 import traceback
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,19 +120,44 @@ def _where(exc: BaseException) -> str:
     return f"{last.filename}:{last.lineno}" if last else "?"
 
 
+@contextlib.contextmanager
+def cpu_limit(seconds: float) -> Iterator[None]:
+    """Raise :class:`InputTimeout` in this (main) thread once it used ``seconds`` of CPU.
+    ``ITIMER_VIRTUAL``: SIGALRM stays free for libFuzzer and pytest-timeout."""
+
+    def expired(_signum: int, _frame: object) -> None:
+        raise InputTimeout(f"ran past the per-input limit of {seconds:g} s of CPU")
+
+    previous = signal.signal(signal.SIGVTALRM, expired)
+    signal.setitimer(signal.ITIMER_VIRTUAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+        signal.signal(signal.SIGVTALRM, previous)
+
+
+def warm_up(targets: list[Target], limit_s: float = 20.0) -> None:
+    """Run every seed once: what a first decode imports (torch, for most codecs) is paid here,
+    not counted against the per-input limit of the first input that needs it. A seed is given
+    ``limit_s`` of CPU (a seed that hangs is found again when it is fuzzed)."""
+    for target in targets:
+        for data in target.seeds():
+            with cpu_limit(limit_s):
+                judge(target, data)
+
+
 def judge(target: Target, data: bytes) -> Finding | None:
     """Run one input; a :class:`Finding` unless the decoder refused it or decoded it right."""
     try:
         target.run(data)
     except target.refusals:
         return None
-    except (KeyboardInterrupt, SystemExit):
-        raise
     except InputTimeout as exc:
         return Finding(target.name, "hang", "InputTimeout", _where(exc), str(exc), data)
     except ContractError as exc:
         return Finding(target.name, "contract", "ContractError", _where(exc), str(exc), data)
-    except BaseException as exc:
+    except Exception as exc:  # MemoryError and RecursionError included; not the runner's own
         return Finding(target.name, "exception", type(exc).__name__, _where(exc), str(exc), data)
     return None
 
