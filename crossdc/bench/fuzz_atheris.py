@@ -6,7 +6,8 @@ LIBFUZZER_ARGS...``: instruments the ``comm`` modules, then runs libFuzzer over 
 of them, the rest is the target's input). A finding is written to ``DIR`` at once, one file per distinct finding, and
 fuzzing goes on; the executions per target go to ``FILE`` about once a second (libFuzzer ends
 this process without running Python's exit handlers). Mutations are libFuzzer's own and, half
-the time, ``crossdc.bench.fuzz_mutate``'s structure-aware ones.
+the time, ``crossdc.bench.fuzz_mutate``'s structure-aware ones; one in ten starts from a seed of
+a target picked at random, so that every target gets its share.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any
+
+SWITCH = 0.1
+"""The share of mutations that start from a seed of a target picked at random."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,9 +68,16 @@ def main(argv: list[str] | None = None) -> None:
             flushed[0] = time.monotonic()
             _write(stats_path, {"per_target": per_target})
 
+    seeds = [t.seeds() for t in targets]
+
     def mutate(data: bytes, max_size: int, seed: int) -> bytes:
         rng = random.Random(seed)
-        if not data or rng.random() < 0.5:
+        if data and rng.random() < SWITCH:
+            # Another target's seed, mutated: libFuzzer favours the inputs with the rarest
+            # features, and without this the targets whose seeds have few starve.
+            place = rng.randrange(len(targets))
+            data = bytes([place]) + rng.choice(seeds[place])
+        elif not data or rng.random() < 0.5:
             return bytes(atheris.Mutate(data, max_size))
         target = targets[data[0] % len(targets)]
         body = Mutator(rng, max_size=max_size - 1, tokens=words).mutate(data[1:], target.shape)
