@@ -2,7 +2,9 @@
 and leaves (updates go to :mod:`coordinator.updates`).
 
 :class:`Intake` authenticates each message (CURVE mode: the connection's certificate must name
-the site), refreshes the member in the lifecycle, and handles it. It owns what sites said at
+the site), refreshes the member in the lifecycle, and handles it. A join from a second
+connection for a member whose connection is alive is refused and the member kept
+(:mod:`coordinator.conflicts` counts and logs the conflict). It owns what sites said at
 their join (the version and hash they hold) and who was asked for the initial model. A refusal
 is an Error to the sender and a counter, never a change of state.
 """
@@ -20,6 +22,8 @@ import numpy as np
 from comm.security.common import AuthError
 from comm.wire.frames import WireError
 from comm.wire.schema import (
+    ERROR_MEANINGS,
+    Error,
     ErrorCode,
     Eval,
     Heartbeat,
@@ -33,6 +37,7 @@ from comm.wire.schema import (
 )
 from comm.wire.tensors import decode_tensors
 from coordinator.config import CoordinatorConfig
+from coordinator.conflicts import ClaimVerdict, IdentityConflicts
 from coordinator.delivery import Delivery
 from coordinator.global_model import GlobalModel
 from coordinator.lifecycle import Lifecycle
@@ -48,6 +53,7 @@ from coordinator.updates import UpdateIntake
 log = logging.getLogger("crossdc.coordinator")
 
 MAX_EVAL_METRICS = 32
+INITIAL_MODEL_CODECS = frozenset({"fp32"})
 
 
 class Intake:
@@ -67,6 +73,7 @@ class Intake:
         redelivery: Redelivery,
         planner: Planner,
         keys: MaskingKeys,
+        conflicts: IdentityConflicts,
         metrics: CoordinatorMetrics,
         on_leave: Callable[[str], None],
         on_changed: Callable[[], None],
@@ -82,6 +89,7 @@ class Intake:
         self._redelivery = redelivery
         self._planner = planner
         self._keys = keys
+        self._conflicts = conflicts
         self._metrics = metrics
         self._on_leave = on_leave
         self._on_changed = on_changed  # a state worth publishing (the model, a validation)
@@ -94,6 +102,7 @@ class Intake:
     def forget(self, site_id: str) -> None:
         """Everything kept about a member that left or was removed."""
         self.claims.pop(site_id, None)
+        self._conflicts.forget(site_id)
         self._keys.forget(site_id)
         self._planner.forget(site_id)
 
@@ -161,6 +170,7 @@ class Intake:
         if m is None:
             self._post.reject(peer, ErrorCode.NOT_JOINED, f"site {site_id!r} must join", site_id)
         elif before is not None:
+            self._conflicts.heard_from(m)
             self._redelivery.heard_from(m, now - before.last_seen)
         return m
 
@@ -185,10 +195,51 @@ class Intake:
         )
         return True
 
+    def _admit(self, peer: bytes, site_id: str, old: Member | None) -> bool:
+        """Whether a join of ``site_id`` from ``peer`` may take the member's place: not while
+        another connection holds the site id and is alive (``coordinator.conflicts``). Whether
+        it still is, the socket answers: a message to it fails once it is closed."""
+        now = self._clock()
+        verdict, why = self._conflicts.judge(now, old, peer)
+        if verdict is ClaimVerdict.SAME:
+            assert old is not None
+            self._conflicts.heard_from(old)
+        elif verdict is not ClaimVerdict.NEW:
+            assert old is not None
+            if verdict is ClaimVerdict.CONTESTED:
+                detail = (
+                    f"another connection claimed site {site_id!r} and was refused: this one is "
+                    "kept. If this site's agent runs only here, its key is in other hands"
+                )
+                notice = Error(
+                    code=int(ErrorCode.UNEXPECTED),
+                    detail=f"{ERROR_MEANINGS[ErrorCode.UNEXPECTED]}: {detail}",
+                )
+                if self._post.probe(old.peer, notice):
+                    self._conflicts.claimed(now, site_id, peer)
+                    detail = f"site {site_id!r} is held by another connection: {why}"
+                    self._post.reject(
+                        peer, ErrorCode.UNAUTHENTICATED, detail, site_id, "identity_conflict"
+                    )
+                    return False
+                why = "its connection is closed"
+            log.info(
+                "[coordinator site=%s] %s replaces %s: %s",
+                site_id,
+                self._post.describe(peer),
+                self._post.describe(old.peer),
+                why,
+            )
+        self._conflicts.forget(site_id)
+        self._conflicts.watch(site_id)
+        return True
+
     def _on_join(self, peer: bytes, msg: Join) -> None:
-        if not self._authentic(peer, msg.site_id) or self._refuse_other_model(peer, msg):
+        if not self._authentic(peer, msg.site_id):
             return
         old = self._book.members.get(msg.site_id)
+        if not self._admit(peer, msg.site_id, old) or self._refuse_other_model(peer, msg):
+            return
         if old is not None and old.peer != peer:
             self._post.forget(old.peer)
         st = self._model.state
@@ -237,7 +288,9 @@ class Intake:
             )
             return
         try:
-            params = decode_tensors(msg.payload)
+            # θ0 has no shapes to check against: only fp32 (what sites send), whose decoded
+            # size is the size received.
+            params = decode_tensors(msg.payload, codecs=INITIAL_MODEL_CODECS)
         except WireError as exc:
             self._post.reject(peer, exc.code, exc.detail, msg.site_id)
             return

@@ -150,7 +150,7 @@ class CoordinatorMetrics:
         )
 
     def _declare_events(self, r: CollectorRegistry) -> None:
-        """Late updates, joins and sites removed for silence."""
+        """Late updates, joins, identity conflicts and sites removed for silence."""
         self.late_updates = Counter(
             "crossdc_late_updates_total",
             "Updates that arrived after their round closed, kept for a later round",
@@ -165,6 +165,13 @@ class CoordinatorMetrics:
         )
         self.site_timeouts = Counter(
             "crossdc_site_timeouts_total", "Sites removed for silence", registry=r
+        )
+        self.identity_conflicts = Counter(
+            "crossdc_identity_conflicts_total",
+            "Joins of a site from a second connection, refused while its current connection "
+            "kept heartbeating: two holders of one site key (a stolen key, or the site run twice)",
+            ["site"],
+            registry=r,
         )
         self.plans_resent = Counter(
             "crossdc_round_plans_resent_total",

@@ -141,6 +141,16 @@ class PostOffice:
             self._on_send_failed(peer)
         return ok
 
+    def probe(self, peer: bytes, msg: Message) -> bool:
+        """Send ``msg``, small and revealing no state, to ``peer`` now (past the durability
+        barrier, ahead of what waits for it): False when the socket has no connection to
+        ``peer`` any more (``RouterChannel.notify``)."""
+        assert self.chan is not None
+        before = self.chan.stats.bytes_sent
+        ok = self.chan.notify(peer, msg)
+        self._metrics.wire_bytes.labels(direction="out").inc(self.chan.stats.bytes_sent - before)
+        return ok
+
     def reject(
         self, peer: bytes, code: ErrorCode, detail: str, who: str = "?", reason: str = ""
     ) -> None:
@@ -158,6 +168,16 @@ class PostOffice:
         """The certified identity of ``peer``'s connection (CURVE mode)."""
         assert self.chan is not None
         return self.chan.identities.get(peer)
+
+    def describe(self, peer: bytes) -> str:
+        """``peer`` for a log line: its routing id, the address its connection comes from and,
+        in CURVE mode, the serial of the certificate it authenticated with."""
+        assert self.chan is not None
+        routing_id = peer.decode("ascii", errors="backslashreplace")
+        address = self.chan.addresses.get(peer, "?")
+        identity = self.chan.identities.get(peer)
+        serial = f" certificate={identity.serial}" if identity is not None else ""
+        return f"[peer={routing_id} address={address}{serial}]"
 
     # ---- what operators see ----------------------------------------------------------------
 

@@ -4,7 +4,8 @@
 the pure round :class:`~coordinator.lifecycle.Lifecycle` (membership, open rounds), the
 :class:`~coordinator.global_model.GlobalModel`, the :class:`~coordinator.post.PostOffice`
 (socket, authentication, durability barrier), the :class:`~coordinator.ledger.RoundLedger`, the
-:class:`~coordinator.planner.Planner`, :class:`~coordinator.intake.Intake` for messages,
+:class:`~coordinator.planner.Planner`, :class:`~coordinator.intake.Intake` for messages (with
+:class:`~coordinator.conflicts.IdentityConflicts`, claims on a live member's site id),
 :class:`~coordinator.opening.Opening` and :class:`~coordinator.closing.Closing` for rounds,
 :class:`~coordinator.delivery.Delivery` and :class:`~coordinator.redelivery.Redelivery` for
 models owed to one site. Its loop receives one message at a time, then ``tick``s: the lifecycle
@@ -33,6 +34,7 @@ from comm.security.registry import CertificateRegistry
 from comm.transport.router import RouterChannel
 from coordinator.closing import Closing
 from coordinator.config import CoordinatorConfig
+from coordinator.conflicts import IdentityConflicts
 from coordinator.decisions import Abort, Close, Decision, Open, Remove, Rerun
 from coordinator.delivery import Delivery
 from coordinator.file_store import FileStateStore
@@ -139,6 +141,11 @@ class Coordinator:
             redelivery=self.redelivery,
             planner=planner,
             keys=keys,
+            conflicts=IdentityConflicts(
+                heartbeat_timeout_s=cfg.channel.heartbeat_timeout_s,
+                metrics=metrics,
+                describe=post.describe,
+            ),
             metrics=metrics,
             on_leave=self._remove,
             on_changed=self._publish_status,

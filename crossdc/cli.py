@@ -301,6 +301,7 @@ def _add_bench_command(sub: SubParsers) -> None:
             "convergence",
             "ddp",
             "equal_tokens",
+            "fuzz",
             "pipeline",
             "scale",
             "wan",

@@ -121,7 +121,9 @@ def test_a_site_that_rejoins_behind_gets_the_deltas_since_its_version() -> None:
     with running(downlink_codec="int8") as h:
         _, us, g1, g2 = two_rounds(h)
         h.expect(us, Global)
-        # us restarts from its checkpoint at v1 (it missed nothing else) and joins again.
+        # us restarts from its checkpoint at v1 (it missed nothing else) and joins again: its
+        # old connection closes, the new one has a new routing id.
+        us.chan.close()
         us2 = h.site("us")
         welcome = join(h, us2, version=g1.global_version, digest=g1.state_hash)
         assert not welcome.need_init and welcome.global_version == g2.global_version

@@ -10,7 +10,9 @@ import urllib.request
 import numpy as np
 import pytest
 
+from comm.codecs.base import EncodedTensor
 from comm.codecs.floats import Fp32Codec
+from comm.codecs.registry import get_codec
 from comm.ops.observe import ObserveServer
 from comm.security.kits import SecurityConfig
 from comm.wire.schema import (
@@ -130,6 +132,33 @@ def test_a_site_that_built_the_same_initial_model_downloads_nothing(harness: Har
     assert not join(h, ap, version=0, digest="not-theta0").need_init
     full = h.expect(ap, Global)  # a site whose θ0 differs gets the model
     assert full.is_full and full.state_hash == state_hash(PARAMS)
+
+
+def test_an_initial_model_in_another_codec_than_fp32_is_refused(harness: Harness) -> None:
+    """θ0 has no shapes to be checked against: in a sparse codec a few bytes could claim any
+    size (a topk tensor of 2^31 elements is 9 bytes of values and indices), so only fp32,
+    what sites send, is decoded."""
+    h = harness
+    eu = h.site("eu")
+    assert join(h, eu).need_init
+    bomb = EncodedTensor(
+        name="w",
+        shape=(1 << 31,),
+        codec="topk:0.01",
+        meta={"k": 1, "values": "fp32"},
+        buffers=(np.ones(1, np.float32), np.zeros(1, np.uint32)),
+    )
+    for payload in ((bomb,), encode_tensors(PARAMS, get_codec("fp16"))):
+        eu.send(InitParams(site_id="eu", model_fingerprint="fp", payload=payload))
+        err: Error = h.expect(eu, Error)
+        assert err.code == int(ErrorCode.BAD_PAYLOAD) and "expected ['fp32']" in err.detail
+    assert h.coord.state is None
+    eu.send(
+        InitParams(
+            site_id="eu", model_fingerprint="fp", payload=encode_tensors(PARAMS, Fp32Codec())
+        )
+    )
+    h.until(lambda: h.coord.state is not None)
 
 
 def test_a_coordinator_given_theta0_asks_no_site_to_upload_it() -> None:

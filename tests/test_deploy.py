@@ -114,6 +114,7 @@ def _populate(coord: CoordinatorMetrics, site: SiteMetrics) -> None:
     coord.late_updates.inc()
     coord.extra_steps.labels(site="eu").inc(12)
     coord.joins.inc(3)
+    coord.identity_conflicts.labels(site="eu")  # 0 from the join on; _tick counts conflicts
     coord.site_timeouts.inc()
     site.inner(steps=20, tokens=20 * 8 * 32, seconds=12.0, loss=3.1)
     site.round_sent()
@@ -152,6 +153,7 @@ def _tick(coord: CoordinatorMetrics, site: SiteMetrics, stop: threading.Event) -
         site.inner(steps=1, tokens=256, seconds=0.1, loss=3.0)
         coord.rejected.labels(reason="stale_round").inc(5)  # CrossdcRejectedSurge
         coord.wire_bytes.labels(direction="in").inc(1e5)
+        coord.identity_conflicts.labels(site="eu").inc()  # CrossdcIdentityConflict
 
 
 # Alerts the fixture's values must put into pending (alertname, labels that must match).
@@ -168,6 +170,7 @@ EXPECTED_PENDING = [
     ("CrossdcSiteCertificateExpiring", {"site": "eu"}),
     ("CrossdcCertificateExpiring", {"site": "eu", "job": "crossdc-coordinator"}),
     ("CrossdcCACertificateExpiring", {"job": "crossdc-coordinator"}),
+    ("CrossdcIdentityConflict", {"site": "eu", "job": "crossdc-coordinator"}),
 ]
 # Alerts the fixture's values must not raise (alertname, labels of the alerts that must not be).
 EXPECTED_QUIET = [

@@ -315,13 +315,18 @@ def _decode_positions(
         pos = np.cumsum(gaps + 1) - 1
     else:
         if form == "zbitmap":
+            want = -(-n // 8)
             try:
                 size = zstandard.frame_content_size(raw.tobytes())
+                if size == want:
+                    data = zstandard.ZstdDecompressor().decompress(
+                        raw.tobytes(), max_output_size=want
+                    )
             except zstandard.ZstdError:
                 raise ValueError(f"tensor {enc.name!r}: bad zstd frame for positions") from None
-            if size != -(-n // 8):
+            if size != want:
                 raise ValueError(f"tensor {enc.name!r}: position bitmap of the wrong size")
-            raw = np.frombuffer(zstandard.ZstdDecompressor().decompress(raw.tobytes()), _U8)
+            raw = np.frombuffer(data, _U8)
         if raw.size != -(-n // 8):
             raise ValueError(f"tensor {enc.name!r}: position bitmap of the wrong size")
         pos = np.flatnonzero(np.unpackbits(raw)[:n]).astype(np.int64)

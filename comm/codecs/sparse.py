@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 # Top-k sparsification
 
 
+MAX_NUMEL = (1 << 32) - 1
+"""The most elements a topk tensor may have: its indices are uint32."""
 _VALUE_DTYPES: dict[str, np.dtype[Any]] = {
     "fp32": np.dtype(np.float32),
     "fp16": np.dtype(np.float16),
@@ -73,6 +75,10 @@ class TopKCodec(_Codec):
             k, values = _meta_int(meta, "k", self.name), str(meta.get("values"))
             if set(meta) != {"k", "values"} or not 0 <= k <= numel or values not in _VALUE_DTYPES:
                 _bad_meta(meta, self.name)
+            if numel > MAX_NUMEL:
+                # Beyond what uint32 indices address (encode refuses it too); a few received
+                # bytes must not make the decoder allocate a tensor of any size.
+                raise ValueError(f"topk: {numel} elements, indices address at most {MAX_NUMEL}")
         return [(_VALUE_DTYPES[values], k), (np.dtype(np.uint32), k)]
 
     def encode(self, name: str, x: TensorLike) -> EncodedTensor:
@@ -80,7 +86,7 @@ class TopKCodec(_Codec):
 
         t, shape = _flat_f32(name, x)
         n = t.numel()
-        if n >= 1 << 32:
+        if n > MAX_NUMEL:
             raise ValueError(f"tensor {name!r}: topk indices are uint32, numel {n} is too large")
         t = _range_checked(name, t, FP16_MAX if self.values == "fp16" else math.inf)
         idx = _topk_indices(t, self.k_for(n))

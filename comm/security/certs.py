@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import zmq.utils.z85 as z85
 from cryptography import x509
@@ -38,6 +39,7 @@ CURVE_KEY_OID = x509.ObjectIdentifier("2.25.170210122487860488820739161179313113
 40 Z85 characters (an OID under the UUID arc 2.25, which needs no registration)."""
 
 _MAX_SERIAL = 1 << 128
+_T = TypeVar("_T")
 _NO_USAGE = dict.fromkeys(
     (
         "digital_signature",
@@ -52,6 +54,17 @@ _NO_USAGE = dict.fromkeys(
     ),
     False,
 )
+
+
+def parsed(what: str, parse: Callable[[], _T]) -> _T:
+    """``parse()`` reading untrusted bytes with ``cryptography``, which raises several unrelated
+    types on malformed input (``ValueError``, ``InvalidVersion``, ``UnsupportedAlgorithm``,
+    ``DuplicateExtension``...): any of them is :class:`AuthError` (``bad_signature``) naming
+    ``what``. Only library calls go in ``parse``."""
+    try:
+        return parse()
+    except Exception as exc:
+        raise AuthError("bad_signature", f"{what}: {exc}") from None
 
 
 def _utc(seconds: int) -> dt.datetime:
@@ -143,27 +156,30 @@ class CACertificate:
 def parse_ca_certificate(data: bytes) -> CACertificate:
     """Parse and check the CA certificate: self-signed Ed25519, ``CA:TRUE``. Raises
     :class:`AuthError` (``bad_signature``) naming what is wrong."""
-    try:
-        cert = x509.load_pem_x509_certificate(data)
-    except ValueError as exc:
-        raise AuthError("bad_signature", f"the CA certificate is not PEM X.509: {exc}") from None
-    public = cert.public_key()
+    cert = parsed(
+        "the CA certificate is not PEM X.509", lambda: x509.load_pem_x509_certificate(data)
+    )
+    malformed = "the CA certificate is malformed"
+    public = parsed(malformed, cert.public_key)
     if not isinstance(public, Ed25519PublicKey):
         raise AuthError("bad_signature", "the CA certificate's key is not Ed25519")
     try:
         public.verify(cert.signature, cert.tbs_certificate_bytes)
-        constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+        constraints = parsed(
+            malformed, lambda: cert.extensions.get_extension_for_class(x509.BasicConstraints)
+        ).value
     except (InvalidSignature, x509.ExtensionNotFound):
         raise AuthError(
             "bad_signature", "the CA certificate is not a self-signed CA certificate"
         ) from None
-    if not constraints.ca or cert.subject != cert.issuer:
+    subject, issuer = parsed(malformed, lambda: (cert.subject, cert.issuer))
+    if not constraints.ca or subject != issuer:
         raise AuthError("bad_signature", "the CA certificate does not say CA:TRUE")
+    not_before, not_after = parsed(
+        malformed, lambda: (cert.not_valid_before_utc, cert.not_valid_after_utc)
+    )
     return CACertificate(
-        public_key=public,
-        name=cert.subject,
-        not_before=_unix(cert.not_valid_before_utc),
-        not_after=_unix(cert.not_valid_after_utc),
+        public_key=public, name=subject, not_before=_unix(not_before), not_after=_unix(not_after)
     )
 
 
@@ -242,10 +258,7 @@ class Certificate:
         """Parse a PEM site certificate; raises :class:`AuthError` (``bad_signature``) if it
         is not one (malformed, or not in the shape :func:`make_site_certificate` gives)."""
         raw = data.encode("ascii", "replace") if isinstance(data, str) else data
-        try:
-            cert = x509.load_pem_x509_certificate(raw)
-        except ValueError as exc:
-            raise AuthError("bad_signature", f"not a PEM X.509 certificate: {exc}") from None
+        cert = parsed("not a PEM X.509 certificate", lambda: x509.load_pem_x509_certificate(raw))
         return cls.from_x509(cert)
 
     @classmethod
@@ -262,7 +275,9 @@ class Certificate:
             extension = cert.extensions.get_extension_for_oid(CURVE_KEY_OID).value
             constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
             subject_key = cert.public_key()
-        except (x509.ExtensionNotFound, ValueError) as exc:
+            not_before, not_after = cert.not_valid_before_utc, cert.not_valid_after_utc
+            der = cert.public_bytes(serialization.Encoding.DER)
+        except Exception as exc:  # cryptography raises several unrelated types (see parsed)
             raise bad(str(exc)) from None
         if len(names) != 1 or not isinstance(names[0].value, str):
             raise bad("its subject needs exactly one CN, the site id")
@@ -291,10 +306,10 @@ class Certificate:
         return cls(
             site_id=site_id,
             curve_public=curve_public,
-            not_before=_unix(cert.not_valid_before_utc),
-            not_after=_unix(cert.not_valid_after_utc),
+            not_before=_unix(not_before),
+            not_after=_unix(not_after),
             serial=serial_text(cert.serial_number),
-            der=cert.public_bytes(serialization.Encoding.DER),
+            der=der,
         )
 
     def verify_signature(self, ca_public_key: Ed25519PublicKey) -> None:

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -101,7 +102,8 @@ def curve_raw(public_key: bytes) -> bytes:
     if len(public_key) == 40:
         try:
             return z85.decode(public_key)
-        except (ValueError, KeyError) as exc:
+        except (ValueError, KeyError, struct.error) as exc:
+            # struct.error: Z85 digits whose value overflows 32 bits ("%%%%%" and up)
             raise ValueError("not a Z85-encoded CURVE key") from exc
     raise ValueError(
         f"a CURVE public key has 32 raw bytes or 40 Z85 characters, not {len(public_key)}"

@@ -13,7 +13,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from comm.security.certs import _pem, _serial_number, _unix, _utc, ca_name, serial_text
+from comm.security.certs import _pem, _serial_number, _unix, _utc, ca_name, parsed, serial_text
 from comm.security.common import AuthError, key_fingerprint
 
 
@@ -63,20 +63,26 @@ class RevocationList:
 def parse_revocations(data: bytes | str, ca_public_key: Ed25519PublicKey) -> RevocationList:
     """Parse and verify a CRL; raises :class:`AuthError` (``bad_signature``)."""
     raw = data.encode("ascii", "replace") if isinstance(data, str) else data
-    try:
-        crl = x509.load_pem_x509_crl(raw)
-        number = crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
-    except (ValueError, x509.ExtensionNotFound) as exc:
-        raise AuthError("bad_signature", f"malformed revocation list (CRL): {exc}") from None
+    malformed = "malformed revocation list (CRL)"
+    crl = parsed(malformed, lambda: x509.load_pem_x509_crl(raw))
+    number = parsed(
+        malformed, lambda: crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
+    )
     fingerprint = key_fingerprint(ca_public_key)
-    if not crl.is_signature_valid(ca_public_key):
+    if not parsed(malformed, lambda: crl.is_signature_valid(ca_public_key)):
         raise AuthError("bad_signature", f"revocation list is not signed by CA {fingerprint}")
+    issued_at, revoked = parsed(
+        malformed,
+        lambda: (
+            crl.last_update_utc,
+            [(r.serial_number, r.revocation_date_utc) for r in crl],
+        ),
+    )
     return RevocationList(
         version=number,
-        issued_at=_unix(crl.last_update_utc),
+        issued_at=_unix(issued_at),
         entries=tuple(
-            Revocation(serial=serial_text(r.serial_number), revoked_at=_unix(r.revocation_date_utc))
-            for r in crl
+            Revocation(serial=serial_text(serial), revoked_at=_unix(at)) for serial, at in revoked
         ),
     )
 

@@ -38,6 +38,16 @@ def peer_of(frame: zmq.Frame) -> PeerIdentity | None:
     return PeerIdentity(site_id=site_id, serial=serial)
 
 
+def peer_address(frame: zmq.Frame) -> str:
+    """The address of the connection a frame received with ``copy=False`` came from (the
+    socket's ``Peer-Address`` property), or ``"?"`` where the transport has none."""
+    try:
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return "?"
+    return address if isinstance(address, str) and address else "?"
+
+
 @dataclass(frozen=True, kw_only=True)
 class CurveKeys:
     """Z85-encoded CURVE keys for one endpoint; ``server_public`` only on a client."""

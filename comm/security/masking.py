@@ -24,6 +24,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from comm.security.common import curve_raw
+
 WEIGHT_KEY = "__secagg_weight__"
 """Reserved tensor name carrying a site's weight inside its masked vectors."""
 
@@ -138,7 +140,7 @@ def x25519_from_curve_secret(secret_z85: bytes) -> X25519PrivateKey:
 
 def curve_public_raw(public: bytes) -> bytes:
     """A CURVE public key (raw or Z85, e.g. from a certificate) as 32 raw X25519 bytes."""
-    raw = z85.decode(public) if len(public) == 40 else bytes(public)
+    raw = curve_raw(public) if len(public) == 40 else bytes(public)
     if len(raw) != 32:
         raise ValueError(f"an X25519 public key has 32 bytes, got {len(raw)}")
     return raw

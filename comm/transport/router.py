@@ -7,7 +7,7 @@ from typing import Any
 
 import zmq
 
-from comm.security.identity import PeerIdentity, peer_of
+from comm.security.identity import PeerIdentity, peer_address, peer_of
 from comm.transport.endpoint import _Endpoint
 from comm.transport.profile import _PEER_GONE, ChannelConfig, RejectHook, _apply_profile
 from comm.wire.schema import ErrorCode, Message
@@ -33,6 +33,8 @@ class RouterChannel(_Endpoint):
         super().__init__(sock, cfg, on_reject)
         self.identities: dict[bytes, PeerIdentity] = {}
         """The ZAP-certified identity of each sender (CURVE mode only)."""
+        self.addresses: dict[bytes, str] = {}
+        """The network address each sender's connection comes from, as the socket reports it."""
 
     def bind(self, endpoint: str) -> str:
         """Bind (``tcp://127.0.0.1:0`` picks a port) and return the endpoint actually bound."""
@@ -63,6 +65,21 @@ class RouterChannel(_Endpoint):
             raise
         return True
 
+    def notify(self, peer: bytes, msg: Message) -> bool:
+        """Send a small message at once, ahead of anything queued for ``peer`` (as heartbeats
+        go): False when the socket has no connection to ``peer``, which it knows at once, so
+        this also asks whether a connection is still open. A peer connected but not draining
+        counts as connected (the message is then not sent)."""
+        try:
+            self._transmit(peer, msg, block=False)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return False
+            if exc.errno == zmq.EAGAIN:
+                return True
+            raise
+        return True
+
     def recv(self, timeout_s: float) -> tuple[bytes, Message] | None:
         """The next complete, valid message and its sender, or None after ``timeout_s``."""
         return self._next(timeout_s)
@@ -73,6 +90,7 @@ class RouterChannel(_Endpoint):
         if len(frames) < 2:
             self._reject(sender, ErrorCode.MALFORMED, "no frames after the routing id")
             return None
+        self.addresses[sender] = peer_address(frames[1])
         if self.cfg.curve is not None:
             peer = peer_of(frames[1])
             if peer is None:
@@ -95,5 +113,6 @@ class RouterChannel(_Endpoint):
         self._drop_peer_transfers(peer)
         self.replay.forget(peer)
         self.identities.pop(peer, None)
+        self.addresses.pop(peer, None)
         self.links.pop(peer, None)
         self.send_links.pop(peer, None)

@@ -168,6 +168,7 @@ def _decode_payload(index: Any, frames: Sequence[Frame]) -> tuple[EncodedTensor,
             if (
                 not isinstance(spec, list)
                 or len(spec) != 2
+                or not isinstance(spec[0], str)
                 or spec[0] not in _ALLOWED_DTYPES
                 or not isinstance(spec[1], int)
             ):

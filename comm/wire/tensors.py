@@ -7,7 +7,7 @@ that sites and the coordinator compare after every round is :func:`state_hash`.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -43,9 +43,17 @@ def encode_tensors(
 
 
 def decode_tensors(
-    payload: Sequence[EncodedTensor], expected: TensorSpec | None = None
+    payload: Sequence[EncodedTensor],
+    expected: TensorSpec | None = None,
+    *,
+    codecs: Collection[str] | None = None,
 ) -> dict[str, FloatArray]:
-    """Decode a payload, checking names and shapes against ``expected`` and finiteness.
+    """Decode a payload, checking names and shapes against ``expected``, the codecs against
+    ``codecs`` (None: any), and finiteness.
+
+    Without ``expected`` a tensor is as large as its shape says: a sparse codec's few bytes
+    can claim billions of elements. A receiver that has no shapes to expect (the initial
+    model) names the dense codecs it takes, whose decoded size is what arrived.
 
     Raises :class:`WireError` (BAD_PAYLOAD, UNKNOWN_CODEC or NON_FINITE) naming the tensor.
     """
@@ -60,6 +68,10 @@ def decode_tensors(
         )
     out: dict[str, FloatArray] = {}
     for enc in payload:
+        if codecs is not None and enc.codec not in codecs:
+            raise WireError(
+                ErrorCode.BAD_PAYLOAD, f"{enc.name!r} is {enc.codec!r}, expected {sorted(codecs)}"
+            )
         if expected is not None and tuple(enc.shape) != tuple(expected[enc.name]):
             raise WireError(
                 ErrorCode.BAD_PAYLOAD,
