@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -85,6 +86,22 @@ class JsonLogFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+class TextLogFormatter(logging.Formatter):
+    """``time LEVEL logger message``, one line a record: control characters in the message
+    (a peer's site id or session can reach it from the wire) are written as escapes, so no value
+    can break a line or forge one; an exception's traceback follows on its own lines."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        line = super().formatMessage(record)
+        return _CONTROL.sub(lambda m: m[0].encode("unicode_escape").decode("ascii"), line)
+
+
 def setup_logging(level: str, fmt: str = "text") -> None:
     """The root logger's one handler: stderr, as text or as ``JsonLogFormatter`` lines."""
     handler = logging.StreamHandler(sys.stderr)
@@ -92,6 +109,6 @@ def setup_logging(level: str, fmt: str = "text") -> None:
         formatter: logging.Formatter = JsonLogFormatter()
         formatter.converter = time.gmtime
     else:
-        formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+        formatter = TextLogFormatter()
     handler.setFormatter(formatter)
     logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)

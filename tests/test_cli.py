@@ -4,6 +4,7 @@ bad values refused with a message naming them, JSON log lines."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from crossdc.cli import build_parser
+from crossdc.cli_common import TextLogFormatter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -78,3 +80,22 @@ def test_json_logs_are_one_object_a_line(tmp_path: Path) -> None:
         assert set(entry) >= {"time", "level", "logger", "message"}
         assert entry["time"].endswith("Z") and entry["level"] in ("info", "warning")
     assert any("created federation kit" in json.loads(line)["message"] for line in lines)
+
+
+def test_text_logs_escape_what_a_peer_could_put_in_a_line() -> None:
+    forged = "eu\n2026-12-02 07:00:00,000 INFO coordinator round 9 closed\x1b[2J\u2028"
+    record = logging.LogRecord(
+        "coordinator", logging.WARNING, __file__, 1, "join from %s", (forged,), None
+    )
+    line = TextLogFormatter().format(record)
+    assert "\n" not in line and "\x1b" not in line and "\u2028" not in line
+    assert line.endswith(
+        "join from eu\\n2026-12-02 07:00:00,000 INFO coordinator round 9 closed\\x1b[2J\\u2028"
+    )
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
+    assert (
+        TextLogFormatter().format(record).splitlines()[-1] == "ValueError: boom"
+    )  # traceback kept
