@@ -7,18 +7,19 @@ factory, profiled and cut by the partitioner, ``PipelineStage`` per stage, torch
 trains warm-up steps, then times every compute action of the measured steps
 (``crossdc.bench.pipeline_rank``). Per case:
 
-- ``bubble_measured``: ``1 - busy / (ranks * step_seconds)``, the share of the ranks' time spent
-  waiting for a neighbour. ``step_seconds`` runs from the earliest rank's ``schedule.step`` call
-  to the last action's end (the optimizer step after it is not part of a schedule). Busy is every
-  compute action (forward with the last stage's loss, backward, or the split backward's input and
-  weight parts) plus the schedule's own work before it (posting sends and receives): the gap
-  before an action whose input was already there, and that (stage, kind)'s mean such gap where
-  the rank waited for its input. Median over the measured steps.
-- ``bubble_simulated``: ``simulate`` on the order torch runs (``executed_order``, checked against
-  the traced order: ``order_matches``) fed each (stage, kind)'s mean cost as counted above and
-  the measured hand-off (``transfer_s``: the median delay from the end of an action on one rank
-  to the start of the action on another that was waiting for its output, less that action's own
-  work before it).
+- ``bubble_measured``: the share of the ranks' time spent waiting for a neighbour, over all the
+  measured steps (``1 - busy / (ranks * step time)``, pooled). A step runs from the earliest
+  rank's ``schedule.step`` call to the last action's end (the optimizer step after it is not part
+  of a schedule). Busy is every compute action (forward with the last stage's loss, backward, or
+  the split backward's input and weight parts) plus the schedule's own work before it (posting
+  sends and receives): the gap before an action whose input was already there, and that step's
+  mean such gap for the (stage, kind) where the rank waited for its input.
+- ``bubble_simulated``: each measured step simulated on the order torch runs (``executed_order``,
+  checked against the traced order: ``order_matches``) from that step's mean cost per (stage,
+  kind) counted as above and the measured hand-off (``transfer_s``: the median delay from the end
+  of an action on one rank to the start of the action on another that was waiting for its
+  output, less that action's own work), pooled over the steps as the measurement is.
+- ``compute_only``: the same comparison with compute alone as busy and the hand-off a pure delay.
 - ``bubble_ideal``: ``(p - 1) / (m + p - 1)`` for p pipeline ranks and m micro-batches.
 - ``bottleneck_predicted`` (the partition plan's, from rank 0's profile) and
   ``bottleneck_measured`` (the slowest stage's mean forward + backward per micro-batch).
@@ -129,6 +130,20 @@ def _runs(ranks: Sequence[dict[str, Any]], rank_of: dict[int, int]) -> list[_Run
     return runs
 
 
+def _costs(runs: Sequence[_Run], count_work: bool) -> tuple[dict[tuple[int, str], float], ...]:
+    """Per (stage, kind) over ``runs``: the mean cost (compute, and with ``count_work`` the
+    schedule's own work before the action) and that mean work alone."""
+    compute: dict[tuple[int, str], list[float]] = defaultdict(list)
+    overhead: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for run in runs:
+        key = (run.action.stage, run.action.kind)
+        compute[key].append(run.end - run.start)
+        if not run.waited and count_work:
+            overhead[key].append(run.start - run.free)
+    extra = {key: statistics.fmean(overhead[key]) if overhead[key] else 0.0 for key in compute}
+    return {key: statistics.fmean(v) + extra[key] for key, v in compute.items()}, extra
+
+
 def _compare(
     order: dict[int, list[Action]],
     steps: list[list[_Run]],
@@ -137,51 +152,46 @@ def _compare(
     count_work: bool,
 ) -> dict[str, Any]:
     """Measured against simulated bubble, busy time being compute and, with ``count_work``,
-    the schedule's own work before each action (see the module); without it, compute only."""
-    compute: dict[tuple[int, str], list[float]] = defaultdict(list)
-    overhead: dict[tuple[int, str], list[float]] = defaultdict(list)
-    for run in (run for runs in steps for run in runs):
-        key = (run.action.stage, run.action.kind)
-        compute[key].append(run.end - run.start)
-        if not run.waited and count_work:
-            overhead[key].append(run.start - run.free)
-    # Where the rank waited, the action's own work is its kind's mean gap, at most the time
-    # since its input was made.
-    extra = {key: statistics.fmean(overhead[key]) if overhead[key] else 0.0 for key in compute}
+    the schedule's own work before each action (see the module); without it, compute only.
 
-    def work_before(run: _Run) -> float:
+    Both sides pool the measured steps: the measured bubble is the idle share of all of them,
+    the simulated one that of every step simulated from its own mean costs, so a step slower
+    than the others (another process took a core) is slower on both sides."""
+    per_step = [_costs(runs, count_work) for runs in steps]
+
+    def work_before(run: _Run, extra: dict[tuple[int, str], float]) -> float:
+        """Where the rank waited, its action's kind's mean work, at most the time since its
+        input was made; elsewhere the whole gap before it."""
         if not count_work:
             return 0.0
         if run.waited and run.produced is not None:
             return min(extra[(run.action.stage, run.action.kind)], run.start - run.produced)
         return run.start - run.free
 
-    durations = {key: statistics.fmean(v) + extra[key] for key, v in compute.items()}
     delays = [
-        max(0.0, run.start - run.produced - work_before(run))
-        for runs in steps
+        max(0.0, run.start - run.produced - work_before(run, extra))
+        for runs, (_, extra) in zip(steps, per_step, strict=True)
         for run in runs
         if run.waited and run.produced is not None
     ]
-    bubbles, windows = [], []
-    for runs, start in zip(steps, starts, strict=True):
-        window = max(run.end for run in runs) - start
-        busy = math.fsum(run.end - run.start + work_before(run) for run in runs)
-        windows.append(window)
-        bubbles.append(1.0 - busy / (len(order) * window))
     transfer_s = statistics.median(delays) if delays else 0.0
-    sim = simulate(order, durations, transfer_s)
-    measured = statistics.median(bubbles)
+    windows, busy, sim_busy, sim_windows = [], 0.0, 0.0, []
+    for runs, start, (durations, extra) in zip(steps, starts, per_step, strict=True):
+        windows.append(max(run.end for run in runs) - start)
+        busy += math.fsum(run.end - run.start + work_before(run, extra) for run in runs)
+        sim = simulate(order, durations, transfer_s)
+        sim_busy += math.fsum(sim.busy_s)
+        sim_windows.append(sim.step_time_s)
+    measured = 1.0 - busy / (len(order) * math.fsum(windows))
+    simulated = 1.0 - sim_busy / (len(order) * math.fsum(sim_windows))
     return {
         "measured": measured,
-        "simulated": sim.bubble_fraction,
-        "rel_error": abs(measured / sim.bubble_fraction - 1.0)
-        if sim.bubble_fraction > 0
-        else abs(measured),
-        "step_seconds": statistics.median(windows),
-        "step_seconds_simulated": sim.step_time_s,
+        "simulated": simulated,
+        "rel_error": abs(measured / simulated - 1.0) if simulated > 0 else abs(measured),
+        "step_seconds": statistics.fmean(windows),
+        "step_seconds_simulated": statistics.fmean(sim_windows),
         "transfer_s": transfer_s,
-        "durations": durations,
+        "durations": _costs([run for runs in steps for run in runs], count_work)[0],
     }
 
 
