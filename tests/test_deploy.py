@@ -157,6 +157,7 @@ def _tick(coord: CoordinatorMetrics, site: SiteMetrics, stop: threading.Event) -
         coord.rejected.labels(reason="stale_round").inc(5)  # CrossdcRejectedSurge
         coord.wire_bytes.labels(direction="in").inc(1e5)
         coord.trust_refused.labels(reason="dropped_ca").inc()  # CrossdcTrustReloadRefused
+        site.trust_refused("bad_signature")  # CrossdcSiteTrustReloadRefused
 
 
 # Alerts the fixture's values must put into pending (alertname, labels that must match).
@@ -174,6 +175,7 @@ EXPECTED_PENDING = [
     ("CrossdcCertificateExpiring", {"site": "eu", "job": "crossdc-coordinator"}),
     ("CrossdcCACertificateExpiring", {"job": "crossdc-coordinator", "ca": "00aa00aa00aa00aa"}),
     ("CrossdcTrustReloadRefused", {"reason": "dropped_ca"}),
+    ("CrossdcSiteTrustReloadRefused", {"site": "eu", "reason": "bad_signature"}),
 ]
 # Alerts the fixture's values must not raise (alertname, labels of the alerts that must not be).
 EXPECTED_QUIET = [

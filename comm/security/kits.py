@@ -25,9 +25,11 @@ import json
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import zmq
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -492,3 +494,105 @@ def file_stamp(path: Path) -> tuple[int, ...]:
 
 RefuseCallback = Callable[[str, str], None]
 """``on_refuse(reason, detail)``: trust material on disk that a running role refused to load."""
+
+
+class SiteKitWatcher:
+    """A running site's certificate and trust bundle, re-read when they change on disk.
+
+    :meth:`poll` (called from the agent's loop) looks at ``site.pem`` and ``ca.pem`` at most
+    every ``interval_s``; when either changed it loads the kit again as :func:`load_site_kit`
+    does. A kit that passes and certifies the CURVE key the agent runs with replaces the loaded
+    one: that is how a site moves to a certificate of a new CA during a CA rollover, without a
+    restart. Anything else (a file that does not parse, a certificate of no CA in ``ca.pem``,
+    expired, for another site or another key) is refused: counted in ``refused`` by reason,
+    reported to ``on_refuse`` and logged, and the loaded kit stays. Copy ``ca.pem`` before
+    ``site.pem``: a new certificate needs its CA in the bundle.
+    """
+
+    def __init__(
+        self,
+        kit_dir: str | Path,
+        kit: SiteKit,
+        *,
+        on_refuse: RefuseCallback | None = None,
+        interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.kit_dir = Path(kit_dir)
+        self.kit = kit
+        self.refused: Counter[str] = Counter()
+        self._on_refuse = on_refuse
+        self._interval_s = interval_s
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._checked_at = clock()
+        self._stamp = self._read_stamp()
+
+    def _read_stamp(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(file_stamp(self.kit_dir / name) for name in (SITE_CERT, CA_CERT))
+
+    def poll(self) -> SiteKit | None:
+        """The new kit when one was loaded now; None when nothing changed or it was refused."""
+        if self._clock() - self._checked_at < self._interval_s:
+            return None
+        self._checked_at = self._clock()
+        stamp = self._read_stamp()
+        if stamp == self._stamp:
+            return None
+        self._stamp = stamp
+        return self.reload()
+
+    def reload(self) -> SiteKit | None:
+        """Load the kit again now (see the class); the new kit, or None."""
+        site_id = self.kit.site_id
+        try:
+            kit = load_site_kit(self.kit_dir, site_id=site_id, now=self._wall_clock())
+            if kit.curve != self.kit.curve:
+                raise AuthError(
+                    "unknown_key",
+                    f"the kit now holds another CURVE key {key_fingerprint(kit.curve.public)}; "
+                    f"the agent runs with {key_fingerprint(self.kit.curve.public)}: restart it "
+                    "to use the new key",
+                )
+        except (OSError, ValueError) as exc:
+            reason = exc.reason if isinstance(exc, AuthError) else "unreadable"
+            detail = exc.detail if isinstance(exc, AuthError) else str(exc)
+            self.refused[reason] += 1
+            log.error(
+                "[site=%s] refused the kit in %s: %s: %s; keeping certificate serial=%s of CA %s",
+                site_id,
+                self.kit_dir,
+                reason,
+                detail,
+                self.kit.certificate.serial,
+                self.kit.ca.fingerprint,
+            )
+            if self._on_refuse is not None:
+                self._on_refuse(reason, detail)
+            return None
+        if kit.certificate.serial == self.kit.certificate.serial and kit.cas == self.kit.cas:
+            return None
+        self.kit = kit
+        log.info(
+            "[site=%s] loaded certificate serial=%s of CA %s (trusting CA %s) valid until %d, "
+            "without a restart",
+            site_id,
+            kit.certificate.serial,
+            kit.ca.fingerprint,
+            ", ".join(c.fingerprint for c in kit.cas),
+            kit.certificate.not_after,
+        )
+        return kit
+
+    def status(self) -> dict[str, Any]:
+        """The loaded certificate, for the site's status document."""
+        cert = self.kit.certificate
+        return {
+            "certificate": {
+                "serial": cert.serial,
+                "not_after": cert.not_after,
+                "ca": self.kit.ca.fingerprint,
+                "trusted_cas": [c.fingerprint for c in self.kit.cas],
+            }
+        }
