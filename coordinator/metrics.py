@@ -49,6 +49,38 @@ class _CertificateExpiry(Collector):
         yield family
 
 
+CASource = Callable[[], Iterable[tuple[str, float]]]
+"""The CAs the coordinator trusts now, as ``(fingerprint, not_after)``: read at each scrape."""
+
+
+class _CAExpiry(Collector):
+    """``crossdc_ca_certificate_expiry_timestamp_seconds{ca}``, one per CA the coordinator
+    trusts (two during a CA rollover), read from the source at each scrape."""
+
+    NAME = "crossdc_ca_certificate_expiry_timestamp_seconds"
+
+    def __init__(self) -> None:
+        self.source: CASource | None = None
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            self.NAME,
+            "Expiry (notAfter, unix seconds) of each federation CA certificate the coordinator "
+            "trusts (ca: its key's fingerprint); no site certificate of a CA verifies after it",
+            labels=["ca"],
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        if self.source is not None:
+            for fingerprint, not_after in self.source():
+                family.add_metric([fingerprint], float(not_after))
+        yield family
+
+
 class CoordinatorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
@@ -189,10 +221,13 @@ class CoordinatorMetrics:
         self.build_info.labels(version=crossdc_version()).set(1)
         self._certificates = _CertificateExpiry()
         r.register(self._certificates)
-        self.ca_expiry = Gauge(
-            "crossdc_ca_certificate_expiry_timestamp_seconds",
-            "Expiry (notAfter, unix seconds) of the federation CA certificate the coordinator runs "
-            "with; no site certificate verifies after it",
+        self._cas = _CAExpiry()
+        r.register(self._cas)
+        self.trust_refused = Counter(
+            "crossdc_trust_reload_refused_total",
+            "Changes to the kit's trust material (ca.pem, retired/, crl.pem) the running "
+            "coordinator refused to load, keeping what it had",
+            ["reason"],
             registry=r,
         )
         self.http_refused = Counter(
@@ -205,6 +240,10 @@ class CoordinatorMetrics:
     def watch_certificates(self, source: CertificateSource) -> None:
         """Expose the expiry of the certificates ``source()`` returns, at every scrape."""
         self._certificates.source = source
+
+    def watch_cas(self, source: CASource) -> None:
+        """Expose the expiry of the CAs ``source()`` returns, at every scrape."""
+        self._cas.source = source
 
     def refused(self, reason: str) -> None:
         self.http_refused.labels(reason=reason).inc()

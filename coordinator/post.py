@@ -68,9 +68,11 @@ class PostOffice:
         self._ctx = zmq.Context()
         channel_cfg = self._cfg.channel
         if self._kit is not None:
-            self.registry = CertificateRegistry.from_kit(self._kit.kit_dir)
+            self.registry = CertificateRegistry.from_kit(
+                self._kit.kit_dir, on_refuse=self._on_trust_refused
+            )
             self._metrics.watch_certificates(self._trusted_certificates)
-            self._metrics.ca_expiry.set(self._kit.ca_not_after)
+            self._metrics.watch_cas(self._trusted_cas)
             self._zap = ZapHandler(self._ctx, self.registry, on_reject=self._on_auth_reject)
             self._zap.start()
             channel_cfg = replace(channel_cfg, curve=self._kit.curve)
@@ -197,6 +199,17 @@ class PostOffice:
         if registry is None:
             return []
         return [(c.site_id, c.serial, c.not_after) for c in registry.trusted_certificates()]
+
+    def _trusted_cas(self) -> list[tuple[str, float]]:
+        """(fingerprint, not_after) of each CA the registry trusts (HTTP thread)."""
+        registry = self.registry
+        if registry is None:
+            return []
+        return [(ca.fingerprint, ca.not_after) for ca in registry.trusted_cas()]
+
+    def _on_trust_refused(self, reason: str, detail: str) -> None:
+        """Trust material in the kit the registry refused to load (any thread)."""
+        self._metrics.trust_refused.labels(reason=reason).inc()
 
     def _on_wire_reject(self, peer: bytes, code: ErrorCode, detail: str) -> None:
         self._metrics.rejected.labels(reason=code.name.lower()).inc()

@@ -1,4 +1,5 @@
-"""``crossdc keys``: create a federation kit, issue and revoke sites, migrate an older kit."""
+"""``crossdc keys``: create a federation kit, issue and revoke sites, roll the CA over, migrate an
+older kit."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
     from comm.security.common import AuthError
     from comm.security.kits import init_kit, issue_site, revoke_site
     from comm.security.migrate import migrate_kit
+    from comm.security.rollover import retire_ca, rotate_ca
 
     try:
         if args.keys_command == "init":
@@ -46,6 +48,30 @@ def cmd_keys(args: argparse.Namespace) -> int:
                     for site in sorted({c.site_id for c in done.certificates})
                 },
             }
+        elif args.keys_command == "rotate-ca":
+            rolled = rotate_ca(args.kit, ca_days=args.ca_days, days=args.days)
+            out = {
+                "ca_fingerprint": rolled.ca.fingerprint,
+                "ca_not_after": rolled.ca.not_after,
+                "previous_ca_fingerprint": rolled.previous_ca.fingerprint,
+                "previous_ca_not_after": rolled.previous_ca.not_after,
+                "certificates": [
+                    {"site_id": c.site_id, "serial": c.serial, "not_after": c.not_after}
+                    for c in rolled.certificates
+                ],
+                "coordinator_files": [str(p) for p in rolled.coordinator_files],
+                "site_files": {s: [str(p) for p in f] for s, f in rolled.site_files.items()},
+            }
+        elif args.keys_command == "retire-ca":
+            retired = retire_ca(args.kit, force=args.force)
+            out = {
+                "retired_ca_fingerprint": retired.retired_ca.fingerprint,
+                "ca_fingerprint": retired.ca.fingerprint,
+                "revoked_serials": list(retired.revoked),
+                "record_dir": str(retired.record_dir),
+                "coordinator_files": [str(p) for p in retired.coordinator_files],
+                "site_files": {s: [str(p) for p in f] for s, f in retired.site_files.items()},
+            }
         else:
             out = {"site_id": args.site, "revoked_serials": revoke_site(args.kit, args.site)}
     except (ValueError, OSError, AuthError) as exc:
@@ -60,7 +86,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def add_keys_command(sub: SubParsers) -> None:
-    """``keys init``, ``keys issue``, ``keys revoke`` and ``keys migrate``."""
+    """``keys init``, ``issue``, ``revoke``, ``rotate-ca``, ``retire-ca`` and ``migrate``."""
     k = add_command(sub, "keys", help="federation keys: CA, coordinator and site kits")
     ksub = k.add_subparsers(dest="keys_command", required=True)
     ki = add_command(ksub, "init", help="create a federation kit (CA and coordinator keys)")
@@ -80,6 +106,35 @@ def add_keys_command(sub: SubParsers) -> None:
     kr.add_argument("--kit", required=True)
     kr.add_argument("--site", required=True)
     kr.add_argument("--json", action="store_true")
+    kc = add_command(
+        ksub,
+        "rotate-ca",
+        help="start a CA rollover: a new CA, trusted beside the current one, and every site's "
+        "certificate re-issued under it (same keys)",
+    )
+    kc.add_argument("--kit", required=True)
+    kc.add_argument(
+        "--ca-days", type=float, default=3650.0, help="the new CA certificate's validity (days)"
+    )
+    kc.add_argument(
+        "--days",
+        type=float,
+        default=None,
+        help="the re-issued certificates' validity from now (days; default: each keeps its expiry)",
+    )
+    kc.add_argument("--json", action="store_true")
+    kx = add_command(
+        ksub,
+        "retire-ca",
+        help="end a CA rollover: the previous CA revokes what it issued and is trusted no more",
+    )
+    kx.add_argument("--kit", required=True)
+    kx.add_argument(
+        "--force",
+        action="store_true",
+        help="retire even if a site's key holds a certificate of the previous CA only",
+    )
+    kx.add_argument("--json", action="store_true")
     km = add_command(
         ksub, "migrate", help="convert a format-1 kit to X.509, keeping every site's identity"
     )

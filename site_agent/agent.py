@@ -20,7 +20,7 @@ from dataclasses import replace as dc_replace
 from typing import Any
 
 from comm.codecs.feedback import ErrorFeedback
-from comm.security.kits import SiteKit, load_site_kit
+from comm.security.kits import SiteKit, SiteKitWatcher, load_site_kit
 from comm.wire.schema import (
     Error,
     Global,
@@ -69,6 +69,14 @@ class SiteAgent:
         self.trainer = trainer
         self.metrics = metrics = metrics or SiteMetrics(cfg.site_id)
         kit = _load_kit(cfg, metrics)
+        # A new certificate or trust bundle in the kit is loaded while the agent runs.
+        self.kit_watch = (
+            SiteKitWatcher(
+                cfg.security.kit_dir, kit, on_refuse=lambda reason, _: metrics.trust_refused(reason)
+            )
+            if kit is not None
+            else None
+        )
         self.rounds = SiteRounds()
         # The uplink's residuals: the sender's, checkpointed.
         feedback = ErrorFeedback(decay=cfg.error_feedback_decay)
@@ -105,6 +113,7 @@ class SiteAgent:
                 self.evaluator.status,
                 self.sender.status,
                 self._trainer_status,
+                *([self.kit_watch.status] if self.kit_watch is not None else []),
             ],
         )
         self.http = status_server(cfg, metrics, self.status_doc)
@@ -287,6 +296,9 @@ class SiteAgent:
         return None if msg is None else self._dispatch(msg)
 
     def _check_link(self) -> None:
+        if self.kit_watch is not None and (kit := self.kit_watch.poll()) is not None:
+            self.metrics.certificate_expiry(kit.certificate.not_after)
+            self.status_doc.write()
         lost = self.session.check_link()
         if lost is not None:
             self.sender.resend_unanswered(

@@ -148,6 +148,13 @@ class SiteMetrics:
             lab,
             registry=r,
         )
+        self._trust_refused = Counter(
+            "crossdc_site_trust_reload_refused_total",
+            "Changes to the site's kit (site.pem, ca.pem) the running agent refused to load, "
+            "keeping the certificate it had",
+            ["site", "reason"],
+            registry=r,
+        )
         self._http_refused = Counter(
             "crossdc_site_http_refused_total",
             "Requests to /metrics or /status refused (TLS handshake, missing or wrong credentials)",
@@ -200,6 +207,9 @@ class SiteMetrics:
 
     def certificate_expiry(self, not_after: float) -> None:
         self._cert_expiry.labels(site=self.site_id).set(not_after)
+
+    def trust_refused(self, reason: str) -> None:
+        self._trust_refused.labels(site=self.site_id, reason=reason).inc()
 
     def refused(self, reason: str) -> None:
         self._http_refused.labels(site=self.site_id, reason=reason).inc()

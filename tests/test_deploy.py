@@ -137,7 +137,11 @@ def _populate(coord: CoordinatorMetrics, site: SiteMetrics) -> None:
         ("us", "us-2", now + 80 * DAY_S),
     ]
     coord.watch_certificates(lambda: certificates)
-    coord.ca_expiry.set(now + 30 * DAY_S)  # CrossdcCACertificateExpiring
+    # A CA rollover: the previous CA expires in 30 days (CrossdcCACertificateExpiring), the new
+    # one in ten years.
+    coord.watch_cas(
+        lambda: [("00aa00aa00aa00aa", now + 30 * DAY_S), ("11bb11bb11bb11bb", now + 3650 * DAY_S)]
+    )
     coord.refused("wrong_credentials")
     site.refused("wrong_credentials")
     site.dp_epsilon(1.2)
@@ -154,6 +158,8 @@ def _tick(coord: CoordinatorMetrics, site: SiteMetrics, stop: threading.Event) -
         coord.rejected.labels(reason="stale_round").inc(5)  # CrossdcRejectedSurge
         coord.wire_bytes.labels(direction="in").inc(1e5)
         coord.identity_conflicts.labels(site="eu").inc()  # CrossdcIdentityConflict
+        coord.trust_refused.labels(reason="dropped_ca").inc()  # CrossdcTrustReloadRefused
+        site.trust_refused("bad_signature")  # CrossdcSiteTrustReloadRefused
 
 
 # Alerts the fixture's values must put into pending (alertname, labels that must match).
@@ -169,8 +175,10 @@ EXPECTED_PENDING = [
     ("CrossdcSiteGoodputLow", {"site": "eu"}),
     ("CrossdcSiteCertificateExpiring", {"site": "eu"}),
     ("CrossdcCertificateExpiring", {"site": "eu", "job": "crossdc-coordinator"}),
-    ("CrossdcCACertificateExpiring", {"job": "crossdc-coordinator"}),
+    ("CrossdcCACertificateExpiring", {"job": "crossdc-coordinator", "ca": "00aa00aa00aa00aa"}),
     ("CrossdcIdentityConflict", {"site": "eu", "job": "crossdc-coordinator"}),
+    ("CrossdcTrustReloadRefused", {"reason": "dropped_ca"}),
+    ("CrossdcSiteTrustReloadRefused", {"site": "eu", "reason": "bad_signature"}),
 ]
 # Alerts the fixture's values must not raise (alertname, labels of the alerts that must not be).
 EXPECTED_QUIET = [
@@ -179,6 +187,7 @@ EXPECTED_QUIET = [
     ("CrossdcValLossIncreasing", {}),
     ("CrossdcVersionMismatch", {}),  # both roles run this checkout's version
     ("CrossdcCertificateExpiring", {"site": "us"}),  # its newest certificate has 80 days left
+    ("CrossdcCACertificateExpiring", {"ca": "11bb11bb11bb11bb"}),  # the new CA: ten years
 ]
 
 

@@ -121,14 +121,19 @@ EXPR_CASES: dict[str, tuple[list[tuple[str, str]], list[tuple[str, float]]]] = {
             (f'{{{_COORD},site="ap"}}', -float(EVAL_S)),
         ],
     ),
+    # During a CA rollover both CAs are watched: the previous one expires soon, the new one not.
     "CrossdcCACertificateExpiring": (
         [
             (
-                f"crossdc_ca_certificate_expiry_timestamp_seconds{{{_COORD}}}",
-                f"{EVAL_S + 30 * DAY_S:.0f}x20",
+                f'crossdc_ca_certificate_expiry_timestamp_seconds{{{_COORD},ca="{ca}"}}',
+                f"{value:.0f}x20",
             )
+            for ca, value in [
+                ("00aa00aa00aa00aa", EVAL_S + 30 * DAY_S),
+                ("11bb11bb11bb11bb", EVAL_S + 3650 * DAY_S),
+            ]
         ],
-        [(f"{{{_COORD}}}", 30 * DAY_S)],
+        [(f'{{{_COORD},ca="00aa00aa00aa00aa"}}', 30 * DAY_S)],
     ),
     "CrossdcSiteCertificateExpiring": (
         [

@@ -5,6 +5,7 @@ it (``openssl x509 -text``, ``openssl verify -crl_check -CAfile ca.pem -CRLfile 
 
 - The CA certificate is self-signed with the CA's Ed25519 key, ``CN=crossdc federation CA
   <fingerprint>``, ``basicConstraints CA:TRUE, pathlen:0``, key usage ``keyCertSign, cRLSign``.
+  ``ca.pem`` is a bundle of such certificates: one, or two during a CA rollover.
 - A site certificate is signed by the CA; its subject is ``CN=<site id>``, its subject public key
   is the site's CURVE key (X25519, key usage ``keyAgreement``), the same key is carried in the
   non-critical extension :data:`CURVE_KEY_OID` as its Z85 text (what ZeroMQ configures), its
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -141,24 +142,21 @@ def make_ca_certificate(
 
 @dataclass(frozen=True, kw_only=True)
 class CACertificate:
-    """The federation CA as a running role trusts it: its key and its validity."""
+    """A federation CA as a running role trusts it: its key, its validity and its certificate."""
 
     public_key: Ed25519PublicKey
     name: x509.Name
     not_before: int
     not_after: int
+    pem: bytes
+    """The CA certificate as PEM (what ``ca.pem`` holds for it)."""
 
     @property
     def fingerprint(self) -> str:
         return key_fingerprint(self.public_key)
 
 
-def parse_ca_certificate(data: bytes) -> CACertificate:
-    """Parse and check the CA certificate: self-signed Ed25519, ``CA:TRUE``. Raises
-    :class:`AuthError` (``bad_signature``) naming what is wrong."""
-    cert = parsed(
-        "the CA certificate is not PEM X.509", lambda: x509.load_pem_x509_certificate(data)
-    )
+def _ca_from_x509(cert: x509.Certificate) -> CACertificate:
     malformed = "the CA certificate is malformed"
     public = parsed(malformed, cert.public_key)
     if not isinstance(public, Ed25519PublicKey):
@@ -179,13 +177,55 @@ def parse_ca_certificate(data: bytes) -> CACertificate:
         malformed, lambda: (cert.not_valid_before_utc, cert.not_valid_after_utc)
     )
     return CACertificate(
-        public_key=public, name=subject, not_before=_unix(not_before), not_after=_unix(not_after)
+        public_key=public,
+        name=subject,
+        not_before=_unix(not_before),
+        not_after=_unix(not_after),
+        pem=_pem(cert),
     )
 
 
+def parse_ca_bundle(data: bytes) -> tuple[CACertificate, ...]:
+    """Parse and check ``ca.pem``: the CA certificates a federation trusts, the current CA
+    (the one that issues) first. One outside a CA rollover; during one, the new CA then the
+    old one (``comm.security.rollover``). Each must be a self-signed Ed25519 ``CA:TRUE``
+    certificate, and no key may appear twice. Raises :class:`AuthError` (``bad_signature``)
+    naming what is wrong."""
+    certs = parsed(
+        "the CA certificate is not PEM X.509", lambda: x509.load_pem_x509_certificates(data)
+    )
+    cas: list[CACertificate] = []
+    for index, cert in enumerate(certs):
+        try:
+            ca = _ca_from_x509(cert)
+        except AuthError as exc:
+            where = f" (certificate {index + 1} of {len(certs)})" if len(certs) > 1 else ""
+            raise AuthError(exc.reason, exc.detail + where) from None
+        if any(c.fingerprint == ca.fingerprint for c in cas):
+            raise AuthError("bad_signature", f"CA {ca.fingerprint} appears twice in the bundle")
+        cas.append(ca)
+    return tuple(cas)
+
+
+def parse_ca_certificate(data: bytes) -> CACertificate:
+    """The current CA of ``ca.pem``: its first certificate, once every certificate in it
+    passed :func:`parse_ca_bundle`."""
+    return parse_ca_bundle(data)[0]
+
+
+def load_ca_bundle(path: str | Path) -> tuple[CACertificate, ...]:
+    """Read and check ``ca.pem`` (see :func:`parse_ca_bundle`)."""
+    return parse_ca_bundle(Path(path).read_bytes())
+
+
 def load_ca_certificate(path: str | Path) -> CACertificate:
-    """Read and check ``ca.pem`` (see :func:`parse_ca_certificate`)."""
+    """Read and check ``ca.pem``; its current CA (see :func:`parse_ca_certificate`)."""
     return parse_ca_certificate(Path(path).read_bytes())
+
+
+def ca_bundle_pem(cas: Iterable[CACertificate]) -> bytes:
+    """``ca.pem`` for these CAs, in this order (the current CA first)."""
+    return b"".join(ca.pem for ca in cas)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,6 +367,16 @@ class Certificate:
                 f"certificate serial={self.serial} of site {self.site_id!r} is not signed by "
                 f"CA {key_fingerprint(ca_public_key)}",
             ) from None
+
+    def issuer_among(self, cas: Iterable[CACertificate]) -> CACertificate | None:
+        """The CA of ``cas`` whose key signed this certificate, or None."""
+        for ca in cas:
+            try:
+                self.verify_signature(ca.public_key)
+            except AuthError:
+                continue
+            return ca
+        return None
 
     def verify(
         self,

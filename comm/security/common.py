@@ -32,6 +32,7 @@ KIT_FORMAT = 2
 MANIFEST = "kit.json"
 CA_KEY = "ca.key"
 CA_CERT = "ca.pem"
+PREVIOUS_CA_KEY = "previous-ca.key"
 COORDINATOR_CURVE_KEY = "coordinator.curve.key"
 COORDINATOR_CURVE_PUB = "coordinator.curve.pub"
 COORDINATOR_SIGN_KEY = "coordinator.sign.key"
@@ -44,6 +45,8 @@ SITE_CURVE_PUB = "site.curve.pub"
 SITE_CERT = "site.pem"
 CERT_SUFFIX = ".pem"
 SITE_TOML = "site.toml"
+ROLLOVER_DIR = "rollover"
+RETIRED_DIR = "retired"
 
 BLOB_KIND = "crossdc-blob-v1"
 

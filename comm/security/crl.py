@@ -2,11 +2,13 @@
 
 Its ``cRLNumber`` is its version, which only ever grows, so a coordinator refuses an older list
 put back in place of a newer one; each entry names a revoked certificate serial
-(``comm.security.certs``).
+(``comm.security.certs``). ``crl.pem`` holds one CRL per CA of ``ca.pem``: two during a CA
+rollover, each signed by its own CA (``openssl verify -CRLfile`` reads them all).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,23 +62,45 @@ class RevocationList:
         return _pem(builder.sign(ca_key, None))
 
 
-def parse_revocations(data: bytes | str, ca_public_key: Ed25519PublicKey) -> RevocationList:
-    """Parse and verify a CRL; raises :class:`AuthError` (``bad_signature``)."""
-    raw = data.encode("ascii", "replace") if isinstance(data, str) else data
-    malformed = "malformed revocation list (CRL)"
-    crl = parsed(malformed, lambda: x509.load_pem_x509_crl(raw))
+_CRL_BEGIN = b"-----BEGIN X509 CRL-----"
+_CRL_END = b"-----END X509 CRL-----"
+
+
+def _crl_blocks(raw: bytes) -> list[bytes]:
+    """The PEM CRLs in ``raw``, in order (anything between them is ignored, as openssl does)."""
+    blocks: list[bytes] = []
+    at = raw.find(_CRL_BEGIN)
+    while at >= 0:
+        end = raw.find(_CRL_END, at)
+        if end < 0:
+            raise AuthError("bad_signature", "malformed revocation list (CRL): no END line")
+        blocks.append(raw[at : end + len(_CRL_END)] + b"\n")
+        at = raw.find(_CRL_BEGIN, end)
+    if not blocks:
+        raise AuthError("bad_signature", "malformed revocation list (CRL): no PEM CRL in it")
+    return blocks
+
+
+_MALFORMED = "malformed revocation list (CRL)"
+
+
+def _parse_block(block: bytes) -> tuple[x509.CertificateRevocationList, int]:
+    crl = parsed(_MALFORMED, lambda: x509.load_pem_x509_crl(block))
     number = parsed(
-        malformed, lambda: crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
+        _MALFORMED,
+        lambda: crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number,
     )
-    fingerprint = key_fingerprint(ca_public_key)
-    if not parsed(malformed, lambda: crl.is_signature_valid(ca_public_key)):
-        raise AuthError("bad_signature", f"revocation list is not signed by CA {fingerprint}")
+    return crl, number
+
+
+def _signed_by(crl: x509.CertificateRevocationList, key: Ed25519PublicKey) -> bool:
+    return parsed(_MALFORMED, lambda: crl.is_signature_valid(key))
+
+
+def _revocation_list(crl: x509.CertificateRevocationList, number: int) -> RevocationList:
     issued_at, revoked = parsed(
-        malformed,
-        lambda: (
-            crl.last_update_utc,
-            [(r.serial_number, r.revocation_date_utc) for r in crl],
-        ),
+        _MALFORMED,
+        lambda: (crl.last_update_utc, [(r.serial_number, r.revocation_date_utc) for r in crl]),
     )
     return RevocationList(
         version=number,
@@ -87,6 +111,51 @@ def parse_revocations(data: bytes | str, ca_public_key: Ed25519PublicKey) -> Rev
     )
 
 
+def split_revocations(
+    data: bytes | str, ca_public_keys: Iterable[Ed25519PublicKey]
+) -> dict[str, bytes]:
+    """``crl.pem`` as its PEM CRLs by the fingerprint of the CA that signed each: one CRL per
+    CA of ``ca.pem`` (two during a CA rollover). Raises :class:`AuthError` (``bad_signature``)
+    for a malformed CRL, one signed by none of ``ca_public_keys``, or two from one CA."""
+    raw = data.encode("ascii", "replace") if isinstance(data, str) else data
+    keys = list(ca_public_keys)
+    out: dict[str, bytes] = {}
+    for block in _crl_blocks(raw):
+        crl, _number = _parse_block(block)
+        signer = next((k for k in keys if _signed_by(crl, k)), None)
+        if signer is None:
+            names = ", ".join(key_fingerprint(k) for k in keys)
+            raise AuthError("bad_signature", f"revocation list is not signed by CA {names}")
+        fingerprint = key_fingerprint(signer)
+        if fingerprint in out:
+            raise AuthError("bad_signature", f"two revocation lists of CA {fingerprint}")
+        out[fingerprint] = block
+    return out
+
+
+def parse_revocation_bundle(
+    data: bytes | str, ca_public_keys: Iterable[Ed25519PublicKey]
+) -> dict[str, RevocationList]:
+    """Parse and verify ``crl.pem``: each CA's revocation list by the CA's fingerprint (see
+    :func:`split_revocations`)."""
+    return {
+        fingerprint: _revocation_list(*_parse_block(block))
+        for fingerprint, block in split_revocations(data, ca_public_keys).items()
+    }
+
+
+def parse_revocations(data: bytes | str, ca_public_key: Ed25519PublicKey) -> RevocationList:
+    """Parse and verify the CRL of one CA; ``data`` may hold the CRLs of other CAs too (a
+    rollover's ``crl.pem``). Raises :class:`AuthError` (``bad_signature``)."""
+    raw = data.encode("ascii", "replace") if isinstance(data, str) else data
+    fingerprint = key_fingerprint(ca_public_key)
+    for block in _crl_blocks(raw):
+        crl, number = _parse_block(block)
+        if _signed_by(crl, ca_public_key):
+            return _revocation_list(crl, number)
+    raise AuthError("bad_signature", f"revocation list is not signed by CA {fingerprint}")
+
+
 def load_revocations(path: str | Path, ca_public_key: Ed25519PublicKey) -> RevocationList:
-    """Read and verify a CRL file (see :func:`parse_revocations`)."""
+    """Read and verify a CA's CRL from a file (see :func:`parse_revocations`)."""
     return parse_revocations(Path(path).read_bytes(), ca_public_key)

@@ -3,15 +3,20 @@
 A federation kit directory (:func:`init_kit`) holds::
 
     kit.json                    manifest (public values only; "format": 2)
-    ca.key        0600          CA Ed25519 private key (PEM; keep offline once sites are issued)
-    ca.pem                      CA certificate (X.509, self-signed)
+    ca.key        0600          the current CA's Ed25519 private key (PEM; keep offline once
+                                sites are issued)
+    ca.pem                      the CA certificates trusted (X.509, self-signed): the current
+                                CA's, and during a CA rollover the previous CA's after it
     coordinator.curve.key 0600  coordinator CURVE secret (Z85)
     coordinator.curve.pub       coordinator CURVE public key (Z85)
     coordinator.sign.key  0600  coordinator Ed25519 checkpoint-signing key (PEM)
     coordinator.sign.pub        its public key (PEM)
-    crl.pem                     CA-signed revocation list (X.509 CRL)
+    crl.pem                     each CA's signed revocation list (X.509 CRL)
     certs/<site>-<serial>.pem   every certificate issued (X.509; the coordinator trusts these)
     sites/<site>/               each site's startup kit, to ship to that site and then delete here
+
+and during and after a CA rollover (``comm.security.rollover``) ``previous-ca.key``,
+``rollover/<site>/`` and ``retired/<fingerprint>/``.
 """
 
 from __future__ import annotations
@@ -20,16 +25,20 @@ import json
 import logging
 import secrets
 import time
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import zmq
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from comm.security import legacy
 from comm.security.certs import (
+    CACertificate,
     Certificate,
-    load_ca_certificate,
+    load_ca_bundle,
     load_certificate,
     make_ca_certificate,
     make_site_certificate,
@@ -50,6 +59,7 @@ from comm.security.common import (
     CRL,
     KIT_FORMAT,
     MANIFEST,
+    PREVIOUS_CA_KEY,
     SITE_CERT,
     SITE_CURVE_KEY,
     SITE_CURVE_PUB,
@@ -63,7 +73,12 @@ from comm.security.common import (
     check_site_id,
     key_fingerprint,
 )
-from comm.security.crl import Revocation, RevocationList, load_revocations
+from comm.security.crl import (
+    Revocation,
+    RevocationList,
+    parse_revocation_bundle,
+    split_revocations,
+)
 from comm.security.identity import CurveKeys
 from comm.security.signing import (
     _private_pem,
@@ -157,10 +172,52 @@ def _write_manifest(kit: Path, fields: dict[str, object], *, replace: bool = Fal
     _write(kit / MANIFEST, body.encode(), _PUBLIC_MODE, replace=replace)
 
 
-def _write_crl(kit: Path, ca: Ed25519PrivateKey, revocations: RevocationList) -> None:
-    ca_cert = load_ca_certificate(kit / CA_CERT)
-    pem = revocations.to_pem(ca, next_update=ca_cert.not_after)
+def _crl_blocks(kit: Path, cas: Sequence[CACertificate]) -> dict[str, bytes]:
+    """The CRLs in ``crl.pem`` by the fingerprint of their CA (none when there is no file)."""
+    if not (kit / CRL).exists():
+        return {}
+    return split_revocations((kit / CRL).read_bytes(), [c.public_key for c in cas])
+
+
+def _write_crl_blocks(kit: Path, cas: Sequence[CACertificate], blocks: dict[str, bytes]) -> None:
+    """Write ``crl.pem``: the CRL of each CA of ``cas`` that ``blocks`` holds, in that order."""
+    pem = b"".join(blocks[c.fingerprint] for c in cas if c.fingerprint in blocks)
     _write(kit / CRL, pem, _PUBLIC_MODE, replace=(kit / CRL).exists())
+
+
+def _write_crl(kit: Path, ca: Ed25519PrivateKey, revocations: RevocationList) -> None:
+    """Sign ``revocations`` as the CRL of ``ca`` (a CA of ``ca.pem``) and put it in ``crl.pem``
+    in place of that CA's previous one, keeping the other CA's (during a rollover)."""
+    cas = load_ca_bundle(kit / CA_CERT)
+    fingerprint = key_fingerprint(ca.public_key())
+    ca_cert = next((c for c in cas if c.fingerprint == fingerprint), None)
+    if ca_cert is None:
+        raise ValueError(f"CA {fingerprint} is not in {str(kit / CA_CERT)!r}")
+    blocks = _crl_blocks(kit, cas)
+    blocks[fingerprint] = revocations.to_pem(ca, next_update=ca_cert.not_after)
+    _write_crl_blocks(kit, cas, blocks)
+
+
+def _ca_keys(kit: Path, cas: Sequence[CACertificate]) -> dict[str, Ed25519PrivateKey]:
+    """The CA private keys the kit holds, by fingerprint: ``ca.key`` (the current CA, first in
+    ``ca.pem``) and, during a CA rollover, ``previous-ca.key``. ValueError when a key file is
+    not the key of the CA it stands for."""
+    current = load_private_key(kit / CA_KEY)
+    if key_fingerprint(current.public_key()) != cas[0].fingerprint:
+        raise ValueError(
+            f"{CA_KEY} (CA {key_fingerprint(current.public_key())}) is not the key of the "
+            f"current CA {cas[0].fingerprint}, the first certificate of {CA_CERT}"
+        )
+    keys = {cas[0].fingerprint: current}
+    if (kit / PREVIOUS_CA_KEY).exists():
+        previous = load_private_key(kit / PREVIOUS_CA_KEY)
+        fingerprint = key_fingerprint(previous.public_key())
+        if fingerprint not in {c.fingerprint for c in cas[1:]}:
+            raise ValueError(
+                f"{PREVIOUS_CA_KEY} (CA {fingerprint}) is the key of no other CA in {CA_CERT}"
+            )
+        keys[fingerprint] = previous
+    return keys
 
 
 def _cert_path(kit: Path, cert: Certificate) -> Path:
@@ -210,15 +267,17 @@ def issue_site(
     target = Path(out_dir) if out_dir is not None else kit / SITES_DIR / site_id
     if target.exists():
         raise ValueError(f"refusing to overwrite {str(target)!r}: remove it or pass out_dir")
-    ca = load_private_key(kit / CA_KEY)
-    ca_cert = load_ca_certificate(kit / CA_CERT)
     with _kit_lock(kit):
+        cas = load_ca_bundle(kit / CA_CERT)
+        ca_cert = cas[0]
+        ca = _ca_keys(kit, cas)[ca_cert.fingerprint]
         start = int(time.time() if now is None else now)
         not_after = start + int(days * _SECONDS_PER_DAY)
         if not_after > ca_cert.not_after:
             raise ValueError(
                 f"a certificate for {days} days would outlive the CA certificate {CA_CERT}, which "
-                f"expires at {ca_cert.not_after}: issue for fewer days, or renew the CA"
+                f"expires at {ca_cert.not_after}: issue for fewer days, or roll the CA over "
+                "(crossdc keys rotate-ca)"
             )
         curve_public, curve_secret = zmq.curve_keypair()
         cert = make_site_certificate(
@@ -262,29 +321,53 @@ def issued_certificates(kit_dir: str | Path) -> list[Certificate]:
 def revoke_site(kit_dir: str | Path, site_id: str, *, now: float | None = None) -> list[str]:
     """Revoke every certificate issued to ``site_id``; returns the serials newly revoked.
 
-    Rewrites ``crl.pem`` (signed by the CA, cRLNumber + 1). A coordinator picks it up on its
-    registry's next reload; connections already authenticated are cut by the per-message check
-    (:meth:`CertificateRegistry.check_peer`).
+    Rewrites ``crl.pem``: the CRL of each CA that issued one of them, signed by that CA with
+    cRLNumber + 1 (during a CA rollover both CAs', which needs ``previous-ca.key`` too). A
+    coordinator picks it up on its registry's next reload; connections already authenticated
+    are cut by the per-message check (:meth:`CertificateRegistry.check_peer`).
     """
     check_site_id(site_id)
     kit = legacy.require_format(Path(kit_dir))
-    ca = load_private_key(kit / CA_KEY)
     with _kit_lock(kit):
-        current = load_revocations(kit / CRL, ca.public_key())
-        serials = [c.serial for c in issued_certificates(kit) if c.site_id == site_id]
-        if not serials:
+        cas = load_ca_bundle(kit / CA_CERT)
+        keys = _ca_keys(kit, cas)
+        certs = [c for c in issued_certificates(kit) if c.site_id == site_id]
+        if not certs:
             raise ValueError(f"no certificate was issued to site {site_id!r} in {str(kit)!r}")
         at = int(time.time() if now is None else now)
-        new = [s for s in serials if s not in current.serials]
-        if not new:
-            return []
-        updated = RevocationList(
-            version=current.version + 1,
-            issued_at=at,
-            entries=current.entries + tuple(Revocation(serial=s, revoked_at=at) for s in new),
-        )
-        _write_crl(kit, ca, updated)
-    log.info("[site=%s] revoked %d certificate(s): %s", site_id, len(new), ", ".join(new))
+        lists = parse_revocation_bundle((kit / CRL).read_bytes(), [c.public_key for c in cas])
+        new: list[str] = []
+        changed: dict[str, RevocationList] = {}
+        for ca in cas:
+            current = lists.get(ca.fingerprint)
+            if current is None:
+                raise ValueError(
+                    f"{str(kit / CRL)!r} holds no revocation list of CA {ca.fingerprint}: put "
+                    "back the kit's crl.pem (a list rebuilt empty would un-revoke)"
+                )
+            serials = [
+                c.serial
+                for c in certs
+                if c.issuer_among([ca]) is not None and c.serial not in current.serials
+            ]
+            if not serials:
+                continue
+            if ca.fingerprint not in keys:
+                raise ValueError(
+                    f"site {site_id!r} holds certificates of CA {ca.fingerprint}, whose key "
+                    f"{PREVIOUS_CA_KEY} is not in {str(kit)!r}: put it back to revoke them"
+                )
+            changed[ca.fingerprint] = RevocationList(
+                version=current.version + 1,
+                issued_at=at,
+                entries=current.entries
+                + tuple(Revocation(serial=s, revoked_at=at) for s in serials),
+            )
+            new += serials
+        for fingerprint, updated in changed.items():
+            _write_crl(kit, keys[fingerprint], updated)
+    if new:
+        log.info("[site=%s] revoked %d certificate(s): %s", site_id, len(new), ", ".join(new))
     return new
 
 
@@ -323,21 +406,20 @@ class CoordinatorKit:
     """Server keys for the ROUTER (``ChannelConfig.curve``)."""
     signing_key: Ed25519PrivateKey
     """Signs global checkpoints (:func:`sign_blob`)."""
-    ca_public_key: Ed25519PublicKey
-    ca_not_after: int
-    """When the CA certificate expires (unix seconds): no site certificate verifies after it."""
+    cas: tuple[CACertificate, ...]
+    """The CAs of ``ca.pem`` at startup, the current one first (two during a CA rollover). The
+    running coordinator follows ``ca.pem`` through its registry
+    (:class:`~comm.security.registry.CertificateRegistry`)."""
 
 
 def load_coordinator_kit(kit_dir: str | Path) -> CoordinatorKit:
     kit = legacy.role_kit(Path(kit_dir), "coordinator")
     public, secret = _load_curve(kit / COORDINATOR_CURVE_KEY, kit / COORDINATOR_CURVE_PUB)
-    ca = load_ca_certificate(kit / CA_CERT)
     return CoordinatorKit(
         kit_dir=kit,
         curve=CurveKeys(public=public, secret=secret),
         signing_key=load_private_key(kit / COORDINATOR_SIGN_KEY),
-        ca_public_key=ca.public_key,
-        ca_not_after=ca.not_after,
+        cas=load_ca_bundle(kit / CA_CERT),
     )
 
 
@@ -349,7 +431,10 @@ class SiteKit:
     curve: CurveKeys
     """Client keys for the DEALER (``ChannelConfig.curve``, with the coordinator's key)."""
     certificate: Certificate
-    ca_public_key: Ed25519PublicKey
+    ca: CACertificate
+    """The CA of the kit's ``ca.pem`` that signed ``certificate``."""
+    cas: tuple[CACertificate, ...]
+    """Every CA of the kit's ``ca.pem`` (two during a CA rollover)."""
     coordinator_sign_public: Ed25519PublicKey
     """Verifies the coordinator's signed checkpoints (:func:`verify_blob`)."""
 
@@ -360,15 +445,23 @@ _EXPIRY_WARNING_S = 7 * _SECONDS_PER_DAY
 def load_site_kit(
     site_kit_dir: str | Path, *, site_id: str | None = None, now: float | None = None
 ) -> SiteKit:
-    """Load and check a site's startup kit: its certificate must be signed by the kit's CA,
-    certify the kit's own CURVE key (and ``site_id`` when given) and be valid now; otherwise
-    :class:`AuthError` explains why, before any connection is refused for it."""
+    """Load and check a site's startup kit: its certificate must be signed by a CA of the kit's
+    ``ca.pem``, certify the kit's own CURVE key (and ``site_id`` when given) and be valid now;
+    otherwise :class:`AuthError` explains why, before any connection is refused for it."""
     kit = legacy.role_kit(Path(site_kit_dir), "site")
     at = time.time() if now is None else now
     public, secret = _load_curve(kit / SITE_CURVE_KEY, kit / SITE_CURVE_PUB)
     cert = load_certificate(kit / SITE_CERT)
-    ca_public = load_ca_certificate(kit / CA_CERT).public_key
-    cert.verify(ca_public, at, site_id=site_id)
+    cas = load_ca_bundle(kit / CA_CERT)
+    ca = cert.issuer_among(cas)
+    if ca is None:
+        raise AuthError(
+            "bad_signature",
+            f"{SITE_CERT} (serial={cert.serial}, site {cert.site_id!r}) in {str(kit)!r} is "
+            f"signed by no CA of its {CA_CERT} ({', '.join(c.fingerprint for c in cas)}); during "
+            f"a CA rollover, install the new {CA_CERT} before the new {SITE_CERT}",
+        )
+    cert.verify(ca.public_key, at, site_id=site_id)
     if cert.curve_public != public:
         raise AuthError("unknown_key", f"{SITE_CERT} in {str(kit)!r} certifies another CURVE key")
     if cert.not_after - at < _EXPIRY_WARNING_S:
@@ -383,6 +476,123 @@ def load_site_kit(
         site_id=cert.site_id,
         curve=CurveKeys(public=public, secret=secret, server_public=server_public),
         certificate=cert,
-        ca_public_key=ca_public,
+        ca=ca,
+        cas=cas,
         coordinator_sign_public=load_public_key(kit / COORDINATOR_SIGN_PUB),
     )
+
+
+def file_stamp(path: Path) -> tuple[int, ...]:
+    """What changes when a file is written or replaced, however it is copied (``cp -p`` keeps the
+    modification time, not the inode or the change time); all -1 when it is missing."""
+    try:
+        st = path.stat()
+    except OSError:
+        return (-1, -1, -1, -1)
+    return (st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_size)
+
+
+RefuseCallback = Callable[[str, str], None]
+"""``on_refuse(reason, detail)``: trust material on disk that a running role refused to load."""
+
+
+class SiteKitWatcher:
+    """A running site's certificate and trust bundle, re-read when they change on disk.
+
+    :meth:`poll` (called from the agent's loop) looks at ``site.pem`` and ``ca.pem`` at most
+    every ``interval_s``; when either changed it loads the kit again as :func:`load_site_kit`
+    does. A kit that passes and certifies the CURVE key the agent runs with replaces the loaded
+    one: that is how a site moves to a certificate of a new CA during a CA rollover, without a
+    restart. Anything else (a file that does not parse, a certificate of no CA in ``ca.pem``,
+    expired, for another site or another key) is refused: counted in ``refused`` by reason,
+    reported to ``on_refuse`` and logged, and the loaded kit stays. Copy ``ca.pem`` before
+    ``site.pem``: a new certificate needs its CA in the bundle.
+    """
+
+    def __init__(
+        self,
+        kit_dir: str | Path,
+        kit: SiteKit,
+        *,
+        on_refuse: RefuseCallback | None = None,
+        interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.kit_dir = Path(kit_dir)
+        self.kit = kit
+        self.refused: Counter[str] = Counter()
+        self._on_refuse = on_refuse
+        self._interval_s = interval_s
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._checked_at = clock()
+        self._stamp = self._read_stamp()
+
+    def _read_stamp(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(file_stamp(self.kit_dir / name) for name in (SITE_CERT, CA_CERT))
+
+    def poll(self) -> SiteKit | None:
+        """The new kit when one was loaded now; None when nothing changed or it was refused."""
+        if self._clock() - self._checked_at < self._interval_s:
+            return None
+        self._checked_at = self._clock()
+        stamp = self._read_stamp()
+        if stamp == self._stamp:
+            return None
+        self._stamp = stamp
+        return self.reload()
+
+    def reload(self) -> SiteKit | None:
+        """Load the kit again now (see the class); the new kit, or None."""
+        site_id = self.kit.site_id
+        try:
+            kit = load_site_kit(self.kit_dir, site_id=site_id, now=self._wall_clock())
+            if kit.curve != self.kit.curve:
+                raise AuthError(
+                    "unknown_key",
+                    f"the kit now holds another CURVE key {key_fingerprint(kit.curve.public)}; "
+                    f"the agent runs with {key_fingerprint(self.kit.curve.public)}: restart it "
+                    "to use the new key",
+                )
+        except (OSError, ValueError) as exc:
+            reason = exc.reason if isinstance(exc, AuthError) else "unreadable"
+            detail = exc.detail if isinstance(exc, AuthError) else str(exc)
+            self.refused[reason] += 1
+            log.error(
+                "[site=%s] refused the kit in %s: %s: %s; keeping certificate serial=%s of CA %s",
+                site_id,
+                self.kit_dir,
+                reason,
+                detail,
+                self.kit.certificate.serial,
+                self.kit.ca.fingerprint,
+            )
+            if self._on_refuse is not None:
+                self._on_refuse(reason, detail)
+            return None
+        if kit.certificate.serial == self.kit.certificate.serial and kit.cas == self.kit.cas:
+            return None
+        self.kit = kit
+        log.info(
+            "[site=%s] loaded certificate serial=%s of CA %s (trusting CA %s) valid until %d, "
+            "without a restart",
+            site_id,
+            kit.certificate.serial,
+            kit.ca.fingerprint,
+            ", ".join(c.fingerprint for c in kit.cas),
+            kit.certificate.not_after,
+        )
+        return kit
+
+    def status(self) -> dict[str, Any]:
+        """The loaded certificate, for the site's status document."""
+        cert = self.kit.certificate
+        return {
+            "certificate": {
+                "serial": cert.serial,
+                "not_after": cert.not_after,
+                "ca": self.kit.ca.fingerprint,
+                "trusted_cas": [c.fingerprint for c in self.kit.cas],
+            }
+        }

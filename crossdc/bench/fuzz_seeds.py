@@ -24,7 +24,7 @@ import msgpack
 import numpy as np
 
 from comm.codecs.registry import get_codec
-from comm.security.certs import make_ca_certificate, make_site_certificate
+from comm.security.certs import make_ca_certificate, make_site_certificate, parse_ca_certificate
 from comm.security.crl import Revocation, RevocationList
 from comm.security.registry import CertificateRegistry
 from comm.security.zap import DOMAIN, ZAP_VERSION
@@ -32,6 +32,9 @@ from comm.wire.chunking import split_frames
 from comm.wire.frames import to_wire
 from comm.wire.schema import MESSAGE_CLASSES, ChunkAck, Message, MessageType
 from comm.wire.tensors import encode_tensors
+
+if typing.TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 CHUNK_BYTES = 512
 """Small, so that the seeds' messages span several chunks."""
@@ -96,6 +99,7 @@ class Pki:
     site_der: bytes
     crl_der: bytes
     site_public: bytes
+    ca_public_key: Ed25519PublicKey
     registry: CertificateRegistry
 
 
@@ -130,8 +134,9 @@ def pki() -> Pki:
         entries=(Revocation(serial="2b", revoked_at=now), Revocation(serial="ff", revoked_at=now)),
     )
     crl_pem = revs.to_pem(ca_key, next_update=now + 86400)
-    registry = CertificateRegistry(ca_key.public_key(), [site], revs)
-    return Pki(der_of(ca_pem), site.der, der_of(crl_pem), public, registry)
+    ca = parse_ca_certificate(ca_pem)
+    registry = CertificateRegistry([ca], [site], {ca.fingerprint: revs})
+    return Pki(der_of(ca_pem), site.der, der_of(crl_pem), public, ca.public_key, registry)
 
 
 NOW = 1_700_000_100.0

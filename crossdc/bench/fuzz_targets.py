@@ -27,9 +27,9 @@ import numpy as np
 
 from comm.codecs.base import EncodedTensor
 from comm.codecs.registry import get_codec
-from comm.security.certs import Certificate, parse_ca_certificate
+from comm.security.certs import Certificate, parse_ca_bundle, parse_ca_certificate
 from comm.security.common import AuthError
-from comm.security.crl import parse_revocations
+from comm.security.crl import parse_revocation_bundle, parse_revocations
 from comm.security.zap import decide
 from comm.transport.credit import TransferConfig
 from comm.transport.receiver import TransferReceiver
@@ -309,15 +309,30 @@ def _ack(data: bytes) -> None:
 
 def _certificate(data: bytes) -> None:
     cert = Certificate.from_pem(pem_of(data, "CERTIFICATE"))
-    cert.verify(pki().registry.ca_public_key, NOW, site_id="eu", revoked={"2b"})
+    cert.verify(pki().ca_public_key, NOW, site_id="eu", revoked={"2b"})
 
 
 def _ca_certificate(data: bytes) -> None:
     parse_ca_certificate(pem_of(data, "CERTIFICATE"))
 
 
+def _ca_bundle(data: bytes) -> None:
+    """``ca.pem`` as a rollover writes it: PEM blocks of CA certificates, read as text."""
+    parse_ca_bundle(data)
+
+
+def _crl_bundle(data: bytes) -> None:
+    """``crl.pem`` of a rollover: one PEM CRL per CA, split and matched to its signer."""
+    parse_revocation_bundle(data, [pki().ca_public_key])
+
+
+def _bundle_seeds(der: bytes, kind: str) -> list[bytes]:
+    one = pem_of(der, kind) + b"\n"
+    return [one, one + one]
+
+
 def _crl(data: bytes) -> None:
-    parse_revocations(pem_of(data, "X509 CRL"), pki().registry.ca_public_key).serials  # noqa: B018
+    parse_revocations(pem_of(data, "X509 CRL"), pki().ca_public_key).serials  # noqa: B018
 
 
 def _zap(data: bytes) -> None:
@@ -343,5 +358,19 @@ def all_targets() -> list[Target]:
         Target("certificate", _certificate, (AuthError,), "raw", lambda: [pki().site_der]),
         Target("ca_certificate", _ca_certificate, (AuthError,), "raw", lambda: [pki().ca_der]),
         Target("crl", _crl, (AuthError,), "raw", lambda: [pki().crl_der]),
+        Target(
+            "ca_bundle",
+            _ca_bundle,
+            (AuthError,),
+            "raw",
+            lambda: _bundle_seeds(pki().ca_der, "CERTIFICATE"),
+        ),
+        Target(
+            "crl_bundle",
+            _crl_bundle,
+            (AuthError,),
+            "raw",
+            lambda: _bundle_seeds(pki().crl_der, "X509 CRL"),
+        ),
         Target("zap", _zap, (), "frames", zap_seeds),
     ]
