@@ -69,14 +69,7 @@ class SiteAgent:
         self.trainer = trainer
         self.metrics = metrics = metrics or SiteMetrics(cfg.site_id)
         kit = _load_kit(cfg, metrics)
-        # A new certificate or trust bundle in the kit is loaded while the agent runs.
-        self.kit_watch = (
-            SiteKitWatcher(
-                cfg.security.kit_dir, kit, on_refuse=lambda reason, _: metrics.trust_refused(reason)
-            )
-            if kit is not None
-            else None
-        )
+        self.kit_watch = _kit_watcher(cfg, kit, metrics)
         self.rounds = SiteRounds()
         # The uplink's residuals: the sender's, checkpointed.
         feedback = ErrorFeedback(decay=cfg.error_feedback_decay)
@@ -376,3 +369,14 @@ def _load_kit(cfg: SiteConfig, metrics: SiteMetrics) -> SiteKit | None:
     kit = load_site_kit(cfg.security.kit_dir, site_id=cfg.site_id)
     metrics.certificate_expiry(kit.certificate.not_after)
     return kit
+
+
+def _kit_watcher(
+    cfg: SiteConfig, kit: SiteKit | None, metrics: SiteMetrics
+) -> SiteKitWatcher | None:
+    """What loads a new certificate or trust bundle of the kit while the agent runs."""
+    if kit is None:
+        return None
+    return SiteKitWatcher(
+        cfg.security.kit_dir, kit, on_refuse=lambda reason, _: metrics.trust_refused(reason)
+    )
