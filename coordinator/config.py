@@ -9,8 +9,8 @@ from typing import Any
 
 from comm.ops.configio import load_section
 from comm.ops.httpsec import HttpSecurityConfig
-from comm.security.kits import SecurityConfig
 from comm.security.masking import SecAggConfig
+from comm.security.rolekits import SecurityConfig
 from comm.transport.profile import ChannelConfig
 from coordinator.faults import FaultPlan
 from coordinator.scheduler import directions

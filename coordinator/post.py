@@ -18,8 +18,8 @@ from typing import Any
 import zmq
 
 from comm.security.identity import PeerIdentity
-from comm.security.kits import CoordinatorKit
 from comm.security.registry import CertificateRegistry
+from comm.security.rolekits import CoordinatorKit
 from comm.security.zap import ZapHandler
 from comm.transport.router import RouterChannel
 from comm.wire.schema import ERROR_MEANINGS, Error, ErrorCode, Message

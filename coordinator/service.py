@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from comm.security.kits import load_coordinator_kit
 from comm.security.registry import CertificateRegistry
+from comm.security.rolekits import load_coordinator_kit
 from comm.transport.router import RouterChannel
 from coordinator.closing import Closing
 from coordinator.config import CoordinatorConfig

@@ -111,7 +111,7 @@ def kit_problem(workdir: Path, sites: list[str]) -> str | None:
     """Why the kits a previous demo left in ``workdir`` cannot serve this run (a kit of an older
     format, an expired certificate, a site without a kit), or None when they can."""
     from comm.security.common import AuthError
-    from comm.security.kits import load_coordinator_kit, load_site_kit
+    from comm.security.rolekits import load_coordinator_kit, load_site_kit
 
     try:
         load_coordinator_kit(workdir / "kit")

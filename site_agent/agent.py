@@ -20,7 +20,7 @@ from dataclasses import replace as dc_replace
 from typing import Any
 
 from comm.codecs.feedback import ErrorFeedback
-from comm.security.kits import SiteKit, SiteKitWatcher, load_site_kit
+from comm.security.rolekits import SiteKit, SiteKitWatcher, load_site_kit
 from comm.wire.schema import (
     Error,
     Global,

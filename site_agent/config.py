@@ -11,8 +11,8 @@ import torch
 
 from comm.ops.configio import load_section, merge
 from comm.ops.httpsec import HttpSecurityConfig
-from comm.security.kits import SecurityConfig
 from comm.security.masking import SecAggConfig
+from comm.security.rolekits import SecurityConfig
 from comm.transport.profile import ChannelConfig
 from site_agent.data import DataConfig
 from site_agent.jobs.contract import BYTEGPT_FACTORY

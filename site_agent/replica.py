@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from comm.codecs.feedback import ErrorFeedback
 from comm.durable import atomic_write
 from comm.security.common import AuthError
-from comm.security.kits import SiteKit
+from comm.security.rolekits import SiteKit
 from comm.security.signing import verify_blob
 from comm.wire.frames import WireError
 from comm.wire.schema import Global, RoundStart

@@ -21,13 +21,13 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from comm.codecs.base import EncodedTensor, NonFiniteError
 from comm.codecs.feedback import ErrorFeedback
 from comm.codecs.registry import get_codec
-from comm.security.kits import SiteKit
 from comm.security.masking import (
     Peer,
     SecAggConfig,
     x25519_from_curve_secret,
     x25519_public_bytes,
 )
+from comm.security.rolekits import SiteKit
 from comm.security.secagg import SecAggSession
 from comm.wire.schema import Message, RoundStart, Update
 from site_agent.config import SiteConfig

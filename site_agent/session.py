@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from comm.codecs.registry import get_codec
-from comm.security.kits import SiteKit
+from comm.security.rolekits import SiteKit
 from comm.transport.dealer import SiteLink
 from comm.transport.profile import ChannelConfig
 from comm.transport.stats import ChannelStats

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from comm.security.kits import issued_certificates, load_coordinator_kit, load_site_kit
+from comm.security.kits import issued_certificates
 from comm.security.registry import CertificateRegistry
+from comm.security.rolekits import load_coordinator_kit, load_site_kit
 from tests.support.containers import (
     FAST,
     KIT_SECRETS,

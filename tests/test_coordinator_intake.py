@@ -14,7 +14,7 @@ from comm.codecs.base import EncodedTensor
 from comm.codecs.floats import Fp32Codec
 from comm.codecs.registry import get_codec
 from comm.ops.observe import ObserveServer
-from comm.security.kits import SecurityConfig
+from comm.security.rolekits import SecurityConfig
 from comm.wire.schema import (
     Error,
     ErrorCode,

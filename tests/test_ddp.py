@@ -22,7 +22,7 @@ import torch
 
 from comm.codecs.base import EncodedTensor
 from comm.ops.configio import dump_toml
-from comm.security.kits import SecurityConfig
+from comm.security.rolekits import SecurityConfig
 from comm.transport.profile import ChannelConfig
 from comm.wire.schema import Message, StepGrad
 from comm.wire.tensors import state_hash

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from comm.security.kits import SecurityConfig, init_kit, issue_site, load_site_kit
+from comm.security.kits import init_kit, issue_site
+from comm.security.rolekits import SecurityConfig, load_site_kit
 from comm.transport.dealer import DealerChannel
 from comm.transport.profile import ChannelConfig
 from comm.wire.schema import Error, ErrorCode, Heartbeat, Join, Welcome

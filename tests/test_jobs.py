@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from comm.ops.configio import build, dump_toml
-from comm.security.kits import SecurityConfig
+from comm.security.rolekits import SecurityConfig
 from site_agent.config import SiteConfig
 from site_agent.data import DataConfig
 from site_agent.jobs.contract import (

@@ -42,16 +42,9 @@ from comm.security.common import (
     curve_raw,
 )
 from comm.security.crl import load_revocations, parse_revocations
-from comm.security.kits import (
-    SecurityConfig,
-    init_kit,
-    issue_site,
-    issued_certificates,
-    load_coordinator_kit,
-    load_site_kit,
-    revoke_site,
-)
+from comm.security.kits import init_kit, issue_site, issued_certificates, revoke_site
 from comm.security.registry import CertificateRegistry
+from comm.security.rolekits import SecurityConfig, load_coordinator_kit, load_site_kit
 from comm.security.signing import (
     blob_digest,
     generate_signing_key,

@@ -28,16 +28,10 @@ from comm.security.common import (
     key_fingerprint,
 )
 from comm.security.crl import load_revocations
-from comm.security.kits import (
-    init_kit,
-    issue_site,
-    issued_certificates,
-    load_coordinator_kit,
-    load_site_kit,
-    revoke_site,
-)
+from comm.security.kits import init_kit, issue_site, issued_certificates, revoke_site
 from comm.security.migrate import migrate_kit
 from comm.security.registry import CertificateRegistry
+from comm.security.rolekits import load_coordinator_kit, load_site_kit
 from comm.security.signing import load_private_key
 from crossdc import cli
 from tests.support.keys import auth_reason

@@ -29,14 +29,9 @@ from comm.security.common import (
     AuthError,
 )
 from comm.security.crl import parse_revocation_bundle
-from comm.security.kits import (
-    SiteKitWatcher,
-    init_kit,
-    issue_site,
-    load_site_kit,
-    revoke_site,
-)
+from comm.security.kits import init_kit, issue_site, revoke_site
 from comm.security.registry import CertificateRegistry
+from comm.security.rolekits import SiteKitWatcher, load_site_kit
 from comm.security.rollover import retire_ca, rotate_ca
 from comm.security.signing import load_private_key
 from crossdc.cli import main

@@ -22,14 +22,9 @@ from comm.security.common import (
     curve_raw,
     key_fingerprint,
 )
-from comm.security.kits import (
-    init_kit,
-    issue_site,
-    load_coordinator_kit,
-    load_site_kit,
-    revoke_site,
-)
+from comm.security.kits import init_kit, issue_site, revoke_site
 from comm.security.registry import CertificateRegistry
+from comm.security.rolekits import load_coordinator_kit, load_site_kit
 from comm.security.zap import DOMAIN, ZapHandler, decide, peer_of
 from comm.transport.dealer import DealerChannel
 from comm.transport.profile import ChannelConfig

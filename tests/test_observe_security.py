@@ -31,7 +31,8 @@ from comm.ops.httpsec import HttpSecurityConfig
 from comm.ops.observe import ObserveServer, crossdc_version
 from comm.security.certs import load_ca_certificate
 from comm.security.common import CA_CERT
-from comm.security.kits import SecurityConfig, init_kit, issue_site, revoke_site
+from comm.security.kits import init_kit, issue_site, revoke_site
+from comm.security.rolekits import SecurityConfig
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.service import Coordinator

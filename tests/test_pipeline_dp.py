@@ -26,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from comm.security.kits import SecurityConfig
+from comm.security.rolekits import SecurityConfig
 from site_agent.config import SiteConfig, load_site_config
 from site_agent.pipeline.layout import check_data_parallel
 from tests.support.procgroup import LocalProcessGroup

@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from comm.ops.configio import dump_toml
-from comm.security.kits import SecurityConfig, init_kit, issue_site, revoke_site
+from comm.security.kits import init_kit, issue_site, revoke_site
+from comm.security.rolekits import SecurityConfig
 from comm.wire.chunking import split_frames
 from comm.wire.frames import WireError, from_wire, to_wire
 from comm.wire.schema import PROTOCOL_VERSION, Heartbeat, Join, MessageType

@@ -25,7 +25,8 @@ import zmq
 
 from comm.security.certs import make_site_certificate
 from comm.security.common import CERTS_DIR, PREVIOUS_CA_KEY
-from comm.security.kits import SecurityConfig, init_kit, issue_site
+from comm.security.kits import init_kit, issue_site
+from comm.security.rolekits import SecurityConfig
 from comm.security.rollover import retire_ca, rotate_ca
 from comm.security.signing import load_private_key
 from comm.wire.frames import to_wire

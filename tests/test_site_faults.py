@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from comm.security.common import AuthError
-from comm.security.kits import SecurityConfig, init_kit, issue_site, revoke_site
+from comm.security.kits import init_kit, issue_site, revoke_site
 from comm.security.registry import CertificateRegistry
+from comm.security.rolekits import SecurityConfig
 from comm.transport.stats import ChannelStats
 from comm.wire.schema import (
     ERROR_MEANINGS,

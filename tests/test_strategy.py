@@ -135,8 +135,8 @@ def test_sparseloco_is_plain_sgd_on_the_mean_without_momentum() -> None:
 
 @pytest.mark.timeout(60)
 def test_outer_strategy_config_names_the_field() -> None:
-    from comm.security.kits import SecurityConfig
     from comm.security.masking import SecAggConfig
+    from comm.security.rolekits import SecurityConfig
     from coordinator.config import CoordinatorConfig
     from coordinator.service import _configured_strategy
     from coordinator.strategy import SparseLoCo
@@ -157,7 +157,7 @@ def test_outer_strategy_config_names_the_field() -> None:
 
 @pytest.mark.timeout(60)
 def test_site_error_feedback_decay_is_checked() -> None:
-    from comm.security.kits import SecurityConfig
+    from comm.security.rolekits import SecurityConfig
     from site_agent.config import SiteConfig
 
     base = {"site_id": "eu", "coordinator": "tcp://127.0.0.1:1"}

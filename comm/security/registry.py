@@ -29,8 +29,9 @@ from comm.security.common import (
     key_fingerprint,
 )
 from comm.security.crl import RevocationList, parse_revocation_bundle
-from comm.security.kits import RefuseCallback, file_stamp, issued_certificates
+from comm.security.kits import issued_certificates
 from comm.security.legacy import role_kit
+from comm.security.rolekits import RefuseCallback, file_stamp
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ certificate of the previous CA only, unless forced.
 
 A running coordinator picks each step up from the kit directory
 (:class:`~comm.security.registry.CertificateRegistry`), and a running site from its own kit
-(:class:`~comm.security.kits.SiteKitWatcher`); neither restarts. The coordinator's CURVE and
+(:class:`~comm.security.rolekits.SiteKitWatcher`); neither restarts. The coordinator's CURVE and
 signing keys are not certificates (sites pin them): a rollover leaves them as they are.
 """
 

@@ -24,7 +24,7 @@ import numpy as np
 import zmq
 
 from comm.codecs.registry import get_codec
-from comm.security.kits import load_site_kit
+from comm.security.rolekits import load_site_kit
 from comm.transport.dealer import DealerChannel
 from comm.transport.profile import ChannelConfig
 from comm.wire.chunking import split_frames

@@ -14,7 +14,7 @@ import zmq
 
 from comm.codecs.base import EncodedTensor
 from comm.codecs.floats import Fp32Codec
-from comm.security.kits import SecurityConfig
+from comm.security.rolekits import SecurityConfig
 from comm.transport.dealer import DealerChannel
 from comm.transport.profile import ChannelConfig
 from comm.wire.schema import (
