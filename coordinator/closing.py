@@ -288,8 +288,9 @@ class Closing:
             else:
                 msg = self._model.full_global(state, r.round_id, wants_eval and evaluator is None)
             ok = self._post.send(m.peer, msg)
-            # A failed send leaves the site on what it held: it is sent what it missed once it
-            # is heard from again (``Redelivery``).
+            # The channel holds a result until the site acknowledges it and sends it again once
+            # the site is heard from (comm.transport.reliable), so the send fails only if the
+            # channel could not hold it: then the site is sent what it missed (``Redelivery``).
             self._book.holds(site_id, r.round_id if ok else m.global_version, in_sync=ok)
             if not ok:
                 self._redelivery.missed(site_id)

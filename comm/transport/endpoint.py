@@ -5,6 +5,8 @@ or of the wrong version is dropped, counted, and reported through ``on_reject`` 
 to the caller. Chunks are reassembled and acknowledged; acknowledgements release what waits.
 The receiver's other acknowledgements (grants when its receive budget admits a waiting transfer,
 keepalives to transfers it holds back) go out after every chunk and on every poll slice.
+A complete message's delivery acknowledgement releases what this end holds for the sender, and
+a numbered message this end already has is dropped (``comm.transport.reliable``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from collections.abc import Sequence
 import zmq
 
 from comm.transport.profile import _ms
+from comm.transport.reliable import InStream
 from comm.transport.sending import _SendSide
 from comm.wire.frames import (
+    Envelope,
     Frame,
     WireError,
     frames_nbytes,
@@ -87,7 +91,23 @@ class _Endpoint(_SendSide):
             self._reject(sender, exc.code, exc.detail)
             return None
         self.stats.messages_received += 1
-        return msg
+        return msg if self._delivered(sender, env) else None
+
+    def _delivered(self, sender: bytes, env: Envelope) -> bool:
+        """Take a complete message's acknowledgement; False for a numbered message this end
+        already has (dropped, counted)."""
+        if env.ack is not None:
+            self._on_delivery_ack(sender, env.ack)
+        self._heard_from(sender)
+        if env.delivery is None:
+            return True
+        stream = self.in_streams.get(sender)
+        if stream is None or stream.session != env.session:
+            stream = self.in_streams[sender] = InStream(env.session)
+        if stream.accept(*env.delivery):
+            return True
+        self.stats.duplicates_dropped += 1
+        return False
 
     def _send_receiver_acks(self, now: float) -> None:
         """Send what the receiver owes beyond the chunk at hand (grants to transfers it admitted,

@@ -6,6 +6,7 @@ and CURVE keys; :func:`_apply_profile` applies it to a ROUTER (server) or DEALER
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,16 @@ class ChannelConfig:
     is always let through alone, however large)."""
     max_window_bytes: int = 256 << 20
     """Largest credit window a receiver grants, whatever the link estimate says."""
+    resend_timeout_min_s: float = 0.2
+    """Least time a message that must arrive waits for its acknowledgement before it is sent
+    again (longer with the RTT, the message's size and the heartbeat interval, see
+    ``comm.transport.reliable.resend_timeout_s``)."""
+    max_unacked_messages: int = 4096
+    """Messages that must arrive held per peer until acknowledged; the oldest beyond it is
+    given up (counted)."""
+    max_unacked_bytes: int = 8 << 30
+    """Bytes of such messages held per peer (they are mostly shared with what the sender keeps
+    anyway: the model, an update being built); the oldest beyond it is given up (counted)."""
     stall_timeout_s: float = 1.0
     """Least time without an advancing acknowledgement before a chunked message resumes from
     its last acknowledged chunk (longer on a slow or distant link, see
@@ -94,6 +105,14 @@ class ChannelConfig:
                 raise ValueError(f"channel.{name} must be an integer >= 1, got {value!r}")
         if self.max_window_bytes < self.min_window_bytes:
             raise ValueError("channel.max_window_bytes must be >= channel.min_window_bytes")
+        if not (math.isfinite(self.resend_timeout_min_s) and self.resend_timeout_min_s > 0):
+            raise ValueError(
+                f"channel.resend_timeout_min_s must be > 0, got {self.resend_timeout_min_s}"
+            )
+        for name in ("max_unacked_messages", "max_unacked_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"channel.{name} must be an integer >= 1, got {value!r}")
         if not self.stall_timeout_s > 0:
             raise ValueError(f"channel.stall_timeout_s must be > 0, got {self.stall_timeout_s}")
 

@@ -10,6 +10,7 @@ import zmq
 from comm.security.identity import PeerIdentity, peer_address, peer_of
 from comm.transport.endpoint import _Endpoint
 from comm.transport.profile import _PEER_GONE, ChannelConfig, RejectHook, _apply_profile
+from comm.transport.reliable import MUST_ARRIVE
 from comm.wire.schema import ErrorCode, Message
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,9 @@ class RouterChannel(_Endpoint):
         return [peer]
 
     def send(self, peer: bytes, msg: Message) -> bool:
-        """Send to one peer; False when the peer is not connected (never raises for that).
+        """Send to one peer; False when the peer is not connected (never raises for that) and
+        ``msg`` is not one that must arrive. One that must arrive (``reliable.MUST_ARRIVE``) is
+        held until the peer acknowledges it and goes again once the peer is heard from: True.
 
         A large message is under way when this returns: its first credit window is queued and
         the rest follows as the peer acknowledges, inside :meth:`recv` and :meth:`flush`.
@@ -60,8 +63,9 @@ class RouterChannel(_Endpoint):
             self._send_frames(peer, msg)
         except zmq.ZMQError as exc:
             if exc.errno in _PEER_GONE:
-                log.info("peer %r unreachable: %s", peer, exc)
-                return False
+                held = type(msg) in MUST_ARRIVE
+                log.info("peer %r unreachable: %s%s", peer, exc, ", held" if held else "")
+                return held
             raise
         return True
 

@@ -9,6 +9,12 @@ TCP connection loses nothing unless it breaks, so a slow receiver needs time, no
 that makes no progress for ``send_timeout_s`` is dropped and counted, with what waits behind it.
 A transfer the receiver holds back for its receive budget (every chunk sent acknowledged, no
 credit left) waits without resending: the receiver's periodic acknowledgements keep it alive.
+
+Above the transfers sits acknowledged delivery (``comm.transport.reliable``): a message that must
+arrive is numbered and held until the peer acknowledges it, and sent again (behind what is queued
+for the peer, in number order) when its acknowledgement is late: whatever lost it (a reset after
+ZeroMQ accepted it, a transfer dropped for making no progress, a send to a peer not connected).
+Every message to a peer carries this end's acknowledgement of what that peer sent.
 """
 
 from __future__ import annotations
@@ -23,9 +29,12 @@ from typing import Any
 import zmq
 
 from comm.transport.credit import stall_timeout_s
+from comm.transport.delivering import _DeliverySide
+from comm.transport.faults import WireFaults
 from comm.transport.linkest import LinkEstimator
 from comm.transport.profile import _PEER_GONE, ChannelConfig, RejectHook
 from comm.transport.receiver import TransferReceiver
+from comm.transport.reliable import MUST_ARRIVE, Held
 from comm.transport.sender import TransferSender
 from comm.transport.stats import ChannelStats
 from comm.wire.frames import (
@@ -55,12 +64,18 @@ class _Outgoing:
     resumes_in_a_row: int = 0
     """Resumes since the last progress: each doubles the stall timeout before the next (up to
     ``2**_MAX_BACKOFF`` times), so a receiver slow to acknowledge is not flooded with resends."""
+    held: Held | None = None
+    """Its entry in the peer's delivery stream, if it must arrive."""
+
+
+_Pending = tuple[Message, Held | None]
+"""A message waiting behind a large one, and its delivery entry if it must arrive."""
 
 
 _MAX_BACKOFF = 4
 
 
-class _SendSide:
+class _SendSide(_DeliverySide):
     """The state every channel endpoint holds, and its sending: flow-controlled chunking,
     per-peer ordering, acknowledgements out, stall recovery. :class:`_Endpoint` adds receiving."""
 
@@ -74,7 +89,12 @@ class _SendSide:
         # Per peer, messages go out in the order they were sent: while a large one is in
         # transfer (one per peer at most), later ones wait behind it (heartbeats excepted).
         self._outgoing: dict[bytes, _Outgoing] = {}
-        self._queued: dict[bytes, deque[Message]] = {}
+        self._queued: dict[bytes, deque[_Pending]] = {}
+        # Acknowledged delivery (see _DeliverySide).
+        self.out_streams = {}
+        self.in_streams = {}
+        self.faults: WireFaults | None = None
+        """A deterministic loss injector (tests and drills only)."""
         self.links: dict[bytes, LinkEstimator] = {}
         """Per peer: the path's RTT and the goodput of what the peer sends here, which sizes the
         credit window granted to it."""
@@ -138,20 +158,53 @@ class _SendSide:
     def _send_frames(self, peer: bytes, msg: Message) -> None:
         """Send ``msg`` to ``peer`` now, or queue it behind a large message still in transfer
         to that peer (messages arrive in the order they were sent). A heartbeat carries only
-        liveness and may overtake. Raises ``zmq.ZMQError`` when the peer is unreachable."""
+        liveness and may overtake. Raises ``zmq.ZMQError`` when the peer is unreachable; a
+        message that must arrive stays held all the same, and goes again later."""
+        held = None
+        if type(msg) in MUST_ARRIVE:
+            held = self._out_stream(peer).add(msg)
+            self._bound_held(peer)
         if not isinstance(msg, Heartbeat) and (peer in self._outgoing or peer in self._queued):
-            self._queued.setdefault(peer, deque()).append(msg)
+            self._queued.setdefault(peer, deque()).append((msg, held))
             return
-        self._transmit(peer, msg, block=True)
+        try:
+            self._transmit(peer, msg, block=True, held=held)
+        except zmq.ZMQError:
+            if held is not None:  # tried: it goes again when the peer is heard from
+                held.sent_at = time.monotonic()
+                held.sends += 1
+                held.failed = True
+            raise
 
-    def _transmit(self, peer: bytes, msg: Message, *, block: bool) -> None:
+    def _transmit(
+        self, peer: bytes, msg: Message, *, block: bool, held: Held | None = None
+    ) -> None:
         prefix = self._prefix_for(peer)
         flags = 0 if block else zmq.NOBLOCK
-        frames = to_wire(msg, session=self.session, seq=self._next_seq())
-        if frames_nbytes(frames) <= self.cfg.chunk_bytes:
-            self._sock.send_multipart([*prefix, *frames], copy=False, flags=flags)
-            self.stats.bytes_sent += frames_nbytes(frames)
+        delivery = None
+        if held is not None:
+            delivery = (held.rseq, self.out_streams[peer].floor)
+        inbound = self.in_streams.get(peer)
+        frames = to_wire(
+            msg,
+            session=self.session,
+            seq=self._next_seq(),
+            delivery=delivery,
+            ack=inbound.ack() if inbound is not None else None,
+        )
+        nbytes = frames_nbytes(frames)
+        if held is not None:
+            held.nbytes = nbytes
+            held.sent_at = None  # set once it is out whole
+            held.failed = False
+        if nbytes <= self.cfg.chunk_bytes:
+            if self.faults is None or not self.faults.lose(peer, msg):
+                self._sock.send_multipart([*prefix, *frames], copy=False, flags=flags)
+            self.stats.bytes_sent += nbytes
             self.stats.messages_sent += 1
+            if held is not None:
+                held.sent_at = time.monotonic()
+                held.sends += 1
             return
         # The inner message keeps its sequence number; every chunk gets its own as well. Only
         # what the receiver's credit allows goes now: its acks (handled in recv and flush)
@@ -162,7 +215,9 @@ class _SendSide:
             chunk_bytes=self.transfer_cfg.chunk_bytes,
             initial_credit_bytes=self.transfer_cfg.initial_credit_bytes,
         )
-        out = _Outgoing(peer=peer, prefix=prefix, tx=tx, progress_at=now)
+        out = _Outgoing(peer=peer, prefix=prefix, tx=tx, progress_at=now, held=held)
+        if self.faults is not None:
+            self.faults.starting(peer, msg, tx.transfer_id)
         self._outgoing[peer] = out
         try:
             self._pump(out, now, block=block)
@@ -175,24 +230,31 @@ class _SendSide:
         """Send what waits for ``peer`` up to (and including the start of) the next large one."""
         waiting = self._queued.get(peer)
         while waiting and peer not in self._outgoing:
+            msg, held = waiting[0]
             try:
-                self._transmit(peer, waiting[0], block=False)
+                self._transmit(peer, msg, block=False, held=held)
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.EAGAIN:
                     return  # not draining right now: the next tick tries again
                 if exc.errno != zmq.EHOSTUNREACH:
                     raise
-                self._drop_queue(peer, "the peer is unreachable")
+                self._drop_queue(peer, "the peer is unreachable", failed=True)
                 return
             waiting.popleft()
         if waiting is not None and not waiting:
             del self._queued[peer]
 
-    def _drop_queue(self, peer: bytes, why: str) -> int:
+    def _drop_queue(self, peer: bytes, why: str, *, failed: bool = False) -> int:
         waiting = self._queued.pop(peer, None)
         if not waiting:
             return 0
         self.stats.messages_dropped += len(waiting)
+        now = time.monotonic()
+        for _, held in waiting:
+            if held is not None:  # still held: its timeout runs from now, then it goes again
+                held.sent_at = now
+                held.sends += 1
+                held.failed = failed
         log.warning("peer %r: dropped %d queued message(s): %s", peer[:32], len(waiting), why)
         return len(waiting)
 
@@ -205,6 +267,10 @@ class _SendSide:
         try:
             for chunk in tx.pending_chunks(now):
                 parts = to_wire(chunk, session=self.session, seq=self._next_seq())
+                if self.faults is not None and self.faults.lose_chunk(out.peer, tx.transfer_id):
+                    self.stats.bytes_sent += frames_nbytes(parts)
+                    self.stats.chunks_sent += 1
+                    continue
                 try:
                     self._sock.send_multipart(
                         [*out.prefix, *parts], copy=False, flags=0 if block else zmq.NOBLOCK
@@ -260,6 +326,9 @@ class _SendSide:
             self.stats.credit_waits += 1
         if tx.done:
             del self._outgoing[peer]
+            if out.held is not None:
+                out.held.sent_at = now
+                out.held.sends += 1
             self._release(peer)
         else:
             self._pump(out, now, block=False)
@@ -278,6 +347,9 @@ class _SendSide:
             if now - out.progress_at >= max(self.cfg.send_timeout_s, 3 * base_s):
                 del self._outgoing[peer]
                 self.stats.messages_dropped += 1
+                if out.held is not None:
+                    out.held.sent_at = now
+                    out.held.sends += 1
                 log.warning(
                     "%s no progress for %.1f s: dropped at chunk %d of %d",
                     tag,
@@ -301,11 +373,16 @@ class _SendSide:
             out.resumes_in_a_row += 1
             self.stats.transfer_resumes += 1
             self._pump(out, now, block=False)
+        self._resend_due(now)
 
     def _drop_peer_transfers(self, peer: bytes) -> int:
-        """Forget every transfer to and from ``peer`` and what waits behind them; return how many
-        messages to it were given up."""
+        """Forget every transfer to and from ``peer``, what waits behind them and both delivery
+        streams; return how many messages to it were given up."""
         self._receiver.drop_sender(peer)
+        stream = self.out_streams.pop(peer, None)
+        if stream is not None:
+            self.stats.messages_abandoned += stream.abandon()
+        self.in_streams.pop(peer, None)
         for key in [k for k in self._transfer_start if k[0] == peer]:
             del self._transfer_start[key]
         dropped = int(self._outgoing.pop(peer, None) is not None)

@@ -28,6 +28,15 @@ class ChannelStats:
     messages_dropped: int = 0
     """Messages given up after ``send`` took them: a large one that made no progress for
     ``send_timeout_s`` or whose peer restarted, and those queued behind it."""
+    messages_acked: int = 0
+    """Messages that must arrive the peer acknowledged holding."""
+    messages_resent: int = 0
+    """Messages that must arrive sent again because their acknowledgement was late."""
+    messages_abandoned: int = 0
+    """Messages that must arrive given up unacknowledged: over the held bounds, or the peer
+    restarted or was forgotten."""
+    duplicates_dropped: int = 0
+    """Messages received that this end already had (a resend whose original arrived)."""
     acks_dropped: int = 0
     """Acknowledgements that could not be sent (peer gone or not draining)."""
     echoes_received: int = 0

@@ -1,7 +1,10 @@
 """The frame codec: messages of ``comm.wire.schema`` to ZeroMQ frames and back, never pickle.
 
 Frame 0 is a msgpack header ``{"v": version, "t": type, "s": session, "q": sequence,
-"f": fields, "p": payload index}``; (session, sequence) lets a receiver reject replays.
+"f": fields, "p": payload index}``; (session, sequence) lets a receiver reject replays. Two
+optional keys carry acknowledged delivery (``comm.transport.reliable``): ``"r": [number, floor]``
+on a message that must arrive, ``"a": [session, contiguous, [numbers above the gap]]`` on any
+message, acknowledging what the receiver holds of that session's stream.
 Every ``bytes`` field and every buffer of every encoded tensor follows as its own frame, so large
 tensors travel without a copy (numpy arrays expose their memory to ZeroMQ directly). ``from_wire``
 validates everything against the message's dataclass before building it and raises
@@ -92,7 +95,9 @@ class _MessageCodec:
             else:
                 self.value_fields[f.name] = kind
 
-    def to_wire(self, msg: Message, session: str, seq: int) -> list[Frame]:
+    def to_wire(
+        self, msg: Message, session: str, seq: int, extra: dict[str, Any] | None = None
+    ) -> list[Frame]:
         fields = {name: getattr(msg, name) for name in self.value_fields}
         frames: list[Frame] = [getattr(msg, name) for name in self.bytes_fields]
         index: list[dict[str, Any]] = []
@@ -110,17 +115,15 @@ class _MessageCodec:
                     }
                 )
                 frames.extend(bufs)
-        header = msgpack.packb(
-            {
-                "v": PROTOCOL_VERSION,
-                "t": int(MESSAGE_TYPES[self.cls]),
-                "s": session,
-                "q": seq,
-                "f": fields,
-                "p": index,
-            },
-            use_bin_type=True,
-        )
+        head = {
+            "v": PROTOCOL_VERSION,
+            "t": int(MESSAGE_TYPES[self.cls]),
+            "s": session,
+            "q": seq,
+            "f": fields,
+            "p": index,
+        }
+        header = msgpack.packb({**head, **extra} if extra else head, use_bin_type=True)
         return [header, *frames]
 
     def from_wire(self, fields: Any, index: Any, frames: Sequence[Frame]) -> Message:
@@ -213,15 +216,63 @@ _check_registry()
 
 @dataclass(frozen=True)
 class Envelope:
-    """Who sent a message in which order: the sender's session and its sequence number."""
+    """Who sent a message in which order: the sender's session and its sequence number, and
+    what it says about acknowledged delivery."""
 
     session: str
     seq: int
+    delivery: tuple[int, int] | None = None
+    """(number in the sender's stream, the stream's floor) of a message that must arrive."""
+    ack: tuple[str, int, tuple[int, ...]] | None = None
+    """(session acknowledged, highest number held with none missing, numbers held above it)."""
 
 
-def to_wire(msg: Message, *, session: str = "", seq: int = 0) -> list[Frame]:
+_MAX_SESSION = 64
+_HEADER_KEYS = frozenset({"v", "t", "s", "q", "f", "p"})
+_MAX_SACK = 256
+
+
+def to_wire(
+    msg: Message,
+    *,
+    session: str = "",
+    seq: int = 0,
+    delivery: tuple[int, int] | None = None,
+    ack: tuple[str, int, tuple[int, ...]] | None = None,
+) -> list[Frame]:
     """Frames for ``msg``: a header and then its data frames, tensor buffers not copied."""
-    return _CODECS[int(MESSAGE_TYPES[type(msg)])].to_wire(msg, session, seq)
+    extra: dict[str, Any] = {}
+    if delivery is not None:
+        extra["r"] = list(delivery)
+    if ack is not None:
+        extra["a"] = [ack[0], ack[1], list(ack[2])]
+    return _CODECS[int(MESSAGE_TYPES[type(msg)])].to_wire(msg, session, seq, extra)
+
+
+def _count(value: Any, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 63:
+        raise WireError(ErrorCode.MALFORMED, f"header {what} must be an int >= 0")
+    return value
+
+
+def _delivery(value: Any) -> tuple[int, int]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise WireError(ErrorCode.MALFORMED, "header delivery must be [number, floor]")
+    rseq, floor = _count(value[0], "delivery number"), _count(value[1], "delivery floor")
+    if not floor < rseq:
+        raise WireError(ErrorCode.MALFORMED, f"delivery floor {floor} >= number {rseq}")
+    return rseq, floor
+
+
+def _ack(value: Any) -> tuple[str, int, tuple[int, ...]]:
+    if not isinstance(value, list) or len(value) != 3:
+        raise WireError(ErrorCode.MALFORMED, "header ack must be [session, contiguous, above]")
+    session, contig, above = value
+    if not isinstance(session, str) or len(session) > _MAX_SESSION:
+        raise WireError(ErrorCode.MALFORMED, "header ack session must be a short string")
+    if not isinstance(above, list) or len(above) > _MAX_SACK:
+        raise WireError(ErrorCode.MALFORMED, f"header ack must list at most {_MAX_SACK} numbers")
+    return session, _count(contig, "ack"), tuple(_count(r, "ack number") for r in above)
 
 
 def frames_nbytes(frames: Sequence[Frame]) -> int:
@@ -258,17 +309,20 @@ def from_wire_envelope(
             ErrorCode.WRONG_VERSION,
             f"protocol version {header['v']!r}, expected {PROTOCOL_VERSION}",
         )
-    if set(header) != {"v", "t", "s", "q", "f", "p"}:
+    if not _HEADER_KEYS <= set(header) <= _HEADER_KEYS | {"r", "a"}:
         raise WireError(ErrorCode.MALFORMED, f"header keys {sorted(map(str, header))}")
     session, seq = header["s"], header["q"]
-    if not isinstance(session, str) or len(session) > 64:
+    if not isinstance(session, str) or len(session) > _MAX_SESSION:
         raise WireError(ErrorCode.MALFORMED, "header session must be a short string")
     if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
         raise WireError(ErrorCode.MALFORMED, "header sequence must be an int >= 0")
     codec = _CODECS.get(header["t"]) if isinstance(header["t"], int) else None
     if codec is None:
         raise WireError(ErrorCode.MALFORMED, f"unknown message type {header['t']!r}")
-    return codec.from_wire(header["f"], header["p"], frames[1:]), Envelope(session, seq)
+    delivery = _delivery(header["r"]) if "r" in header else None
+    ack = _ack(header["a"]) if "a" in header else None
+    msg = codec.from_wire(header["f"], header["p"], frames[1:])
+    return msg, Envelope(session, seq, delivery, ack)
 
 
 class ReplayGuard:

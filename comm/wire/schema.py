@@ -14,8 +14,9 @@ from typing import Any
 
 from comm.codecs.base import EncodedTensor
 
-PROTOCOL_VERSION = 3
-"""3: ``Eval`` carries the job's metrics (``metrics``) in place of ``num_tokens``."""
+PROTOCOL_VERSION = 4
+"""3: ``Eval`` carries the job's metrics (``metrics``) in place of ``num_tokens``. 4: the header
+may carry acknowledged delivery (``"r"``, ``"a"``; see ``comm.wire.frames``)."""
 
 
 class MessageType(enum.IntEnum):

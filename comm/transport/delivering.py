@@ -1,0 +1,131 @@
+"""Acknowledged delivery on a channel endpoint: what it holds for each peer and when it resends.
+
+The sending half (``comm.transport.sending``) numbers each message that must arrive and holds it
+(:class:`~comm.transport.reliable.OutStream`); this mixin releases what the peer acknowledges,
+gives up what exceeds the bounds, and sends again, in number order and behind whatever is queued
+for the peer, what is still unacknowledged after :meth:`_DeliverySide.resend_timeout`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import zmq
+
+from comm.transport.linkest import LinkEstimator
+from comm.transport.profile import _PEER_GONE, ChannelConfig
+from comm.transport.reliable import Held, InStream, OutStream, resend_timeout_s
+from comm.transport.stats import ChannelStats
+from comm.wire.schema import Message
+
+log = logging.getLogger(__name__)
+
+
+class _DeliverySide:
+    """The part of :class:`~comm.transport.sending._SendSide` that does acknowledged delivery."""
+
+    cfg: ChannelConfig
+    stats: ChannelStats
+    session: str
+    out_streams: dict[bytes, OutStream]
+    """Per peer: what was sent to it that it has not acknowledged."""
+    in_streams: dict[bytes, InStream]
+    """Per peer: what its current session sent here."""
+    _outgoing: dict[bytes, Any]
+    _queued: dict[bytes, deque[tuple[Message, Held | None]]]
+
+    def send_link(self, peer: bytes) -> LinkEstimator:
+        raise NotImplementedError
+
+    def _transmit(
+        self, peer: bytes, msg: Message, *, block: bool, held: Held | None = None
+    ) -> None:
+        raise NotImplementedError
+
+    def _out_stream(self, peer: bytes) -> OutStream:
+        found = self.out_streams.get(peer)
+        if found is None:
+            found = self.out_streams[peer] = OutStream()
+        return found
+
+    def _bound_held(self, peer: bytes) -> None:
+        """Give up the oldest held messages to ``peer`` beyond the configured bounds."""
+        stream = self.out_streams[peer]
+        dropped = stream.abandon(
+            keep=self.cfg.max_unacked_messages, keep_bytes=self.cfg.max_unacked_bytes
+        )
+        if dropped:
+            self.stats.messages_abandoned += dropped
+            log.warning(
+                "peer %r: gave up %d unacknowledged message(s): over %d messages or %d bytes held",
+                peer[:32],
+                dropped,
+                self.cfg.max_unacked_messages,
+                self.cfg.max_unacked_bytes,
+            )
+
+    def resend_timeout(self, peer: bytes, nbytes: int) -> float:
+        """How long a message of ``nbytes`` to ``peer`` waits for its acknowledgement."""
+        link = self.send_link(peer).snapshot()
+        return resend_timeout_s(
+            rtt_s=link.rtt_s,
+            goodput_bps=link.goodput_bps,
+            nbytes=nbytes,
+            ack_delay_s=self.cfg.heartbeat_interval_s,
+            floor_s=self.cfg.resend_timeout_min_s,
+        )
+
+    def _on_delivery_ack(self, peer: bytes, ack: tuple[str, int, tuple[int, ...]]) -> None:
+        session, contig, above = ack
+        stream = self.out_streams.get(peer)
+        if stream is None or session != self.session:
+            return  # nothing held, or an acknowledgement of an earlier incarnation of this end
+        self.stats.messages_acked += stream.on_ack(contig, above)
+
+    def _heard_from(self, peer: bytes) -> None:
+        """``peer`` is connected now: what failed to reach it goes again at once, and what it
+        has not acknowledged goes again after the first timeout, not a backed-off one."""
+        stream = self.out_streams.get(peer)
+        if stream is None:
+            return
+        stream.heard_at = time.monotonic()
+        for held in stream.held.values():
+            if held.failed:
+                held.failed = False
+                held.sent_at = -float("inf")
+
+    def _resend_due(self, now: float) -> None:
+        """Send again, in number order, the held messages whose acknowledgement is late, to
+        every peer with nothing queued or in transfer (a resend waits behind those)."""
+        for peer, stream in list(self.out_streams.items()):
+            if peer in self._outgoing or peer in self._queued or not stream.held:
+                continue
+
+            def timeout_s(held: Held, peer: bytes = peer) -> float:
+                return self.resend_timeout(peer, held.nbytes)
+
+            due = stream.due(now, timeout_s)
+            for held in due:
+                self.stats.messages_resent += 1
+                log.info(
+                    "peer %r: no acknowledgement of message %d (%s) after %d send(s): sending it "
+                    "again",
+                    peer[:32],
+                    held.rseq,
+                    type(held.msg).__name__,
+                    held.sends,
+                )
+                if peer in self._outgoing or peer in self._queued:
+                    self._queued.setdefault(peer, deque()).append((held.msg, held))
+                    continue
+                try:
+                    self._transmit(peer, held.msg, block=False, held=held)
+                except zmq.ZMQError as exc:
+                    if exc.errno not in _PEER_GONE:
+                        raise
+                    held.sent_at = now  # not connected or not draining: try again later
+                    held.sends += 1
+                    held.failed = exc.errno == zmq.EHOSTUNREACH
