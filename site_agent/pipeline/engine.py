@@ -263,9 +263,7 @@ class RankPipeline:
             module.train()
         self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        kwargs: dict[str, Any] = {}
-        if self.holds_last:
-            kwargs = {"target": target, "losses": losses}
+        kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.holds_last else {}
         # Sync off for the whole step, so that torch's stage alone arms DDP's reducer, before
         # the last backward (docs/pipelines.md: why the whole step runs under DDP's no_sync).
         with contextlib.ExitStack() as ddp_sync_off:
