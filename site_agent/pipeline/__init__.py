@@ -1,9 +1,5 @@
-"""Intra-site pipeline parallelism over ``torch.distributed.pipelining``.
+"""Intra-site pipeline parallelism over ``torch.distributed.pipelining`` (docs/pipelines.md).
 
-The pure-Python pieces: ``partition`` cuts a chain of units into stages (bottleneck-optimal),
-``layout`` says which rank holds which stages, ``schedule`` and ``simulate`` time a schedule
-without running it. The torch pieces, imported only by those who need them: ``cut`` (a job's
-model into stages by module name), ``engine`` (one rank's stages and inner step), ``rank`` (a
-rank's part in the leader's commands, the workers' loop), ``leader`` (rank 0's
-``PipelineTrainer``) and ``procgroup`` (joining torchrun's process group).
+``partition``, ``layout`` and ``simulate`` are pure Python; the other modules import torch and
+are imported only where they are needed.
 """

@@ -1,21 +1,8 @@
 """Cutting any job's model into pipeline stages by module name, without rewriting the model.
 
-This module owns how a model becomes stages:
-
-- the candidate **units**: contiguous runs of the model's ``state_dict`` that start at a cut
-  point (a module name, e.g. ``model.layers.3``). A job may name its cut points
-  (``cut_points``); by default they are the entries of the model's longest ``nn.ModuleList``
-  (HF Llama's ``model.layers``, the byte GPT's ``layers``) plus the first module after it that
-  holds tensors, so what precedes the list is one unit and what follows it another;
-- a **stage**: the model itself with every module that holds only other stages' tensors
-  replaced by a :class:`PassThrough`, so the model's own forward runs on every stage (a
-  module without tensors, such as a rotary embedding, stays everywhere). Its ``state_dict``
-  holds exactly the stage's tensors under their full-model names;
-- :class:`StageForward`, the stage as torch's ``PipelineStage`` takes it (inputs in, one tensor
-  out);
-- :func:`profile_units`, each unit's forward + backward seconds and output bytes measured on one
-  sample micro-batch through the whole model (module hooks, so any model's forward works), the
-  partitioner's input.
+This module owns the candidate units (runs of the ``state_dict`` starting at a cut point), a
+stage (the model with other stages' modules replaced by a :class:`PassThrough`), the stage as
+``PipelineStage`` takes it (:class:`StageForward`) and the per-unit profile (docs/pipelines.md).
 """
 
 from __future__ import annotations
@@ -151,9 +138,7 @@ def strip_to_stage(model: nn.Module, owned: set[str]) -> nn.Module:
             if ids <= foreign_ids and not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
                 setattr(module, child_name, PassThrough())
                 continue
-            own = {id(t) for t in child.parameters(recurse=False)} | {
-                id(t) for t in child.buffers(recurse=False)
-            }
+            own = {id(t) for t in [*child.parameters(recurse=False), *child.buffers(recurse=False)]}
             if own & owned_ids and own & foreign_ids:
                 raise ValueError(f"module {path!r} is split between stages: cut at modules")
             visit(child, path)

@@ -1,14 +1,6 @@
-"""One rank's share of a pipelined job under ``torch.distributed.pipelining``.
-
-This module owns what a rank of a pipelined site builds and runs for any job that may be
-pipelined (``split`` and ``output_loss``, see ``site_agent.jobs.contract``): its stages (the
-job's model cut by ``cut``, one ``PipelineStage`` each, placed by ``layout.stage_indices``), how
-the replicas of a stage combine their gradients (``[site] data_parallel``: torch's DDP, FSDP2's
-``fully_shard`` or one all-reduce), torch's schedule named by ``[site] schedule``, the inner step
-around it (the job's optimizer over this rank's parameters only, gradient clipping by the norm
-over the whole pipeline, the job's scheduler), and this rank's federated state whole or by shard.
-It also owns the plan: the units profiled on one sample micro-batch and cut by the
-bottleneck-optimal partitioner (``partition``), computed on one rank and shared.
+"""One rank's share of a pipelined job (docs/pipelines.md): ``PipelineConfig``; the plan, the
+job's units profiled on one micro-batch and cut by ``partition`` on one rank; ``RankPipeline``,
+this rank's stages, how their replicas combine gradients, torch's schedule and the inner step.
 """
 
 from __future__ import annotations
@@ -76,12 +68,13 @@ class PipelineConfig:
     """Shown in log lines."""
 
     def __post_init__(self) -> None:
-        for name in ("num_stages", "num_replicas", "num_microbatches", "profile_steps"):
+        layout = self.layout  # PipelineLayout checks num_stages and num_replicas
+        for name in ("num_microbatches", "profile_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         stages_per_rank(self.schedule)
-        check_data_parallel(self.data_parallel, self.schedule, self.num_replicas)
+        check_data_parallel(self.data_parallel, self.schedule, layout.num_replicas)
 
     @property
     def layout(self) -> PipelineLayout:
@@ -122,10 +115,9 @@ def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePl
     inputs, target = split_batch(job, sample_batch)
     size = inputs[0].shape[0] // (cfg.num_microbatches * cfg.num_replicas)
     mb_inputs = tuple(x[:size] for x in inputs)
-    mb_target = target[:size]
 
     def run() -> torch.Tensor:
-        loss: torch.Tensor = job.output_loss(first_tensor(model(*mb_inputs)), mb_target)
+        loss: torch.Tensor = job.output_loss(first_tensor(model(*mb_inputs)), target[:size])
         return loss
 
     state = copy.deepcopy(model.state_dict())
@@ -134,20 +126,12 @@ def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePl
     model.load_state_dict(state)
     plan = partition_layers(costs, sizes, num_stages)
     log.info(
-        "[site=%s rank=0] pipeline plan: stages=%d replicas=%d schedule=%s "
-        "microbatches=%d data_parallel=%s units=%s boundaries=%s stage_times_s=%s "
-        "predicted_bottleneck_s=%.6f lower_bound_s=%.6f",
-        cfg.site_id,
-        num_stages,
-        cfg.num_replicas,
-        cfg.schedule,
-        cfg.num_microbatches,
-        cfg.data_parallel if cfg.num_replicas > 1 else "-",
-        list(units.names),
-        list(plan.boundaries),
-        [round(t, 6) for t in plan.stage_times],
-        plan.bottleneck,
-        plan.lower_bound,
+        f"[site={cfg.site_id} rank=0] pipeline plan: stages={num_stages} "
+        f"replicas={cfg.num_replicas} schedule={cfg.schedule} microbatches={cfg.num_microbatches} "
+        f"data_parallel={cfg.data_parallel if cfg.num_replicas > 1 else '-'} "
+        f"units={list(units.names)} boundaries={list(plan.boundaries)} "
+        f"stage_times_s={[round(t, 6) for t in plan.stage_times]} "
+        f"predicted_bottleneck_s={plan.bottleneck:.6f} lower_bound_s={plan.lower_bound:.6f}"
     )
     return StagePlan(units=units, partition=plan)
 
@@ -155,10 +139,8 @@ def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePl
 class RankPipeline:
     """This rank's stages of the job, torch's schedule over them, and the inner step.
 
-    ``job``: built on this rank by the job's factory (same seed on every rank, so every stage
-    starts from the single-process weights); its model is cut here, in place. Collective: every
-    rank of the site constructs its own, and so joins its replica's pipeline group and its
-    pipeline rank's data-parallel group (created on every rank in the same order).
+    ``job``: built on this rank by the job's factory; its model is cut here, in place.
+    Collective: every rank constructs its own, creating every process group in the same order.
     """
 
     def __init__(
@@ -219,10 +201,7 @@ class RankPipeline:
     def state(self) -> dict[str, torch.Tensor]:
         """This rank's federated tensors, by full-model name: the live parameters and buffers
         (under FSDP a parameter is a ``DTensor`` holding this rank's shard)."""
-        out: dict[str, torch.Tensor] = {}
-        for module in self.modules:
-            out.update(federated_state(module))
-        return out
+        return {n: t for module in self.modules for n, t in federated_state(module).items()}
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """This rank's federated tensors, whole. Under FSDP each sharded one is all-gathered over
@@ -284,14 +263,9 @@ class RankPipeline:
             module.train()
         self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        kwargs: dict[str, Any] = {}
-        if self.holds_last:
-            kwargs = {"target": target, "losses": losses}
-        # DDP's reducer must be armed by torch's stage alone, before the last micro-batch's
-        # backward. A DDP forward outside no_sync arms it too, and the stage's shape inference
-        # on the first step runs one: the first backward then all-reduces once more and records
-        # every parameter for the bucket rebuild twice, which under GPipe fails the reducer's
-        # assertion on the second step (docs/pipelines.md). So sync is off for the whole step.
+        kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.holds_last else {}
+        # Sync off for the whole step, so that torch's stage alone arms DDP's reducer, before
+        # the last backward (docs/pipelines.md: why the whole step runs under DDP's no_sync).
         with contextlib.ExitStack() as ddp_sync_off:
             for stage in self.stages:
                 if isinstance(stage.submod, DistributedDataParallel):
@@ -350,29 +324,17 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def _wrap(
     module: nn.Module, data_parallel: str, dp_group: dist.ProcessGroup | None, device: torch.device
 ) -> nn.Module:
-    """``module`` as its replicas share it over ``dp_group``; the ``PipelineStage`` gets what
-    this returns. Each mode divides the replicas' sum by their number, and the schedule then
-    divides by the number of micro-batches (``scale_grads``):
-
-    - ``ddp``: torch's ``DistributedDataParallel``, so torch's stage runs every micro-batch's
-      backward under ``no_sync`` and arms the reducer for the last one only (one bucketed
-      all-reduce per step, overlapping that backward);
-    - ``fsdp``: FSDP2's ``fully_shard`` (parameters, gradients and optimizer state sharded; kept
-      unsharded from the first forward to the end of the step, as torchtitan does under
-      pipelining); the schedule reduce-scatters at the end;
-    - ``allreduce``: the plain module; ``RankPipeline`` all-reduces after the schedule.
-    """
+    """``module`` as its replicas share it over ``dp_group`` under ``data_parallel`` (DDP,
+    FSDP2's ``fully_shard``, or the plain module that ``RankPipeline`` all-reduces after the
+    schedule; docs/pipelines.md); the ``PipelineStage`` gets what this returns."""
     if dp_group is None or data_parallel == "allreduce":
         return module
     if data_parallel == "ddp":
-        # No device_ids: the stage's inputs are already on the rank's device (CPU or its GPU).
-        # Buffers are not broadcast at each forward: replicas start equal (same seed, and DDP
-        # broadcasts them once here) and the allreduce mode does not sync them either.
+        # No device_ids: the stage's inputs are already on the rank's device. Buffers are not
+        # broadcast at each forward: replicas start equal (same seed, and DDP broadcasts them
+        # once here) and the allreduce mode does not sync them either.
         return DistributedDataParallel(module, process_group=dp_group, forward_sync_buffers=False)
-    # The dimension is named after the group: DTensor caches sharding decisions by mesh, and
-    # meshes compare by ranks and names but not by process group, so in a process that destroys
-    # its groups and makes new ones (the tests' reused workers) a cached decision carried the
-    # old mesh, whose group name then meant nothing, or another group of this run.
+    # Named after the group, as DTensor caches sharding decisions by mesh (docs/pipelines.md).
     mesh = DeviceMesh.from_group(
         dp_group, device.type, mesh_dim_names=(f"replicas_{dp_group.group_name}",)
     )

@@ -1,16 +1,6 @@
-"""Where a pipelined site's stages run: the rank layout and the schedules' stage placement.
-
-This module owns, in pure Python (``site_agent.config`` checks a site's schedule with it):
-
-- ``PipelineLayout``: rank = ``replica * num_stages + pipeline rank``, so the ranks of one
-  replica's pipeline are contiguous and rank 0, the site leader, is stage 0 of replica 0;
-- ``TORCH_SCHEDULES``: the schedules a site may run (``[site] schedule``), each with torch's
-  name for it and how many stages it puts on one rank;
-- ``stage_indices``: which stages a pipeline rank holds. A schedule with several stages per rank
-  (interleaved, looped, zero-bubble) puts stage ``pp_rank + k * pp_size`` on each rank, or the V
-  shape (``pp_rank`` and ``2 pp_size - 1 - pp_rank``) for ``zbv``;
-- ``check_data_parallel``: how the replicas of a stage may combine their gradients
-  (``[site] data_parallel``) under a schedule.
+"""Where a pipelined site's stages run (docs/pipelines.md): ``PipelineLayout`` (which rank is
+which stage of which replica), the schedules a site may run and the stages each puts on a rank,
+and the ``data_parallel`` modes each allows. Pure Python: ``site_agent.config`` checks with it.
 """
 
 from __future__ import annotations
@@ -35,15 +25,11 @@ def stages_per_rank(schedule: str) -> int:
 
 
 DATA_PARALLEL = ("allreduce", "ddp", "fsdp")
-"""``[site] data_parallel``: how the replicas of a stage combine their gradients (see
-``engine.RankPipeline``)."""
+"""``[site] data_parallel``: how the replicas of a stage combine their gradients."""
 
 SPLIT_BACKWARD_SCHEDULES = ("interleaved_zb", "zbv")
-"""Schedules that split each backward into an input and a weight part. torch's stage computes
-the weight part with ``torch.autograd.grad`` and adds it to ``.grad`` itself, so the parameters'
-gradient accumulators never run and DDP's reducer hooks (which hang on them) never fire: a DDP
-replica's gradients would silently stay local. FSDP's reduction is called by the schedule
-(``perform_reduce_grad``) and the all-reduce by the engine, so both run them."""
+"""Schedules that split each backward into an input and a weight part: the weight part bypasses
+the gradient accumulators DDP's hooks hang on, so ``ddp`` replicas would not average it."""
 
 
 def check_data_parallel(

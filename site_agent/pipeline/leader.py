@@ -1,10 +1,5 @@
-"""The leader's handle on a pipelined site: the agent's trainer surface over every rank.
-
-This module owns :class:`PipelineTrainer`, which rank 0 holds while every other rank runs
-``rank.worker_loop``. Each call validates its arguments on the leader first, so a rejected call
-leaves every rank in step, then broadcasts its command and carries out rank 0's part. The site
-agent drives it exactly as a ``JobTrainer``; validation runs the job's ``evaluate`` on a CPU copy
-of the whole model that rank 0 keeps, loaded with the gathered state.
+"""The leader's handle on a pipelined site: :class:`PipelineTrainer`, the agent's trainer surface
+over every rank, held by rank 0 while the others run ``rank.worker_loop`` (docs/pipelines.md).
 """
 
 from __future__ import annotations
@@ -66,12 +61,10 @@ class PipelineTrainer:
         params = self.parameters_numpy()
         model = self._rank.eval_model
         assert model is not None, "rank 0 keeps the model for validation"
-        state = federated_state(model)
-        with torch.no_grad():
-            for name, tensor in state.items():
-                tensor.copy_(torch.as_tensor(params[name]))
         model.eval()
         with torch.no_grad():
+            for name, tensor in federated_state(model).items():
+                tensor.copy_(torch.as_tensor(params[name]))
             metrics = self._rank.job.evaluate(model)
         return check_metrics(metrics, self.where, finite_loss=False)
 

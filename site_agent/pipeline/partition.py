@@ -1,15 +1,12 @@
 """Bottleneck-optimal split of a chain of layers (a model's units) into pipeline stages.
 
-This module owns the stage partition of a site's pipeline (Archer et al., ICML 2024): given each
-layer's compute cost, each layer's output activation size and a transfer cost model, cut the chain
-into ``num_stages`` contiguous, non-empty stages so that the slowest stage is as fast as possible.
-A stage's time is the sum of its layers' costs plus the time to send its last layer's activation to
-the next stage; the last stage sends nothing. The chain is solved exactly by dynamic programming
-(O(p n^2)). Pure Python: the costs come from ``cut.profile_units``.
+Solved exactly by dynamic programming, O(p n^2) (Archer et al., ICML 2024). Pure Python: the
+costs come from ``cut.profile_units``.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,10 +14,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, kw_only=True)
 class TransferModel:
-    """Time to send one activation between adjacent stages: ``latency_s + bytes / bandwidth``.
-
-    The default is a zero-cost transfer (no latency, infinite bandwidth).
-    """
+    """Time to send one activation between adjacent stages: ``latency_s + bytes / bandwidth``
+    (by default free: no latency, infinite bandwidth)."""
 
     latency_s: float = 0.0
     """Fixed cost of one send, in seconds; >= 0."""
@@ -28,9 +23,9 @@ class TransferModel:
     """Link bandwidth in bytes per second; > 0, ``math.inf`` for free transfers."""
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
+        if not 0 <= self.latency_s < math.inf:
             raise ValueError(f"latency_s must be finite and >= 0, got {self.latency_s!r}")
-        if math.isnan(self.bandwidth_bytes_per_s) or self.bandwidth_bytes_per_s <= 0:
+        if not self.bandwidth_bytes_per_s > 0:
             raise ValueError(
                 f"bandwidth_bytes_per_s must be > 0, got {self.bandwidth_bytes_per_s!r}"
             )
@@ -66,7 +61,9 @@ def partition_layers(
     num_stages: int,
     transfer: TransferModel | None = None,
 ) -> PartitionPlan:
-    """Split the chain into ``num_stages`` stages minimizing the slowest stage's time.
+    """Split the chain into ``num_stages`` contiguous, non-empty stages minimizing the slowest
+    stage's time: the sum of its layers' costs plus the send of its last layer's activation to
+    the next stage (the last stage sends nothing).
 
     ``layer_costs_s[i]`` is layer i's forward+backward time; ``activation_bytes[i]`` the size of its
     output, sent when a cut follows layer i; ``transfer`` defaults to free transfers.
@@ -77,9 +74,7 @@ def partition_layers(
     """
     costs, sizes, link = _check_inputs(layer_costs_s, activation_bytes, num_stages, transfer)
     n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    prefix = [0.0, *itertools.accumulate(costs)]
     send_s = [link.seconds(b) for b in sizes]
 
     def stage_time(start: int, end: int) -> float:
@@ -89,8 +84,7 @@ def partition_layers(
 
     # best[k][j]: smallest bottleneck splitting layers [0, j) into k stages; cut[k][j] the start of
     # the k-th stage in that split. Only j >= k is reachable (stages are non-empty).
-    inf = math.inf
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    best = [[math.inf] * (n + 1) for _ in range(num_stages + 1)]
     cut = [[-1] * (n + 1) for _ in range(num_stages + 1)]
     best[0][0] = 0.0
     for k in range(1, num_stages + 1):
@@ -121,14 +115,13 @@ def _check_inputs(
     sizes = [int(b) for b in activation_bytes]
     if not costs:
         raise ValueError("layer_costs_s is empty: a pipeline needs at least one layer")
-    for i, c in enumerate(costs):
-        if not (math.isfinite(c) and c >= 0):
-            raise ValueError(f"layer_costs_s[{i}] must be finite and >= 0, got {c!r}")
     if len(sizes) != len(costs):
         raise ValueError(
             f"activation_bytes has {len(sizes)} entries but layer_costs_s has {len(costs)}"
         )
-    for i, b in enumerate(sizes):
+    for i, (c, b) in enumerate(zip(costs, sizes, strict=True)):
+        if not 0 <= c < math.inf:
+            raise ValueError(f"layer_costs_s[{i}] must be finite and >= 0, got {c!r}")
         if b < 0:
             raise ValueError(f"activation_bytes[{i}] must be >= 0, got {b}")
     if num_stages < 1:

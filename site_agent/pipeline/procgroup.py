@@ -1,7 +1,4 @@
-"""Joining the process group torchrun starts a pipelined site's ranks in.
-
-``init_from_torchrun_env``: NCCL on the local GPU when there is one, else gloo on the CPU.
-"""
+"""Joining the process group torchrun starts a pipelined site's ranks in."""
 
 from __future__ import annotations
 
@@ -27,15 +24,10 @@ def init_from_torchrun_env(*, timeout: timedelta = timedelta(minutes=30)) -> Dis
     """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``MASTER_ADDR``, ``MASTER_PORT``): NCCL on ``cuda:LOCAL_RANK`` when CUDA is available, else
     gloo on the CPU. ``timeout`` bounds the training collectives, not the wait for commands.
-
-    Uses ``env://`` so that under torchrun the ranks join the launcher's own store rather than
-    starting a second one on ``MASTER_PORT``.
+    Uses ``env://``, so the ranks join torchrun's own store rather than start a second one.
     """
-    missing = [
-        k
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-        if k not in os.environ
-    ]
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    missing = [k for k in names if k not in os.environ]
     if missing:
         raise ValueError(f"not started by torchrun: {', '.join(missing)} unset")
     rank = int(os.environ["RANK"])

@@ -1,16 +1,8 @@
 """One rank of a pipelined site of any job: its stages, its part in each command, the workers' loop.
 
-This module owns how the ranks of a site that pipelines a job (``site_agent.jobs.contract``:
-``split``, ``output_loss``) work together. Every rank is given the job built by its factory on
-that rank (same seed, so every stage starts from the single-process weights); rank 0 checks,
-profiles and cuts it and broadcasts the plan; each rank keeps its stages (``engine.RankPipeline``).
-Rank 0 drives the site through ``leader.PipelineTrainer``, every other rank runs
-:func:`worker_loop`: the leader broadcasts each command (a method of :class:`SiteRank` and its
-arguments) on a gloo control group, and every rank runs it together.
-
-Every rank draws the job's batches in lockstep (the same seed); a batch is the site's global batch
-of one inner step, and replica r trains on its r-th share along the first dimension. So a site's
-step is one process's step on the same batch, to float rounding, whatever its layout.
+Rank 0 checks, profiles and cuts the job and broadcasts the plan; each rank keeps its stages
+(``engine.RankPipeline``). The leader (``leader.PipelineTrainer``) broadcasts each command, a
+:class:`SiteRank` method and its arguments, and every rank runs it (docs/pipelines.md).
 """
 
 from __future__ import annotations
@@ -128,9 +120,7 @@ class SiteRank:
         parts = self._gather(own)
         if parts is None:
             return None
-        merged: dict[str, np.ndarray] = {}
-        for part in parts:
-            merged.update(part or {})
+        merged = {n: a for part in parts if part for n, a in part.items()}
         return {n: merged[n] for n in self.order}
 
     def load_parameters(self, params: Mapping[str, np.ndarray]) -> None:
@@ -138,10 +128,8 @@ class SiteRank:
         self.pipeline.load_state(params)
 
     def gather_state(self) -> dict[str, Any] | None:
-        """The site's checkpoint, on the leader: every rank's share (``ranks``: its stages'
-        tensors, optimizer, scheduler), the ``layout`` it was taken under (stages, replicas,
-        schedule, data parallelism), the whole model by name (``model``), the step and the job's
-        own state (``job``). Under FSDP a rank's optimizer share is its shards."""
+        """The site's checkpoint, on the leader: every rank's share, the layout it was taken
+        under, the whole model by name, the step and the job's state (docs/pipelines.md)."""
         pipeline = self.pipeline
         scheduler = pipeline.scheduler
         parts = self._gather(
@@ -153,9 +141,8 @@ class SiteRank:
         )
         if parts is None:
             return None
-        whole: dict[str, Any] = {}
-        for part in parts[: self.layout.num_stages]:  # replica 0
-            whole.update(part["model"])
+        replica_0 = parts[: self.layout.num_stages]
+        whole = {n: t for part in replica_0 for n, t in part["model"].items()}
         state: dict[str, Any] = {
             "layout": self._layout_key(),
             "ranks": parts,
@@ -167,11 +154,8 @@ class SiteRank:
         return state
 
     def load_state(self, state: Mapping[str, Any]) -> None:
-        """Every rank loads its share under the same layout; under another (or from a
-        single-process checkpoint) the model by name, and the inner optimizer starts afresh.
-        A share taken under FSDP holds shards and loads under FSDP only; ``ddp`` and
-        ``allreduce`` hold the same whole tensors and load each other's, as do layouts from
-        before ``data_parallel`` (three entries)."""
+        """Every rank loads its share under the same layout (FSDP shards under FSDP only); under
+        another, or from a single-process checkpoint, the model by name (docs/pipelines.md)."""
         pipeline = self.pipeline
         pipeline.load_state(state["model"])
         taken, key = list(state.get("layout", [])), self._layout_key()
