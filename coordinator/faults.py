@@ -1,7 +1,8 @@
 """Deterministic fault injection for the coordinator (tests and drills, never on by default).
 
 A :class:`FaultPlan` names protocol points at which the process SIGKILLs itself, so a crash
-lands at exactly the same place on every run instead of after a sleep-and-hope.
+lands at exactly the same place on every run instead of after a sleep-and-hope, or at which a
+message is lost on the wire after the socket accepted it.
 """
 
 from __future__ import annotations
@@ -27,12 +28,16 @@ class FaultPlan:
     kill_before_storing_round: int = 0
     """SIGKILL on the state writer just before it stores round N's id: the round was decided
     and never became durable, so it was never announced either."""
+    lose_rerun_plan: int = 0
+    """Lose the secure-aggregation re-run plan of round N to its first survivor after the
+    socket accepted it (as a reset would); the channel's acknowledged delivery recovers it."""
 
     def __post_init__(self) -> None:
         for name in (
             "kill_after_open_round",
             "kill_after_close_round",
             "kill_before_storing_round",
+            "lose_rerun_plan",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"coordinator.faults.{name} must be >= 0")

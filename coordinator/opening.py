@@ -135,6 +135,14 @@ class Opening:
         survivors = tuple(sorted(rerun.participants))
         self._book.rerun(now, r.round_id, survivors)
         log.warning("[coordinator round=%d] secure aggregation: %s", r.round_id, why)
+        if self._cfg.faults.lose_rerun_plan == r.round_id:
+            log.error(
+                "[coordinator round=%d] fault injection: the re-run plan to %s is lost after "
+                "the socket accepts it",
+                r.round_id,
+                survivors[0],
+            )
+            self._post.lose_next(self._book.members[survivors[0]].peer, RoundStart)
         for site_id in survivors:
             self._post.send(
                 self._book.members[site_id].peer,

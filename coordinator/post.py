@@ -21,6 +21,7 @@ from comm.security.identity import PeerIdentity
 from comm.security.registry import CertificateRegistry
 from comm.security.rolekits import CoordinatorKit
 from comm.security.zap import ZapHandler
+from comm.transport.faults import WireFaults
 from comm.transport.router import RouterChannel
 from comm.wire.schema import ERROR_MEANINGS, Error, ErrorCode, Message
 from coordinator.config import CoordinatorConfig
@@ -160,6 +161,14 @@ class PostOffice:
         self._metrics.rejected.labels(reason=reason).inc()
         log.warning("[coordinator site=%s] rejected: %s: %s", who, reason, detail)
         self.send(peer, Error(code=int(code), detail=f"{ERROR_MEANINGS[code]}: {detail}"))
+
+    def lose_next(self, peer: bytes, kind: type) -> None:
+        """Fault injection: the next message of ``kind`` to ``peer`` is lost after the socket
+        accepts it (``comm.transport.faults``)."""
+        assert self.chan is not None
+        if self.chan.faults is None:
+            self.chan.faults = WireFaults()
+        self.chan.faults.lose_next(kind, peer=peer)
 
     def forget(self, peer: bytes) -> None:
         """A peer that left or was removed: its connection's state goes."""

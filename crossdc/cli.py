@@ -300,6 +300,7 @@ def _add_bench_command(sub: SubParsers) -> None:
             "codecs",
             "convergence",
             "ddp",
+            "delivery",
             "equal_tokens",
             "fuzz",
             "pipeline",

@@ -89,3 +89,28 @@ def test_secure_agg_dropout_after_masking_reruns_with_survivors(
     log = procs.log("coordinator-drop")
     assert "re-run with 2 survivors" in log
     assert "secure aggregation re-run, attempt 1" in procs.log("site-eu-drop")
+
+
+def test_a_lost_rerun_plan_is_sent_again_by_the_channel_not_after_a_deadline(
+    procs: Procs, tmp_path: Path
+) -> None:
+    # The re-run plan of round 2 to its first survivor is lost after the socket accepted it. The
+    # round deadline (600 s) is beyond the coordinator's wait (240 s): the round can only close
+    # because the channel sent the plan again on a missing acknowledgement.
+    status = _run(
+        procs,
+        tmp_path / "lost",
+        secagg=True,
+        sites=3,
+        drop="ap",
+        site_timeout_s=3.0,
+        max_rounds=2,
+        round_deadline_s=600.0,
+        faults={"lose_rerun_plan": 2},
+    )
+    assert status["rounds_completed"] == 2
+    rounds = {h["round_id"]: h for h in status["history"]}
+    assert rounds[2]["merged"] == ["eu", "us"]
+    log = procs.log("coordinator-lost")
+    assert "fault injection: the re-run plan to eu is lost" in log
+    assert "(RoundStart) after 1 send(s): sending it again" in log

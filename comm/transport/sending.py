@@ -20,6 +20,7 @@ Every message to a peer carries this end's acknowledgement of what that peer sen
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections import deque
@@ -251,8 +252,8 @@ class _SendSide(_DeliverySide):
         self.stats.messages_dropped += len(waiting)
         now = time.monotonic()
         for _, held in waiting:
-            if held is not None:  # still held: its timeout runs from now, then it goes again
-                held.sent_at = now
+            if held is not None:  # still held: it goes again at once, or when the peer is back
+                held.sent_at = now if failed else -math.inf
                 held.sends += 1
                 held.failed = failed
         log.warning("peer %r: dropped %d queued message(s): %s", peer[:32], len(waiting), why)
@@ -347,8 +348,8 @@ class _SendSide(_DeliverySide):
             if now - out.progress_at >= max(self.cfg.send_timeout_s, 3 * base_s):
                 del self._outgoing[peer]
                 self.stats.messages_dropped += 1
-                if out.held is not None:
-                    out.held.sent_at = now
+                if out.held is not None:  # known lost: it goes again at once, on a new transfer
+                    out.held.sent_at = -math.inf
                     out.held.sends += 1
                 log.warning(
                     "%s no progress for %.1f s: dropped at chunk %d of %d",
