@@ -252,7 +252,7 @@ class _SendSide(_DeliverySide):
         self.stats.messages_dropped += len(waiting)
         now = time.monotonic()
         for _, held in waiting:
-            if held is not None:  # still held: it goes again at once, or when the peer is back
+            if held is not None:  # still held: it goes again at once, or once the peer speaks
                 held.sent_at = now if failed else -math.inf
                 held.sends += 1
                 held.failed = failed
@@ -348,9 +348,15 @@ class _SendSide(_DeliverySide):
             if now - out.progress_at >= max(self.cfg.send_timeout_s, 3 * base_s):
                 del self._outgoing[peer]
                 self.stats.messages_dropped += 1
-                if out.held is not None:  # known lost: it goes again at once, on a new transfer
-                    out.held.sent_at = -math.inf
+                # Known lost. A peer heard from since the transfer stopped moving is there: the
+                # message goes again at once, on a new transfer; one silent since, when it is
+                # heard from (or after its resend timeout).
+                stream = self.out_streams.get(peer)
+                silent = stream is None or stream.heard_at <= out.progress_at
+                if out.held is not None:
+                    out.held.sent_at = now if silent else -math.inf
                     out.held.sends += 1
+                    out.held.failed = silent
                 log.warning(
                     "%s no progress for %.1f s: dropped at chunk %d of %d",
                     tag,
@@ -358,7 +364,7 @@ class _SendSide(_DeliverySide):
                     tx.acked_index,
                     tx.num_chunks,
                 )
-                self._drop_queue(peer, "a large message before them was dropped")
+                self._drop_queue(peer, "a large message before them was dropped", failed=silent)
                 continue
             if tx.waiting_for_credit:
                 continue  # nothing in flight, nothing to resend: the receiver's keepalives are late
