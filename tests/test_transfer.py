@@ -574,3 +574,21 @@ def test_wan_goodput_bench_reports_or_skips(capsys: pytest.CaptureFixture[str]) 
     assert report["chunk_bytes"] == 1 << 20 and report["window_bytes"] >= 8 << 20
     assert report["chunks_resent"] == 0 and report["chunks_sent"] == 2
     assert report["goodput_ratio"] > 0 and report["tcp_goodput_ratio"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_wan_goodput_bench_over_curve_channels_with_delay(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from crossdc.bench import wan_goodput
+
+    argv = ["--size-mib", "2", "--rate-mbit", "200", "--curve", "--rtt-ms", "20", "--json"]
+    assert wan_goodput.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    if "skipped" in report:
+        assert report["skipped"]
+        return
+    assert report["path"] == "channels" and report["curve"] and report["rtt_ms"] == 20
+    # 2 MiB of float32 plus the message's header, in the channel's 256 KiB chunks.
+    assert report["chunk_bytes"] == 256 << 10 and report["chunks_sent"] >= 9
+    assert report["goodput_ratio"] > 0 and report["tcp_goodput_ratio"] > 0
