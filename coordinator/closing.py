@@ -27,7 +27,6 @@ from coordinator.lifecycle import Lifecycle
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.planner import Planner
 from coordinator.post import PostOffice
-from coordinator.redelivery import Redelivery
 from coordinator.state import GlobalState
 from coordinator.strategy import Arrays, OuterResult, Strategy
 
@@ -105,7 +104,6 @@ class Closing:
         planner: Planner,
         strategy: Strategy,
         post: PostOffice,
-        redelivery: Redelivery,
         metrics: CoordinatorMetrics,
         on_changed: Callable[[], None],
     ) -> None:
@@ -116,7 +114,6 @@ class Closing:
         self._planner = planner
         self._strategy = strategy
         self._post = post
-        self._redelivery = redelivery
         self._metrics = metrics
         self._on_changed = on_changed
         # The socket's byte counters when the latest round's result went out: a round's bytes
@@ -288,12 +285,11 @@ class Closing:
             else:
                 msg = self._model.full_global(state, r.round_id, wants_eval and evaluator is None)
             ok = self._post.send(m.peer, msg)
-            # The channel holds a result until the site acknowledges it and sends it again once
-            # the site is heard from (comm.transport.reliable), so the send fails only if the
-            # channel could not hold it: then the site is sent what it missed (``Redelivery``).
+            # The channel holds a result until the site acknowledges it and sends it again when
+            # it is lost or the site was away (comm.transport.reliable): sent is delivered. A
+            # send the channel refused leaves the site out of sync, to be brought up to date
+            # when it asks (SyncRequest) or rejoins.
             self._book.holds(site_id, r.round_id if ok else m.global_version, in_sync=ok)
-            if not ok:
-                self._redelivery.missed(site_id)
         return in_sync
 
     def maybe_finish(self, now: float, started_at: float) -> bool:

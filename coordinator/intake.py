@@ -47,7 +47,6 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.model_spec import first_difference, spec_from_capabilities, spec_from_params
 from coordinator.planner import Planner
 from coordinator.post import PostOffice
-from coordinator.redelivery import Redelivery
 from coordinator.updates import UpdateIntake
 
 log = logging.getLogger("crossdc.coordinator")
@@ -70,7 +69,6 @@ class Intake:
         post: PostOffice,
         updates: UpdateIntake,
         delivery: Delivery,
-        redelivery: Redelivery,
         planner: Planner,
         keys: MaskingKeys,
         conflicts: IdentityConflicts,
@@ -86,7 +84,6 @@ class Intake:
         self._post = post
         self._updates = updates
         self._delivery = delivery
-        self._redelivery = redelivery
         self._planner = planner
         self._keys = keys
         self._conflicts = conflicts
@@ -171,7 +168,6 @@ class Intake:
             self._post.reject(peer, ErrorCode.NOT_JOINED, f"site {site_id!r} must join", site_id)
         elif before is not None:
             self._conflicts.heard_from(m)
-            self._redelivery.heard_from(m, now - before.last_seen)
         return m
 
     # ---- joins and the initial model -------------------------------------------------------
@@ -255,7 +251,6 @@ class Intake:
             peer,
             in_sync_version=msg.global_version if in_sync else None,
         )
-        self._redelivery.forget(msg.site_id)  # a join is answered with what it needs
         self.claims[msg.site_id] = (msg.global_version, msg.state_hash)
         self._metrics.joins.inc()
         self._metrics.members.set(len(self._book.members))

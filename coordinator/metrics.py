@@ -191,8 +191,8 @@ class CoordinatorMetrics:
         self.joins = Counter("crossdc_joins_total", "Site joins", registry=r)
         self.catch_up_deltas = Counter(
             "crossdc_catch_up_deltas_total",
-            "Broadcast deltas sent again to sites behind (rejoined, or a result failed to reach "
-            "them) instead of the model",
+            "Broadcast deltas sent to sites behind (rejoined, or asking for the model) instead of "
+            "the model",
             registry=r,
         )
         self.site_timeouts = Counter(
@@ -205,10 +205,22 @@ class CoordinatorMetrics:
             ["site"],
             registry=r,
         )
-        self.plans_resent = Counter(
-            "crossdc_round_plans_resent_total",
-            "Round plans sent again to a site heard from after a silence as long as the "
-            "heartbeat timeout or a failed send (what was in flight to it may have been lost)",
+        self.messages_resent = Counter(
+            "crossdc_messages_resent_total",
+            "Messages that must arrive (plans, results, models) sent again to a site because "
+            "their acknowledgement was late: lost in a reset, a stalled transfer, the site away",
+            registry=r,
+        )
+        self.messages_abandoned = Counter(
+            "crossdc_messages_abandoned_total",
+            "Messages that must arrive given up unacknowledged (over the held bounds, or the "
+            "site restarted or was removed)",
+            registry=r,
+        )
+        self.duplicates_dropped = Counter(
+            "crossdc_duplicates_dropped_total",
+            "Messages from sites dropped because the coordinator already had them (a resend "
+            "whose original arrived)",
             registry=r,
         )
 

@@ -3,9 +3,9 @@ send waits behind.
 
 :class:`PostOffice` binds the ROUTER channel (CURVE and the ZAP handler when the federation has a
 key kit), runs the background state writer (:class:`~coordinator.outbox.Outbox`), and sends: a
-message goes out now when every save queued so far is durable, otherwise once it is. A send that
-fails (the peer is not connected) is reported to ``on_send_failed``; a refusal is an Error to the
-sender, a counter and a log line.
+message goes out now when every save queued so far is durable, otherwise once it is. The channel
+delivers what must arrive, sending it again when it is lost or the site was away
+(``comm.transport.reliable``); a refusal is an Error to the sender, a counter and a log line.
 """
 
 from __future__ import annotations
@@ -41,19 +41,17 @@ class PostOffice:
         store: StateStore,
         metrics: CoordinatorMetrics,
         kit: CoordinatorKit | None,
-        on_send_failed: Callable[[bytes], None],
     ) -> None:
         self._cfg = cfg
         self._store = store
         self._metrics = metrics
         self._kit = kit
-        self._on_send_failed = on_send_failed
         self.outbox: Outbox | None = None
         self.chan: RouterChannel | None = None
         self.registry: CertificateRegistry | None = None
         self._zap: ZapHandler | None = None
         self._ctx: zmq.Context[Any] | None = None
-        self._transfers_waited_seen = 0  # the channel's count, as far as the metric has it
+        self._seen: dict[str, int] = {}  # the channel's counts, as far as the metrics have them
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -136,12 +134,12 @@ class PostOffice:
         self.send_now(peer, msg)
 
     def send_now(self, peer: bytes, msg: Message) -> bool:
+        """Send now: False when ``peer`` is not connected and ``msg`` need not arrive (one that
+        must is held by the channel until the peer is back: True)."""
         assert self.chan is not None
         before = self.chan.stats.bytes_sent
         ok = self.chan.send(peer, msg)
         self._metrics.wire_bytes.labels(direction="out").inc(self.chan.stats.bytes_sent - before)
-        if not ok:
-            self._on_send_failed(peer)
         return ok
 
     def probe(self, peer: bytes, msg: Message) -> bool:
@@ -193,14 +191,22 @@ class PostOffice:
     # ---- what operators see ----------------------------------------------------------------
 
     def observe_transfers(self) -> None:
-        """The receive budget's figures (``comm/transport/receiver.py``) into the metrics."""
+        """The channel's figures into the metrics: the receive budget's
+        (``comm/transport/receiver.py``) and acknowledged delivery's (``reliable.py``)."""
         if self.chan is None:
             return
-        stats = self.chan.stats
-        self._metrics.transfers_waiting.set(stats.transfers_waiting)
-        self._metrics.reassembly_peak_bytes.set(stats.reassembly_peak_bytes)
-        self._metrics.transfers_waited.inc(stats.transfers_waited - self._transfers_waited_seen)
-        self._transfers_waited_seen = stats.transfers_waited
+        stats, m = self.chan.stats, self._metrics
+        m.transfers_waiting.set(stats.transfers_waiting)
+        m.reassembly_peak_bytes.set(stats.reassembly_peak_bytes)
+        for counter, name in (
+            (m.transfers_waited, "transfers_waited"),
+            (m.messages_resent, "messages_resent"),
+            (m.messages_abandoned, "messages_abandoned"),
+            (m.duplicates_dropped, "duplicates_dropped"),
+        ):
+            value = getattr(stats, name)
+            counter.inc(value - self._seen.get(name, 0))
+            self._seen[name] = value
 
     def _trusted_certificates(self) -> list[tuple[str, str, float]]:
         """(site, serial, not_after) of each certificate the registry trusts (HTTP thread)."""

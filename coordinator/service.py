@@ -7,8 +7,8 @@ the pure round :class:`~coordinator.lifecycle.Lifecycle` (membership, open round
 :class:`~coordinator.planner.Planner`, :class:`~coordinator.intake.Intake` for messages (with
 :class:`~coordinator.conflicts.IdentityConflicts`, claims on a live member's site id),
 :class:`~coordinator.opening.Opening` and :class:`~coordinator.closing.Closing` for rounds,
-:class:`~coordinator.delivery.Delivery` and :class:`~coordinator.redelivery.Redelivery` for
-models owed to one site. Its loop receives one message at a time, then ``tick``s: the lifecycle
+:class:`~coordinator.delivery.Delivery` for models owed to one site (a message lost on the way
+is the channel's to send again: ``comm.transport.reliable``). Its loop receives one message at a time, then ``tick``s: the lifecycle
 decides (remove a silent site, open, close, abort, re-run, finish) and the loop routes each
 decision to the component that carries it out. All math is in ``strategy``. Nothing that
 reveals a state is sent before that state is durable:
@@ -48,7 +48,6 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.opening import Opening
 from coordinator.planner import Planner
 from coordinator.post import PostOffice
-from coordinator.redelivery import Redelivery
 from coordinator.rounds import OpenRound
 from coordinator.state import GlobalState, StateStore
 from coordinator.status import CoordinatorStatus
@@ -93,7 +92,7 @@ class Coordinator:
             cfg.state_dir, keep=cfg.keep_checkpoints, signing_key=signing_key
         )
         self.book = Lifecycle(lifecycle_config(cfg))
-        self.post = PostOffice(cfg, store, self.metrics, kit, on_send_failed=self._send_failed)
+        self.post = PostOffice(cfg, store, self.metrics, kit)
         self.model = GlobalModel(
             num_fragments=cfg.num_fragments,
             deltas_dir=cfg.state_path / "deltas" if cfg.state_dir else None,
@@ -117,15 +116,6 @@ class Coordinator:
         planner = self.planner = Planner(cfg)
         keys = MaskingKeys(enabled=cfg.secure_aggregation is not None, post=post)
         delivery = Delivery(book, model, post, metrics)
-        self.redelivery = Redelivery(
-            heartbeat_timeout_s=cfg.channel.heartbeat_timeout_s,
-            book=book,
-            ledger=ledger,
-            model=model,
-            delivery=delivery,
-            post=post,
-            metrics=metrics,
-        )
         updates = UpdateIntake(
             cfg, book=book, model=model, ledger=ledger, planner=planner, post=post, metrics=metrics
         )
@@ -138,7 +128,6 @@ class Coordinator:
             post=post,
             updates=updates,
             delivery=delivery,
-            redelivery=self.redelivery,
             planner=planner,
             keys=keys,
             conflicts=IdentityConflicts(
@@ -168,7 +157,6 @@ class Coordinator:
             planner=planner,
             strategy=strategy,
             post=post,
-            redelivery=self.redelivery,
             metrics=metrics,
             on_changed=self._publish_status,
         )
@@ -348,12 +336,8 @@ class Coordinator:
         """Everything kept about a member, dropped when it leaves or is timed out (both removal
         paths): a site that comes back joins afresh and is recorded again."""
         self.intake.forget(site_id)
-        self.redelivery.forget(site_id)
         if peer is not None:
             self.post.forget(peer)
-
-    def _send_failed(self, peer: bytes) -> None:
-        self.redelivery.send_failed(peer)
 
     def _publish_status(self) -> None:
         self.status_report.publish(finished=self.finished)

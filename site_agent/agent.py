@@ -294,9 +294,9 @@ class SiteAgent:
             self.status_doc.write()
         lost = self.session.check_link()
         if lost is not None:
-            self.sender.resend_unanswered(
-                lost, done_version=self.replica.global_version, cancelled=self.rounds.cancelled
-            )
+            # What was in flight may be lost: the channel sends again whatever the coordinator
+            # has not acknowledged (comm.transport.reliable).
+            log.info("[site=%s] link back after %s", self.cfg.site_id, lost)
 
     def _dispatch(self, msg: Message) -> int | None:
         if not isinstance(msg, Error):
@@ -354,7 +354,6 @@ class SiteAgent:
             # The rounds planned by a coordinator that forgot us (it restarted, or timed us
             # out) are void, the one being trained included: its result will never come.
             self.rounds.rejoin()
-            self.sender.forget_unanswered()  # their rounds are void too
             self._join()
         elif response is ErrorResponse.STOP_FATAL:
             return EXIT_FATAL

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection
 from typing import Any, Protocol
 
 import numpy as np
@@ -39,9 +38,6 @@ from site_agent.trainer import TrainStats
 log = logging.getLogger("crossdc.site")
 
 Params = dict[str, np.ndarray]
-
-MAX_UNANSWERED = 4
-"""Updates kept for sending again at most (only a few rounds are ever in flight)."""
 
 
 class UpdateChannel(Protocol):
@@ -87,7 +83,6 @@ class UpdateSender:
         self._unmasked: dict[int, tuple[Params, TrainStats]] = {}  # kept for a re-run
         self._fault_exit_round = fault_exit_round
         self._tokens: dict[int, int] = {}  # per fragment: tokens trained since its last send
-        self._unanswered: dict[int, Update] = {}  # sent, no result yet: resent after a gap
 
     @classmethod
     def for_site(
@@ -239,10 +234,7 @@ class UpdateSender:
             link_goodput_bps=goodput_bps,
             payload=payload,
         )
-        self._channel.send(msg)
-        self._unanswered[rs.round_id] = msg
-        while len(self._unanswered) > MAX_UNANSWERED:
-            del self._unanswered[min(self._unanswered)]
+        self._channel.send(msg)  # held by the channel until the coordinator acknowledges it
 
     # ---- secure aggregation ------------------------------------------------------------------
 
@@ -336,29 +328,6 @@ class UpdateSender:
             attempt,
         )
         return True
-
-    # ---- updates in flight ---------------------------------------------------------------------
-
-    def forget_unanswered(self) -> None:
-        """Their rounds are void (the coordinator forgot this site): nothing to send again."""
-        self._unanswered.clear()
-
-    def resend_unanswered(self, why: str, *, done_version: int, cancelled: Collection[int]) -> None:
-        """The link dropped (reset, or silent for the heartbeat timeout) and is back: what was in
-        flight may be lost, and a lost update would hold its round until the deadline. Send again
-        the updates whose round has no result yet (``done_version`` is the global held) and was
-        not cancelled; a copy that did arrive is refused as a duplicate, harmlessly."""
-        self._unanswered = {
-            r: m for r, m in self._unanswered.items() if r > done_version and r not in cancelled
-        }
-        for round_id, msg in sorted(self._unanswered.items()):
-            log.warning(
-                "[site=%s round=%d] link back after %s: sending the update again",
-                self.site_id,
-                round_id,
-                why,
-            )
-            self._channel.send(msg)
 
     def status(self) -> dict[str, Any]:
         return {"dp_epsilon": self.accountant.epsilon() if self.accountant else None}

@@ -227,20 +227,19 @@ def test_a_state_dir_of_another_model_than_the_built_theta0_refuses_to_start() -
 @pytest.mark.timeout(60)
 def test_a_site_timed_out_is_forgotten_as_one_that_left() -> None:
     """Both removal paths (a Leave, the site timeout) drop what the coordinator kept about the
-    site: its join claim, its scheduler view, its missed results and undelivered models."""
+    site: its join claim, its scheduler view, and what its channel held for it."""
     clock = ManualClock()
     with running(clock=clock) as h:  # site timeout 30 s
         eu, us, rs = start_round(h)
         land(h, eu, rs, D_EU)
         coord = h.coord
         assert "us" in coord.intake.claims and "eu" in coord.planner.views
-        coord.redelivery.missed("us")
-        coord.redelivery.undelivered.add("us")
+        chan, peer = coord.post.chan, coord.members["us"].peer
+        assert chan is not None and peer in chan.out_streams and peer in chan.in_streams
         for _ in range(4):  # eu keeps heartbeating; us stays silent past the site timeout
             clock.now += 10.0
             heard(h, eu)
         h.until(lambda: "us" not in coord.members)
         assert "us" not in coord.intake.claims and "us" not in coord.planner.views
-        assert "us" not in coord.redelivery.missed_result
-        assert "us" not in coord.redelivery.undelivered
+        assert peer not in chan.out_streams and peer not in chan.in_streams
         assert "eu" in coord.intake.claims

@@ -40,7 +40,7 @@ from comm.wire.schema import (
 from comm.wire.tensors import encode_tensors
 from crossdc.lab.profiles import LinkProfile
 from crossdc.lab.wanem import LinkEmulator
-from tests.support.coordinator import PARAMS, join, plans_resent, running
+from tests.support.coordinator import PARAMS, join, running
 
 WAIT_S = 30.0  # bound on waiting for something that must happen; never a speed assertion
 
@@ -93,22 +93,29 @@ def test_an_out_stream_is_due_after_its_timeout_backing_off_per_send() -> None:
     assert out.due(103.9, lambda _: 1.0) == [] and out.due(104.0, lambda _: 1.0) == [h, later]
 
 
-def test_an_in_stream_drops_copies_and_acknowledges_above_a_gap() -> None:
-    into = InStream("s1")
-    assert into.accept(1, 0) and into.accept(3, 0) and into.accept(4, 0)
+def test_an_in_stream_delivers_in_order_and_drops_copies() -> None:
+    into: InStream[str] = InStream("s1")
+    assert into.offer(1, 0, "a") == ["a"]
+    assert into.offer(3, 0, "c") == [] and into.offer(4, 0, "d") == []  # held behind 2
     assert into.ack() == ("s1", 1, (3, 4))
-    assert not into.accept(3, 0) and not into.accept(1, 0) and into.duplicates == 2
-    assert into.accept(2, 0) and into.ack() == ("s1", 4, ())
-    # The sender gave up 5 and 6: its floor says so, and 7 completes the stream.
-    assert into.accept(7, 6) and into.ack() == ("s1", 7, ()) and into.skipped == 2
+    assert into.offer(3, 0, "c") == [] and into.offer(1, 0, "a") == [] and into.duplicates == 2
+    assert into.offer(2, 0, "b") == ["b", "c", "d"] and into.ack() == ("s1", 4, ())
+    # The sender gave up 5 and 6: its floor says so, and 7 follows at once.
+    assert into.offer(7, 6, "g") == ["g"] and into.ack() == ("s1", 7, ()) and into.skipped == 2
+
+
+def test_a_floor_releases_what_waited_behind_a_gap_the_sender_gave_up() -> None:
+    into: InStream[str] = InStream("s1")
+    assert into.offer(2, 0, "b") == [] and into.offer(4, 0, "d") == []
+    # 1 and 3 were given up: 2 goes, then 4, then 5.
+    assert into.offer(5, 3, "e") == ["b", "d", "e"] and into.skipped == 2
 
 
 def test_an_in_stream_stops_waiting_for_a_gap_it_cannot_hold_behind() -> None:
-    into = InStream("s1", max_above=3)
-    for rseq in (2, 3, 4, 5):
-        assert into.accept(rseq, 0)
-    assert into.ack() == ("s1", 5, ()) and into.skipped == 1
-    assert not into.accept(1, 0)  # arrives after all: already given up, dropped as a copy
+    into: InStream[int] = InStream("s1", max_pending=3)
+    assert [into.offer(r, 0, r) for r in (2, 3, 4)] == [[], [], []]
+    assert into.offer(5, 0, 5) == [2, 3, 4, 5] and into.skipped == 1
+    assert into.offer(1, 0, 1) == []  # arrives after all: already given up, dropped as a copy
 
 
 def test_the_resend_timeout_grows_with_the_round_trip_size_and_ack_delay() -> None:
@@ -347,8 +354,8 @@ def test_an_acknowledgement_of_an_earlier_session_releases_nothing(pair: _Pair) 
 
 
 @pytest.mark.timeout(60)
-def test_a_plan_lost_after_accept_reaches_the_site_without_a_silence_or_deadline() -> None:
-    with running() as h:  # heartbeat timeout 10 s: the old redelivery would wait for it
+def test_a_plan_lost_after_accept_reaches_the_site_without_a_deadline() -> None:
+    with running() as h:  # heartbeat timeout 10 s, round deadline far off
         chan = h.coord.post.chan
         assert chan is not None
         chan.faults = faults = WireFaults()
@@ -380,5 +387,27 @@ def test_a_plan_lost_after_accept_reaches_the_site_without_a_silence_or_deadline
             h.coord.step(0.005)
         assert faults.lost == [(h.coord.members["eu"].peer, "RoundStart")]
         assert plans["eu"].round_id == plans["us"].round_id == 1
-        assert chan.stats.messages_resent >= 1  # the transport sent it again ...
-        assert plans_resent(h.coord) == 0  # ... not the redelivery after a silence
+        assert chan.stats.messages_resent >= 1  # the channel sent it again
+
+
+@pytest.mark.timeout(60)
+def test_numbers_are_never_reused_for_a_peer_forgotten_and_back(pair: _Pair) -> None:
+    p = pair
+    first, second = Leave(site_id="eu", reason="1"), Leave(site_id="eu", reason="2")
+    assert p.router.send(p.peer, first)
+    p.drive(lambda: bool(p.got) and not p.router.out_streams[p.peer].held)
+    p.router.forget(p.peer)  # timed out, say, while the site process lives on
+    assert p.router.send(p.peer, second)  # a copy of number 1 to the site, were it renumbered
+    p.drive(lambda: len(p.got) == 2)
+    assert p.got == [first, second] and p.dealer.stats.duplicates_dropped == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_join_starts_the_stream_afresh_and_is_not_held_behind_a_gap(pair: _Pair) -> None:
+    p = pair
+    p.faults.lose_next(Leave)
+    assert p.router.send(p.peer, Leave(site_id="eu", reason="lost, never resent"))
+    join_msg = Join(site_id="eu", model_fingerprint="fp", global_version=-1, state_hash="")
+    assert p.router.send(p.peer, join_msg)  # gives up what was held: the lost one is void
+    p.drive(lambda: bool(p.got), beat=False)  # no acknowledgement, so no resend either
+    assert p.got == [join_msg] and p.router.stats.messages_abandoned == 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 import zmq
@@ -23,6 +23,12 @@ from comm.wire.schema import Message
 
 log = logging.getLogger(__name__)
 
+MAX_REMEMBERED_PEERS = 1 << 16
+"""Peers whose last delivery number is remembered after their stream ended."""
+
+RESEND_BURST = 16
+"""Held messages sent again to one peer per pass at most (the oldest first)."""
+
 
 class _DeliverySide:
     """The part of :class:`~comm.transport.sending._SendSide` that does acknowledged delivery."""
@@ -32,8 +38,9 @@ class _DeliverySide:
     session: str
     out_streams: dict[bytes, OutStream]
     """Per peer: what was sent to it that it has not acknowledged."""
-    in_streams: dict[bytes, InStream]
+    in_streams: dict[bytes, InStream[Message]]
     """Per peer: what its current session sent here."""
+    _last_rseq: OrderedDict[bytes, int]
     _outgoing: dict[bytes, Any]
     _queued: dict[bytes, deque[tuple[Message, Held | None]]]
 
@@ -48,8 +55,20 @@ class _DeliverySide:
     def _out_stream(self, peer: bytes) -> OutStream:
         found = self.out_streams.get(peer)
         if found is None:
-            found = self.out_streams[peer] = OutStream()
+            found = self.out_streams[peer] = OutStream(after=self._last_rseq.pop(peer, 0))
         return found
+
+    def _end_out_stream(self, peer: bytes) -> int:
+        """Drop the stream to ``peer`` (it restarted or left), remembering the last number used
+        in case it comes back; return how many messages it still held."""
+        stream = self.out_streams.pop(peer, None)
+        if stream is None:
+            return 0
+        self._last_rseq[peer] = stream.next_rseq - 1
+        self._last_rseq.move_to_end(peer)
+        while len(self._last_rseq) > MAX_REMEMBERED_PEERS:
+            self._last_rseq.popitem(last=False)
+        return stream.abandon()
 
     def _bound_held(self, peer: bytes) -> None:
         """Give up the oldest held messages to ``peer`` beyond the configured bounds."""
@@ -65,6 +84,22 @@ class _DeliverySide:
                 dropped,
                 self.cfg.max_unacked_messages,
                 self.cfg.max_unacked_bytes,
+            )
+
+    def _restart_stream(self, peer: bytes) -> None:
+        """Give up everything on its way to ``peer``: held, queued, in transfer."""
+        dropped = int(self._outgoing.pop(peer, None) is not None)
+        dropped += len(self._queued.pop(peer, ()))
+        self.stats.messages_dropped += dropped
+        stream = self.out_streams.get(peer)
+        abandoned = stream.abandon() if stream is not None else 0
+        self.stats.messages_abandoned += abandoned
+        if dropped or abandoned:
+            log.info(
+                "peer %r: starting afresh, gave up %d held and %d queued message(s)",
+                peer[:32],
+                abandoned,
+                dropped,
             )
 
     def resend_timeout(self, peer: bytes, nbytes: int) -> float:
@@ -107,7 +142,9 @@ class _DeliverySide:
             def timeout_s(held: Held, peer: bytes = peer) -> float:
                 return self.resend_timeout(peer, held.nbytes)
 
-            due = stream.due(now, timeout_s)
+            # At most a burst per pass: a peer that never acknowledges (broken, or hostile)
+            # costs a few messages per resend timeout, not everything held for it.
+            due = stream.due(now, timeout_s)[:RESEND_BURST]
             for held in due:
                 self.stats.messages_resent += 1
                 log.info(

@@ -91,23 +91,28 @@ class _Endpoint(_SendSide):
             self._reject(sender, exc.code, exc.detail)
             return None
         self.stats.messages_received += 1
-        return msg if self._delivered(sender, env) else None
+        delivered = self._delivered(sender, env, msg)
+        if not delivered:
+            return None
+        self._released.extend((sender, later) for later in delivered[1:])
+        return delivered[0]
 
-    def _delivered(self, sender: bytes, env: Envelope) -> bool:
-        """Take a complete message's acknowledgement; False for a numbered message this end
-        already has (dropped, counted)."""
+    def _delivered(self, sender: bytes, env: Envelope, msg: Message) -> list[Message]:
+        """Take a complete message's acknowledgement; what to deliver now, in the order sent:
+        nothing for a numbered message this end already has (dropped, counted) or one held
+        behind a gap, several when it fills one."""
         if env.ack is not None:
             self._on_delivery_ack(sender, env.ack)
         self._heard_from(sender)
         if env.delivery is None:
-            return True
+            return [msg]
         stream = self.in_streams.get(sender)
         if stream is None or stream.session != env.session:
             stream = self.in_streams[sender] = InStream(env.session)
-        if stream.accept(*env.delivery):
-            return True
-        self.stats.duplicates_dropped += 1
-        return False
+        before = stream.duplicates
+        delivered = stream.offer(*env.delivery, msg)
+        self.stats.duplicates_dropped += stream.duplicates - before
+        return delivered
 
     def _send_receiver_acks(self, now: float) -> None:
         """Send what the receiver owes beyond the chunk at hand (grants to transfers it admitted,
@@ -161,6 +166,8 @@ class _Endpoint(_SendSide):
     def _next(self, timeout_s: float) -> tuple[bytes, Message] | None:
         if self._backlog:
             return self._backlog.popleft()
+        if self._released:
+            return self._released.popleft()
         deadline = time.monotonic() + timeout_s
         while True:
             if not self._poll(deadline - time.monotonic()):
@@ -184,6 +191,8 @@ class _Endpoint(_SendSide):
                 got = self._recv_one()
                 if got is not None:
                     self._backlog.append(got)
+                self._backlog.extend(self._released)  # what it released follows it
+                self._released.clear()
         return True
 
     def close(self, flush_timeout_s: float | None = None) -> None:

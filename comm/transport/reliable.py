@@ -6,7 +6,8 @@ held until the peer acknowledges it. Each end tells the other, on every message 
 (heartbeats, their echoes, anything), the highest number it holds with none missing before it,
 plus the numbers it holds above a gap (a selective acknowledgement). The sender resends what is
 unacknowledged after a timeout derived from the measured round trip, the message's size at the
-measured goodput and how often the peer speaks; the receiver drops what it already has.
+measured goodput and how often the peer speaks; the receiver drops what it already has and
+delivers in number order, holding back what arrives after a gap until the gap fills.
 
 :class:`OutStream` is the sending side of one stream, :class:`InStream` the receiving side; both
 are pure state machines (the channel endpoint owns the clock and the socket). A stream is named
@@ -22,6 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from comm.wire.schema import (
     Eval,
@@ -39,6 +41,8 @@ from comm.wire.schema import (
     Update,
     Welcome,
 )
+
+T = TypeVar("T")
 
 MUST_ARRIVE: frozenset[type] = frozenset(
     {
@@ -87,9 +91,11 @@ class Held:
 class OutStream:
     """The messages sent to one peer that it has not acknowledged yet."""
 
-    def __init__(self) -> None:
-        self.next_rseq = 1
-        self.floor = 0
+    def __init__(self, *, after: int = 0) -> None:
+        """``after``: the last number this end's session used for the peer before (numbers are
+        never used twice in a session: the peer would take a new message for a copy)."""
+        self.next_rseq = after + 1
+        self.floor = after
         """Every number at or below it is acknowledged or given up."""
         self.held: OrderedDict[int, Held] = OrderedDict()
         self.acked = 0
@@ -156,50 +162,55 @@ class OutStream:
         return out
 
 
-class InStream:
-    """What one peer's session has delivered here: the highest number with none missing before
-    it, and the numbers held above a gap."""
+class InStream(Generic[T]):
+    """What one peer's session has delivered here, in number order: the highest number with none
+    missing before it, and what arrived above a gap, held back until the gap fills (as TCP holds
+    bytes), so the receiver sees messages in the order they were sent."""
 
-    def __init__(self, session: str, *, max_above: int = 4096) -> None:
+    def __init__(self, session: str, *, max_pending: int = 256) -> None:
         self.session = session
         self.contig = 0
-        self.above: set[int] = set()
-        self.max_above = max_above
+        self.pending: dict[int, T] = {}
+        """Messages above the gap, by number."""
+        self.max_pending = max_pending
         self.duplicates = 0
         """Messages dropped because this end already had them."""
         self.skipped = 0
         """Numbers given up on: below the sender's floor, or too far behind the rest."""
 
-    def accept(self, rseq: int, floor: int) -> bool:
-        """Whether message ``rseq`` is new (deliver it) or a copy (drop it). ``floor``: the
-        sender holds nothing at or below it, so nothing there is still coming."""
+    def offer(self, rseq: int, floor: int, item: T) -> list[T]:
+        """Message ``rseq`` arrived; what to deliver now, in order (empty: a copy, or held
+        behind a gap). ``floor``: the sender holds nothing at or below it, so nothing there is
+        still coming and what waits behind it goes."""
+        out: list[T] = []
         if floor > self.contig:
-            self.skipped += floor - self.contig - sum(1 for r in self.above if r <= floor)
-            self.above = {r for r in self.above if r > floor}
+            for number in sorted(r for r in self.pending if r <= floor):
+                out.append(self.pending.pop(number))
+            self.skipped += floor - self.contig - len(out)
             self.contig = floor
-        if rseq <= self.contig or rseq in self.above:
+            self._advance(out)
+        if rseq <= self.contig or rseq in self.pending:
             self.duplicates += 1
-            self._advance()
-            return False
-        self.above.add(rseq)
-        self._advance()
-        if len(self.above) > self.max_above:
+            return out
+        self.pending[rseq] = item
+        self._advance(out)
+        if len(self.pending) > self.max_pending:
             # Held too long behind a gap: stop waiting for the missing ones.
-            lowest = min(self.above)
+            lowest = min(self.pending)
             self.skipped += lowest - self.contig - 1
             self.contig = lowest - 1
-            self._advance()
-        return True
+            self._advance(out)
+        return out
 
-    def _advance(self) -> None:
-        while self.contig + 1 in self.above:
+    def _advance(self, out: list[T]) -> None:
+        while self.contig + 1 in self.pending:
             self.contig += 1
-            self.above.discard(self.contig)
+            out.append(self.pending.pop(self.contig))
 
     def ack(self) -> tuple[str, int, tuple[int, ...]]:
         """(the session acknowledged, the highest number with none missing, up to
         :data:`MAX_SACK` of the lowest numbers held above the gap)."""
-        return self.session, self.contig, tuple(sorted(self.above)[:MAX_SACK])
+        return self.session, self.contig, tuple(sorted(self.pending)[:MAX_SACK])
 
 
 def resend_timeout_s(

@@ -10,11 +10,9 @@ that makes no progress for ``send_timeout_s`` is dropped and counted, with what 
 A transfer the receiver holds back for its receive budget (every chunk sent acknowledged, no
 credit left) waits without resending: the receiver's periodic acknowledgements keep it alive.
 
-Above the transfers sits acknowledged delivery (``comm.transport.reliable``): a message that must
-arrive is numbered and held until the peer acknowledges it, and sent again (behind what is queued
-for the peer, in number order) when its acknowledgement is late: whatever lost it (a reset after
-ZeroMQ accepted it, a transfer dropped for making no progress, a send to a peer not connected).
-Every message to a peer carries this end's acknowledgement of what that peer sent.
+Above the transfers sits acknowledged delivery (``comm.transport.delivering``): a message that
+must arrive is numbered and held until the peer acknowledges it, and every message to a peer
+carries this end's acknowledgement of what that peer sent.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import logging
 import math
 import os
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +42,7 @@ from comm.wire.frames import (
     frames_nbytes,
     to_wire,
 )
-from comm.wire.schema import ChunkAck, ErrorCode, Heartbeat, Message
+from comm.wire.schema import ChunkAck, ErrorCode, Heartbeat, Join, Message, Welcome
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +92,7 @@ class _SendSide(_DeliverySide):
         # Acknowledged delivery (see _DeliverySide).
         self.out_streams = {}
         self.in_streams = {}
+        self._last_rseq = OrderedDict()
         self.faults: WireFaults | None = None
         """A deterministic loss injector (tests and drills only)."""
         self.links: dict[bytes, LinkEstimator] = {}
@@ -104,6 +103,8 @@ class _SendSide(_DeliverySide):
         which sizes the stall timeout of transfers to it."""
         # Complete messages received while flush() serviced acknowledgements; recv returns them.
         self._backlog: deque[tuple[bytes, Message]] = deque()
+        # Messages a delivery released along with the one returned (a gap filled): next.
+        self._released: deque[tuple[bytes, Message]] = deque()
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
         # First-chunk arrival per transfer: goodput = bytes after the first chunk / time since.
@@ -160,8 +161,13 @@ class _SendSide(_DeliverySide):
         """Send ``msg`` to ``peer`` now, or queue it behind a large message still in transfer
         to that peer (messages arrive in the order they were sent). A heartbeat carries only
         liveness and may overtake. Raises ``zmq.ZMQError`` when the peer is unreachable; a
-        message that must arrive stays held all the same, and goes again later."""
+        message that must arrive stays held all the same, and goes again later. A ``Join`` (and
+        the ``Welcome`` answering it) starts the conversation afresh: what was still held, queued
+        or in transfer to the peer belonged to the membership it replaces and is given up (the
+        peer stops waiting for it by the stream's floor)."""
         held = None
+        if isinstance(msg, Join | Welcome):
+            self._restart_stream(peer)
         if type(msg) in MUST_ARRIVE:
             held = self._out_stream(peer).add(msg)
             self._bound_held(peer)
@@ -386,9 +392,7 @@ class _SendSide(_DeliverySide):
         """Forget every transfer to and from ``peer``, what waits behind them and both delivery
         streams; return how many messages to it were given up."""
         self._receiver.drop_sender(peer)
-        stream = self.out_streams.pop(peer, None)
-        if stream is not None:
-            self.stats.messages_abandoned += stream.abandon()
+        self.stats.messages_abandoned += self._end_out_stream(peer)
         self.in_streams.pop(peer, None)
         for key in [k for k in self._transfer_start if k[0] == peer]:
             del self._transfer_start[key]

@@ -123,6 +123,7 @@ def _fuzz(
         "frames_mutated": attacker.mutated,
         "frames_per_second": round(attacker.frames_sent / elapsed),
         "sends_blocked": attacker.blocked,
+        "sends_abandoned": attacker.abandoned,
         "messages_by_type": dict(attacker.by_type),
         "coordinator_replies": dict(attacker.replies),
         "rounds_closed_while_fuzzing": during,

@@ -57,6 +57,9 @@ ANSWER_AFTER_S = 0.25
 """A simulated site answers a plan this long after it came: a few rounds a second, not hundreds."""
 MUTATED = 0.9
 """The share of the attacker's messages that are mutated (the rest go out valid)."""
+SEND_WAIT_S = 5.0
+"""Longest wait for room to send one message; then it is counted abandoned, so the run's
+time bound holds even when the connection is down for good."""
 
 
 def _code_name(code: int) -> str:
@@ -242,6 +245,7 @@ class Attacker:
         self.frames_sent = 0
         self.mutated = 0
         self.blocked = 0
+        self.abandoned = 0
         self.by_type: Counter[str] = Counter()
         self.replies: Counter[str] = Counter()
 
@@ -293,14 +297,18 @@ class Attacker:
         self._drain()
 
     def _send(self, frames: list[bytes]) -> None:
+        deadline = time.monotonic() + SEND_WAIT_S
         while True:
             try:
                 self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
                 self.frames_sent += 1
                 return
             except zmq.Again:
-                self.blocked += 1  # the coordinator is not draining: wait for room
+                self.blocked += 1
                 self._drain()
+                if time.monotonic() >= deadline:
+                    self.abandoned += 1
+                    return
                 self.sock.poll(50, zmq.POLLOUT)
 
     def _drain(self) -> None:

@@ -255,27 +255,6 @@ def heard(h: Harness, site: Site) -> list[Message]:
     raise AssertionError(f"{site.site_id} got no echo")
 
 
-def plans_resent(coord: Coordinator) -> float:
-    return coord.metrics.registry.get_sample_value("crossdc_round_plans_resent_total") or 0.0
-
-
-class Reset:
-    """An injector on the coordinator's socket: while ``on``, a send to ``site`` of a message
-    ``kind`` fails as a send to a peer that is not connected (its connection was reset)."""
-
-    def __init__(self, h: Harness, site: str, kind: type = object) -> None:
-        assert h.coord.chan is not None
-        self.chan, self.peer, self.kind = h.coord.chan, h.coord.members[site].peer, kind
-        self.real, self.on, self.dropped = self.chan.send, True, 0
-        self.chan.send = self._send  # type: ignore[method-assign]
-
-    def _send(self, peer: bytes, msg: Message) -> bool:
-        if self.on and peer == self.peer and isinstance(msg, self.kind):
-            self.dropped += 1
-            return False
-        return self.real(peer, msg)
-
-
 def two_rounds(h: Harness) -> tuple[Site, Site, Global, Global]:
     """eu and us merge two rounds; returns them and the two results (as eu received them)."""
     eu, us, rs = start_round(h)
