@@ -25,7 +25,7 @@ from comm.security.common import AuthError, curve_raw
 from comm.security.crl import Revocation, RevocationList, parse_revocations
 from comm.security.masking import curve_public_raw
 from comm.wire.frames import WireError, from_wire, to_wire
-from comm.wire.schema import ErrorCode, Update
+from comm.wire.schema import ErrorCode, Leave, Update
 from comm.wire.tensors import encode_tensors
 
 pytestmark = pytest.mark.timeout(30)
@@ -189,3 +189,13 @@ def test_a_corrupt_zstd_position_bitmap_is_refused() -> None:
     bad = EncodedTensor(name="w", shape=(128,), codec=enc.codec, meta=meta, buffers=buffers)
     with pytest.raises(ValueError, match="bad zstd frame for positions"):
         codec.decode(bad)
+
+
+def test_fields_with_keys_of_mixed_types_are_malformed_not_a_type_error() -> None:
+    # Found by `crossdc bench fuzz --seconds 600` (target "header"): the error message sorted
+    # the received field names, and a bytes key among str keys made that sort raise TypeError.
+    header = msgpack.unpackb(to_wire(Leave(site_id="eu", reason="x"), seq=1)[0], raw=False)
+    header["f"] = {"site_id": "eu", b"reason": "x"}
+    with pytest.raises(WireError) as err:
+        from_wire([msgpack.packb(header, use_bin_type=True)])
+    assert err.value.code == ErrorCode.MALFORMED and "fields" in err.value.detail

@@ -128,7 +128,8 @@ class _MessageCodec:
 
     def from_wire(self, fields: Any, index: Any, frames: Sequence[Frame]) -> Message:
         if not isinstance(fields, dict) or set(fields) != set(self.value_fields):
-            got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
+            # Keys are compared as text: a hostile header may mix str and bytes keys.
+            got = sorted(map(repr, fields)) if isinstance(fields, dict) else type(fields).__name__
             raise WireError(
                 ErrorCode.MALFORMED,
                 f"{self.cls.__name__} fields {got} != expected {sorted(self.value_fields)}",
