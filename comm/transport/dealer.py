@@ -24,6 +24,9 @@ from comm.wire.schema import Heartbeat, Message
 
 log = logging.getLogger(__name__)
 
+_ACK_GAP_S = 0.02
+"""Least time between two heartbeats sent early to carry or ask for an acknowledgement."""
+
 
 class DealerChannel(_Endpoint):
     """A site's connection to the coordinator. Not thread-safe: one thread owns it."""
@@ -82,7 +85,9 @@ class SiteLink:
 
     The I/O thread also services the acknowledgements of large messages, so their transfers keep
     moving while the owner trains. ``heartbeat`` builds the liveness message sent every
-    ``heartbeat_interval_s``; it is called on the I/O thread and must only read simple shared
+    ``heartbeat_interval_s``, and sooner (at most every 20 ms) when it carries the
+    acknowledgement of a numbered message just received or asks, by the coordinator's echo,
+    for that of one just sent; it is called on the I/O thread and must only read simple shared
     state.
     """
 
@@ -109,6 +114,8 @@ class SiteLink:
         self._flush_timeout_s = cfg.heartbeat_timeout_s
         self._pending_sends = 0  # written by the I/O thread only
         self._dropped = False  # I/O thread: a drop was logged and no echo came since
+        self._beat_at = 0.0  # I/O thread: when the last heartbeat went
+        self._acked = (0, 0)  # I/O thread: the delivery state the last heartbeat acknowledged
         self.stats = ChannelStats()
 
     @property
@@ -140,9 +147,10 @@ class SiteLink:
             next_beat = time.monotonic() + self.cfg.heartbeat_interval_s
             while not self._stop.is_set():
                 now = time.monotonic()
-                if self._heartbeat is not None and now >= next_beat:
+                if self._heartbeat is not None and (now >= next_beat or self._ack_due(chan, now)):
                     self._send(chan, self._heartbeat())
                     next_beat = now + self.cfg.heartbeat_interval_s
+                    self._beat_at, self._acked = now, self._ack_state(chan)
                 self._drain_outbox(chan)
                 self._count_disconnects(monitor)
                 msg = chan.recv(0.005)  # also takes acks, sends on and resumes transfers
@@ -172,6 +180,24 @@ class SiteLink:
             ready.set()
             chan.unwatch(monitor)
             chan.close(flush_timeout_s=0)
+
+    @staticmethod
+    def _ack_state(chan: DealerChannel) -> tuple[int, int]:
+        stream = chan.in_streams.get(COORDINATOR_PEER)
+        return (0, 0) if stream is None else (stream.contig, len(stream.pending))
+
+    def _ack_due(self, chan: DealerChannel, now: float) -> bool:
+        """Whether to send the next heartbeat now rather than at its time: it carries the
+        acknowledgement of a numbered message received since the last one, or asks for that
+        of one sent whole since (the coordinator's echo carries it). At most every 20 ms."""
+        if now - self._beat_at < _ACK_GAP_S:
+            return False
+        if self._ack_state(chan) != self._acked:
+            return True
+        stream = chan.out_streams.get(COORDINATOR_PEER)
+        return stream is not None and any(
+            h.sent_at is not None and h.sent_at > self._beat_at for h in stream.held.values()
+        )
 
     def _count_disconnects(self, monitor: zmq.Socket[Any]) -> None:
         while monitor.poll(0):
