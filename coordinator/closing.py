@@ -18,7 +18,7 @@ from typing import Any
 from comm.codecs.base import EncodedTensor
 from comm.codecs.registry import get_codec
 from comm.wire.schema import Global, Shutdown
-from comm.wire.tensors import decode_tensors, encode_tensors
+from comm.wire.tensors import decode_parts, decode_tensors, encode_tensors
 from coordinator.config import CoordinatorConfig
 from coordinator.decisions import Close
 from coordinator.global_model import GlobalModel
@@ -28,7 +28,7 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.planner import Planner
 from coordinator.post import PostOffice
 from coordinator.state import GlobalState
-from coordinator.strategy import Arrays, OuterResult, Strategy
+from coordinator.strategy import Arrays, OuterResult, SparseLoCo, Strategy
 
 log = logging.getLogger("crossdc.coordinator")
 
@@ -44,6 +44,38 @@ class OuterStep:
     encoded: tuple[EncodedTensor, ...]
     """``delta`` in the downlink codec: what the sites apply."""
     result: OuterResult
+    part_weights: tuple[float, ...] = ()
+    """A sparse broadcast: the weight of each update ``encoded`` holds (empty: a delta)."""
+    outer_lr: float = 0.0
+    """A sparse broadcast: the step's learning rate, which the sites apply too."""
+
+
+def sparse_outer_step(
+    strategy: SparseLoCo,
+    st: GlobalState,
+    names: Sequence[str],
+    parts: Sequence[tuple[float, tuple[EncodedTensor, ...]]],
+    *,
+    averaged: Collection[str],
+) -> OuterStep:
+    """SparseLoCo's step over the round's encoded updates ``parts`` (weight, tensors), in their
+    order, decoded as a site decodes the broadcast that forwards them: the sites compute the
+    same parameters bit for bit, so there is no downlink residual to keep."""
+    payload = tuple(enc for _, part in parts for enc in part)
+    weights = tuple(w for w, _ in parts)
+    decoded = decode_parts(payload, weights, {k: tuple(st.params[k].shape) for k in names})
+    result = strategy.step(
+        {k: st.params[k] for k in names},
+        {k: st.momentum[k] for k in names},
+        decoded,
+        averaged=averaged,
+    )
+    params = dict(st.params)
+    params.update({k: result.params[k] for k in names})
+    delta = {k: result.params[k] - st.params[k] for k in names}
+    new = replace(st, params=params)
+    rule = f"{result.rule}; sparse broadcast of {len(parts)} update(s)"
+    return OuterStep(new, delta, payload, replace(result, rule=rule), weights, strategy.lr)
 
 
 def outer_step(
@@ -135,16 +167,23 @@ class Closing:
         # fragment: with several, aborts shift which round is a fragment's last.
         final = self._cfg.outer_final_mean and self._cfg.num_fragments == 1 and decision.final
         spec = self._model.spec
-        step = outer_step(
-            self._strategy,
-            st,
-            self._model.fragment_names[r.fragment],
-            updates,
-            downlink=record.plan.downlink,
-            inner_steps=inner_steps,
-            final=final,
-            averaged=spec.averaged if spec is not None else (),
-        )
+        averaged = spec.averaged if spec is not None else ()
+        names = self._model.fragment_names[r.fragment]
+        if self._cfg.broadcast == "sparse":
+            assert isinstance(self._strategy, SparseLoCo)  # the config allows no other
+            parts = self._parts(decision, record, late)
+            step = sparse_outer_step(self._strategy, st, names, parts, averaged=averaged)
+        else:
+            step = outer_step(
+                self._strategy,
+                st,
+                names,
+                updates,
+                downlink=record.plan.downlink,
+                inner_steps=inner_steps,
+                final=final,
+                averaged=averaged,
+            )
         entry = self._history_entry(now, decision, record, step.result, fresh, late, inner_steps)
         new_state = replace(step.state, global_version=r.round_id, history=(*st.history, entry))
         step = replace(step, state=new_state)
@@ -173,6 +212,20 @@ class Closing:
             staleness = max(1, (r.round_id - origin) // self._cfg.num_fragments)
             updates.append((f"late@{origin}", late_sum.weight / (1 + staleness), late_sum.mean()))
         return late, updates
+
+    def _parts(
+        self, decision: Close, record: RoundRecord, late: list[Accepted]
+    ) -> list[tuple[float, tuple[EncodedTensor, ...]]]:
+        """A sparse broadcast's updates as they arrived: the on-time ones in site order, then
+        each late one, down-weighted as :meth:`_updates` weighs it."""
+        r = decision.round
+        parts = [
+            (record.accepted[s].weight, record.accepted[s].encoded) for s in sorted(decision.merged)
+        ]
+        for u in sorted(late, key=lambda u: (u.round_id, u.site_id)):
+            staleness = max(1, (r.round_id - u.round_id) // self._cfg.num_fragments)
+            parts.append((u.weight / (1 + staleness), u.encoded))
+        return parts
 
     def _history_entry(
         self,
@@ -206,7 +259,7 @@ class Closing:
             "tokens": sum(u.weight for u in fresh),
             "outer_grad_norm": result.outer_grad_norm,
             "uplink_codecs": {s: plan.uplink[s] for s in merged},
-            "downlink_codec": plan.downlink,
+            "downlink_codec": plan.downlink if self._cfg.broadcast == "dense" else "sparse",
             "update_bytes": sum(u.nbytes for u in fresh + late),
             "update_bytes_by_site": _bytes_by_site(fresh + late),
             "compute_seconds_max": max((u.compute_seconds for u in fresh), default=0.0),
@@ -277,6 +330,8 @@ class Closing:
             signature=self._model.sign(r.round_id, a.base_version, r.fragment, digest),
             evaluate=False,
             payload=a.step.encoded,
+            part_weights=a.step.part_weights,
+            outer_lr=a.step.outer_lr,
         )
         self._model.deltas.record(delta)  # for sites that rejoin behind
         for site_id, m in sorted(self._book.members.items()):

@@ -67,9 +67,13 @@ class CoordinatorConfig:
     """``diloco``: token-weighted mean, then SGD with Nesterov momentum (``outer_momentum``, with
     the warm-up and final mean above). ``sparseloco``: the sites' error-feedback accumulators
     are the only memory: the mean of their sparse updates times ``outer_lr``, no momentum buffer
-    (pair it with the ``chunktopk`` uplink codec and ``site.error_feedback_decay = 0.95``). A
-    running federation still broadcasts the dense delta through the downlink codec; the sparse
-    broadcast is ``crossdc bench equal_tokens``'s so far."""
+    (pair it with the ``chunktopk`` uplink codec, ``site.error_feedback_decay = 0.95`` and
+    ``broadcast = "sparse"``)."""
+    broadcast: str = "dense"
+    """``dense``: the outer step's delta through the downlink codec (with the coordinator's error
+    feedback). ``sparse`` (``outer_strategy = "sparseloco"`` only): the round's encoded updates
+    themselves, forwarded with their weights; each site runs the coordinator's step on them and
+    lands on its parameters bit for bit, so no downlink codec or residual is involved."""
     outer_final_mean: bool = True
     """With ``max_rounds`` set and one fragment, the last round merges by the plain mean too: the
     kept model is the sites' average, not Nesterov's look-ahead past it."""
@@ -207,6 +211,15 @@ class CoordinatorConfig:
                 "coordinator.outer_strategy = 'sparseloco' cannot run with "
                 "coordinator.secure_aggregation: the pairwise masks are dense, so a masked "
                 "update cannot stay sparse; use 'diloco' or turn secure aggregation off"
+            )
+        if self.broadcast not in ("dense", "sparse"):
+            raise ValueError(
+                f"coordinator.broadcast must be 'dense' or 'sparse', got {self.broadcast!r}"
+            )
+        if self.broadcast == "sparse" and self.outer_strategy != "sparseloco":
+            raise ValueError(
+                "coordinator.broadcast = 'sparse' needs coordinator.outer_strategy = "
+                f"'sparseloco' (got {self.outer_strategy!r}): a momentum step is dense"
             )
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(

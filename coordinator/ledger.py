@@ -5,7 +5,8 @@ the ledger keeps what carrying those rounds out needs: each open round's plan, t
 each participant was sent (to send again after a loss), what each accepted update said (no
 tensors), when it landed, and the running sum its tensors were folded into (a masked sum under
 secure aggregation, with the attempt's masking plan). Late updates wait, by the round they were
-trained for, until their fragment's next sync. Never a site's update itself: memory is O(model).
+trained for, until their fragment's next sync. Never a site's decoded update: memory is O(model)
+plus, for a sparse broadcast only, the updates' encoded bytes, which it forwards.
 
 A round's record is created at its opening and leaves through one of three verbs: ``take`` (it
 closed), ``drop`` (it was aborted) or ``restart`` (a secure-aggregation re-run keeps the plan
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from comm.codecs.base import EncodedTensor
 from comm.security.masking import SecAggConfig
 from comm.security.secagg import MaskingPlan
 from comm.wire.schema import RoundStart
@@ -37,6 +39,8 @@ class Accepted:
     train_loss: float
     compute_seconds: float
     nbytes: int
+    encoded: tuple[EncodedTensor, ...] = ()
+    """The update as it arrived, kept for a sparse broadcast only (empty otherwise)."""
 
 
 @dataclass
@@ -145,7 +149,13 @@ class RoundLedger:
             r.sum.nbytes + (r.masked.nbytes if r.masked is not None else 0)
             for r in self._open.values()
         )
-        return open_bytes + sum(s.nbytes for s in self._late_sums.values())
+        kept = sum(
+            enc.nbytes
+            for acc in [a for r in self._open.values() for a in r.accepted.values()]
+            + list(self._late.values())
+            for enc in acc.encoded
+        )
+        return open_bytes + kept + sum(s.nbytes for s in self._late_sums.values())
 
     def __len__(self) -> int:
         return len(self._open)

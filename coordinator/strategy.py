@@ -194,7 +194,18 @@ class SparseLoCo:
         averaged: Collection[str] = (),
     ) -> OuterResult:
         ordered = sorted(updates, key=lambda u: u[0])  # site order fixes float summation order
-        weighted = [(w, t) for _, w, t in ordered]
+        return self.step(params, momentum, [(w, t) for _, w, t in ordered], averaged=averaged)
+
+    def step(
+        self,
+        params: Mapping[str, np.ndarray],
+        momentum: Mapping[str, np.ndarray],
+        weighted: Sequence[tuple[float, Mapping[str, np.ndarray]]],
+        *,
+        averaged: Collection[str] = (),
+    ) -> OuterResult:
+        """The step over ``weighted`` (weight, update) in the order given: the arithmetic a site
+        runs on a sparse broadcast, whose order is the broadcast's."""
         new_params = sparse_step(params, weighted, lr=self.lr, averaged=averaged)
         grad = weighted_mean(weighted)
         rule = f"sparse sgd lr={self.lr:g} (no momentum)"

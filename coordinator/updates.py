@@ -95,7 +95,13 @@ class UpdateIntake:
         nbytes = sum(enc.nbytes for enc in msg.payload)
         self._metrics.updates_accepted.labels(site=msg.site_id).inc()
         return Accepted(
-            msg.site_id, msg.round_id, msg.weight, msg.train_loss, msg.compute_seconds, nbytes
+            msg.site_id,
+            msg.round_id,
+            msg.weight,
+            msg.train_loss,
+            msg.compute_seconds,
+            nbytes,
+            msg.payload if self._cfg.broadcast == "sparse" else (),
         )
 
     def _record(

@@ -64,6 +64,10 @@ def argument_problem(args: argparse.Namespace) -> str | None:
         return "--sites, --rounds and --inner-steps must be >= 1"
     if args.outer_warmup_steps < 0:
         return "--outer-warmup-steps must be >= 0"
+    if args.broadcast == "sparse" and args.outer_strategy != "sparseloco":
+        return "--broadcast sparse needs --outer-strategy sparseloco (a momentum step is dense)"
+    if not 0.0 <= args.error_feedback_decay <= 1.0:
+        return f"--error-feedback-decay must be in [0, 1], got {args.error_feedback_decay}"
     if (args.job_path or args.job_option) and not args.job:
         return "--job-path and --job-option need --job"
     try:
@@ -100,6 +104,26 @@ def _add_sync_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fragments", type=int, default=1, help="streaming sync fragments")
     p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum")
+    p.add_argument(
+        "--outer-strategy",
+        choices=("diloco", "sparseloco"),
+        default="diloco",
+        help="diloco: Nesterov outer step; sparseloco: outer SGD, the sites' decayed error "
+        "feedback as the only memory",
+    )
+    p.add_argument(
+        "--broadcast",
+        choices=("dense", "sparse"),
+        default="dense",
+        help="dense: the outer delta through the downlink codec; sparse (sparseloco): the "
+        "round's updates forwarded",
+    )
+    p.add_argument(
+        "--error-feedback-decay",
+        type=float,
+        default=1.0,
+        help="the sites' residual decay per round (SparseLoCo: 0.95)",
+    )
     add_outer_rule_arguments(p)
     p.add_argument(
         "--no-overlap", action="store_true", help="block each site on every sync (no overlap)"

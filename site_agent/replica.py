@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from comm.codecs.broadcast import sparse_step
 from comm.codecs.feedback import ErrorFeedback
 from comm.durable import atomic_write
 from comm.security.common import AuthError
@@ -28,7 +29,14 @@ from comm.security.rolekits import SiteKit
 from comm.security.signing import verify_blob
 from comm.wire.frames import WireError
 from comm.wire.schema import Global, RoundStart
-from comm.wire.tensors import decode_tensors, fragments, global_signed_bytes, spec_of, state_hash
+from comm.wire.tensors import (
+    decode_parts,
+    decode_tensors,
+    fragments,
+    global_signed_bytes,
+    spec_of,
+    state_hash,
+)
 from site_agent.config import SiteConfig
 from site_agent.metrics import SiteMetrics
 from site_agent.rounds import SiteRounds
@@ -289,11 +297,7 @@ class Replica:
                         self.global_version,
                     )
                     return None
-                names = [enc.name for enc in msg.payload]
-                delta = decode_tensors(msg.payload, {k: spec[k] for k in names if k in spec})
-                new = dict(self.global_params)
-                for k in names:
-                    new[k] = self.global_params[k] + delta[k]
+                new, names = self._applied(msg, spec)
         except WireError as exc:
             self._metrics.rejected(exc.code.name.lower())
             log.warning("[site=%s] bad global model: %s", self.site_id, exc)
@@ -309,6 +313,28 @@ class Replica:
                 msg.global_version,
             )
             return None
+        return new, names
+
+    def _applied(self, msg: Global, spec: dict[str, tuple[int, ...]]) -> tuple[Params, list[str]]:
+        """The parameters after a delta, or after a sparse broadcast: the coordinator's step over
+        the round's updates, in its order, which lands on its parameters bit for bit."""
+        new = dict(self.global_params)
+        if msg.part_weights:
+            parts = decode_parts(msg.payload, msg.part_weights, spec)
+            names = list(parts[0][1])
+            new.update(
+                sparse_step(
+                    {k: self.global_params[k] for k in names},
+                    parts,
+                    lr=msg.outer_lr,
+                    averaged=self._trainer.buffer_names(),
+                )
+            )
+            return new, names
+        names = [enc.name for enc in msg.payload]
+        delta = decode_tensors(msg.payload, {k: spec[k] for k in names if k in spec})
+        for k in names:
+            new[k] = self.global_params[k] + delta[k]
         return new, names
 
     def status(self) -> dict[str, Any]:

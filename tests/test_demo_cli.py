@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -157,7 +156,9 @@ def test_bench_wan_reads_the_whole_history(tmp_path: Path, monkeypatch: pytest.M
         return subprocess.CompletedProcess(argv, 0, json.dumps(demo_report), "")
 
     monkeypatch.setattr(wan.subprocess, "run", fake_demo)
-    args = argparse.Namespace(sites=3, rounds=30, inner_steps=10, codec="int4", timeout=60.0)
+    args = wan.build_parser().parse_args(
+        ["--rounds", "30", "--inner-steps", "10", "--codec", "int4", "--timeout", "60"]
+    )
     got = wan.run_crossdc(args, workdir)
     assert got["sync_bytes"] == 30 * 11 and got["tokens_merged"] == 30 * 64
     # From the start of round 1 (finished at 1010 after 2 s) to the end of round 30.

@@ -14,9 +14,10 @@ from typing import Any
 
 from comm.codecs.base import EncodedTensor
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """3: ``Eval`` carries the job's metrics (``metrics``) in place of ``num_tokens``. 4: the header
-may carry acknowledged delivery (``"r"``, ``"a"``; see ``comm.wire.frames``)."""
+may carry acknowledged delivery (``"r"``, ``"a"``; see ``comm.wire.frames``). 5: ``Global`` may
+be a sparse broadcast (``part_weights``, ``outer_lr``)."""
 
 
 class MessageType(enum.IntEnum):
@@ -211,6 +212,14 @@ class Global:
     evaluate: bool
     """The receiving site should report the validation loss of the new model."""
     payload: tuple[EncodedTensor, ...]
+    """The delta, the whole model, or (``part_weights`` not empty) the sites' updates."""
+    part_weights: tuple[float, ...] = ()
+    """Empty: ``payload`` is the delta (or the model). Otherwise a sparse broadcast: ``payload``
+    holds one encoded update per weight, each the same tensors in the same order, and the site
+    computes θ − ``outer_lr`` · Σ w_i u_i / Σ w_i as the coordinator did
+    (``comm.codecs.broadcast.sparse_step``)."""
+    outer_lr: float = 0.0
+    """The sparse broadcast's outer learning rate (0 for a delta)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -95,6 +95,43 @@ def decode_tensors(
     return out
 
 
+def split_parts(
+    payload: Sequence[EncodedTensor], weights: Sequence[float]
+) -> list[tuple[float, tuple[EncodedTensor, ...]]]:
+    """A sparse broadcast's payload cut into its updates: one per weight, each the same tensor
+    names in the same order. Raises :class:`WireError` (BAD_PAYLOAD) naming what is wrong."""
+    if not weights:
+        raise WireError(ErrorCode.BAD_PAYLOAD, "a sparse broadcast of no updates")
+    if not all(np.isfinite(w) and w > 0 for w in weights):
+        raise WireError(ErrorCode.BAD_PAYLOAD, f"update weights {list(weights)} must be > 0")
+    if not payload or len(payload) % len(weights):
+        raise WireError(
+            ErrorCode.BAD_PAYLOAD,
+            f"{len(payload)} tensors do not split into {len(weights)} equal updates",
+        )
+    per = len(payload) // len(weights)
+    parts = [tuple(payload[i * per : (i + 1) * per]) for i in range(len(weights))]
+    names = [enc.name for enc in parts[0]]
+    for i, part in enumerate(parts[1:], 1):
+        if [enc.name for enc in part] != names:
+            raise WireError(ErrorCode.BAD_PAYLOAD, f"update {i} names other tensors than update 0")
+    return list(zip((float(w) for w in weights), parts, strict=True))
+
+
+def decode_parts(
+    payload: Sequence[EncodedTensor], weights: Sequence[float], expected: TensorSpec
+) -> list[tuple[float, dict[str, FloatArray]]]:
+    """A sparse broadcast's updates decoded, each checked as :func:`decode_tensors` checks a
+    payload against the shapes ``expected`` of the tensors it names."""
+    parts = split_parts(payload, weights)
+    names = [enc.name for enc in parts[0][1]]
+    unknown = [n for n in names if n not in expected]
+    if unknown:
+        raise WireError(ErrorCode.BAD_PAYLOAD, f"unknown tensors {unknown[:3]}")
+    spec = {n: expected[n] for n in names}
+    return [(w, decode_tensors(part, spec)) for w, part in parts]
+
+
 def _layer_key(name: str) -> str:
     """``layers.3.attn.w`` -> ``layers.3``; names without a numbered prefix are their own key."""
     parts = name.split(".")

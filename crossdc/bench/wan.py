@@ -64,10 +64,15 @@ def run_crossdc(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         f"--sites={args.sites}",
         f"--rounds={args.rounds}",
         f"--inner-steps={args.inner_steps}",
-        f"--uplink-codec={args.codec}",
+        f"--uplink-codec={args.uplink_codec or args.codec}",
         f"--downlink-codec={args.codec}",
         f"--eval-every={args.rounds}",
         f"--workdir={workdir}",
+        f"--outer-strategy={args.outer_strategy}",
+        f"--broadcast={args.broadcast}",
+        f"--error-feedback-decay={args.error_feedback_decay}",
+        *([f"--outer-lr={args.outer_lr}"] if args.outer_lr is not None else []),
+        *(["--no-overlap"] if args.no_overlap else []),
     ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
@@ -189,7 +194,26 @@ def _comparison(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def argument_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments, checked before any measurement; None: nothing."""
+    from comm.codecs.registry import get_codec
+
+    if args.sites < 1 or args.rounds < 1 or args.inner_steps < 1:
+        return "--sites, --rounds and --inner-steps must be >= 1"
+    for flag, spec in (("--codec", args.codec), ("--uplink-codec", args.uplink_codec)):
+        if spec and spec != "auto":
+            try:
+                get_codec(spec)
+            except ValueError as exc:
+                return f"{flag}: {exc}"
+    if args.broadcast == "sparse" and args.outer_strategy != "sparseloco":
+        return "--broadcast sparse needs --outer-strategy sparseloco (a momentum step is dense)"
+    if not 0.0 <= args.error_feedback_decay <= 1.0:
+        return f"--error-feedback-decay must be in [0, 1], got {args.error_feedback_decay}"
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="crossdc bench wan", description=__doc__.splitlines()[0])
     p.add_argument("--sites", type=int, default=3)
     p.add_argument("--rounds", type=int, default=4)
@@ -199,13 +223,32 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="crossdc's codec, both directions (default auto: the scheduler's, bytes first)",
     )
+    p.add_argument("--uplink-codec", default="", help="the sites' codec (default: --codec)")
+    p.add_argument("--outer-strategy", choices=("diloco", "sparseloco"), default="diloco")
+    p.add_argument(
+        "--broadcast",
+        choices=("dense", "sparse"),
+        default="dense",
+        help="sparse (sparseloco): the round's updates forwarded in place of a delta",
+    )
+    p.add_argument("--error-feedback-decay", type=float, default=1.0, help="the sites' decay")
+    p.add_argument("--outer-lr", type=float, default=None, help="default: the demo's")
+    p.add_argument("--no-overlap", action="store_true", help="block each site on every sync")
     p.add_argument("--ddp-wan-steps", type=int, default=20)
     p.add_argument("--ddp-eval-every", type=int, default=50)
     p.add_argument("--skip-goodput", action="store_true")
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--json", action="store_true")
     add_progress_argument(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    problem = argument_problem(args)
+    if problem is not None:
+        print(f"crossdc bench wan: {problem}", file=sys.stderr)
+        return 2
     with open_progress("crossdc bench wan", no_progress=pop_no_progress(args)) as progress:
         out = run(args, progress)
     print_report(out, as_json=args.json)
