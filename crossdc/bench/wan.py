@@ -73,6 +73,7 @@ def run_crossdc(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         f"--error-feedback-decay={args.error_feedback_decay}",
         *([f"--outer-lr={args.outer_lr}"] if args.outer_lr is not None else []),
         *(["--no-overlap"] if args.no_overlap else []),
+        *(["--no-align-arrivals"] if args.no_align_arrivals else []),
     ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
@@ -234,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--error-feedback-decay", type=float, default=1.0, help="the sites' decay")
     p.add_argument("--outer-lr", type=float, default=None, help="default: the demo's")
     p.add_argument("--no-overlap", action="store_true", help="block each site on every sync")
+    p.add_argument(
+        "--no-align-arrivals", action="store_true", help="no extra steps for early sites"
+    )
     p.add_argument("--ddp-wan-steps", type=int, default=20)
     p.add_argument("--ddp-eval-every", type=int, default=50)
     p.add_argument("--skip-goodput", action="store_true")
