@@ -68,6 +68,7 @@ def run_crossdc(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         f"--downlink-codec={args.codec}",
         f"--eval-every={args.rounds}",
         f"--workdir={workdir}",
+        f"--timeout={args.timeout}",
         f"--outer-strategy={args.outer_strategy}",
         f"--broadcast={args.broadcast}",
         f"--error-feedback-decay={args.error_feedback_decay}",
