@@ -198,16 +198,17 @@ def write_seeds(corpus_dir: Path, group: list[int]) -> None:
 
 
 def run_atheris(seconds: float, *, per_input_s: float, seed: int, workdir: Path) -> EngineResult:
-    """libFuzzer over every target for ``seconds`` (in groups, each its share of the time);
-    a child ended by a finding is followed by another for the group's time left."""
+    """libFuzzer over every target for ``seconds`` (in groups, each its share of the time,
+    counted from when its seeds are written: a loaded machine may take a while to build them);
+    a child ended by a finding is followed by another for the group's time left, and every
+    group runs at least one child (which runs the group's seeds whatever the time)."""
     result = EngineResult("atheris")
     names = [t.name for t in all_targets()]
     groups = target_groups(seconds)
-    started = time.monotonic()
     for g, group in enumerate(groups):
-        share_end = started + seconds * (g + 1) / len(groups)
         gdir = workdir / f"group-{g}"
-        _run_group(result, group, share_end, gdir, per_input_s=per_input_s, seed=seed)
+        share = seconds / len(groups)
+        _run_group(result, group, share, gdir, per_input_s=per_input_s, seed=seed)
         result.findings += _child_findings(gdir / "findings")
         result.findings += _artifact_findings(gdir / "artifacts", [names[i] for i in group])
         result.corpus += sum(1 for _ in (gdir / "corpus").iterdir())
@@ -216,15 +217,22 @@ def run_atheris(seconds: float, *, per_input_s: float, seed: int, workdir: Path)
 
 
 def _run_group(
-    result: EngineResult, group: list[int], end: float, gdir: Path, *, per_input_s: float, seed: int
+    result: EngineResult,
+    group: list[int],
+    share: float,
+    gdir: Path,
+    *,
+    per_input_s: float,
+    seed: int,
 ) -> None:
     corpus_dir, artifacts, findings_dir = (gdir / n for n in ("corpus", "artifacts", "findings"))
     for d in (artifacts, findings_dir):
         d.mkdir(parents=True, exist_ok=True)
     write_seeds(corpus_dir, group)
+    end = time.monotonic() + share
     run = 0
     group_coverage: dict[str, int] = {}
-    while (left := end - time.monotonic()) >= 1.0 and run < 50:
+    while ((left := end - time.monotonic()) >= 1.0 or run == 0) and run < 50:
         log_path = gdir / f"libfuzzer-{run}.log"
         stats = gdir / f"stats-{run}.json"
         argv = [
@@ -252,7 +260,11 @@ def _run_group(
                 # libFuzzer ends the child at max_total_time; the bound is for a child stuck
                 # before libFuzzer starts (a seed that hangs its warm-up past its limit).
                 proc = subprocess.run(
-                    argv, stdout=log, stderr=subprocess.STDOUT, check=False, timeout=left + 120
+                    argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    check=False,
+                    timeout=max(left, 1.0) + 120,
                 )
             except subprocess.TimeoutExpired:
                 proc = subprocess.CompletedProcess(argv, -9)
