@@ -8,6 +8,7 @@ import dataclasses
 import msgpack
 import numpy as np
 import pytest
+import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +16,7 @@ from comm.codecs.base import EncodedTensor
 from comm.codecs.floats import Fp32Codec
 from comm.wire import schema
 from comm.wire.frames import WireError, from_wire, to_wire
+from comm.wire.payload import MAX_INDEX_BYTES, PACK_BELOW
 from comm.wire.schema import MESSAGE_CLASSES, PROTOCOL_VERSION, ErrorCode, MessageType
 
 pytestmark = pytest.mark.timeout(120)
@@ -136,11 +138,91 @@ def test_round_trip_per_type(mtype: MessageType) -> None:
 
 
 def test_tensor_frames_are_not_copied() -> None:
-    arr = np.arange(1000, dtype=np.float32)
-    enc = EncodedTensor(name="a", shape=(1000,), codec="fp32", buffers=(arr,))
+    arr = np.arange(PACK_BELOW // 4, dtype=np.float32)  # 64 KiB: a frame of its own
+    enc = EncodedTensor(name="a", shape=arr.shape, codec="fp32", buffers=(arr,))
     msg = schema.InitParams(site_id="x", model_fingerprint="f", payload=(enc,))
     frames = to_wire(msg)
     assert np.shares_memory(frames[1], arr)
+
+
+def _many_small(n: int) -> tuple[EncodedTensor, ...]:
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(n):
+        bufs = (
+            rng.integers(0, 255, 1 + 7 * i, dtype=np.uint8),
+            rng.random(3 + i).astype(np.float16),
+        )
+        out.append(EncodedTensor(name=f"t{i}", shape=(i,), codec="x", meta={"k": i}, buffers=bufs))
+    return tuple(out)
+
+
+def test_small_buffers_share_one_frame_and_a_large_index_travels_compressed() -> None:
+    big = np.arange(PACK_BELOW // 4, dtype=np.float32)
+    payload = (
+        *_many_small(60),
+        EncodedTensor(name="big", shape=big.shape, codec="fp32", buffers=(big,)),
+    )
+    msg = schema.InitParams(site_id="x", model_fingerprint="f", payload=payload)
+    frames = to_wire(msg)
+    assert len(frames) == 3  # header, the pack of 120 small buffers, the large one
+    assert isinstance(msgpack.unpackb(frames[0])["p"], bytes)  # compressed
+    assert np.shares_memory(frames[2], big)
+    back = from_wire(frames)
+    assert _same(msg, back)
+    # A few tensors: a plain index, still one pack.
+    few = schema.InitParams(site_id="x", model_fingerprint="f", payload=_many_small(3))
+    frames = to_wire(few)
+    assert len(frames) == 2 and isinstance(msgpack.unpackb(frames[0])["p"], list)
+    assert _same(few, from_wire(frames))
+
+
+def _with_index(index: object, frames: list[bytes]) -> list[bytes]:
+    head = {"v": PROTOCOL_VERSION, "t": int(MessageType.INIT_PARAMS), "s": "", "q": 0}
+    head["f"] = {"site_id": "x", "model_fingerprint": "f"}
+    head["p"] = index
+    return [msgpack.packb(head, use_bin_type=True), *frames]
+
+
+@pytest.mark.parametrize(
+    ("index", "frames", "match"),
+    [
+        (
+            [{"n": "a", "s": [2], "c": "fp32", "m": {}, "b": [["float32", 8, 8]]}],
+            [bytes(16)],
+            "expected 0",
+        ),
+        (
+            [{"n": "a", "s": [2], "c": "fp32", "m": {}, "b": [["float32", 8, 0]]}],
+            [bytes(12)],
+            "4 bytes left over",
+        ),
+        (
+            [{"n": "a", "s": [2], "c": "fp32", "m": {}, "b": [["float32", 8, 0]]}],
+            [bytes(4)],
+            "expected 0 in 4",
+        ),
+        ([{"n": "a", "s": [2], "c": "fp32", "m": {}, "b": [["float32", 8, 0]]}], [], "no frames"),
+        (
+            [{"n": "a", "s": [2], "c": "fp32", "m": {}, "b": [["float32", 6, 0]]}],
+            [bytes(6)],
+            "buffer of 6",
+        ),
+        (b"not zstd", [], "compressed payload index"),
+        (
+            zstandard.ZstdCompressor().compress(bytes(MAX_INDEX_BYTES + 1)),
+            [],
+            "compressed payload index",
+        ),
+    ],
+    ids=["offset", "left-over", "beyond", "no-pack", "partial-item", "garbage", "bomb"],
+)
+def test_a_bad_pack_or_compressed_index_is_malformed_naming_it(
+    index: object, frames: list[bytes], match: str
+) -> None:
+    with pytest.raises(WireError, match=match) as err:
+        from_wire(_with_index(index, frames))
+    assert err.value.code == ErrorCode.MALFORMED
 
 
 def _header(**over: object) -> bytes:
@@ -186,17 +268,27 @@ def test_bad_frames_are_rejected_with_a_code(frames: list[bytes], code: ErrorCod
     assert info.value.code is code
 
 
+def _large_init() -> list[object]:
+    big = np.arange(PACK_BELOW // 4, dtype=np.float32)
+    encs = tuple(EncodedTensor(name=n, shape=big.shape, codec="fp32", buffers=(big,)) for n in "ab")
+    return to_wire(schema.InitParams(site_id="x", model_fingerprint="f", payload=encs))
+
+
 def test_payload_frame_size_must_match_header() -> None:
+    frames = _large_init()
+    frames[1] = bytes(frames[1])[:-4]  # type: ignore[arg-type]
+    with pytest.raises(WireError, match="frame holds"):
+        from_wire(frames)
+    # Packed buffers: the pack cut short.
     frames = to_wire(SAMPLES[MessageType.UPDATE])  # type: ignore[arg-type]
     frames[1] = bytes(frames[1])[:-4]
-    with pytest.raises(WireError, match="frame holds"):
+    with pytest.raises(WireError, match="packed at"):
         from_wire(frames)
 
 
 def test_missing_payload_frame_is_rejected() -> None:
-    frames = to_wire(SAMPLES[MessageType.UPDATE])  # type: ignore[arg-type]
     with pytest.raises(WireError, match="missing frames"):
-        from_wire(frames[:-1])
+        from_wire(_large_init()[:-1])
 
 
 def test_oversize_is_rejected() -> None:

@@ -5,8 +5,10 @@ Frame 0 is a msgpack header ``{"v": version, "t": type, "s": session, "q": seque
 optional keys carry acknowledged delivery (``comm.transport.reliable``): ``"r": [number, floor]``
 on a message that must arrive, ``"a": [session, contiguous, [numbers above the gap]]`` on any
 message, acknowledging what the receiver holds of that session's stream.
-Every ``bytes`` field and every buffer of every encoded tensor follows as its own frame, so large
-tensors travel without a copy (numpy arrays expose their memory to ZeroMQ directly). ``from_wire``
+Every ``bytes`` field follows as its own frame, then the encoded tensors' buffers
+(``comm.wire.payload``): each of 64 KiB or more as a frame of its own, so large tensors travel
+without a copy (numpy arrays expose their memory to ZeroMQ directly), the smaller ones together
+in one frame; a large payload index travels compressed. ``from_wire``
 validates everything against the message's dataclass before building it and raises
 :class:`WireError` with an :class:`~comm.wire.schema.ErrorCode` on any deviation; it never trusts a
 size or a count it has not checked against the frames it actually holds.
@@ -22,28 +24,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import numpy as np
 
 from comm.codecs.base import EncodedTensor
+from comm.wire.errors import WireError as WireError  # raised here, imported from here
+from comm.wire.payload import decode_payload, encode_payload
 from comm.wire.schema import MESSAGE_CLASSES, MESSAGE_TYPES, PROTOCOL_VERSION, ErrorCode, Message
 
 # Anything exposing the buffer protocol: bytes, memoryview, numpy arrays, zmq frame buffers.
 Frame = Any
 
 _MAX_HEADER_BYTES = 1 << 20
-_MAX_PAYLOAD_TENSORS = 1 << 16
-_ALLOWED_DTYPES = frozenset(
-    {"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "float16", "float32"}
-)
-
-
-class WireError(ValueError):
-    """A frame sequence that is not a valid message; ``code`` says why."""
-
-    def __init__(self, code: ErrorCode, detail: str) -> None:
-        super().__init__(f"{code.name.lower()}: {detail}")
-        self.code = code
-        self.detail = detail
 
 
 def _check_value(kind: Any, value: Any, where: str) -> Any:
@@ -100,21 +90,11 @@ class _MessageCodec:
     ) -> list[Frame]:
         fields = {name: getattr(msg, name) for name in self.value_fields}
         frames: list[Frame] = [getattr(msg, name) for name in self.bytes_fields]
-        index: list[dict[str, Any]] = []
+        index: list[Any] | bytes = []
         if self.has_payload:
             payload: tuple[EncodedTensor, ...] = typing.cast(Any, msg).payload
-            for enc in payload:
-                bufs = [np.ascontiguousarray(b) for b in enc.buffers]
-                index.append(
-                    {
-                        "n": enc.name,
-                        "s": list(enc.shape),
-                        "c": enc.codec,
-                        "m": enc.meta,
-                        "b": [[str(b.dtype), int(b.nbytes)] for b in bufs],
-                    }
-                )
-                frames.extend(bufs)
+            index, payload_frames = encode_payload(payload)
+            frames.extend(payload_frames)
         head = {
             "v": PROTOCOL_VERSION,
             "t": int(MESSAGE_TYPES[self.cls]),
@@ -144,58 +124,10 @@ class _MessageCodec:
             values[name] = memoryview(frame).cast("B")
         rest = frames[len(self.bytes_fields) :]
         if self.has_payload:
-            values["payload"] = _decode_payload(index, rest)
+            values["payload"] = decode_payload(index, rest)
         elif index or rest:
             raise WireError(ErrorCode.MALFORMED, f"{self.cls.__name__} carries no tensors")
         return self.cls(**values)  # type: ignore[no-any-return]
-
-
-def _decode_payload(index: Any, frames: Sequence[Frame]) -> tuple[EncodedTensor, ...]:
-    if not isinstance(index, list) or len(index) > _MAX_PAYLOAD_TENSORS:
-        raise WireError(ErrorCode.MALFORMED, "payload index must be a bounded list")
-    out: list[EncodedTensor] = []
-    pos = 0
-    for i, item in enumerate(index):
-        if not isinstance(item, dict) or set(item) != {"n", "s", "c", "m", "b"}:
-            raise WireError(ErrorCode.MALFORMED, f"payload entry {i} has the wrong keys")
-        name = _check_value(str, item["n"], f"payload[{i}].name")
-        shape = _check_value(tuple[int, ...], item["s"], f"payload[{i}].shape")
-        if any(d < 0 for d in shape):
-            raise WireError(ErrorCode.MALFORMED, f"payload[{i}] {name!r} has a negative dimension")
-        codec = _check_value(str, item["c"], f"payload[{i}].codec")
-        meta = _check_value(dict[str, Any], item["m"], f"payload[{i}].meta")
-        specs = item["b"]
-        if not isinstance(specs, list):
-            raise WireError(ErrorCode.MALFORMED, f"payload[{i}] buffer list is not a list")
-        bufs: list[np.ndarray] = []
-        for spec in specs:
-            if (
-                not isinstance(spec, list)
-                or len(spec) != 2
-                or not isinstance(spec[0], str)
-                or spec[0] not in _ALLOWED_DTYPES
-                or not isinstance(spec[1], int)
-            ):
-                raise WireError(ErrorCode.MALFORMED, f"payload[{i}] {name!r} has a bad buffer spec")
-            if pos >= len(frames):
-                raise WireError(ErrorCode.MALFORMED, f"payload[{i}] {name!r} is missing frames")
-            raw = memoryview(frames[pos]).cast("B")
-            pos += 1
-            dtype = np.dtype(spec[0])
-            if raw.nbytes != spec[1] or raw.nbytes % dtype.itemsize:
-                raise WireError(
-                    ErrorCode.MALFORMED,
-                    f"payload[{i}] {name!r} frame holds {raw.nbytes} bytes, header says {spec[1]}",
-                )
-            bufs.append(np.frombuffer(raw, dtype=dtype))
-        out.append(
-            EncodedTensor(name=name, shape=shape, codec=codec, meta=meta, buffers=tuple(bufs))
-        )
-    if pos != len(frames):
-        raise WireError(
-            ErrorCode.MALFORMED, f"{len(frames) - pos} frames left over after the payload"
-        )
-    return tuple(out)
 
 
 _CODECS: dict[int, _MessageCodec] = {
