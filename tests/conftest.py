@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +153,31 @@ def wait_for(
                 raise AssertionError(f"processes died while waiting for {what}: {dead}")
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def sites_on_coordinator_hash(
+    procs: Procs, workdir: Path, sites: Sequence[str], version: int
+) -> dict[str, Any]:
+    """Wait for the coordinator and ``sites`` to exit cleanly, check that the coordinator's
+    stored state is at ``version`` and that every site's checkpoint holds that version with the
+    same state hash; return the checkpoints by site."""
+    import torch
+
+    from comm.wire.tensors import state_hash
+    from coordinator.file_store import FileStateStore
+
+    assert procs.procs["coordinator"].wait(timeout=240) == 0, procs.log("coordinator")
+    state = FileStateStore(workdir / "coordinator").load()
+    assert state is not None and state.global_version == version
+    expected = state_hash(state.params)
+    ckpts = {}
+    for site in sites:
+        assert procs.procs[f"site-{site}"].wait(timeout=60) == 0, procs.log(f"site-{site}")
+        ckpt = torch.load(workdir / f"site-{site}" / "checkpoint.pt", weights_only=True)
+        assert ckpt["global_version"] == version
+        assert state_hash({k: v.numpy() for k, v in ckpt["global_params"].items()}) == expected
+        ckpts[site] = ckpt
+    return {"state": state, "checkpoints": ckpts}
 
 
 @pytest.fixture
