@@ -2,9 +2,9 @@
 
 A real ``crossdc coordinator`` runs with a fresh key kit (CURVE, certificates, the ZAP handler)
 and short rounds. Two simulated sites close rounds on their own CURVE connections while a third
-certified site, the attacker, sends what it likes under its own name
-(``crossdc.bench.fuzz_live_peers``). The coordinator must stay up and keep closing rounds: a
-finding is its exit, a traceback in its log, no round closed while the frames were flying, or
+certified site, the attacker, sends what it likes under its own name (the sites:
+``crossdc.bench.fuzz_live_sites``; the attacker: ``crossdc.bench.fuzz_live_peers``). The
+coordinator must stay up and keep closing rounds: a finding is its exit, a traceback in its log, no round closed while the frames were flying, or
 none within a minute after they stopped.
 """
 
@@ -24,7 +24,8 @@ import numpy as np
 
 from comm.ops.configio import dump_toml
 from comm.security.kits import init_kit, issue_site
-from crossdc.bench.fuzz_live_peers import ATTACKER, SITES, Attacker, SiteThread
+from crossdc.bench.fuzz_live_peers import ATTACKER, Attacker
+from crossdc.bench.fuzz_live_sites import SITES, SiteThread
 
 RECOVERY_S = 60.0
 """After the frames stop, a round must close within this long."""
