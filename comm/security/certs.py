@@ -18,12 +18,10 @@ nothing until :meth:`Certificate.verify` passes.
 
 from __future__ import annotations
 
-import datetime as dt
 import functools
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import zmq.utils.z85 as z85
 from cryptography import x509
@@ -34,13 +32,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.x509.oid import NameOID, SignatureAlgorithmOID
 
 from comm.security.common import AuthError, check_site_id, curve_raw, key_fingerprint
+from comm.security.x509base import MAX_SERIAL, parsed, pem, serial_number, serial_text, unix, utc
 
 CURVE_KEY_OID = x509.ObjectIdentifier("2.25.170210122487860488820739161179313113323")
 """The site certificate extension holding the site's CURVE public key as a UTF8String of its
 40 Z85 characters (an OID under the UUID arc 2.25, which needs no registration)."""
 
-_MAX_SERIAL = 1 << 128
-_T = TypeVar("_T")
 _NO_USAGE = dict.fromkeys(
     (
         "digital_signature",
@@ -55,44 +52,6 @@ _NO_USAGE = dict.fromkeys(
     ),
     False,
 )
-
-
-def parsed(what: str, parse: Callable[[], _T]) -> _T:
-    """``parse()`` reading untrusted bytes with ``cryptography``, which raises several unrelated
-    types on malformed input (``ValueError``, ``InvalidVersion``, ``UnsupportedAlgorithm``,
-    ``DuplicateExtension``...): any of them is :class:`AuthError` (``bad_signature``) naming
-    ``what``. Only library calls go in ``parse``."""
-    try:
-        return parse()
-    except Exception as exc:
-        raise AuthError("bad_signature", f"{what}: {exc}") from None
-
-
-def _utc(seconds: int) -> dt.datetime:
-    return dt.datetime.fromtimestamp(seconds, tz=dt.UTC)
-
-
-def _unix(when: dt.datetime) -> int:
-    return int(when.timestamp())
-
-
-def serial_text(number: int) -> str:
-    """A certificate serial number as crossdc writes it: 32 lower-case hex digits."""
-    return f"{number:032x}"
-
-
-def _serial_number(serial: str) -> int:
-    try:
-        number = int(serial, 16)
-    except ValueError:
-        raise ValueError(f"a certificate serial is hex digits, got {serial!r}") from None
-    if not 0 < number < _MAX_SERIAL:
-        raise ValueError(f"a certificate serial is 1 to 32 hex digits, not zero, got {serial!r}")
-    return number
-
-
-def _pem(obj: x509.Certificate | x509.CertificateRevocationList) -> bytes:
-    return obj.public_bytes(serialization.Encoding.PEM)
 
 
 def _curve_extension(curve_public: bytes) -> x509.UnrecognizedExtension:
@@ -126,9 +85,9 @@ def make_ca_certificate(
         .subject_name(name)
         .issuer_name(name)
         .public_key(public)
-        .serial_number(_serial_number(serial))
-        .not_valid_before(_utc(not_before))
-        .not_valid_after(_utc(not_after))
+        .serial_number(serial_number(serial))
+        .not_valid_before(utc(not_before))
+        .not_valid_after(utc(not_after))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(**{**_NO_USAGE, "key_cert_sign": True, "crl_sign": True}),
@@ -137,7 +96,7 @@ def make_ca_certificate(
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
         .sign(ca_key, None)
     )
-    return _pem(cert)
+    return pem(cert)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,9 +138,9 @@ def _ca_from_x509(cert: x509.Certificate) -> CACertificate:
     return CACertificate(
         public_key=public,
         name=subject,
-        not_before=_unix(not_before),
-        not_after=_unix(not_after),
-        pem=_pem(cert),
+        not_before=unix(not_before),
+        not_after=unix(not_after),
+        pem=pem(cert),
     )
 
 
@@ -250,9 +209,9 @@ def make_site_certificate(
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, site_id)]))
         .issuer_name(ca_name(ca_public))
         .public_key(x25519.X25519PublicKey.from_public_bytes(raw))
-        .serial_number(_serial_number(serial))
-        .not_valid_before(_utc(not_before))
-        .not_valid_after(_utc(not_after))
+        .serial_number(serial_number(serial))
+        .not_valid_before(utc(not_before))
+        .not_valid_after(utc(not_after))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.KeyUsage(**{**_NO_USAGE, "key_agreement": True}), critical=True)
         .add_extension(_curve_extension(raw), critical=False)
@@ -291,7 +250,7 @@ class Certificate:
         return x509.load_der_x509_certificate(self.der)
 
     def to_pem(self) -> bytes:
-        return _pem(self._x509)
+        return pem(self._x509)
 
     @classmethod
     def from_pem(cls, data: bytes | str) -> Certificate:
@@ -341,13 +300,13 @@ class Certificate:
             raise bad(str(exc)) from None
         if extension_key != spki:
             raise bad("its CURVE key extension and subject public key differ")
-        if not 0 < cert.serial_number < _MAX_SERIAL:
+        if not 0 < cert.serial_number < MAX_SERIAL:
             raise bad("its serial number is not 1 to 128 bits")
         return cls(
             site_id=site_id,
             curve_public=curve_public,
-            not_before=_unix(not_before),
-            not_after=_unix(not_after),
+            not_before=unix(not_before),
+            not_after=unix(not_after),
             serial=serial_text(cert.serial_number),
             der=der,
         )

@@ -15,8 +15,9 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from comm.security.certs import _pem, _serial_number, _unix, _utc, ca_name, parsed, serial_text
+from comm.security.certs import ca_name
 from comm.security.common import AuthError, key_fingerprint
+from comm.security.x509base import parsed, pem, serial_number, serial_text, unix, utc
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,8 +46,8 @@ class RevocationList:
         builder = (
             x509.CertificateRevocationListBuilder()
             .issuer_name(ca_name(public))
-            .last_update(_utc(self.issued_at))
-            .next_update(_utc(max(next_update, self.issued_at)))
+            .last_update(utc(self.issued_at))
+            .next_update(utc(max(next_update, self.issued_at)))
             .add_extension(x509.CRLNumber(self.version), critical=False)
             .add_extension(
                 x509.AuthorityKeyIdentifier.from_issuer_public_key(public), critical=False
@@ -55,11 +56,11 @@ class RevocationList:
         for entry in self.entries:
             builder = builder.add_revoked_certificate(
                 x509.RevokedCertificateBuilder()
-                .serial_number(_serial_number(entry.serial))
-                .revocation_date(_utc(entry.revoked_at))
+                .serial_number(serial_number(entry.serial))
+                .revocation_date(utc(entry.revoked_at))
                 .build()
             )
-        return _pem(builder.sign(ca_key, None))
+        return pem(builder.sign(ca_key, None))
 
 
 _CRL_BEGIN = b"-----BEGIN X509 CRL-----"
@@ -104,9 +105,9 @@ def _revocation_list(crl: x509.CertificateRevocationList, number: int) -> Revoca
     )
     return RevocationList(
         version=number,
-        issued_at=_unix(issued_at),
+        issued_at=unix(issued_at),
         entries=tuple(
-            Revocation(serial=serial_text(serial), revoked_at=_unix(at)) for serial, at in revoked
+            Revocation(serial=serial_text(serial), revoked_at=unix(at)) for serial, at in revoked
         ),
     )
 
