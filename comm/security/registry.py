@@ -15,10 +15,10 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from comm.security.certs import CACertificate, Certificate, load_ca_bundle, load_ca_certificate
+from comm.security.certs import CACertificate, Certificate, load_ca_bundle
 from comm.security.common import (
     CA_CERT,
     CERTS_DIR,
@@ -28,38 +28,24 @@ from comm.security.common import (
     curve_raw,
     key_fingerprint,
 )
-from comm.security.crl import RevocationList, parse_revocation_bundle
+from comm.security.crl import RevocationList
 from comm.security.kits import issued_certificates
 from comm.security.legacy import role_kit
 from comm.security.rolekits import RefuseCallback, file_stamp
+from comm.security.trust import (
+    Trust,
+    TrustRefusal,
+    load_retired,
+    reload_cas,
+    reload_revocations,
+)
 
 log = logging.getLogger(__name__)
-
-TrustRefusal = str
-"""Why a reload refused trust material (``crossdc_trust_reload_refused_total{reason}``):
-``bad_bundle`` (``ca.pem`` does not parse, or would leave no CA), ``retired_ca`` (it brings
-back a retired CA), ``dropped_ca`` (it drops a CA that is not retired), ``expired_ca`` (it adds a
-CA outside its validity), ``bad_retired`` (a ``retired/`` entry does not parse), ``bad_crl``
-(``crl.pem`` is missing, does not parse, or holds a list no known CA signed), ``missing_crl``
-(a CA's list that was loaded is gone), ``stale_crl`` (a CA's list is older than the loaded one).
-"""
-
-
-@dataclass(frozen=True)
-class _Trust:
-    """The CAs and revocation lists a registry trusts; only a reload that passes changes them."""
-
-    cas: tuple[CACertificate, ...]
-    """Trusted now, the current CA first."""
-    retired: tuple[CACertificate, ...] = ()
-    """Retired: every certificate they signed is refused as revoked."""
-    revocations: Mapping[str, RevocationList] = field(default_factory=dict)
-    """Each trusted CA's list, by its fingerprint."""
 
 
 @dataclass(frozen=True)
 class _Snapshot:
-    trust: _Trust
+    trust: Trust
     by_key: dict[bytes, tuple[Certificate, ...]]
     by_serial: dict[str, Certificate]
     issuer: dict[str, CACertificate]
@@ -114,7 +100,7 @@ class CertificateRegistry:
         """(site, CURVE key) of every certificate trusted at some point in this run, by serial:
         what a connection authenticated under that serial proved it holds."""
         self._moved: set[str] = set()
-        trust = _Trust(cas=tuple(cas), retired=tuple(retired), revocations=dict(revocations or {}))
+        trust = Trust(cas=tuple(cas), retired=tuple(retired), revocations=dict(revocations or {}))
         self._snap = self._build(list(certificates), trust, ())
 
     @classmethod
@@ -129,7 +115,7 @@ class CertificateRegistry:
         the file) when ``ca.pem`` or ``retired/`` cannot be trusted at all."""
         kit = role_kit(Path(kit_dir), "coordinator")
         cas = load_ca_bundle(kit / CA_CERT)
-        retired = _load_retired(kit)
+        retired = load_retired(kit)
         back = [c.fingerprint for c in cas if c.fingerprint in {r.fingerprint for r in retired}]
         if back:
             raise ValueError(
@@ -151,7 +137,7 @@ class CertificateRegistry:
     def _build(
         self,
         certs: list[Certificate],
-        trust: _Trust,
+        trust: Trust,
         stamp: tuple[tuple[str | int, ...], ...],
     ) -> _Snapshot:
         by_key: dict[bytes, list[Certificate]] = {}
@@ -210,99 +196,6 @@ class CertificateRegistry:
             except Exception:
                 log.exception("on_refuse callback failed")
 
-    def _reload_cas(
-        self, old: _Trust
-    ) -> tuple[tuple[CACertificate, ...], tuple[CACertificate, ...]]:
-        """The CAs trusted and retired after reading ``ca.pem`` and ``retired/``."""
-        assert self.kit_dir is not None
-        retired = {c.fingerprint: c for c in old.retired}
-        try:
-            for ca in _load_retired(self.kit_dir):
-                retired.setdefault(ca.fingerprint, ca)
-        except (OSError, ValueError) as exc:
-            self._refuse("bad_retired", str(exc))
-        loaded = {c.fingerprint for c in old.cas}
-        # A CA retired now, while ca.pem still lists it, leaves: retirement wins.
-        kept = tuple(c for c in old.cas if c.fingerprint not in retired)
-        try:
-            bundle = load_ca_bundle(self.kit_dir / CA_CERT)
-        except (OSError, ValueError) as exc:
-            self._refuse("bad_bundle", f"{CA_CERT}: {exc}")
-            return kept or old.cas, tuple(retired.values())
-        listed = {c.fingerprint for c in bundle}
-        now = self._wall_clock()
-        back = [c for c in bundle if c.fingerprint in retired and c.fingerprint not in loaded]
-        dropped = [c for c in old.cas if c.fingerprint not in listed | retired.keys()]
-        dead = [
-            c
-            for c in bundle
-            if c.fingerprint not in loaded and not c.not_before <= now < c.not_after
-        ]
-        cas = tuple(c for c in bundle if c.fingerprint not in retired)
-        if back:
-            self._refuse(
-                "retired_ca",
-                f"{CA_CERT} lists CA {', '.join(c.fingerprint for c in back)}, which is retired",
-            )
-        elif dropped:
-            self._refuse(
-                "dropped_ca",
-                f"{CA_CERT} no longer lists CA {', '.join(c.fingerprint for c in dropped)}, which "
-                f"{RETIRED_DIR}/ does not record as retired (crossdc keys retire-ca retires a CA)",
-            )
-        elif dead:
-            self._refuse(
-                "expired_ca",
-                f"{CA_CERT} adds CA {', '.join(c.fingerprint for c in dead)} outside its validity "
-                f"(now is {int(now)})",
-            )
-        elif not cas:
-            self._refuse("bad_bundle", f"{CA_CERT} lists no CA that is not retired")
-        else:
-            return cas, tuple(retired.values())
-        return kept or old.cas, tuple(retired.values())
-
-    def _reload_revocations(
-        self, old: _Trust, cas: tuple[CACertificate, ...], retired: tuple[CACertificate, ...]
-    ) -> dict[str, RevocationList]:
-        """Each trusted CA's revocation list after reading ``crl.pem``."""
-        assert self.kit_dir is not None
-        kept = {
-            c.fingerprint: old.revocations[c.fingerprint]
-            for c in cas
-            if c.fingerprint in old.revocations
-        }
-        try:
-            lists = parse_revocation_bundle(
-                (self.kit_dir / CRL).read_bytes(), [c.public_key for c in cas + retired]
-            )
-        except (OSError, AuthError) as exc:
-            self._refuse("bad_crl", f"{CRL}: {exc}")
-            return kept
-        out: dict[str, RevocationList] = {}
-        for ca in cas:
-            loaded = kept.get(ca.fingerprint)
-            new = lists.get(ca.fingerprint)
-            if new is None:
-                if loaded is not None:
-                    self._refuse(
-                        "missing_crl",
-                        f"{CRL} holds no revocation list of CA {ca.fingerprint}; keeping "
-                        f"version {loaded.version}",
-                    )
-                    out[ca.fingerprint] = loaded
-                # else a CA just added: nothing it signed was revoked yet
-            elif loaded is not None and new.version < loaded.version:
-                self._refuse(
-                    "stale_crl",
-                    f"revocation list version {new.version} of CA {ca.fingerprint} is older "
-                    f"than the loaded version {loaded.version}",
-                )
-                out[ca.fingerprint] = loaded
-            else:
-                out[ca.fingerprint] = new
-        return out
-
     def reload(self) -> None:
         """Re-read the kit directory now (no-op for an in-memory registry)."""
         if self.kit_dir is None:
@@ -310,9 +203,9 @@ class CertificateRegistry:
         with self._lock:
             stamp = self._stamp()
             old = self._snap.trust
-            cas, retired = self._reload_cas(old)
-            revocations = self._reload_revocations(old, cas, retired)
-            trust = _Trust(cas=cas, retired=retired, revocations=revocations)
+            cas, retired = reload_cas(self.kit_dir, old, self._wall_clock(), self._refuse)
+            revocations = reload_revocations(self.kit_dir, old, cas, retired, self._refuse)
+            trust = Trust(cas=cas, retired=retired, revocations=revocations)
             certs = issued_certificates(self.kit_dir)
             self._snap = self._build(certs, trust, stamp)
             self._checked_at = self._clock()
@@ -449,18 +342,3 @@ class CertificateRegistry:
                 )
             return
         raise failure
-
-
-def _load_retired(kit: Path) -> tuple[CACertificate, ...]:
-    """The CAs ``retired/<fingerprint>/ca.pem`` records as retired (``crossdc keys retire-ca``);
-    ValueError naming a file that does not hold the CA its directory names."""
-    out = []
-    root = kit / RETIRED_DIR
-    if not root.is_dir():
-        return ()
-    for path in sorted(root.glob(f"*/{CA_CERT}")):
-        ca = load_ca_certificate(path)
-        if ca.fingerprint != path.parent.name:
-            raise ValueError(f"{str(path)!r} holds CA {ca.fingerprint}, not {path.parent.name}")
-        out.append(ca)
-    return tuple(out)
