@@ -209,8 +209,8 @@ class Closing:
         if record.sum.count:
             updates.append((f"round {r.round_id}", record.sum.weight, record.sum.mean()))
         for origin, late_sum in late_sums:
-            staleness = max(1, (r.round_id - origin) // self._cfg.num_fragments)
-            updates.append((f"late@{origin}", late_sum.weight / (1 + staleness), late_sum.mean()))
+            weight = late_sum.weight / self._late_divisor(r.round_id, origin)
+            updates.append((f"late@{origin}", weight, late_sum.mean()))
         return late, updates
 
     def _parts(
@@ -223,9 +223,13 @@ class Closing:
             (record.accepted[s].weight, record.accepted[s].encoded) for s in sorted(decision.merged)
         ]
         for u in sorted(late, key=lambda u: (u.round_id, u.site_id)):
-            staleness = max(1, (r.round_id - u.round_id) // self._cfg.num_fragments)
-            parts.append((u.weight / (1 + staleness), u.encoded))
+            parts.append((u.weight / self._late_divisor(r.round_id, u.round_id), u.encoded))
         return parts
+
+    def _late_divisor(self, round_id: int, origin: int) -> int:
+        """What a late update's weight is divided by: 1 + the syncs of its fragment it missed
+        (at least one)."""
+        return 1 + max(1, (round_id - origin) // self._cfg.num_fragments)
 
     def _history_entry(
         self,
