@@ -13,9 +13,11 @@ that site's ``status.json``. Four figures:
 - ``compute_utilization.png``: per site, inner steps per second over the training period
   against its own rate with no sync in flight.
 
-``crossdc plot --frontier FRONTIER.json`` draws what ``crossdc bench equal_tokens --sweep``
-wrote instead: every setting's bytes ratio against data parallelism over its validation-loss gap,
-one marker per seed, and the frontier (the best ratio reached at each gap or better).
+``crossdc plot --frontier FILE...`` draws, instead, what ``crossdc bench equal_tokens`` wrote: a
+sweep's ``frontier.json`` or a single run's ``--json`` report, as many as given: every setting's
+bytes ratio against data parallelism over its validation-loss gap, one marker per seed, and the
+frontier (the best ratio reached at each gap or better) into ``frontier.png``; ``--table`` also
+prints the points as a Markdown table.
 """
 
 from __future__ import annotations
@@ -192,6 +194,50 @@ def _metric_figures(
     return paths
 
 
+def frontier_point(report: dict[str, Any]) -> dict[str, Any]:
+    """A frontier point from one ``crossdc bench equal_tokens --json`` report (a run or a sweep's
+    setting): the setting, the seed and the figures the frontier compares."""
+    cfg = report["config"]
+    sparse_down = cfg.get("broadcast") == "sparse"
+    return {
+        "inner_steps": cfg["inner_steps"],
+        "codec": cfg.get("uplink_codec") or cfg["codec"],
+        "downlink": "sparse" if sparse_down else cfg.get("downlink_codec") or cfg["codec"],
+        "strategy": cfg.get("strategy", "diloco"),
+        "seed": cfg["seed"],
+        "steps": cfg["steps"],
+        **{key: report[key] for key in _POINT_FIGURES},
+    }
+
+
+_POINT_FIGURES = (
+    "bytes_ratio_vs_ddp",
+    "val_loss_gap",
+    "val_loss_diloco",
+    "val_loss_ddp",
+    "diloco_val_loss_by_step",
+)
+
+
+def read_frontier_points(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
+    """The points of every file: a sweep's ``frontier.json`` (its ``points``) or a single
+    ``crossdc bench equal_tokens --json`` report (one point)."""
+    points: list[dict[str, Any]] = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if isinstance(data, dict) and isinstance(data.get("points"), list):
+            points += data["points"]
+        elif isinstance(data, dict) and "val_loss_gap" in data and "config" in data:
+            points.append(frontier_point(data))
+        else:
+            raise ValueError(
+                f"{path}: neither a sweep's frontier.json nor a bench equal_tokens --json report"
+            )
+    if not points:
+        raise ValueError("no frontier points in " + ", ".join(map(str, paths)))
+    return points
+
+
 def frontier_points(points: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
     """(gap, ratio) of the points no other point beats on both (a lower gap and a higher ratio),
     by increasing gap."""
@@ -202,15 +248,43 @@ def frontier_points(points: Sequence[dict[str, Any]]) -> list[tuple[float, float
     return best
 
 
-def plot_frontier(json_path: str | Path, png_path: str | Path) -> Path:
-    """The sweep's frontier picture: bytes ratio (log) over loss gap (%), a marker per run."""
+def setting_label(point: dict[str, Any]) -> str:
+    """``H=30 chunktopk:k=64, down sparse, sparseloco``: what a point ran (older sweep points
+    name only H and the uplink codec)."""
+    label = f"H={point['inner_steps']} {point['codec']}"
+    if "strategy" in point:
+        label += f", down {point['downlink']}, {point['strategy']}"
+    return label
+
+
+def frontier_table(points: Sequence[dict[str, Any]]) -> str:
+    """The points as a Markdown table, by setting then seed; ``*`` marks the frontier's."""
+    front = set(frontier_points(points))
+    rows = [
+        "| setting | seed | val loss (DiLoCo / DP) | loss gap | bytes ratio vs DP |",
+        "|---|---|---|---|---|",
+    ]
+    for p in sorted(points, key=lambda q: (setting_label(q), q["seed"])):
+        gap, ratio = p["val_loss_gap"], p["bytes_ratio_vs_ddp"]
+        mark = " *" if (gap, ratio) in front else ""
+        rows.append(
+            f"| {setting_label(p)} | {p['seed']} | {p['val_loss_diloco']:.3f} / "
+            f"{p['val_loss_ddp']:.3f} | {100 * gap:+.1f}%{mark} | {ratio:,.0f}x |"
+        )
+    return "\n".join(rows)
+
+
+def plot_frontier(sources: str | Path | Sequence[str | Path], png_path: str | Path) -> Path:
+    """The frontier picture of every point in ``sources`` (see :func:`read_frontier_points`):
+    bytes ratio (log) over loss gap (%), a marker per seed."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, never a display
     import matplotlib.pyplot as plt
 
-    points = json.loads(Path(json_path).read_text())["points"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    paths = [sources] if isinstance(sources, (str, Path)) else list(sources)
+    points = read_frontier_points(paths)
+    fig, ax = plt.subplots(figsize=(8, 5))
     for seed, marker in zip(sorted({p["seed"] for p in points}), "os^vD", strict=False):
         mine = [p for p in points if p["seed"] == seed]
         ax.scatter(
@@ -221,7 +295,7 @@ def plot_frontier(json_path: str | Path, png_path: str | Path) -> Path:
         )
         for p in mine:
             ax.annotate(
-                f"H={p['inner_steps']} {p['codec']}",
+                setting_label(p),
                 (100 * p["val_loss_gap"], p["bytes_ratio_vs_ddp"]),
                 fontsize=6,
                 xytext=(3, 3),
@@ -246,7 +320,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="crossdc plot", description=__doc__.splitlines()[0])
     p.add_argument("run_dir", nargs="?")
     p.add_argument("--out", default=None, help="where the PNGs go (default: RUN_DIR)")
-    p.add_argument("--frontier", default=None, help="a sweep's frontier.json to draw instead")
+    p.add_argument(
+        "--frontier",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="draw these sweep frontier.json files and bench equal_tokens --json reports instead",
+    )
+    p.add_argument("--table", action="store_true", help="with --frontier: print a Markdown table")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if (args.run_dir is None) == (args.frontier is None):
@@ -254,8 +335,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         if args.frontier is not None:
-            src = Path(args.frontier)
-            paths = [plot_frontier(src, Path(args.out or src.parent) / "frontier.png")]
+            first = Path(args.frontier[0])
+            paths = [plot_frontier(args.frontier, Path(args.out or first.parent) / "frontier.png")]
+            if args.table:
+                print(frontier_table(read_frontier_points(args.frontier)))
         else:
             paths = plot_run(args.run_dir, args.out)
     except (ValueError, OSError) as exc:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from comm.codecs.registry import get_codec
+from crossdc import plot
 from crossdc.bench import equal_tokens
 from crossdc.demo_roles import DEMO_MODEL
 from site_agent.model import ModelConfig, build_model
@@ -169,6 +170,24 @@ def test_sweep_writes_the_frontier_json_and_picture(
         (2, "chunktopk"),
     }
     assert (tmp_path / "sweep" / "frontier.png").read_bytes()[:4] == b"\x89PNG"
+    # A single run's report joins the sweep's points in one picture and table.
+    argv = ("--sites", "2", "--steps", "2", "--inner-steps", "1", "--eval-every", "2")
+    single = _run(capsys, *argv, "--codec", "int4")
+    report = tmp_path / "int4.json"
+    report.write_text(json.dumps(single))
+    both = ("--frontier", str(tmp_path / "sweep" / "frontier.json"), str(report))
+    assert plot.main([*both, "--table", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    rows = [line for line in printed if line.startswith("| H=")]
+    assert len(rows) == 5
+    assert any(r.startswith("| H=1 int4, down int4, diloco | 0 |") for r in rows)
+    assert sum(" *" in r for r in rows) == len(
+        plot.frontier_points([*points, plot.frontier_point(single)])
+    )
+    assert (tmp_path / "frontier.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "bad.json").write_text(json.dumps({"config": {}}))
+    assert plot.main(["--frontier", str(tmp_path / "bad.json")]) == 1
+    assert "neither a sweep's frontier.json" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(300)

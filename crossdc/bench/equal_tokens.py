@@ -55,6 +55,7 @@ from crossdc.bench.equal_tokens_sim import (
 )
 from crossdc.demo_args import resolve_outer_rule_defaults
 from crossdc.demo_roles import DEMO_MODEL
+from crossdc.plot import frontier_point, plot_frontier
 from crossdc.progress import (
     SILENT,
     Progress,
@@ -286,22 +287,9 @@ def sweep(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, An
                 pending.append((one, bases[seed], pool.submit(compute_diloco, one)))
         for i, (one, base, dl) in enumerate(pending, 1):
             r = report(one, base.result(), dl.result())
-            points.append(
-                {
-                    "inner_steps": one.inner_steps,
-                    "codec": one.uplink_codec,
-                    "seed": one.seed,
-                    "bytes_ratio_vs_ddp": r["bytes_ratio_vs_ddp"],
-                    "val_loss_gap": r["val_loss_gap"],
-                    "val_loss_diloco": r["val_loss_diloco"],
-                    "val_loss_ddp": r["val_loss_ddp"],
-                    "diloco_val_loss_by_step": r["diloco_val_loss_by_step"],
-                }
-            )
+            points.append(frontier_point(r))
             json_path.write_text(json.dumps(frontier, indent=1))
             progress.count(i, total, "settings")
-    from crossdc.plot import plot_frontier
-
     png = plot_frontier(json_path, out_dir / "frontier.png")
     return {**frontier, "json": str(json_path), "png": str(png)}
 
