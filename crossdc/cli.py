@@ -319,7 +319,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         value = os.environ.get(name)
         if value is not None and value.strip().lower() not in allowed:
             parser.error(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        if getattr(args, "func", None) is not cmd_plot:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        # argparse leaves a REMAINDER that starts with an option (plot --frontier ...) unknown:
+        # the plot command takes every token after its name.
+        tokens = list(sys.argv[1:] if argv is None else argv)
+        args.rest = tokens[tokens.index("plot") + 1 :]
     setup_logging(args.log_level, args.log_format)
     rc: int = args.func(args)
     return rc

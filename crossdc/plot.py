@@ -197,7 +197,10 @@ def _metric_figures(
 def frontier_point(report: dict[str, Any]) -> dict[str, Any]:
     """A frontier point from one ``crossdc bench equal_tokens --json`` report (a run or a sweep's
     setting): the setting, the seed and the figures the frontier compares."""
-    cfg = report["config"]
+    return {**_setting(report["config"]), **{key: report[key] for key in _POINT_FIGURES}}
+
+
+def _setting(cfg: dict[str, Any]) -> dict[str, Any]:
     sparse_down = cfg.get("broadcast") == "sparse"
     return {
         "inner_steps": cfg["inner_steps"],
@@ -206,7 +209,7 @@ def frontier_point(report: dict[str, Any]) -> dict[str, Any]:
         "strategy": cfg.get("strategy", "diloco"),
         "seed": cfg["seed"],
         "steps": cfg["steps"],
-        **{key: report[key] for key in _POINT_FIGURES},
+        "outer_lr": cfg.get("outer_lr"),
     }
 
 
@@ -226,7 +229,9 @@ def read_frontier_points(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     for path in paths:
         data = json.loads(Path(path).read_text())
         if isinstance(data, dict) and isinstance(data.get("points"), list):
-            points += data["points"]
+            # What a sweep's points leave out (older sweeps: strategy, lr) is its config's.
+            common = _setting(data["config"]) if isinstance(data.get("config"), dict) else {}
+            points += [{**common, **point} for point in data["points"]]
         elif isinstance(data, dict) and "val_loss_gap" in data and "config" in data:
             points.append(frontier_point(data))
         else:
@@ -254,6 +259,8 @@ def setting_label(point: dict[str, Any]) -> str:
     label = f"H={point['inner_steps']} {point['codec']}"
     if "strategy" in point:
         label += f", down {point['downlink']}, {point['strategy']}"
+    if point.get("outer_lr") is not None:
+        label += f" lr {point['outer_lr']:g}"
     return label
 
 
@@ -285,6 +292,7 @@ def plot_frontier(sources: str | Path | Sequence[str | Path], png_path: str | Pa
     paths = [sources] if isinstance(sources, (str, Path)) else list(sources)
     points = read_frontier_points(paths)
     fig, ax = plt.subplots(figsize=(8, 5))
+    labelled: set[str] = set()
     for seed, marker in zip(sorted({p["seed"] for p in points}), "os^vD", strict=False):
         mine = [p for p in points if p["seed"] == seed]
         ax.scatter(
@@ -294,6 +302,9 @@ def plot_frontier(sources: str | Path | Sequence[str | Path], png_path: str | Pa
             label=f"seed {seed}",
         )
         for p in mine:
+            if setting_label(p) in labelled:
+                continue  # one label a setting: its seeds sit side by side
+            labelled.add(setting_label(p))
             ax.annotate(
                 setting_label(p),
                 (100 * p["val_loss_gap"], p["bytes_ratio_vs_ddp"]),

@@ -180,7 +180,7 @@ def test_sweep_writes_the_frontier_json_and_picture(
     printed = capsys.readouterr().out.splitlines()
     rows = [line for line in printed if line.startswith("| H=")]
     assert len(rows) == 5
-    assert any(r.startswith("| H=1 int4, down int4, diloco | 0 |") for r in rows)
+    assert any(r.startswith("| H=1 int4, down int4, diloco lr 0.7 | 0 |") for r in rows)
     assert sum(" *" in r for r in rows) == len(
         plot.frontier_points([*points, plot.frontier_point(single)])
     )
