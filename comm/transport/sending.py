@@ -22,7 +22,6 @@ import math
 import os
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -31,6 +30,7 @@ from comm.transport.credit import stall_timeout_s
 from comm.transport.delivering import _DeliverySide
 from comm.transport.faults import WireFaults
 from comm.transport.linkest import LinkEstimator
+from comm.transport.outgoing import _MAX_BACKOFF, _Outgoing, _Pending
 from comm.transport.profile import _PEER_GONE, ChannelConfig, RejectHook
 from comm.transport.receiver import TransferReceiver
 from comm.transport.reliable import MUST_ARRIVE, Held
@@ -45,33 +45,6 @@ from comm.wire.frames import (
 from comm.wire.schema import ChunkAck, ErrorCode, Heartbeat, Join, Message, Welcome
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Outgoing:
-    """A large message being sent: where to, its transfer state, when it last made progress."""
-
-    peer: bytes
-    prefix: list[bytes]
-    """The routing frames that address the peer."""
-    tx: TransferSender
-    progress_at: float
-    """When the acknowledged index last advanced, more credit came, or the receiver answered
-    while holding the transfer back (or the transfer began)."""
-    waited: bool = False
-    """It waited for credit with every chunk acknowledged (the receiver's budget was taken)."""
-    resumes_in_a_row: int = 0
-    """Resumes since the last progress: each doubles the stall timeout before the next (up to
-    ``2**_MAX_BACKOFF`` times), so a receiver slow to acknowledge is not flooded with resends."""
-    held: Held | None = None
-    """Its entry in the peer's delivery stream, if it must arrive."""
-
-
-_Pending = tuple[Message, Held | None]
-"""A message waiting behind a large one, and its delivery entry if it must arrive."""
-
-
-_MAX_BACKOFF = 4
 
 
 class _SendSide(_DeliverySide):
