@@ -85,3 +85,19 @@ def test_cli_plot_and_its_errors(tmp_path: Path, capsys: pytest.CaptureFixture[s
     empty.mkdir()
     assert main(["plot", str(empty)]) == 1
     assert "holds no completed round" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_the_cli_passes_plot_options_through(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``crossdc plot --frontier ...`` reaches the plot command (its first token is an option);
+    other commands still refuse options they do not know."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"config": {}}))
+    assert main(["plot", "--frontier", str(bad), "--table"]) == 1
+    assert "neither a sweep's frontier.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["status", "--no-such-option"])
+    assert exited.value.code == 2
+    assert "unrecognized arguments: --no-such-option" in capsys.readouterr().err
