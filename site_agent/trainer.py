@@ -181,6 +181,28 @@ def first_dimension(batch: Any) -> int:
     return 0
 
 
+class JobBatches:
+    """A job's ``batches()``, begun again whenever exhausted (the contract's promise); a
+    ``JobError`` if a fresh pass yields nothing."""
+
+    def __init__(self, job: Job, where: str) -> None:
+        self.job, self.where = job, where
+        self._it: Iterator[Any] | None = None
+
+    def __iter__(self) -> JobBatches:
+        return self
+
+    def __next__(self) -> Any:
+        for _ in range(2):  # the current pass, then a fresh one
+            if self._it is None:
+                self._it = iter(self.job.batches())
+            try:
+                return next(self._it)
+            except StopIteration:
+                self._it = None
+        raise JobError(f"{self.where}: batches() yielded no batch")
+
+
 class JobTrainer:
     """Inner training of one job's model in this process.
 
@@ -215,21 +237,12 @@ class JobTrainer:
         self.step = 0  # inner steps taken over the trainer's whole life
         self.skipped_steps = 0
         self._nonfinite_run = 0
-        self._batches: Iterator[Any] | None = None
+        self._batches: Iterator[Any] = JobBatches(job, where)
         self._state = federated_state(self.model)
         self._weight: Callable[[Any], int] = getattr(job, "weight", first_dimension)
 
     def _next_batch(self) -> Any:
-        if self._batches is None:
-            self._batches = iter(self.job.batches())
-        try:
-            return next(self._batches)
-        except StopIteration:
-            self._batches = iter(self.job.batches())
-        try:
-            return next(self._batches)
-        except StopIteration:
-            raise JobError(f"{self.where}: batches() yielded no batch") from None
+        return next(self._batches)
 
     def loss(self, batch: Any) -> torch.Tensor:
         """The job's loss on one batch (already on the device), checked to be a scalar."""
@@ -379,4 +392,5 @@ class JobTrainer:
         if job_state is not None and hasattr(self.job, "load_state_dict"):
             self.job.load_state_dict(job_state)
         self.step = int(state["step"])
-        self._batches = None  # the job's restored state says where its batches go on
+        self._batches = JobBatches(self.job, self.where)  # the job's restored state says where
+        # its batches go on

@@ -11,18 +11,22 @@ stages x two replicas averaging by one all-reduce (DDP and FSDP: ``test_pipeline
 from __future__ import annotations
 
 import copy
+import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from site_agent.jobs.contract import JobContext, JobError, check_pipeline_job
 from site_agent.pipeline.cut import (
     PassThrough,
     StageForward,
+    check_stages_compose,
     profile_units,
     strip_to_stage,
     units_of,
@@ -48,8 +52,19 @@ HF_OPTIONS = {
 }
 
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
+
+
 def make_job(kind: str, seed: int = 3) -> Any:
     ctx = dict(site_id="t", seed=seed, device=torch.device("cpu"))
+    if kind == "regression":  # a job written outside the package: an nn.Sequential with a Tanh
+        spec = importlib.util.spec_from_file_location(
+            "regression_job", EXAMPLES / "regression_job.py"
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.make_job(JobContext(**ctx, options={}))  # type: ignore[arg-type]
     if kind == "hf":
         from site_agent.jobs.hf import make_job as make_hf
 
@@ -115,6 +130,53 @@ def test_stages_compose_to_the_whole_model(kind: str) -> None:
     for stage, (a, b) in zip(stages, cuts, strict=True):
         assert set(stage.model.state_dict()) == units.owned(range(a, b))
     assert any(isinstance(m, PassThrough) for m in stages[0].modules())
+
+
+def test_a_sequential_is_cut_at_its_layers_each_activation_with_its_neighbour() -> None:
+    model = nn.Sequential(nn.Tanh(), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4), nn.Tanh())
+    units = units_of(model)  # no ModuleList: the Sequential's entries that hold tensors
+    assert units.names == ("1", "3")
+    x = torch.randn(5, 8)
+    first = strip_to_stage(copy.deepcopy(model), units.owned([0]))
+    last = strip_to_stage(copy.deepcopy(model), units.owned([1]))
+    # The leading Tanh goes with the layer after it, the others with the layer before them.
+    assert [type(m).__name__ for m in first] == ["Tanh", "Linear", "GELU", "PassThrough"] + [
+        "PassThrough"
+    ]
+    assert [type(m).__name__ for m in last] == ["PassThrough"] * 3 + ["Linear", "Tanh"]
+    with torch.no_grad():
+        torch.testing.assert_close(last(first(x)), model(x), rtol=0, atol=0)
+    check_stages_compose(model, [units.owned([0]), units.owned([1])], (x,))
+
+
+class _SharedActivation(nn.Module):
+    """Blocks in a ModuleList with one activation module the forward applies after each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = self.act(block(x))
+        return x
+
+
+def test_a_cut_whose_stages_do_not_compose_is_refused() -> None:
+    class Job:
+        model = _SharedActivation()
+        split = staticmethod(lambda batch: batch)
+        output_loss = staticmethod(lambda out, y: ((out - y) ** 2).mean())
+
+    batch = (torch.randn(8, 8), torch.randn(8, 8))
+    before = copy.deepcopy(Job.model.state_dict())
+    cfg = PipelineConfig(num_stages=2, num_microbatches=2, profile_steps=1)
+    # Every stage would apply ``act`` to what it receives: the plan is refused, naming it.
+    with pytest.raises(ValueError, match=r"modules without tensors run on every stage: \['act'\]"):
+        make_stage_plan(Job(), batch, cfg)
+    for name, value in Job.model.state_dict().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0)
 
 
 def test_a_module_split_between_stages_is_refused() -> None:
@@ -282,6 +344,8 @@ def _single_process(kind: str, steps: int) -> tuple[dict[str, np.ndarray], list[
         ("hf", "zbv", 2, 1),
         ("bytegpt", "1f1b", 4, 2),
         ("bytegpt", "gpipe", 4, 2),
+        ("regression", "1f1b", 2, 1),
+        ("regression", "gpipe", 4, 2),
     ],
 )
 def test_pipelined_steps_equal_one_process(
@@ -412,3 +476,30 @@ def check_site_run(out: dict[str, Any], data_parallel: str) -> None:
     assert out["metrics"]["loss"] > 0
     assert out["fingerprint"] == single.fingerprint("site_agent.jobs.bytegpt:make_job")
     assert out["state_keys"] == ["job", "layout", "model", "ranks", "step"]
+
+
+def _regression_site_run(rank: int, world_size: int, steps: int) -> dict[str, np.ndarray] | None:
+    from site_agent.pipeline.leader import PipelineTrainer
+    from site_agent.pipeline.rank import worker_loop
+
+    torch.set_num_threads(1)
+    cfg = _pipeline_config("1f1b", world_size, 1, microbatches=4)
+    job, device = make_job("regression"), torch.device("cpu")
+    if rank != 0:
+        worker_loop(job, cfg, device)
+        return None
+    with PipelineTrainer(job, cfg, device) as trainer:
+        trainer.train_steps(steps)
+        return trainer.parameters_numpy()
+
+
+def test_a_pipelined_site_begins_the_jobs_batches_again_when_they_run_out(
+    group: LocalProcessGroup,
+) -> None:
+    steps = 20  # the job's batches() yields 16 batches a pass
+    assert len(list(make_job("regression").batches())) < steps
+    params = group.run(_regression_site_run, steps, world_size=2)[0]
+    single = JobTrainer(make_job("regression"), grad_clip=1.0)
+    single.train_steps(steps)
+    for name, value in single.parameters_numpy().items():
+        np.testing.assert_allclose(params[name], value, rtol=0, atol=5e-5, err_msg=name)

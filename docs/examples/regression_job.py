@@ -46,7 +46,15 @@ class RegressionJob:
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
-        return ((model(x).squeeze(-1) - y) ** 2).mean()
+        return self.output_loss(model(x), y)
+
+    # With these two a site may pipeline the job (site.stages = 2: the first Linear and its
+    # Tanh on one rank, the last Linear on the other).
+    def split(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch
+
+    def output_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((output.squeeze(-1) - target) ** 2).mean()
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         mse = float(((model(self.val_x).squeeze(-1) - self.val_y) ** 2).mean())

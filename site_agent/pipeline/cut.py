@@ -7,6 +7,7 @@ stage (the model with other stages' modules replaced by a :class:`PassThrough`),
 
 from __future__ import annotations
 
+import copy
 import functools
 import statistics
 import time
@@ -68,18 +69,25 @@ def _tensor_names(model: nn.Module) -> list[str]:
 
 
 def _under(name: str, module_name: str) -> bool:
-    return name == module_name or name.startswith(module_name + ".")
+    return not module_name or name == module_name or name.startswith(module_name + ".")
 
 
 def default_cut_points(model: nn.Module) -> list[str]:
-    """The entries of the model's longest ``nn.ModuleList`` (ties: the first in module order)
+    """The entries of the model's longest ``nn.ModuleList`` (ties: the first in module order;
+    without one, its longest ``nn.Sequential``, the model itself included) that hold tensors,
     and the first module after it that holds tensors (its suffix, e.g. final norm and head)."""
-    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    lists: list[tuple[str, nn.Module]] = [
+        (name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)
+    ]
+    lists = lists or [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Sequential)]
     if not lists:
-        raise ValueError("the model has no nn.ModuleList of blocks to cut: give the job cut_points")
-    list_name, blocks = max(lists, key=lambda item: len(item[1]))
+        raise ValueError(
+            "the model has no nn.ModuleList or nn.Sequential of blocks to cut: give the job "
+            "cut_points"
+        )
+    list_name, blocks = max(lists, key=lambda item: len(item[1]._modules))
     prefix = f"{list_name}." if list_name else ""
-    points = [f"{prefix}{i}" for i, block in enumerate(blocks) if _tensor_names(block)]
+    points = [f"{prefix}{n}" for n, block in blocks.named_children() if _tensor_names(block)]
     names = _tensor_names(model)
     following = names[max(i for i, n in enumerate(names) if _under(n, list_name)) + 1 :]
     if following:  # the module holding the first tensor after the list, e.g. model.norm
@@ -119,20 +127,48 @@ def _module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(module.state_dict(keep_vars=True).items())
 
 
+def _chain_neighbours(sequential: nn.Sequential) -> dict[str, int]:
+    """For each child of ``sequential`` without tensors, the tensor it goes with: the last one of
+    the nearest child before it that holds tensors (the first one after it, if none comes
+    before), since a ``Sequential`` feeds each child the previous one's output."""
+    out: dict[str, int] = {}
+    last: int | None = None
+    leading: list[str] = []
+    for name, child in sequential.named_children():
+        ids = [id(t) for _, t in _module_tensors(child)]
+        if ids:
+            out.update(dict.fromkeys(leading, ids[0]))
+            leading, last = [], ids[-1]
+        elif last is not None:
+            out[name] = last
+        else:
+            leading.append(name)
+    return out
+
+
 def strip_to_stage(model: nn.Module, owned: set[str]) -> nn.Module:
     """Replace, in place, every module holding only tensors not in ``owned`` by a
     :class:`PassThrough`; returns ``model``. Containers (``ModuleList``, ``ModuleDict``) are
-    entered, never replaced, because the forward indexes or iterates them. A module whose own
-    tensors are split between stages, or a tensor tied across stages, is a ``ValueError``."""
+    entered, never replaced, because the forward indexes or iterates them. A module without
+    tensors stays on every stage, except in an ``nn.Sequential``, where it goes with its
+    neighbour (:func:`_chain_neighbours`). A module whose own tensors are split between stages,
+    or a tensor tied across stages, is a ``ValueError``."""
     owned_ids = {id(t) for n, t in _module_tensors(model) if n in owned}
     foreign_ids = {id(t) for n, t in _module_tensors(model) if n not in owned}
-    if owned_ids & foreign_ids:
-        raise ValueError("a tensor tied under two names is cut across stages")
+    tied = [n for n, t in _module_tensors(model) if id(t) in owned_ids & foreign_ids]
+    if tied:
+        raise ValueError(
+            f"a tensor tied under the names {tied} is cut across stages: untie it (a Hugging "
+            "Face config's tie_word_embeddings = false) or keep its modules on one stage"
+        )
 
     def visit(module: nn.Module, where: str) -> None:
+        chain = _chain_neighbours(module) if isinstance(module, nn.Sequential) else {}
         for child_name, child in list(module.named_children()):
             path = f"{where}.{child_name}" if where else child_name
             ids = {id(t) for _, t in _module_tensors(child)}
+            if not ids and chain.get(child_name) in foreign_ids:
+                setattr(module, child_name, PassThrough())
             if not ids or ids <= owned_ids:
                 continue
             if ids <= foreign_ids and not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
@@ -145,6 +181,44 @@ def strip_to_stage(model: nn.Module, owned: set[str]) -> nn.Module:
 
     visit(model, "")
     return model
+
+
+def check_stages_compose(
+    model: nn.Module, stages: Sequence[set[str]], inputs: tuple[torch.Tensor, ...]
+) -> None:
+    """Refuse a cut whose stages (``stages``: the tensor names each holds), run one after the
+    other on ``inputs``, do not compute the model's own output, as when a module without tensors
+    that the forward applies between two cut points runs on every stage. Compared as
+    ``torch.testing.assert_close`` does for the dtype (the same kernels run in both: a float-order
+    tolerance). Runs without gradients on copies, from the same RNG state; ``model`` is left as it
+    was, but for the statistics a training-mode forward updates (callers put its state back)."""
+    cuda = sorted({p.device for p in model.parameters() if p.is_cuda}, key=str)
+    with torch.no_grad(), torch.random.fork_rng(devices=cuda):  # put back: the stages draw alike
+        whole = StageForward(model)(*inputs)
+    out, kept = inputs, []
+    with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+        for owned in stages:
+            stage = strip_to_stage(copy.deepcopy(model), owned)
+            kept.append(
+                {
+                    n
+                    for n, m in stage.named_modules()
+                    if n and not isinstance(m, PassThrough) and not _module_tensors(m)
+                }
+            )
+            out = (StageForward(stage)(*out),)
+            del stage
+    try:
+        torch.testing.assert_close(out[0], whole)
+    except AssertionError as e:
+        common = set.intersection(*kept)
+        everywhere = sorted(n for n in common if not any(_under(n, k) for k in common - {n}))
+        raise ValueError(
+            "the stages of this cut do not compute the model's output "
+            f"({str(e).splitlines()[-1].strip()}); modules without tensors run on every "
+            f"stage: {everywhere}; one the forward applies between two cut points belongs "
+            "inside a block: move it there, or cut at modules that hold it"
+        ) from None
 
 
 def unit_modules(model: nn.Module, units: Units) -> list[list[nn.Module]]:

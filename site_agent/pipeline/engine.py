@@ -26,6 +26,7 @@ from site_agent.jobs.contract import federated_state, first_tensor
 from site_agent.pipeline.cut import (
     StageForward,
     Units,
+    check_stages_compose,
     profile_units,
     strip_to_stage,
     units_of,
@@ -123,8 +124,9 @@ def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePl
     state = copy.deepcopy(model.state_dict())
     with torch.random.fork_rng(devices=[]):
         costs, sizes = profile_units(model, units, run, steps=cfg.profile_steps)
+        plan = partition_layers(costs, sizes, num_stages)
+        check_stages_compose(model, [units.owned(s) for s in plan.stages], mb_inputs)
     model.load_state_dict(state)
-    plan = partition_layers(costs, sizes, num_stages)
     log.info(
         f"[site={cfg.site_id} rank=0] pipeline plan: stages={num_stages} "
         f"replicas={cfg.num_replicas} schedule={cfg.schedule} microbatches={cfg.num_microbatches} "

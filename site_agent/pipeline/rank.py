@@ -26,7 +26,7 @@ from site_agent.jobs.contract import (
 )
 from site_agent.jobs.contract import buffer_names as federated_buffer_names
 from site_agent.pipeline.engine import PipelineConfig, RankPipeline, make_stage_plan
-from site_agent.trainer import _to_cpu, first_dimension, to_device
+from site_agent.trainer import JobBatches, _to_cpu, first_dimension, to_device
 
 # Workers wait for the leader's next command as long as the leader spends between calls.
 CONTROL_TIMEOUT = timedelta(days=7)
@@ -55,6 +55,7 @@ class SiteRank:
                 f"{layout.num_stages} x {layout.num_replicas}"
             )
         self.job, self.cfg, self.layout, self.rank, self.device = job, cfg, layout, rank, device
+        self.where = where
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         model = job.model
         self.order = list(federated_state(model))
@@ -78,10 +79,10 @@ class SiteRank:
         lockstep even without a job state to put back."""
         job = self.job
         saved = copy.deepcopy(job.state_dict()) if hasattr(job, "state_dict") else None
-        sample = to_device(next(iter(job.batches())), self.device)
+        sample = to_device(next(JobBatches(job, self.where)), self.device)
         if saved is not None:
             job.load_state_dict(saved)  # type: ignore[attr-defined]
-        self._batches = iter(job.batches())
+        self._batches = JobBatches(job, self.where)
         return sample
 
     def run(self, command: tuple[Any, ...]) -> Any:
@@ -167,7 +168,7 @@ class SiteRank:
                 pipeline.scheduler.load_state_dict(share["scheduler"])
         if "job" in state and hasattr(self.job, "load_state_dict"):
             self.job.load_state_dict(state["job"])
-        self._batches = iter(self.job.batches())
+        self._batches = JobBatches(self.job, self.where)
         self.step = int(state["step"])
 
     def _layout_key(self) -> list[Any]:
