@@ -11,6 +11,7 @@ stages x two replicas averaging by one all-reduce (DDP and FSDP: ``test_pipeline
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,10 +24,10 @@ import torch.distributed as dist
 from torch import nn
 
 from site_agent.jobs.contract import JobContext, JobError, check_pipeline_job
+from site_agent.pipeline.chain import chain_companions, check_stages_compose
 from site_agent.pipeline.cut import (
     PassThrough,
     StageForward,
-    check_stages_compose,
     profile_units,
     strip_to_stage,
     units_of,
@@ -132,21 +133,94 @@ def test_stages_compose_to_the_whole_model(kind: str) -> None:
     assert any(isinstance(m, PassThrough) for m in stages[0].modules())
 
 
-def test_a_sequential_is_cut_at_its_layers_each_activation_with_its_neighbour() -> None:
+def test_a_sequential_is_cut_at_its_layers_each_activation_with_its_consumer() -> None:
     model = nn.Sequential(nn.Tanh(), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4), nn.Tanh())
-    units = units_of(model)  # no ModuleList: the Sequential's entries that hold tensors
-    assert units.names == ("1", "3")
     x = torch.randn(5, 8)
-    first = strip_to_stage(copy.deepcopy(model), units.owned([0]))
-    last = strip_to_stage(copy.deepcopy(model), units.owned([1]))
-    # The leading Tanh goes with the layer after it, the others with the layer before them.
-    assert [type(m).__name__ for m in first] == ["Tanh", "Linear", "GELU", "PassThrough"] + [
-        "PassThrough"
-    ]
-    assert [type(m).__name__ for m in last] == ["PassThrough"] * 3 + ["Linear", "Tanh"]
+    units = chain_companions(model, units_of(model), (x,))
+    assert units.names == ("1", "3")  # no ModuleList: the Sequential's entries with tensors
+    # Each activation goes with the layer that takes its output; the last, whose output is the
+    # model's, with the last layer.
+    assert units.placed() == {"0": "1", "2": "3", "4": "3"}
+    first = strip_to_stage(copy.deepcopy(model), units.owned([0]), units.companions)
+    last = strip_to_stage(copy.deepcopy(model), units.owned([1]), units.companions)
+    assert [type(m).__name__ for m in first] == ["Tanh", "Linear"] + ["PassThrough"] * 3
+    assert [type(m).__name__ for m in last] == ["PassThrough"] * 2 + ["GELU", "Linear", "Tanh"]
     with torch.no_grad():
         torch.testing.assert_close(last(first(x)), model(x), rtol=0, atol=0)
-    check_stages_compose(model, [units.owned([0]), units.owned([1])], (x,))
+    check_stages_compose(model, units, [[0], [1]], (x,))
+
+
+class _FinalNorm(nn.Module):
+    """Blocks in a ModuleList, then a norm without parameters and a head (as OLMo's
+    ``model.norm``), and a side module whose output every block takes beside its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Identity()  # a side input, as a rotary embedding is
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+        self.norm = nn.LayerNorm(8, elementwise_affine=False)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        side = self.scale(torch.ones(()))
+        for block in self.blocks:
+            x = block(x) * side
+        return self.head(self.norm(x))
+
+
+def test_a_norm_without_parameters_goes_with_the_head() -> None:
+    model = _FinalNorm()
+    x = torch.randn(4, 8)
+    units = chain_companions(model, units_of(model), (x,))
+    assert units.names == ("blocks.0", "blocks.1", "blocks.2", "head")
+    assert units.placed() == {"norm": "head"}  # the side module stays on every stage
+    stages = [[0, 1], [2, 3]]
+    check_stages_compose(model, units, stages, (x,))
+    without = dataclasses.replace(units, companions={})  # the norm on every stage
+    with pytest.raises(ValueError, match=r"modules without tensors on every stage: \['norm'"):
+        check_stages_compose(model, without, stages, (x,))
+
+
+def test_an_olmo_norm_without_parameters_runs_on_the_heads_stage() -> None:
+    from site_agent.jobs.hf import make_job as make_hf
+
+    options = {**HF_OPTIONS, "model_type": "olmo"}
+    options["config"] = {"num_hidden_layers": 3, "hidden_size": 64, "intermediate_size": 128}
+    options["config"] |= {"num_attention_heads": 4, "vocab_size": 256, "pad_token_id": 0}
+    ctx = JobContext(site_id="t", seed=3, device=torch.device("cpu"), options=options)
+    model = make_hf(ctx).model.eval()
+    x = torch.randint(0, 256, (2, 16))
+    units = chain_companions(model, units_of(model), (x,))
+    # OLMo's final LayerNorm has no parameters: the head takes a slice of its output.
+    assert units.names[-2:] == ("model.layers.2", "lm_head")
+    assert units.placed() == {"model.norm": "lm_head"}  # its rotary embedding: every stage
+    check_stages_compose(model, units, [[0, 1, 2], [3, 4]], (x,))
+
+
+class _Positions(nn.Module):
+    """A position embedding fed position ids, not the activation (as GPT-2's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wpe = nn.Embedding(5, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.wpe(torch.arange(x.shape[1])).unsqueeze(0)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_cut_whose_later_stage_fails_is_refused_by_name() -> None:
+    model = _Positions()
+    x = torch.randn(2, 5, 8)
+    units = chain_companions(model, units_of(model), (x,))
+    assert units.names == ("<prefix>", "blocks.0", "blocks.1")
+    with pytest.raises(
+        ValueError, match="stage 1 of this cut fails on the tensor the stage before"
+    ):
+        check_stages_compose(model, units, [[0, 1], [2]], (x,))
 
 
 class _SharedActivation(nn.Module):
@@ -173,7 +247,7 @@ def test_a_cut_whose_stages_do_not_compose_is_refused() -> None:
     before = copy.deepcopy(Job.model.state_dict())
     cfg = PipelineConfig(num_stages=2, num_microbatches=2, profile_steps=1)
     # Every stage would apply ``act`` to what it receives: the plan is refused, naming it.
-    with pytest.raises(ValueError, match=r"modules without tensors run on every stage: \['act'\]"):
+    with pytest.raises(ValueError, match=r"modules without tensors on every stage: \['act'\]"):
         make_stage_plan(Job(), batch, cfg)
     for name, value in Job.model.state_dict().items():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0)

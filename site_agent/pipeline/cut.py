@@ -7,13 +7,12 @@ stage (the model with other stages' modules replaced by a :class:`PassThrough`),
 
 from __future__ import annotations
 
-import copy
 import functools
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,12 +51,20 @@ class Units:
     """A name per unit: the cut point it starts at (``"<prefix>"`` for what precedes the first)."""
     tensors: tuple[tuple[str, ...], ...]
     """The ``state_dict`` names each unit holds."""
+    companions: Mapping[str, str] = field(default_factory=dict)
+    """Modules without tensors that the forward applies along the chain, by name, each with a
+    tensor of the unit whose stage runs it (``chain.chain_companions``)."""
 
     def __len__(self) -> int:
         return len(self.names)
 
     def owned(self, unit_indices: Sequence[int]) -> set[str]:
         return {name for i in unit_indices for name in self.tensors[i]}
+
+    def placed(self) -> dict[str, str]:
+        """Each companion's name with its unit's."""
+        unit = {t: self.names[i] for i, names in enumerate(self.tensors) for t in names}
+        return {module: unit[tensor] for module, tensor in self.companions.items()}
 
 
 def _tensor_names(model: nn.Module) -> list[str]:
@@ -127,32 +134,16 @@ def _module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(module.state_dict(keep_vars=True).items())
 
 
-def _chain_neighbours(sequential: nn.Sequential) -> dict[str, int]:
-    """For each child of ``sequential`` without tensors, the tensor it goes with: the last one of
-    the nearest child before it that holds tensors (the first one after it, if none comes
-    before), since a ``Sequential`` feeds each child the previous one's output."""
-    out: dict[str, int] = {}
-    last: int | None = None
-    leading: list[str] = []
-    for name, child in sequential.named_children():
-        ids = [id(t) for _, t in _module_tensors(child)]
-        if ids:
-            out.update(dict.fromkeys(leading, ids[0]))
-            leading, last = [], ids[-1]
-        elif last is not None:
-            out[name] = last
-        else:
-            leading.append(name)
-    return out
-
-
-def strip_to_stage(model: nn.Module, owned: set[str]) -> nn.Module:
+def strip_to_stage(
+    model: nn.Module, owned: set[str], companions: Mapping[str, str] | None = None
+) -> nn.Module:
     """Replace, in place, every module holding only tensors not in ``owned`` by a
     :class:`PassThrough`; returns ``model``. Containers (``ModuleList``, ``ModuleDict``) are
     entered, never replaced, because the forward indexes or iterates them. A module without
-    tensors stays on every stage, except in an ``nn.Sequential``, where it goes with its
-    neighbour (:func:`_chain_neighbours`). A module whose own tensors are split between stages,
-    or a tensor tied across stages, is a ``ValueError``."""
+    tensors stays on every stage, unless ``companions`` (``Units.companions``) names the tensor
+    it goes with: then it stays where that tensor does. A module whose own tensors are split
+    between stages, or a tensor tied across stages, is a ``ValueError``."""
+    companions = companions or {}
     owned_ids = {id(t) for n, t in _module_tensors(model) if n in owned}
     foreign_ids = {id(t) for n, t in _module_tensors(model) if n not in owned}
     tied = [n for n, t in _module_tensors(model) if id(t) in owned_ids & foreign_ids]
@@ -163,13 +154,14 @@ def strip_to_stage(model: nn.Module, owned: set[str]) -> nn.Module:
         )
 
     def visit(module: nn.Module, where: str) -> None:
-        chain = _chain_neighbours(module) if isinstance(module, nn.Sequential) else {}
         for child_name, child in list(module.named_children()):
             path = f"{where}.{child_name}" if where else child_name
             ids = {id(t) for _, t in _module_tensors(child)}
-            if not ids and chain.get(child_name) in foreign_ids:
-                setattr(module, child_name, PassThrough())
-            if not ids or ids <= owned_ids:
+            if not ids:
+                if path in companions and companions[path] not in owned:
+                    setattr(module, child_name, PassThrough())
+                continue
+            if ids <= owned_ids:
                 continue
             if ids <= foreign_ids and not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
                 setattr(module, child_name, PassThrough())
@@ -183,46 +175,11 @@ def strip_to_stage(model: nn.Module, owned: set[str]) -> nn.Module:
     return model
 
 
-def check_stages_compose(
-    model: nn.Module, stages: Sequence[set[str]], inputs: tuple[torch.Tensor, ...]
-) -> None:
-    """Refuse a cut whose stages (``stages``: the tensor names each holds), run one after the
-    other on ``inputs``, do not compute the model's own output, as when a module without tensors
-    that the forward applies between two cut points runs on every stage. Compared as
-    ``torch.testing.assert_close`` does for the dtype (the same kernels run in both: a float-order
-    tolerance). Runs without gradients on copies, from the same RNG state; ``model`` is left as it
-    was, but for the statistics a training-mode forward updates (callers put its state back)."""
-    cuda = sorted({p.device for p in model.parameters() if p.is_cuda}, key=str)
-    with torch.no_grad(), torch.random.fork_rng(devices=cuda):  # put back: the stages draw alike
-        whole = StageForward(model)(*inputs)
-    out, kept = inputs, []
-    with torch.no_grad(), torch.random.fork_rng(devices=cuda):
-        for owned in stages:
-            stage = strip_to_stage(copy.deepcopy(model), owned)
-            kept.append(
-                {
-                    n
-                    for n, m in stage.named_modules()
-                    if n and not isinstance(m, PassThrough) and not _module_tensors(m)
-                }
-            )
-            out = (StageForward(stage)(*out),)
-            del stage
-    try:
-        torch.testing.assert_close(out[0], whole)
-    except AssertionError as e:
-        common = set.intersection(*kept)
-        everywhere = sorted(n for n in common if not any(_under(n, k) for k in common - {n}))
-        raise ValueError(
-            "the stages of this cut do not compute the model's output "
-            f"({str(e).splitlines()[-1].strip()}); modules without tensors run on every "
-            f"stage: {everywhere}; one the forward applies between two cut points belongs "
-            "inside a block: move it there, or cut at modules that hold it"
-        ) from None
-
-
-def unit_modules(model: nn.Module, units: Units) -> list[list[nn.Module]]:
-    """Per unit, the largest modules whose tensors all belong to it (what its time is)."""
+def unit_modules(
+    model: nn.Module, units: Units, free: dict[str, nn.Module] | None = None
+) -> list[list[nn.Module]]:
+    """Per unit, the largest modules whose tensors all belong to it (what its time is); in
+    ``free``, if given, the largest modules without tensors outside those, by name."""
     owner = {n: i for i, names in enumerate(units.tensors) for n in names}
     by_id: dict[int, int] = {}
     for name, tensor in _module_tensors(model):
@@ -230,17 +187,19 @@ def unit_modules(model: nn.Module, units: Units) -> list[list[nn.Module]]:
             by_id.setdefault(id(tensor), owner[name])
     out: list[list[nn.Module]] = [[] for _ in range(len(units))]
 
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
+    def visit(module: nn.Module, where: str) -> None:
+        for name, child in module.named_children():
+            path = f"{where}.{name}" if where else name
             unit_ids = {by_id[id(t)] for _, t in _module_tensors(child) if id(t) in by_id}
             if not unit_ids:
-                continue
-            if len(unit_ids) == 1 and not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                if free is not None and not _module_tensors(child):
+                    free[path] = child
+            elif len(unit_ids) == 1 and not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
                 out[unit_ids.pop()].append(child)
             else:
-                visit(child)
+                visit(child, path)
 
-    visit(model)
+    visit(model, "")
     return out
 
 

@@ -23,10 +23,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from site_agent.jobs.contract import federated_state, first_tensor
+from site_agent.pipeline.chain import chain_companions, check_stages_compose
 from site_agent.pipeline.cut import (
     StageForward,
     Units,
-    check_stages_compose,
     profile_units,
     strip_to_stage,
     units_of,
@@ -100,8 +100,10 @@ class StagePlan:
     units: Units
     partition: PartitionPlan
 
-    def owned(self, stage: int) -> set[str]:
-        return self.units.owned(self.partition.stages[stage])
+    def strip(self, model: nn.Module, stage: int) -> nn.Module:
+        """``model`` cut, in place, to ``stage`` (``cut.strip_to_stage``)."""
+        units = self.units
+        return strip_to_stage(model, units.owned(self.partition.stages[stage]), units.companions)
 
 
 def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePlan:
@@ -116,6 +118,7 @@ def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePl
     inputs, target = split_batch(job, sample_batch)
     size = inputs[0].shape[0] // (cfg.num_microbatches * cfg.num_replicas)
     mb_inputs = tuple(x[:size] for x in inputs)
+    units = chain_companions(model, units, mb_inputs)
 
     def run() -> torch.Tensor:
         loss: torch.Tensor = job.output_loss(first_tensor(model(*mb_inputs)), target[:size])
@@ -125,13 +128,14 @@ def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePl
     with torch.random.fork_rng(devices=[]):
         costs, sizes = profile_units(model, units, run, steps=cfg.profile_steps)
         plan = partition_layers(costs, sizes, num_stages)
-        check_stages_compose(model, [units.owned(s) for s in plan.stages], mb_inputs)
+        check_stages_compose(model, units, plan.stages, mb_inputs)
     model.load_state_dict(state)
     log.info(
         f"[site={cfg.site_id} rank=0] pipeline plan: stages={num_stages} "
         f"replicas={cfg.num_replicas} schedule={cfg.schedule} microbatches={cfg.num_microbatches} "
         f"data_parallel={cfg.data_parallel if cfg.num_replicas > 1 else '-'} "
         f"units={list(units.names)} boundaries={list(plan.boundaries)} "
+        f"placed={units.placed()} "
         f"stage_times_s={[round(t, 6) for t in plan.stage_times]} "
         f"predicted_bottleneck_s={plan.bottleneck:.6f} lower_bound_s={plan.lower_bound:.6f}"
     )
@@ -173,8 +177,7 @@ class RankPipeline:
         name_of = {id(p): n for n, p in model.named_parameters()}  # before the cut
         many = len(self.indices) > 1
         self.modules = [
-            strip_to_stage(copy.deepcopy(model) if many else model, plan.owned(i)).to(device)
-            for i in self.indices
+            plan.strip(copy.deepcopy(model) if many else model, i).to(device) for i in self.indices
         ]
         self.scheduler = getattr(job, "scheduler", None)
 
