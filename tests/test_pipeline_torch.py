@@ -56,8 +56,59 @@ HF_OPTIONS = {
 EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
 
 
+class _MaskedBlock(nn.Linear):
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return torch.tanh(super().forward(x)) * keep.unsqueeze(-1)
+
+
+class _Masked(nn.Module):
+    """Blocks whose forward takes a second input, a mask of the positions to keep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_MaskedBlock(8, 8) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, keep)
+        return x
+
+
+class _MaskedJob:
+    """A job whose model takes two inputs: ``split`` gives ``((x, keep), y)``."""
+
+    def __init__(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.model = _Masked()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(seed)
+        self.data = [
+            (torch.randn(16, 5, 8, generator=g), torch.randint(0, 2, (16, 5), generator=g))
+            for _ in range(4)
+        ]
+
+    def batches(self) -> Iterator[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]]:
+        for x, keep in self.data:
+            yield (x, keep), x.flip(-1)
+
+    def split(self, batch: Any) -> Any:
+        return batch
+
+    def output_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((out - y) ** 2).mean()
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        (x, keep), y = batch
+        return self.output_loss(model(x, keep), y)
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        return {"loss": float(self.loss(model, next(self.batches())))}
+
+
 def make_job(kind: str, seed: int = 3) -> Any:
     ctx = dict(site_id="t", seed=seed, device=torch.device("cpu"))
+    if kind == "masked":
+        return _MaskedJob(seed)
     if kind == "regression":  # a job written outside the package: an nn.Sequential with a Tanh
         spec = importlib.util.spec_from_file_location(
             "regression_job", EXAMPLES / "regression_job.py"
@@ -148,6 +199,21 @@ def test_a_sequential_is_cut_at_its_layers_each_activation_with_its_consumer() -
     with torch.no_grad():
         torch.testing.assert_close(last(first(x)), model(x), rtol=0, atol=0)
     check_stages_compose(model, units, [[0], [1]], (x,))
+
+
+def test_the_digits_plan_places_its_relu_and_leaves_its_statistics() -> None:
+    from site_agent.jobs.digits import make_job as make_digits
+
+    ctx = JobContext(site_id="t", seed=3, device=torch.device("cpu"), options={"batch_size": 32})
+    job = make_digits(ctx)
+    before = copy.deepcopy(job.model.state_dict())
+    cfg = PipelineConfig(num_stages=2, num_microbatches=2, profile_steps=1)
+    plan = make_stage_plan(job, next(iter(job.batches())), cfg)
+    # nn.Sequential(Linear, BatchNorm1d, ReLU, Linear): the ReLU runs with the last Linear.
+    assert plan.units.names == ("0", "1", "3")
+    assert plan.units.placed() == {"2": "3"}
+    for name, value in job.model.state_dict().items():  # BatchNorm's statistics included
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0)
 
 
 class _FinalNorm(nn.Module):
@@ -368,12 +434,12 @@ def _train(
 ) -> tuple[dict[str, np.ndarray], list[float | None]]:
     """Replica r's share of each global batch, one step each; the whole federated tensors
     (every rank takes part: under FSDP they are gathered) and the losses of the last stage."""
+    from site_agent.pipeline.rank import _share
+
     replica, num_replicas = pipeline.layout.replica_of(rank), pipeline.layout.num_replicas
     losses = []
-    for x, y in batches:
-        n = x.shape[0] // num_replicas
-        share = slice(replica * n, (replica + 1) * n)
-        loss = pipeline.train_step((x[share], y[share]))
+    for batch in batches:
+        loss = pipeline.train_step(_share(batch, replica, num_replicas))
         losses.append(None if loss is None else float(loss))
     return {k: v.detach().numpy().copy() for k, v in pipeline.full_state().items()}, losses
 
@@ -420,6 +486,9 @@ def _single_process(kind: str, steps: int) -> tuple[dict[str, np.ndarray], list[
         ("bytegpt", "gpipe", 4, 2),
         ("regression", "1f1b", 2, 1),
         ("regression", "gpipe", 4, 2),
+        ("masked", "1f1b", 2, 1),
+        ("masked", "zbv", 2, 1),
+        ("masked", "interleaved_1f1b", 4, 2),
     ],
 )
 def test_pipelined_steps_equal_one_process(

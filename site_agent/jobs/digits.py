@@ -192,7 +192,15 @@ class DigitsJob:
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         x, y = batch
-        return F.cross_entropy(model(x), y)
+        return self.output_loss(model(x), y)
+
+    def split(self, batch: Batch) -> Batch:
+        """The model's input and the labels: a site may pipeline the job (each stage's
+        BatchNorm then normalizes a micro-batch)."""
+        return batch
+
+    def output_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output, target)
 
     def weight(self, batch: Batch) -> int:
         return int(batch[1].shape[0])

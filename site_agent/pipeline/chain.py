@@ -27,7 +27,8 @@ from site_agent.pipeline.cut import (
 _HOW = (
     "a later stage runs the model's forward on that one tensor, with the other stages' modules "
     "passed through (each returns its first input, which is not always the activation: GPT-2's "
-    "position embedding takes position ids), and inputs beyond the first reach stage 0 only"
+    "position embedding takes position ids), and of the inputs beyond the first (handed on to "
+    "every stage) none if one is floating point"
 )
 
 
@@ -46,10 +47,11 @@ def _cuda_devices(model: nn.Module) -> list[torch.device]:
 def chain_companions(model: nn.Module, units: Units, inputs: tuple[torch.Tensor, ...]) -> Units:
     """``units`` with their companions: each module without tensors (outside the units' own
     modules) that the forward calls once, on the chain of activations, goes with the unit that
-    consumes its output (the first unit module, or companion, whose first input is that output or a view of it)
-    or, when its output is the model's, with the last unit. Found by tracing one forward of
-    ``inputs`` (module hooks, tensor storage). Others, such as a rotary embedding whose output
-    every block takes beside its hidden states, stay on every stage."""
+    consumes its output (the first unit module, or companion, whose first input is that output
+    or a view of it) or, when its output is the model's, with the last unit. Found by tracing
+    one forward of ``inputs`` (module hooks, tensor storage). Others, such as a rotary embedding
+    whose output every block takes beside its hidden states, stay on every stage. A training-mode
+    forward moves statistics (BatchNorm's): callers put the model's state back."""
     free: dict[str, nn.Module] = {}
     groups = unit_modules(model, units, free)
     events: list[tuple[int | str, int | None, int | None]] = []  # (unit or name, in, out)
@@ -102,7 +104,7 @@ def check_stages_compose(
     was, but for the statistics a training-mode forward updates (callers put its state back)."""
     cuda = _cuda_devices(model)
     with torch.no_grad(), torch.random.fork_rng(devices=cuda):  # put back: the stages draw alike
-        whole = StageForward(model)(*inputs)
+        whole = first_tensor(StageForward(model)(*inputs))
     out, kept = inputs, []
     with torch.no_grad(), torch.random.fork_rng(devices=cuda):
         for stage_units in stages:
@@ -115,7 +117,8 @@ def check_stages_compose(
                 }
             )
             try:
-                out = (StageForward(stage)(*out),)
+                handed = StageForward(stage, last=len(kept) == len(stages))(*out)
+                out = handed if isinstance(handed, tuple) else (handed,)
             except Exception as e:  # any error of the job's own forward, named
                 raise ValueError(
                     f"stage {len(kept) - 1} of this cut fails on the tensor the stage before "
@@ -131,5 +134,6 @@ def check_stages_compose(
             "the stages of this cut do not compute the model's output "
             f"({str(e).splitlines()[-1].strip()}): {_HOW}; modules without tensors on every "
             f"stage: {everywhere} (one the forward calls at several places of the chain cannot "
-            "be cut: give each place its own module)"
+            "be cut: give each place its own module), as is any code the forward runs between "
+            "modules (a torch.tanh between two blocks: move it into a block)"
         ) from None

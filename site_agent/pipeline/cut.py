@@ -30,17 +30,24 @@ class PassThrough(nn.Module):
 
 class StageForward(nn.Module):
     """One stage for ``PipelineStage``: the (cut) model's own forward on the received inputs,
-    reduced to one tensor by :func:`first_tensor`."""
+    reduced to one tensor by :func:`first_tensor`. A stage before the last (``last=False``)
+    hands on after it the inputs beyond the first (attention masks, position ids) when none of
+    them is floating point, so that every stage's forward gets them (docs/pipelines.md)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, last: bool = True) -> None:
         super().__init__()
         self.model = model
+        self.last = last
 
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         out = first_tensor(self.model(*inputs))
         # The zero-bubble schedules detach a stage's output in place, which a view does not
         # allow (a Hugging Face causal LM's logits slice the hidden states a cut head passes).
-        return out.clone() if out._is_view() else out
+        out = out.clone() if out._is_view() else out
+        extra = inputs[1:]
+        if self.last or not extra or any(x.is_floating_point() for x in extra):
+            return out
+        return (out, *extra)
 
 
 @dataclass(frozen=True)

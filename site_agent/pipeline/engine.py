@@ -118,18 +118,20 @@ def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePl
     inputs, target = split_batch(job, sample_batch)
     size = inputs[0].shape[0] // (cfg.num_microbatches * cfg.num_replicas)
     mb_inputs = tuple(x[:size] for x in inputs)
-    units = chain_companions(model, units, mb_inputs)
 
     def run() -> torch.Tensor:
         loss: torch.Tensor = job.output_loss(first_tensor(model(*mb_inputs)), target[:size])
         return loss
 
-    state = copy.deepcopy(model.state_dict())
-    with torch.random.fork_rng(devices=[]):
-        costs, sizes = profile_units(model, units, run, steps=cfg.profile_steps)
-        plan = partition_layers(costs, sizes, num_stages)
-        check_stages_compose(model, units, plan.stages, mb_inputs)
-    model.load_state_dict(state)
+    state = copy.deepcopy(model.state_dict())  # put back: the forwards move statistics
+    try:
+        with torch.random.fork_rng(devices=[]):
+            units = chain_companions(model, units, mb_inputs)
+            costs, sizes = profile_units(model, units, run, steps=cfg.profile_steps)
+            plan = partition_layers(costs, sizes, num_stages)
+            check_stages_compose(model, units, plan.stages, mb_inputs)
+    finally:
+        model.load_state_dict(state)
     log.info(
         f"[site={cfg.site_id} rank=0] pipeline plan: stages={num_stages} "
         f"replicas={cfg.num_replicas} schedule={cfg.schedule} microbatches={cfg.num_microbatches} "
@@ -185,7 +187,12 @@ class RankPipeline:
         self.data_parallel = cfg.data_parallel if self.dp_group is not None else "allreduce"
         self.stages = stages = [
             PipelineStage(
-                _wrap(StageForward(module), self.data_parallel, self.dp_group, device),
+                _wrap(
+                    StageForward(module, last=index == self.num_stages - 1),
+                    self.data_parallel,
+                    self.dp_group,
+                    device,
+                ),
                 index,
                 self.num_stages,
                 device,
