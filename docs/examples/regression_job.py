@@ -57,7 +57,9 @@ class RegressionJob:
         return ((output.squeeze(-1) - target) ** 2).mean()
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        mse = float(((model(self.val_x).squeeze(-1) - self.val_y) ** 2).mean())
+        device = next(model.parameters()).device  # CUDA, or a pipelined site's CPU copy
+        out = model(self.val_x.to(device)).squeeze(-1)
+        mse = float(((out - self.val_y.to(device)) ** 2).mean())
         return {"loss": mse, "rmse": mse**0.5}
 
 

@@ -210,7 +210,8 @@ class DigitsJob:
         model.eval()
         try:
             with torch.no_grad():
-                x, y = self._val
+                device = next(model.parameters()).device  # a pipelined site's copy: the CPU
+                x, y = (t.to(device) for t in self._val)
                 logits = model(x)
                 loss = F.cross_entropy(logits, y)
                 accuracy = (logits.argmax(dim=1) == y).double().mean()
