@@ -47,6 +47,8 @@ def test_analysis_reads_a_simulated_timeline_back(schedule: str) -> None:
     assert figures["order_matches"] is True
     assert figures["bubble_measured"] == pytest.approx(sim.bubble_fraction)
     assert figures["bubble_simulated"] == pytest.approx(sim.bubble_fraction)
+    # Every action of a kind took the same time: its mean cost is its own.
+    assert figures["bubble_from_mean_costs"]["simulated"] == pytest.approx(sim.bubble_fraction)
     assert figures["transfer_s"] == pytest.approx(0.25)
     assert figures["bottleneck_measured"] == pytest.approx(4.0)
 

@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Kind = Literal["F", "B", "I", "W"]
 KINDS: tuple[Kind, ...] = ("F", "B", "I", "W")
@@ -40,8 +40,9 @@ class Action:
 Order = Mapping[int, Sequence[Action]]
 """``order[rank]``: the actions that rank runs, in order."""
 
-Durations = Mapping[tuple[int, str], float]
-"""Seconds one action of ``(stage, kind)`` takes."""
+Durations = Mapping[tuple[int, str], float] | Mapping[Action, float]
+"""Seconds one action of ``(stage, kind)`` takes, or each ``Action`` its own (a measured step
+replayed)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,17 +173,21 @@ def validate_order(order: Order) -> tuple[dict[int, int], int]:
 
 
 def simulate(order: Order, durations: Durations, transfer_s: float = 0.0) -> SimResult:
-    """Simulate one step of ``order`` with ``durations`` (every ``(stage, kind)`` the order runs)
-    and ``transfer_s`` per hand-off between ranks. Raises ``ValueError`` for an invalid order,
-    a missing or negative duration, and an order that deadlocks."""
+    """Simulate one step of ``order`` with ``durations`` (for every action of the order: its
+    ``(stage, kind)``'s, or its own) and ``transfer_s`` per hand-off between ranks. Raises
+    ``ValueError`` for an invalid order, a missing or negative duration, and an order that
+    deadlocks."""
     rank_of, _ = validate_order(order)
-    for key in {(a.stage, a.kind) for actions in order.values() for a in actions}:
-        value = durations.get(key)
+    table: dict[Any, float] = dict(durations)
+    seconds: dict[Action, float] = {}
+    for a in (a for actions in order.values() for a in actions):
+        value = table.get(a, table.get((a.stage, a.kind)))
         if value is None or not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"durations[{key}] must be finite and >= 0, got {value!r}")
+            raise ValueError(f"the duration of {a} must be finite and >= 0, got {value!r}")
+        seconds[a] = value
     if not (math.isfinite(transfer_s) and transfer_s >= 0):
         raise ValueError(f"transfer_s must be finite and >= 0, got {transfer_s!r}")
-    sim = _Simulation(order, rank_of, durations, transfer_s)
+    sim = _Simulation(order, rank_of, seconds, transfer_s)
     sim.run()
     return sim.result()
 
@@ -191,7 +196,11 @@ class _Simulation:
     """The event loop of one step: which action each rank runs next and when each ended."""
 
     def __init__(
-        self, order: Order, rank_of: Mapping[int, int], durations: Durations, transfer_s: float
+        self,
+        order: Order,
+        rank_of: Mapping[int, int],
+        durations: Mapping[Action, float],
+        transfer_s: float,
     ) -> None:
         self.ranks = sorted(order)
         self.order = order
@@ -228,7 +237,7 @@ class _Simulation:
                 return  # tried again when the producer ends
             hop = self.transfer_s if self.rank_of[done[0].stage] != rank else 0.0
             start = max(start, self.ended[done[0]] + hop)
-        end = start + self.durations[(a.stage, a.kind)]
+        end = start + self.durations[a]
         self.running[rank] = True
         self.timeline[rank].append(ActionTiming(rank=rank, action=a, start_s=start, end_s=end))
         heapq.heappush(self.events, (end, self.seq, rank))
