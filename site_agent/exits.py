@@ -1,7 +1,8 @@
 """The site agent's process exit codes, all in one place.
 
 A supervisor reads them to decide on a restart: the deploy units list the codes they must not
-restart (:data:`EXIT_FATAL`, :data:`EXIT_AUTH_REFUSED`, and the command line's bad-config code).
+restart (:data:`EXIT_CANNOT_START`, the command line's bad-config code, :data:`EXIT_FATAL` and
+:data:`EXIT_AUTH_REFUSED`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ EXIT_OK = 0
 
 EXIT_CRASHED = 1
 """Library mode: the agent's thread raised (Python's own status for an uncaught exception)."""
+
+EXIT_CANNOT_START = 2
+"""The site cannot start as configured: its job (pipelined: its cut too) or its key kit is
+refused. The command line's bad-config status (``crossdc.cli_common.EXIT_BAD_CONFIG``)."""
 
 EXIT_FATAL = 3
 """Not worth a restart: the coordinator refused this site's model (``model_mismatch``), or the

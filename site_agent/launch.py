@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from comm.durable import atomic_write
 from site_agent.agent import SiteAgent
 from site_agent.config import SiteConfig, resolve_device
 from site_agent.data import BatchSampler, SiteData, load_corpora, sampler_seed
-from site_agent.exits import EXIT_OK
+from site_agent.exits import EXIT_CANNOT_START, EXIT_OK
 from site_agent.jobs.bytegpt import LocalTrainer
 from site_agent.jobs.contract import Job, JobContext, build_job
 from site_agent.metrics import SiteMetrics
@@ -131,9 +132,8 @@ def run_pipeline_site(cfg: SiteConfig) -> int:
     """
     import torch.distributed as dist
 
-    from site_agent.pipeline.leader import PipelineTrainer
     from site_agent.pipeline.procgroup import init_from_torchrun_env
-    from site_agent.pipeline.rank import worker_loop
+    from site_agent.pipeline.rank import StartRefused, worker_loop
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -143,28 +143,64 @@ def run_pipeline_site(cfg: SiteConfig) -> int:
             f"torchrun started {env.world_size} processes but site.stages x site.replicas = "
             f"{cfg.stages * cfg.replicas}"
         )
-    pipeline_cfg = pipeline_config(cfg)
     try:
+        # The leader builds the job first and tells the workers whether it could, so that a
+        # job that cannot be built stops the site with the leader's status (not a worker's
+        # traceback, which torchrun would report first).
+        refused: list[Any] = [None]
+        if env.rank == 0:
+            try:  # JobError is a ValueError
+                job = build_site_job(cfg, env.device, rank=0, world_size=env.world_size)
+            except (ValueError, OSError) as exc:
+                refused[0] = _cannot_start(cfg, exc)
+        dist.broadcast_object_list(refused, src=0)
+        if refused[0] is not None:
+            return EXIT_CANNOT_START
+        if env.rank == 0:
+            return _lead_pipeline_site(cfg, job, env.device)
         job = build_site_job(cfg, env.device, rank=env.rank, world_size=env.world_size)
-        if env.rank != 0:
-            # A stop is the leader's to carry out, between steps (it then releases us): a worker
-            # that died on SIGTERM would leave the leader inside a collective.
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            worker_loop(job, pipeline_cfg, env.device)
-            return EXIT_OK
-        where = f"the job from {cfg.job.factory!r}"
-        with PipelineTrainer(job, pipeline_cfg, env.device, where=where) as pipeline:
-            agent = SiteAgent(cfg, trainer=pipeline)
-            signal.signal(signal.SIGTERM, lambda *_: agent.request_stop("stopped by signal"))
-            agent.start()
-            try:
-                code = agent.run()
-            finally:
-                agent.close()
-            write_leader_exit(cfg, code)
-            return code
+        # A stop is the leader's to carry out, between steps (it then releases us): a worker
+        # that died on SIGTERM would leave the leader inside a collective.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            worker_loop(job, pipeline_config(cfg), env.device)
+        except StartRefused:
+            return EXIT_CANNOT_START  # the leader says why
+        return EXIT_OK
     finally:
         dist.destroy_process_group()
+
+
+def _cannot_start(cfg: SiteConfig, exc: Exception) -> int:
+    """As a site of one process: the reason on one line, and a status a supervisor does not
+    restart (torchrun then stops the workers)."""
+    print(f"crossdc agent: cannot start: {exc}", file=sys.stderr)
+    write_leader_exit(cfg, EXIT_CANNOT_START)
+    return EXIT_CANNOT_START
+
+
+def _lead_pipeline_site(cfg: SiteConfig, job: Job, device: torch.device) -> int:
+    """Rank 0: the pipeline over every rank, and the agent over it; returns the exit status."""
+    from site_agent.pipeline.leader import PipelineTrainer
+
+    where = f"the job from {cfg.job.factory!r}"
+    try:  # the job's pipeline check and its cut
+        pipeline = PipelineTrainer(job, pipeline_config(cfg), device, where=where)
+    except (ValueError, OSError) as exc:
+        return _cannot_start(cfg, exc)
+    with pipeline:
+        try:
+            agent = SiteAgent(cfg, trainer=pipeline)  # reads the site's key kit
+        except (ValueError, OSError) as exc:
+            return _cannot_start(cfg, exc)
+        signal.signal(signal.SIGTERM, lambda *_: agent.request_stop("stopped by signal"))
+        agent.start()
+        try:
+            code = agent.run()
+        finally:
+            agent.close()
+        write_leader_exit(cfg, code)
+        return code
 
 
 def leader_exit_path(cfg: SiteConfig) -> Path:

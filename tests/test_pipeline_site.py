@@ -7,6 +7,7 @@ import os
 import signal
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 from comm.ops.configio import dump_toml
 from comm.wire.tensors import state_hash
 from coordinator.file_store import FileStateStore
-from site_agent.exits import EXIT_FATAL
+from site_agent.exits import EXIT_CANNOT_START, EXIT_FATAL
 from tests.conftest import (
     TINY_MODEL,
     Procs,
@@ -97,6 +98,89 @@ def test_a_pipelined_site_exits_with_its_leaders_status(procs: Procs, tmp_path: 
     assert main.wait(timeout=200) == EXIT_FATAL, procs.log("site-eu")
 
 
+def _job_site_config(
+    root: Path, site: str, index: int, num_sites: int, job: dict[str, Any], **layout: Any
+) -> Path:
+    """A site of ``job``, without the byte GPT's own sections, which mean nothing to it."""
+    path = write_site_config(root, site, index, num_sites, job=job, **layout)
+    table = tomllib.loads(path.read_text())["site"]
+    for key in ("model", "data", "optim", "eval_batches", "eval_batch_size"):
+        table.pop(key, None)
+    path.write_text(dump_toml({"site": table}))
+    return path
+
+
+SHARED_ACTIVATION_JOB = """
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+        self.act = nn.GELU()  # one module applied after every block: no stage can hold it
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = self.act(block(x))
+        return x
+
+
+class Job:
+    def __init__(self, seed):
+        torch.manual_seed(seed)
+        self.model = Model()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def batches(self):
+        g = torch.Generator().manual_seed(0)
+        while True:
+            x = torch.randn(8, 8, generator=g)
+            yield x, x
+
+    def split(self, batch):
+        return batch
+
+    def output_loss(self, out, y):
+        return ((out - y) ** 2).mean()
+
+    def loss(self, model, batch):
+        return self.output_loss(model(batch[0]), batch[1])
+
+    def evaluate(self, model):
+        return {"loss": 1.0}
+
+
+def make_job(ctx):
+    if ctx.options.get("fail"):
+        raise ValueError("this job refuses to be built")
+    return Job(ctx.seed)
+"""
+
+
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [
+        ({}, "the stages of this cut do not compute the model's output"),
+        ({"fail": True}, "this job refuses to be built"),
+    ],
+)
+def test_a_pipelined_site_that_cannot_start_exits_with_the_bad_config_status(
+    procs: Procs, tmp_path: Path, options: dict[str, bool], reason: str
+) -> None:
+    """A job the leader cannot build, or whose cut it refuses: one line naming why, and the
+    status a supervisor does not restart (not torchrun's "a worker failed")."""
+    (tmp_path / "shared_job.py").write_text(SHARED_ACTIVATION_JOB)
+    job = {"factory": "shared_job:make_job", "python_path": [str(tmp_path)], "options": options}
+    site = _job_site_config(tmp_path, "eu", 0, 1, job, stages=2, microbatches=2)
+    main = procs.start("site-eu", "agent", "--config", str(site))
+    assert main.wait(timeout=200) == EXIT_CANNOT_START, procs.log("site-eu")
+    lines = procs.log("site-eu").splitlines()
+    assert any("crossdc agent: cannot start: " in line and reason in line for line in lines)
+    assert "]: Traceback" not in procs.log("site-eu")  # no rank's; torchrun reports a failed rank
+
+
 HF_OPTIONS = {
     "config": {"num_hidden_layers": 2, "max_position_embeddings": 32},
     "data": {"num_shards": 3, "max_bytes": 200_000},
@@ -134,20 +218,8 @@ def test_three_layouts_of_one_hugging_face_job_federate(procs: Procs, tmp_path: 
     }
     for i, (site, layout) in enumerate(layouts.items()):
         options = {**HF_OPTIONS, "data": {**HF_OPTIONS["data"], "shard_index": i}}
-        path = write_site_config(
-            tmp_path,
-            site,
-            i,
-            3,
-            job={"factory": "site_agent.jobs.hf:make_job", "options": options},
-            **layout,
-        )
-        # The byte GPT's own sections mean nothing to the hf job.
-        text = path.read_text()
-        table = tomllib.loads(text)["site"]
-        for key in ("model", "data", "optim", "eval_batches", "eval_batch_size"):
-            table.pop(key, None)
-        path.write_text(dump_toml({"site": table}))
+        job = {"factory": "site_agent.jobs.hf:make_job", "options": options}
+        path = _job_site_config(tmp_path, site, i, 3, job, **layout)
         procs.start(f"site-{site}", "agent", "--config", str(path))
     assert procs.procs["coordinator"].wait(timeout=400) == 0, procs.log("coordinator")
     for site in layouts:

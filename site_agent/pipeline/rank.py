@@ -32,6 +32,10 @@ from site_agent.trainer import JobBatches, _to_cpu, first_dimension, to_device
 CONTROL_TIMEOUT = timedelta(days=7)
 
 
+class StartRefused(ValueError):
+    """On a worker: the leader refused the job or its cut (and says why itself)."""
+
+
 class SiteRank:
     """What one rank holds. Each of ``COMMANDS`` is run by every rank together; its result is
     the leader's (``None`` on the workers)."""
@@ -65,11 +69,19 @@ class SiteRank:
         self.eval_model: nn.Module | None = None
         sample = self._draw_sample()
         box: list[Any] = [None]
+        refusal: ValueError | None = None
         if rank == 0:
-            check_pipeline_job(job, sample, where)
-            self.eval_model = copy.deepcopy(model).to("cpu")  # before the cut, for validation
-            box[0] = make_stage_plan(job, sample, cfg)
+            try:
+                check_pipeline_job(job, sample, where)
+                self.eval_model = copy.deepcopy(model).to("cpu")  # before the cut: validation
+                box[0] = make_stage_plan(job, sample, cfg)
+            except ValueError as exc:  # the workers are told, then it is raised here
+                refusal, box[0] = exc, StartRefused(str(exc))
         dist.broadcast_object_list(box, src=0, group=self.control)
+        if refusal is not None:
+            raise refusal
+        if isinstance(box[0], StartRefused):
+            raise box[0]
         self.pipeline = RankPipeline(job, box[0], cfg, rank=rank, device=device)
         self.step = 0
         dist.barrier(group=self.control)
@@ -215,4 +227,4 @@ def worker_loop(job: Job, cfg: PipelineConfig, device: torch.device) -> None:
         rank.run(box[0])
 
 
-__all__ = ["SiteRank", "broadcast_command", "worker_loop"]
+__all__ = ["SiteRank", "StartRefused", "broadcast_command", "worker_loop"]
