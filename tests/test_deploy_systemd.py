@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from crossdc.cli_common import EXIT_BAD_CONFIG
-from site_agent.exits import EXIT_AUTH_REFUSED, EXIT_FATAL
+from site_agent.exits import EXIT_AUTH_REFUSED, EXIT_CANNOT_START, EXIT_FATAL
 from tests.support.deploy import CONFIGS, SYSTEMD, SYSTEMD_ANALYZE
 
 
@@ -33,6 +33,7 @@ def test_units_run_the_cli_with_restart_and_hardening() -> None:
         r"^ExecStart=\S+/crossdc agent --config /etc/crossdc/site-%i\.toml$", agent, re.M
     )
     assert _unit_values(coord, "RestartPreventExitStatus") == [str(EXIT_BAD_CONFIG)]
+    assert EXIT_CANNOT_START == EXIT_BAD_CONFIG  # a pipelined site's leader says it so
     assert _unit_values(agent, "RestartPreventExitStatus") == [
         f"{EXIT_BAD_CONFIG} {EXIT_FATAL} {EXIT_AUTH_REFUSED}"
     ]
