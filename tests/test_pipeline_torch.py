@@ -199,10 +199,6 @@ def test_a_sequential_is_cut_at_its_layers_each_activation_with_its_consumer() -
     with torch.no_grad():
         torch.testing.assert_close(last(first(x)), model(x), rtol=0, atol=0)
     check_stages_compose(model, units, [[0], [1]], (x,))
-    # The profile times each activation with its unit; a unit's output is its last module's.
-    costs, sizes = profile_units(model, units, lambda: model(x).sum(), steps=1)
-    assert len(costs) == 2 and all(c > 0 for c in costs)
-    assert sizes == [5 * 16 * 4, 5 * 4 * 4]
 
 
 def test_the_digits_plan_places_its_relu_and_leaves_its_statistics() -> None:

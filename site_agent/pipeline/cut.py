@@ -262,16 +262,13 @@ def profile_units(
     *,
     steps: int = 3,
 ) -> tuple[list[float], list[int]]:
-    """Each unit's forward + backward seconds (its companions' included; median of ``steps``
-    passes after one warm-up) and its output's bytes, measured by module hooks while ``run()`` (a forward returning a scalar
+    """Each unit's forward + backward seconds (median of ``steps`` passes after one warm-up) and
+    its output's bytes, measured by module hooks while ``run()`` (a forward returning a scalar
     loss through the whole model) is back-propagated. Gradients are taken with
     ``torch.autograd.grad``, so ``.grad`` fields stay untouched."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     groups = unit_modules(model, units)
-    unit_of = {t: i for i, names in enumerate(units.tensors) for t in names}
-    for name, tensor in units.companions.items():  # timed with the unit whose stage runs them
-        groups[unit_of[tensor]].append(model.get_submodule(name))
     times: list[list[float]] = [[] for _ in groups]
     timer = _UnitTimer(groups, cuda=any(p.is_cuda for p in model.parameters()))
     params = [p for p in model.parameters() if p.requires_grad]
