@@ -144,21 +144,21 @@ def run_pipeline_site(cfg: SiteConfig) -> int:
             f"{cfg.stages * cfg.replicas}"
         )
     try:
-        # The leader builds the job first and tells the workers whether it could, so that a
-        # job that cannot be built stops the site with the leader's status (not a worker's
-        # traceback, which torchrun would report first).
-        refused: list[Any] = [None]
-        if env.rank == 0:
-            try:  # JobError is a ValueError
-                job = build_site_job(cfg, env.device, rank=0, world_size=env.world_size)
-            except (ValueError, OSError) as exc:
-                refused[0] = _cannot_start(cfg, exc)
-        dist.broadcast_object_list(refused, src=0)
-        if refused[0] is not None:
+        # Every rank builds the job; if one cannot, the site stops with the leader's status
+        # and one line naming why, not with a rank's traceback (which torchrun reports first).
+        refused: str | None = None
+        try:  # JobError is a ValueError
+            job = build_site_job(cfg, env.device, rank=env.rank, world_size=env.world_size)
+        except (ValueError, OSError) as exc:
+            refused = str(exc) if env.rank == 0 else f"rank {env.rank}: {exc}"
+        refusals: list[Any] = [None] * env.world_size
+        dist.all_gather_object(refusals, refused)
+        if any(r is not None for r in refusals):
+            if env.rank == 0:
+                _cannot_start(cfg, next(r for r in refusals if r is not None))
             return EXIT_CANNOT_START
         if env.rank == 0:
             return _lead_pipeline_site(cfg, job, env.device)
-        job = build_site_job(cfg, env.device, rank=env.rank, world_size=env.world_size)
         # A stop is the leader's to carry out, between steps (it then releases us): a worker
         # that died on SIGTERM would leave the leader inside a collective.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -171,7 +171,7 @@ def run_pipeline_site(cfg: SiteConfig) -> int:
         dist.destroy_process_group()
 
 
-def _cannot_start(cfg: SiteConfig, exc: Exception) -> int:
+def _cannot_start(cfg: SiteConfig, exc: Exception | str) -> int:
     """As a site of one process: the reason on one line, and a status a supervisor does not
     restart (torchrun then stops the workers)."""
     print(f"crossdc agent: cannot start: {exc}", file=sys.stderr)

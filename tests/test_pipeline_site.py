@@ -153,7 +153,7 @@ class Job:
 
 
 def make_job(ctx):
-    if ctx.options.get("fail"):
+    if ctx.rank in ctx.options.get("fail_on", []):
         raise ValueError("this job refuses to be built")
     return Job(ctx.seed)
 """
@@ -163,11 +163,12 @@ def make_job(ctx):
     ("options", "reason"),
     [
         ({}, "the stages of this cut do not compute the model's output"),
-        ({"fail": True}, "this job refuses to be built"),
+        ({"fail_on": [0, 1]}, "this job refuses to be built"),
+        ({"fail_on": [1]}, "rank 1: site.job.factory"),
     ],
 )
 def test_a_pipelined_site_that_cannot_start_exits_with_the_bad_config_status(
-    procs: Procs, tmp_path: Path, options: dict[str, bool], reason: str
+    procs: Procs, tmp_path: Path, options: dict[str, Any], reason: str
 ) -> None:
     """A job the leader cannot build, or whose cut it refuses: one line naming why, and the
     status a supervisor does not restart (not torchrun's "a worker failed")."""

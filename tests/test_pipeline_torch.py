@@ -105,10 +105,31 @@ class _MaskedJob:
         return {"loss": float(self.loss(model, next(self.batches())))}
 
 
+class _InplaceJob(_MaskedJob):
+    """One input; ReLUs that change their input in place, one beginning a stage."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        torch.manual_seed(seed)
+        self.model = nn.Sequential(
+            nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(True), nn.Linear(8, 8)
+        )
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+
+    def batches(self) -> Iterator[Any]:
+        for x, _ in self.data:
+            yield x, x.flip(-1)
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        return self.output_loss(model(batch[0]), batch[1])
+
+
 def make_job(kind: str, seed: int = 3) -> Any:
     ctx = dict(site_id="t", seed=seed, device=torch.device("cpu"))
     if kind == "masked":
         return _MaskedJob(seed)
+    if kind == "inplace":
+        return _InplaceJob(seed)
     if kind == "regression":  # a job written outside the package: an nn.Sequential with a Tanh
         spec = importlib.util.spec_from_file_location(
             "regression_job", EXAMPLES / "regression_job.py"
@@ -289,6 +310,33 @@ def test_a_cut_whose_later_stage_fails_is_refused_by_name() -> None:
         check_stages_compose(model, units, [[0, 1], [2]], (x,))
 
 
+def test_the_plan_refuses_floating_point_inputs_beyond_the_first() -> None:
+    job = make_job("masked")
+    (x, keep), y = next(iter(job.batches()))
+    cfg = PipelineConfig(num_stages=2, num_microbatches=2, profile_steps=1)
+    with pytest.raises(ValueError, match="the model's input 1 .after split. is floating point"):
+        make_stage_plan(job, ((x, keep.float()), y), cfg)
+
+
+def test_one_in_place_module_at_two_places_is_refused() -> None:
+    relu = nn.ReLU(inplace=True)  # the same module after both Linears: on every stage
+    model = nn.Sequential(nn.Linear(8, 8), relu, nn.Linear(8, 8), relu, nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    units = chain_companions(model, units_of(model), (x,))
+    assert units.placed() == {}
+    with pytest.raises(ValueError, match="stage 1 of this cut fails in its backward"):
+        check_stages_compose(model, units, [[0, 1], [2]], (x,))
+
+
+def test_the_longest_list_without_tensors_is_no_cut() -> None:
+    model = nn.Sequential(
+        nn.Sequential(nn.GELU(), nn.Dropout(), nn.Identity(), nn.Tanh()),
+        nn.Linear(4, 4),
+        nn.Linear(4, 4),
+    )
+    assert units_of(model).names == ("1", "2")
+
+
 class _SharedActivation(nn.Module):
     """Blocks in a ModuleList with one activation module the forward applies after each."""
 
@@ -301,6 +349,20 @@ class _SharedActivation(nn.Module):
         for block in self.blocks:
             x = self.act(block(x))
         return x
+
+
+def test_the_plan_checks_the_cut_in_training_mode() -> None:
+    class Job:
+        model = _SharedActivation()
+        split = staticmethod(lambda batch: batch)
+        output_loss = staticmethod(lambda out, y: ((out - y) ** 2).mean())
+
+    Job.model.act = nn.Dropout(0.5)  # the same at every block: equal to one process in eval only
+    Job.model.eval()
+    cfg = PipelineConfig(num_stages=2, num_microbatches=2, profile_steps=1)
+    with pytest.raises(ValueError, match=r"modules without tensors on every stage: \['act'\]"):
+        make_stage_plan(Job(), (torch.randn(8, 8), torch.randn(8, 8)), cfg)
+    assert not Job.model.training  # its mode put back
 
 
 def test_a_cut_whose_stages_do_not_compose_is_refused() -> None:
@@ -489,6 +551,7 @@ def _single_process(kind: str, steps: int) -> tuple[dict[str, np.ndarray], list[
         ("masked", "1f1b", 2, 1),
         ("masked", "zbv", 2, 1),
         ("masked", "interleaved_1f1b", 4, 2),
+        ("inplace", "1f1b", 2, 1),
     ],
 )
 def test_pipelined_steps_equal_one_process(

@@ -14,8 +14,8 @@ trains warm-up steps, then times every compute action of the measured steps
   the split backward's input and weight parts) plus the schedule's own work before it (posting
   sends and receives): the gap before an action whose input was already there, and that step's
   mean such gap for the (stage, kind) where the rank waited for its input.
-- ``bubble_simulated``: each measured step replayed by the simulator on the order torch runs
-  (``executed_order``, checked against the traced order: ``order_matches``), every action
+- ``bubble_simulated``: each measured step replayed by the simulator on the order it ran
+  (the order torch runs, ``executed_order``, when ``order_matches``), every action
   lasting its own measured cost counted as above, with the measured hand-off (``transfer_s``: the
   median delay from the end of an action on one rank to the start of the action on another that
   was waiting for its output, less that action's own work), pooled over the steps as the

@@ -106,7 +106,8 @@ def _compare(
         windows.append(max(run.end for run in runs) - start)
         own = {run.action: run.end - run.start + work_before(run, extra) for run in runs}
         busy += math.fsum(own.values())
-        sims["own"].append(simulate(order, own, transfer_s))
+        ran = {r: [run.action for run in runs if run.rank == r] for r in order}  # order_matches
+        sims["own"].append(simulate(ran, own, transfer_s))
         sims["mean"].append(simulate(order, durations, transfer_s))
     measured = 1.0 - busy / (len(order) * math.fsum(windows))
 

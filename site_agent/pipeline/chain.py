@@ -100,14 +100,21 @@ def check_stages_compose(
     ``inputs``, do not compute the model's own output, as when a module without tensors that the
     forward calls at several places of the chain runs on every stage. Compared as
     ``torch.testing.assert_close`` does for the dtype (the same kernels run in both: a float-order
-    tolerance). Runs without gradients on copies, from the same RNG state; ``model`` is left as it
-    was, but for the statistics a training-mode forward updates (callers put its state back)."""
+    tolerance). Runs on copies, from the same RNG state, each later stage's activation a leaf
+    that needs a gradient (as torch's stage receives it), and back-propagates each stage (a
+    failing forward or backward is refused by name too); ``model`` is left as it was, but for
+    the statistics a training-mode forward updates (callers put its state back)."""
     cuda = _cuda_devices(model)
     with torch.no_grad(), torch.random.fork_rng(devices=cuda):  # put back: the stages draw alike
         whole = first_tensor(StageForward(model)(*inputs))
-    out, kept = inputs, []
-    with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+    out: tuple[torch.Tensor, ...] = inputs
+    kept: list[set[str]] = []
+    # With gradients, and each later stage's activation a leaf that needs one, as torch's
+    # stage receives it: an in-place change of it would fail here as in training.
+    with torch.enable_grad(), torch.random.fork_rng(devices=cuda):
         for stage_units in stages:
+            if kept:
+                out = (out[0].detach().requires_grad_(), *out[1:])
             stage = strip_to_stage(copy.deepcopy(model), units.owned(stage_units), units.companions)
             kept.append(
                 {
@@ -124,9 +131,17 @@ def check_stages_compose(
                     f"stage {len(kept) - 1} of this cut fails on the tensor the stage before "
                     f"hands it ({type(e).__name__}: {e}): {_HOW}"
                 ) from e
+            try:  # and its backward, as the stage will run it
+                if out[0].requires_grad:
+                    out[0].backward(torch.ones_like(out[0]))  # type: ignore[no-untyped-call]
+            except RuntimeError as e:
+                raise ValueError(
+                    f"stage {len(kept) - 1} of this cut fails in its backward ({e}): a module "
+                    "the forward calls at several places changes a tensor in place twice"
+                ) from e
             del stage
     try:
-        torch.testing.assert_close(out[0], whole)
+        torch.testing.assert_close(out[0].detach(), whole)
     except AssertionError as e:
         common = set.intersection(*kept)
         everywhere = sorted(n for n in common if not any(_under(n, k) for k in common - {n}))

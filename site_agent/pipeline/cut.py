@@ -8,6 +8,7 @@ stage (the model with other stages' modules replaced by a :class:`PassThrough`),
 from __future__ import annotations
 
 import functools
+import logging
 import statistics
 import time
 import warnings
@@ -19,6 +20,8 @@ import torch
 from torch import nn
 
 from site_agent.jobs.contract import first_tensor
+
+log = logging.getLogger(__name__)
 
 
 class PassThrough(nn.Module):
@@ -40,7 +43,12 @@ class StageForward(nn.Module):
         self.last = last
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        out = first_tensor(self.model(*inputs))
+        first, *rest = inputs
+        if first.is_leaf and first.requires_grad:
+            # A received activation (torch's stage makes it a leaf): a copy, so that the
+            # model may change it in place (an nn.ReLU(inplace=True) that begins the stage).
+            first = first.clone()
+        out = first_tensor(self.model(first, *rest))
         # The zero-bubble schedules detach a stage's output in place, which a view does not
         # allow (a Hugging Face causal LM's logits slice the hidden states a cut head passes).
         out = out.clone() if out._is_view() else out
@@ -90,10 +98,15 @@ def default_cut_points(model: nn.Module) -> list[str]:
     """The entries of the model's longest ``nn.ModuleList`` (ties: the first in module order;
     without one, its longest ``nn.Sequential``, the model itself included) that hold tensors,
     and the first module after it that holds tensors (its suffix, e.g. final norm and head)."""
-    lists: list[tuple[str, nn.Module]] = [
-        (name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)
-    ]
-    lists = lists or [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Sequential)]
+
+    def of(kind: type[nn.Module]) -> list[tuple[str, nn.Module]]:
+        return [
+            (name, m)
+            for name, m in model.named_modules()
+            if isinstance(m, kind) and any(_tensor_names(block) for block in m.children())
+        ]
+
+    lists = of(nn.ModuleList) or of(nn.Sequential)
     if not lists:
         raise ValueError(
             "the model has no nn.ModuleList or nn.Sequential of blocks to cut: give the job "
@@ -213,7 +226,7 @@ def unit_modules(
 class _UnitTimer:
     """Module hooks that add each unit's forward and backward seconds and note its output size."""
 
-    def __init__(self, groups: list[list[nn.Module]], cuda: bool) -> None:
+    def __init__(self, groups: list[list[nn.Module]], cuda: bool, backward: bool) -> None:
         self.seconds = [0.0] * len(groups)
         self.sizes = [0] * len(groups)
         self.cuda = cuda
@@ -224,9 +237,12 @@ class _UnitTimer:
                 self._handles += [
                     m.register_forward_pre_hook(lambda m, _a: self._start(m)),
                     m.register_forward_hook(lambda m, _a, out, u=u: self._stop(m, u, out)),
-                    m.register_full_backward_pre_hook(lambda m, _g: self._start(m)),
-                    m.register_full_backward_hook(functools.partial(self._backward_done, u)),
                 ]
+                if backward:
+                    self._handles += [
+                        m.register_full_backward_pre_hook(lambda m, _g: self._start(m)),
+                        m.register_full_backward_hook(functools.partial(self._backward_done, u)),
+                    ]
 
     def _now(self) -> float:
         if self.cuda:
@@ -268,9 +284,25 @@ def profile_units(
     ``torch.autograd.grad``, so ``.grad`` fields stay untouched."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    try:
+        return _profile(model, units, run, steps, backward=True)
+    except RuntimeError as exc:
+        if "BackwardHookFunction" not in str(exc):
+            raise
+        why = str(exc).split(".")[0]
+    # An in-place op on a timed module's output (an nn.ReLU(inplace=True) after a Linear)
+    # refuses the backward hooks: the forward is timed, and the backward estimated as twice it.
+    log.warning("per-unit profile: forward only, backward estimated as 2x forward (%s)", why)
+    costs, sizes = _profile(model, units, run, steps, backward=False)
+    return [3.0 * c for c in costs], sizes
+
+
+def _profile(
+    model: nn.Module, units: Units, run: Callable[[], torch.Tensor], steps: int, backward: bool
+) -> tuple[list[float], list[int]]:
     groups = unit_modules(model, units)
     times: list[list[float]] = [[] for _ in groups]
-    timer = _UnitTimer(groups, cuda=any(p.is_cuda for p in model.parameters()))
+    timer = _UnitTimer(groups, any(p.is_cuda for p in model.parameters()), backward)
     params = [p for p in model.parameters() if p.requires_grad]
     try:
         # A unit whose inputs need no gradient (the embedding) still times its backward.

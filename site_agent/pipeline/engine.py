@@ -116,6 +116,13 @@ def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePl
     if num_stages > len(units):
         raise ValueError(f"{num_stages} stages exceed the model's {len(units)} units {units.names}")
     inputs, target = split_batch(job, sample_batch)
+    floating = [i for i, x in enumerate(inputs[1:], 1) if x.is_floating_point()]
+    if floating:
+        raise ValueError(
+            f"the model's input {floating[0]} (after split) is floating point: inputs beyond "
+            "the first reach later stages only when they are integer or bool tensors (masks, "
+            "ids), so give it as one, or compute it inside the model"
+        )
     size = inputs[0].shape[0] // (cfg.num_microbatches * cfg.num_replicas)
     mb_inputs = tuple(x[:size] for x in inputs)
 
@@ -124,6 +131,8 @@ def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePl
         return loss
 
     state = copy.deepcopy(model.state_dict())  # put back: the forwards move statistics
+    was_training = model.training
+    model.train()  # as the stages run: dropout on, BatchNorm on batch statistics
     try:
         with torch.random.fork_rng(devices=[]):
             units = chain_companions(model, units, mb_inputs)
@@ -132,6 +141,7 @@ def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePl
             check_stages_compose(model, units, plan.stages, mb_inputs)
     finally:
         model.load_state_dict(state)
+        model.train(was_training)
     log.info(
         f"[site={cfg.site_id} rank=0] pipeline plan: stages={num_stages} "
         f"replicas={cfg.num_replicas} schedule={cfg.schedule} microbatches={cfg.num_microbatches} "

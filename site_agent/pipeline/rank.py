@@ -69,19 +69,19 @@ class SiteRank:
         self.eval_model: nn.Module | None = None
         sample = self._draw_sample()
         box: list[Any] = [None]
-        refusal: ValueError | None = None
+        refusal: Exception | None = None
         if rank == 0:
             try:
                 check_pipeline_job(job, sample, where)
                 self.eval_model = copy.deepcopy(model).to("cpu")  # before the cut: validation
                 box[0] = make_stage_plan(job, sample, cfg)
-            except ValueError as exc:  # the workers are told, then it is raised here
-                refusal, box[0] = exc, StartRefused(str(exc))
+            except Exception as exc:  # the job's own code may raise anything: all ranks stop
+                refusal = exc
+                text = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+                box[0] = StartRefused(text)
         dist.broadcast_object_list(box, src=0, group=self.control)
-        if refusal is not None:
-            raise refusal
         if isinstance(box[0], StartRefused):
-            raise box[0]
+            raise box[0] from refusal
         self.pipeline = RankPipeline(job, box[0], cfg, rank=rank, device=device)
         self.step = 0
         dist.barrier(group=self.control)
