@@ -107,39 +107,8 @@ def check_stages_compose(
     cuda = _cuda_devices(model)
     with torch.no_grad(), torch.random.fork_rng(devices=cuda):  # put back: the stages draw alike
         whole = first_tensor(StageForward(model)(*inputs))
-    out: tuple[torch.Tensor, ...] = inputs
-    kept: list[set[str]] = []
-    # With gradients, and each later stage's activation a leaf that needs one, as torch's
-    # stage receives it: an in-place change of it would fail here as in training.
     with torch.enable_grad(), torch.random.fork_rng(devices=cuda):
-        for stage_units in stages:
-            if kept:
-                out = (out[0].detach().requires_grad_(), *out[1:])
-            stage = strip_to_stage(copy.deepcopy(model), units.owned(stage_units), units.companions)
-            kept.append(
-                {
-                    n
-                    for n, m in stage.named_modules()
-                    if n and not isinstance(m, PassThrough) and not _module_tensors(m)
-                }
-            )
-            try:
-                handed = StageForward(stage, last=len(kept) == len(stages))(*out)
-                out = handed if isinstance(handed, tuple) else (handed,)
-            except Exception as e:  # any error of the job's own forward, named
-                raise ValueError(
-                    f"stage {len(kept) - 1} of this cut fails on the tensor the stage before "
-                    f"hands it ({type(e).__name__}: {e}): {_HOW}"
-                ) from e
-            try:  # and its backward, as the stage will run it
-                if out[0].requires_grad:
-                    out[0].backward(torch.ones_like(out[0]))  # type: ignore[no-untyped-call]
-            except RuntimeError as e:
-                raise ValueError(
-                    f"stage {len(kept) - 1} of this cut fails in its backward ({e}): a module "
-                    "the forward calls at several places changes a tensor in place twice"
-                ) from e
-            del stage
+        out, kept = _run_stages(model, units, stages, inputs)
     try:
         torch.testing.assert_close(out[0].detach(), whole)
     except AssertionError as e:
@@ -152,3 +121,45 @@ def check_stages_compose(
             "be cut: give each place its own module), as is any code the forward runs between "
             "modules (a torch.tanh between two blocks: move it into a block)"
         ) from None
+
+
+def _run_stages(
+    model: nn.Module,
+    units: Units,
+    stages: Sequence[Sequence[int]],
+    inputs: tuple[torch.Tensor, ...],
+) -> tuple[tuple[torch.Tensor, ...], list[set[str]]]:
+    """The stages' forwards one after the other, each back-propagated, each later stage's
+    activation a leaf that needs a gradient, as torch's stage receives it (an in-place change
+    of it fails here as in training); the output and, per stage, its modules without tensors."""
+    out = inputs
+    kept: list[set[str]] = []
+    for stage_units in stages:
+        if kept:
+            out = (out[0].detach().requires_grad_(), *out[1:])
+        stage = strip_to_stage(copy.deepcopy(model), units.owned(stage_units), units.companions)
+        kept.append(
+            {
+                n
+                for n, m in stage.named_modules()
+                if n and not isinstance(m, PassThrough) and not _module_tensors(m)
+            }
+        )
+        try:
+            handed = StageForward(stage, last=len(kept) == len(stages))(*out)
+            out = handed if isinstance(handed, tuple) else (handed,)
+        except Exception as e:  # any error of the job's own forward, named
+            raise ValueError(
+                f"stage {len(kept) - 1} of this cut fails on the tensor the stage before "
+                f"hands it ({type(e).__name__}: {e}): {_HOW}"
+            ) from e
+        try:  # and its backward, as the stage will run it
+            if out[0].requires_grad:
+                out[0].backward(torch.ones_like(out[0]))  # type: ignore[no-untyped-call]
+        except RuntimeError as e:
+            raise ValueError(
+                f"stage {len(kept) - 1} of this cut fails in its backward ({e}): a module "
+                "the forward calls at several places changes a tensor in place twice"
+            ) from e
+        del stage
+    return out, kept
