@@ -27,8 +27,7 @@ from site_agent.pipeline.cut import (
 _HOW = (
     "a later stage runs the model's forward on that one tensor, with the other stages' modules "
     "passed through (each returns its first input, which is not always the activation: GPT-2's "
-    "position embedding takes position ids), and of the inputs beyond the first (handed on to "
-    "every stage) none if one is floating point"
+    "position embedding takes position ids), and the inputs beyond the first after it"
 )
 
 

@@ -34,8 +34,8 @@ class PassThrough(nn.Module):
 class StageForward(nn.Module):
     """One stage for ``PipelineStage``: the (cut) model's own forward on the received inputs,
     reduced to one tensor by :func:`first_tensor`. A stage before the last (``last=False``)
-    hands on after it the inputs beyond the first (attention masks, position ids) when none of
-    them is floating point, so that every stage's forward gets them (docs/pipelines.md)."""
+    hands on after it the inputs beyond the first (attention masks, position ids: integer or
+    bool tensors, as ``make_stage_plan`` requires), so that every stage's forward gets them."""
 
     def __init__(self, model: nn.Module, *, last: bool = True) -> None:
         super().__init__()
@@ -52,10 +52,7 @@ class StageForward(nn.Module):
         # The zero-bubble schedules detach a stage's output in place, which a view does not
         # allow (a Hugging Face causal LM's logits slice the hidden states a cut head passes).
         out = out.clone() if out._is_view() else out
-        extra = inputs[1:]
-        if self.last or not extra or any(x.is_floating_point() for x in extra):
-            return out
-        return (out, *extra)
+        return out if self.last or not rest else (out, *rest)
 
 
 @dataclass(frozen=True)
