@@ -72,6 +72,7 @@ def _costs(runs: Sequence[_Run], count_work: bool) -> tuple[dict[tuple[int, str]
 def _compare(
     order: dict[int, list[Action]],
     steps: list[list[_Run]],
+    traced: list[dict[int, list[Action]]],
     starts: list[float],
     *,
     count_work: bool,
@@ -102,12 +103,11 @@ def _compare(
     transfer_s = statistics.median(delays) if delays else 0.0
     windows, busy = [], 0.0
     sims: dict[str, list[SimResult]] = {"own": [], "mean": []}
-    for runs, start, (durations, extra) in zip(steps, starts, per_step, strict=True):
+    for runs, ran, start, (durations, extra) in zip(steps, traced, starts, per_step, strict=True):
         windows.append(max(run.end for run in runs) - start)
         own = {run.action: run.end - run.start + work_before(run, extra) for run in runs}
         busy += math.fsum(own.values())
-        ran = {r: [run.action for run in runs if run.rank == r] for r in order}  # order_matches
-        sims["own"].append(simulate(ran, own, transfer_s))
+        sims["own"].append(simulate(ran, own, transfer_s))  # the order it ran
         sims["mean"].append(simulate(order, durations, transfer_s))
     measured = 1.0 - busy / (len(order) * math.fsum(windows))
 
@@ -140,10 +140,10 @@ def analyze(record: dict[str, Any]) -> dict[str, Any]:
     rank_of = {a.stage: r for r, actions in order.items() for a in actions}
     steps = [_runs(ranks, rank_of) for ranks in record["traces"]]
     starts = [min(r["start"] for r in ranks) for ranks in record["traces"]]
-    figures = _compare(order, steps, starts, count_work=True)
-    compute_only = _compare(order, steps, starts, count_work=False)
-    durations = figures["durations"]
     traced = [{r: [run.action for run in runs if run.rank == r] for r in order} for runs in steps]
+    figures = _compare(order, steps, traced, starts, count_work=True)
+    compute_only = _compare(order, steps, traced, starts, count_work=False)
+    durations = figures["durations"]
     stages = sorted({s for s, _ in durations})
     per_stage = [
         durations[(s, "F")]
