@@ -110,7 +110,7 @@ def _job_site_config(
     return path
 
 
-SHARED_ACTIVATION_JOB = """
+SIDE_VALUE_JOB = """
 import torch
 from torch import nn
 
@@ -119,11 +119,12 @@ class Model(nn.Module):
     def __init__(self):
         super().__init__()
         self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
-        self.act = nn.GELU()  # one module applied after every block: no stage can hold it
 
     def forward(self, x):
-        for block in self.blocks:
-            x = self.act(block(x))
+        # Every later block adds the first block's output: a later stage cannot have it.
+        x = side = self.blocks[0](x)
+        for block in self.blocks[1:]:
+            x = block(x) + side
         return x
 
 
@@ -172,7 +173,7 @@ def test_a_pipelined_site_that_cannot_start_exits_with_the_bad_config_status(
 ) -> None:
     """A job the leader cannot build, or whose cut it refuses: one line naming why, and the
     status a supervisor does not restart (not torchrun's "a worker failed")."""
-    (tmp_path / "shared_job.py").write_text(SHARED_ACTIVATION_JOB)
+    (tmp_path / "shared_job.py").write_text(SIDE_VALUE_JOB)
     job = {"factory": "shared_job:make_job", "python_path": [str(tmp_path)], "options": options}
     site = _job_site_config(tmp_path, "eu", 0, 1, job, stages=2, microbatches=2)
     main = procs.start("site-eu", "agent", "--config", str(site))

@@ -10,8 +10,6 @@ stages x two replicas averaging by one all-reduce (DDP and FSDP: ``test_pipeline
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,17 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from site_agent.jobs.contract import JobContext, JobError, check_pipeline_job
-from site_agent.pipeline.chain import chain_companions, check_stages_compose
-from site_agent.pipeline.cut import (
-    PassThrough,
-    StageForward,
-    profile_units,
-    strip_to_stage,
-    units_of,
-)
+from site_agent.jobs.contract import JobContext
 from site_agent.pipeline.engine import PipelineConfig, RankPipeline, make_stage_plan
-from site_agent.pipeline.layout import stage_indices, stages_per_rank
 from site_agent.trainer import JobTrainer
 from tests.support.procgroup import LocalProcessGroup
 
@@ -124,12 +113,53 @@ class _InplaceJob(_MaskedJob):
         return self.output_loss(model(batch[0]), batch[1])
 
 
+class TorchTransformer(nn.Module):
+    """torch's own nn.TransformerEncoder, whose forward reads ``layers[0].self_attn``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(30, 16)
+        # No biases: a key bias gets gradients of float noise only, which AdamW scales up.
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, bias=False)
+        self.encoder = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 30)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        batch, time = ids.shape  # the token ids' shape, on every stage
+        mask = nn.Transformer.generate_square_subsequent_mask(time)
+        return self.head(self.encoder(self.embed(ids), mask=mask, is_causal=True))
+
+
+class _TransformerJob(_MaskedJob):
+    """torch's own nn.TransformerEncoder on token ids, next-token targets."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        torch.manual_seed(seed)
+        self.model = TorchTransformer()  # type: ignore[assignment]
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(seed)
+        self.ids = [torch.randint(0, 30, (16, 7), generator=g) for _ in range(4)]
+
+    def batches(self) -> Iterator[Any]:
+        for ids in self.ids:
+            yield ids, ids.roll(-1, dims=1)
+
+    def output_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        return self.output_loss(model(batch[0]), batch[1])
+
+
 def make_job(kind: str, seed: int = 3) -> Any:
     ctx = dict(site_id="t", seed=seed, device=torch.device("cpu"))
     if kind == "masked":
         return _MaskedJob(seed)
     if kind == "inplace":
         return _InplaceJob(seed)
+    if kind == "transformer":
+        return _TransformerJob(seed)
     if kind == "regression":  # a job written outside the package: an nn.Sequential with a Tanh
         spec = importlib.util.spec_from_file_location(
             "regression_job", EXAMPLES / "regression_job.py"
@@ -145,300 +175,6 @@ def make_job(kind: str, seed: int = 3) -> Any:
     from site_agent.jobs.bytegpt import make_job as make_bytegpt
 
     return make_bytegpt(JobContext(**ctx, options=BYTEGPT_OPTIONS))  # type: ignore[arg-type]
-
-
-# -- one process ---------------------------------------------------------------------------
-
-
-def test_units_of_the_byte_gpt_are_its_layers() -> None:
-    units = units_of(make_job("bytegpt").model)
-    assert units.names == tuple(f"layers.{i}" for i in range(6))
-    assert units.tensors[0] == ("layers.0.token.weight", "layers.0.position.weight")
-
-
-def test_units_of_a_llama_are_prefix_blocks_and_suffix() -> None:
-    units = units_of(make_job("hf").model)
-    assert units.names == (
-        "<prefix>",
-        "model.layers.0",
-        "model.layers.1",
-        "model.layers.2",
-        "model.norm",
-    )
-    assert units.tensors[0] == ("model.embed_tokens.weight",)
-    assert units.tensors[-1] == ("model.norm.weight", "lm_head.weight")
-
-
-def test_cut_points_named_by_the_job() -> None:
-    model = make_job("hf").model
-    units = units_of(model, ["model.layers.1", "model.norm"])
-    assert units.names == ("<prefix>", "model.layers.1", "model.norm")
-    assert units.tensors[0][0] == "model.embed_tokens.weight"
-    assert units.tensors[0][-1].startswith("model.layers.0.")
-    with pytest.raises(ValueError, match="not a module"):
-        units_of(model, ["model.layers.9"])
-    with pytest.raises(ValueError, match="comes before"):
-        units_of(model, ["model.layers.1", "model.layers.0"])
-    with pytest.raises(ValueError, match="holds no parameters"):
-        units_of(model, ["model.rotary_emb"])
-
-
-@pytest.mark.parametrize("kind", ["bytegpt", "hf"])
-def test_stages_compose_to_the_whole_model(kind: str) -> None:
-    model = make_job(kind).model.eval()
-    units = units_of(model)
-    x = torch.randint(0, 256, (2, 16))
-    with torch.no_grad():
-        whole = StageForward(model)(x)
-        cuts = [(0, 2), (2, 4), (4, len(units))]
-        stages = [
-            StageForward(strip_to_stage(copy.deepcopy(model), units.owned(range(a, b))))
-            for a, b in cuts
-        ]
-        out: torch.Tensor = x
-        for stage in stages:
-            out = stage(out)
-    torch.testing.assert_close(out, whole, rtol=0, atol=0)
-    # Each stage holds exactly its units' tensors, under the whole model's names.
-    for stage, (a, b) in zip(stages, cuts, strict=True):
-        assert set(stage.model.state_dict()) == units.owned(range(a, b))
-    assert any(isinstance(m, PassThrough) for m in stages[0].modules())
-
-
-def test_a_sequential_is_cut_at_its_layers_each_activation_with_its_consumer() -> None:
-    model = nn.Sequential(nn.Tanh(), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4), nn.Tanh())
-    x = torch.randn(5, 8)
-    units = chain_companions(model, units_of(model), (x,))
-    assert units.names == ("1", "3")  # no ModuleList: the Sequential's entries with tensors
-    # Each activation goes with the layer that takes its output; the last, whose output is the
-    # model's, with the last layer.
-    assert units.placed() == {"0": "1", "2": "3", "4": "3"}
-    first = strip_to_stage(copy.deepcopy(model), units.owned([0]), units.companions)
-    last = strip_to_stage(copy.deepcopy(model), units.owned([1]), units.companions)
-    assert [type(m).__name__ for m in first] == ["Tanh", "Linear"] + ["PassThrough"] * 3
-    assert [type(m).__name__ for m in last] == ["PassThrough"] * 2 + ["GELU", "Linear", "Tanh"]
-    with torch.no_grad():
-        torch.testing.assert_close(last(first(x)), model(x), rtol=0, atol=0)
-    check_stages_compose(model, units, [[0], [1]], (x,))
-
-
-def test_the_digits_plan_places_its_relu_and_leaves_its_statistics() -> None:
-    from site_agent.jobs.digits import make_job as make_digits
-
-    ctx = JobContext(site_id="t", seed=3, device=torch.device("cpu"), options={"batch_size": 32})
-    job = make_digits(ctx)
-    before = copy.deepcopy(job.model.state_dict())
-    cfg = PipelineConfig(num_stages=2, num_microbatches=2, profile_steps=1)
-    plan = make_stage_plan(job, next(iter(job.batches())), cfg)
-    # nn.Sequential(Linear, BatchNorm1d, ReLU, Linear): the ReLU runs with the last Linear.
-    assert plan.units.names == ("0", "1", "3")
-    assert plan.units.placed() == {"2": "3"}
-    for name, value in job.model.state_dict().items():  # BatchNorm's statistics included
-        torch.testing.assert_close(value, before[name], rtol=0, atol=0)
-
-
-class _FinalNorm(nn.Module):
-    """Blocks in a ModuleList, then a norm without parameters and a head (as OLMo's
-    ``model.norm``), and a side module whose output every block takes beside its input."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Identity()  # a side input, as a rotary embedding is
-        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
-        self.norm = nn.LayerNorm(8, elementwise_affine=False)
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        side = self.scale(torch.ones(()))
-        for block in self.blocks:
-            x = block(x) * side
-        return self.head(self.norm(x))
-
-
-def test_a_norm_without_parameters_goes_with_the_head() -> None:
-    model = _FinalNorm()
-    x = torch.randn(4, 8)
-    units = chain_companions(model, units_of(model), (x,))
-    assert units.names == ("blocks.0", "blocks.1", "blocks.2", "head")
-    assert units.placed() == {"norm": "head"}  # the side module stays on every stage
-    stages = [[0, 1], [2, 3]]
-    check_stages_compose(model, units, stages, (x,))
-    without = dataclasses.replace(units, companions={})  # the norm on every stage
-    with pytest.raises(ValueError, match=r"modules without tensors on every stage: \['norm'"):
-        check_stages_compose(model, without, stages, (x,))
-
-
-def test_an_olmo_norm_without_parameters_runs_on_the_heads_stage() -> None:
-    from site_agent.jobs.hf import make_job as make_hf
-
-    options = {**HF_OPTIONS, "model_type": "olmo"}
-    options["config"] = {"num_hidden_layers": 3, "hidden_size": 64, "intermediate_size": 128}
-    options["config"] |= {"num_attention_heads": 4, "vocab_size": 256, "pad_token_id": 0}
-    ctx = JobContext(site_id="t", seed=3, device=torch.device("cpu"), options=options)
-    model = make_hf(ctx).model.eval()
-    x = torch.randint(0, 256, (2, 16))
-    units = chain_companions(model, units_of(model), (x,))
-    # OLMo's final LayerNorm has no parameters: the head takes a slice of its output.
-    assert units.names[-2:] == ("model.layers.2", "lm_head")
-    assert units.placed() == {"model.norm": "lm_head"}  # its rotary embedding: every stage
-    check_stages_compose(model, units, [[0, 1, 2], [3, 4]], (x,))
-
-
-class _Positions(nn.Module):
-    """A position embedding fed position ids, not the activation (as GPT-2's)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.wpe = nn.Embedding(5, 8)
-        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.wpe(torch.arange(x.shape[1])).unsqueeze(0)
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-def test_a_cut_whose_later_stage_fails_is_refused_by_name() -> None:
-    model = _Positions()
-    x = torch.randn(2, 5, 8)
-    units = chain_companions(model, units_of(model), (x,))
-    assert units.names == ("<prefix>", "blocks.0", "blocks.1")
-    with pytest.raises(
-        ValueError, match="stage 1 of this cut fails on the tensor the stage before"
-    ):
-        check_stages_compose(model, units, [[0, 1], [2]], (x,))
-
-
-def test_the_plan_refuses_floating_point_inputs_beyond_the_first() -> None:
-    job = make_job("masked")
-    (x, keep), y = next(iter(job.batches()))
-    cfg = PipelineConfig(num_stages=2, num_microbatches=2, profile_steps=1)
-    with pytest.raises(ValueError, match="the model's input 1 .after split. is floating point"):
-        make_stage_plan(job, ((x, keep.float()), y), cfg)
-
-
-def test_one_in_place_module_at_two_places_is_refused() -> None:
-    relu = nn.ReLU(inplace=True)  # the same module after both Linears: on every stage
-    model = nn.Sequential(nn.Linear(8, 8), relu, nn.Linear(8, 8), relu, nn.Linear(8, 8))
-    x = torch.randn(4, 8)
-    units = chain_companions(model, units_of(model), (x,))
-    assert units.placed() == {}
-    with pytest.raises(ValueError, match="stage 1 of this cut fails in its backward"):
-        check_stages_compose(model, units, [[0, 1], [2]], (x,))
-
-
-def test_the_longest_list_without_tensors_is_no_cut() -> None:
-    model = nn.Sequential(
-        nn.Sequential(nn.GELU(), nn.Dropout(), nn.Identity(), nn.Tanh()),
-        nn.Linear(4, 4),
-        nn.Linear(4, 4),
-    )
-    assert units_of(model).names == ("1", "2")
-
-
-class _SharedActivation(nn.Module):
-    """Blocks in a ModuleList with one activation module the forward applies after each."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
-        self.act = nn.GELU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = self.act(block(x))
-        return x
-
-
-def test_the_plan_checks_the_cut_in_training_mode() -> None:
-    class Job:
-        model = _SharedActivation()
-        split = staticmethod(lambda batch: batch)
-        output_loss = staticmethod(lambda out, y: ((out - y) ** 2).mean())
-
-    Job.model.act = nn.Dropout(0.5)  # the same at every block: equal to one process in eval only
-    Job.model.eval()
-    cfg = PipelineConfig(num_stages=2, num_microbatches=2, profile_steps=1)
-    with pytest.raises(ValueError, match=r"modules without tensors on every stage: \['act'\]"):
-        make_stage_plan(Job(), (torch.randn(8, 8), torch.randn(8, 8)), cfg)
-    assert not Job.model.training  # its mode put back
-
-
-def test_a_cut_whose_stages_do_not_compose_is_refused() -> None:
-    class Job:
-        model = _SharedActivation()
-        split = staticmethod(lambda batch: batch)
-        output_loss = staticmethod(lambda out, y: ((out - y) ** 2).mean())
-
-    batch = (torch.randn(8, 8), torch.randn(8, 8))
-    before = copy.deepcopy(Job.model.state_dict())
-    cfg = PipelineConfig(num_stages=2, num_microbatches=2, profile_steps=1)
-    # Every stage would apply ``act`` to what it receives: the plan is refused, naming it.
-    with pytest.raises(ValueError, match=r"modules without tensors on every stage: \['act'\]"):
-        make_stage_plan(Job(), batch, cfg)
-    for name, value in Job.model.state_dict().items():
-        torch.testing.assert_close(value, before[name], rtol=0, atol=0)
-
-
-def test_a_module_split_between_stages_is_refused() -> None:
-    model = make_job("bytegpt").model
-    owned = set(model.state_dict()) - {"layers.1.ln_attn.bias"}  # a LayerNorm's weight alone
-    with pytest.raises(ValueError, match="split between stages"):
-        strip_to_stage(model, owned)
-
-
-@pytest.mark.parametrize("kind", ["bytegpt", "hf"])
-def test_output_loss_agrees_with_loss(kind: str) -> None:
-    job = make_job(kind)
-    batch = next(iter(job.batches()))
-    assert check_pipeline_job(job, batch) > 0
-
-
-def test_a_job_without_split_cannot_be_pipelined() -> None:
-    job = make_job("bytegpt")
-
-    class NoSplit:
-        model, optimizer = job.model, job.optimizer
-        loss, evaluate, batches = job.loss, job.evaluate, job.batches
-
-    with pytest.raises(JobError, match="no 'split'"):
-        check_pipeline_job(NoSplit(), next(iter(job.batches())))  # type: ignore[arg-type]
-
-    class Disagrees(NoSplit):
-        split = job.split
-
-        def output_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            return job.output_loss(output, target) * 2
-
-    with pytest.raises(JobError, match="differs from"):
-        check_pipeline_job(Disagrees(), next(iter(job.batches())))  # type: ignore[arg-type]
-
-
-def test_profile_units_times_every_unit() -> None:
-    job = make_job("hf")
-    units = units_of(job.model)
-    x, y = next(iter(job.batches()))
-    before = copy.deepcopy(job.model.state_dict())
-    costs, sizes = profile_units(
-        job.model, units, lambda: job.output_loss(job.model(x).logits, y), steps=1
-    )
-    assert len(costs) == len(sizes) == len(units)
-    assert all(c > 0 for c in costs)
-    assert sizes[:-1] == [8 * 16 * 64 * 4] * 4  # hidden states out of every unit but the last
-    assert sizes[-1] == 8 * 16 * 256 * 4  # the logits
-    assert all(p.grad is None for p in job.model.parameters())
-    for name, value in job.model.state_dict().items():
-        torch.testing.assert_close(value, before[name], rtol=0, atol=0)
-
-
-def test_stage_indices() -> None:
-    assert stage_indices("1f1b", 1, 2) == [1]
-    assert stage_indices("interleaved_1f1b", 1, 2) == [1, 3]
-    assert stage_indices("zbv", 0, 2) == [0, 3]
-    assert stage_indices("zbv", 1, 2) == [1, 2]
-    with pytest.raises(ValueError, match="schedule must be one of"):
-        stages_per_rank("pipedream")
 
 
 # -- spawned processes ------------------------------------------------------------------------
@@ -552,6 +288,8 @@ def _single_process(kind: str, steps: int) -> tuple[dict[str, np.ndarray], list[
         ("masked", "zbv", 2, 1),
         ("masked", "interleaved_1f1b", 4, 2),
         ("inplace", "1f1b", 2, 1),
+        ("transformer", "1f1b", 2, 1),
+        ("transformer", "zbv", 2, 1),
     ],
 )
 def test_pipelined_steps_equal_one_process(

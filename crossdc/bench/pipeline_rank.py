@@ -123,7 +123,7 @@ def run_case(case: dict[str, Any], common: dict[str, Any]) -> dict[str, Any] | N
         "ranks": len(parts),
         "traces": [[parts[r][k] for r in range(len(parts))] for k in range(len(steps))],
         "pipeline_order": _pipeline_order(schedule),
-        "units": list(site.pipeline.plan.units.names),
+        "units": list(site.pipeline.plan.cut.units.names),
         "boundaries": list(plan.boundaries),
         "bottleneck_predicted": plan.bottleneck,
         "lower_bound": plan.lower_bound,

@@ -1,164 +1,147 @@
-"""Modules without tensors along a pipeline's chain: on which stage each runs, traced on one
-micro-batch, and the check that a cut's stages compose to the model (docs/pipelines.md).
+"""Where each stage's section of the model's forward begins, traced on one micro-batch; a stage
+cut from the model; and the check that a cut's stages compose to the model (docs/pipelines.md).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from site_agent.jobs.contract import first_tensor
-from site_agent.pipeline.cut import (
-    PassThrough,
-    StageForward,
-    Units,
-    _module_tensors,
-    _under,
-    strip_to_stage,
-    unit_modules,
-)
+from site_agent.pipeline.cut import StageForward, Units, strip_to_stage, unit_modules
+
+Entries = tuple[str | None, ...]
+"""Per stage, the module its section begins at (``None`` for the first: the model's inputs)."""
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How a model is cut into stages: its units, those each stage holds, where each stage's
+    section of the forward begins, and whether the model's first input travels with the
+    activations (an integer or bool tensor: ``cut.StageForward``)."""
+
+    units: Units
+    stages: tuple[tuple[int, ...], ...]
+    entries: Entries
+    hand_first: bool
+
 
 _HOW = (
-    "a later stage runs the model's forward on that one tensor, with the other stages' modules "
-    "passed through (each returns its first input, which is not always the activation: GPT-2's "
-    "position embedding takes position ids), and the inputs beyond the first after it"
+    "stage k runs the model's forward on the activation it receives, which is put in at the "
+    "first of its modules the forward calls; before that, the earlier stages' modules return "
+    "zeros shaped as their outputs (or, where that cannot be found on the meta device, their "
+    "first input) and the code between them runs on those, so that code must not fail on them "
+    "nor hand the stage a value it needs from them (a tensor another stage's module computes "
+    "beside its output)"
 )
-
-
-def _storage(value: Any) -> int | None:
-    """Where a tensor's data lives, so that a view of a module's output (a Hugging Face causal
-    LM's head takes a slice of the final norm's) counts as that output."""
-    if not isinstance(value, torch.Tensor) or value.numel() == 0:
-        return None
-    return int(value.untyped_storage().data_ptr())
 
 
 def _cuda_devices(model: nn.Module) -> list[torch.device]:
     return sorted({p.device for p in model.parameters() if p.is_cuda}, key=str)
 
 
-def chain_companions(model: nn.Module, units: Units, inputs: tuple[torch.Tensor, ...]) -> Units:
-    """``units`` with their companions: each module without tensors (outside the units' own
-    modules) that the forward calls once, on the chain of activations, goes with the unit that
-    consumes its output (the first unit module, or companion, whose first input is that output
-    or a view of it) or, when its output is the model's, with the last unit. Found by tracing
-    one forward of ``inputs`` (module hooks, tensor storage). Others, such as a rotary embedding
-    whose output every block takes beside its hidden states, stay on every stage. A training-mode
-    forward moves statistics (BatchNorm's): callers put the model's state back."""
-    free: dict[str, nn.Module] = {}
-    groups = unit_modules(model, units, free)
-    events: list[tuple[int | str, int | None, int | None]] = []  # (unit or name, in, out)
-    alive: list[Any] = []  # every traced tensor, so that no storage is reused during the trace
-
-    def note(key: int | str) -> Any:
-        def hook(_m: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
-            handed = args[0] if args else next(iter(kwargs.values()), None)  # as PassThrough
-            alive.extend((handed, out))
-            events.append((key, _storage(handed), _storage(out)))
-
-        return hook
-
-    hooked = [(u, m) for u, ms in enumerate(groups) for m in ms] + [(n, m) for n, m in free.items()]
-    handles = [m.register_forward_hook(note(key), with_kwargs=True) for key, m in hooked]
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=_cuda_devices(model)):
-            final = first_tensor(model(*inputs))
-    finally:
-        for h in handles:
-            h.remove()
-    calls = Counter(key for key, _, _ in events)
-    unit_of: dict[str, int] = {}
-    for i in reversed(range(len(events))):  # a consumer is resolved before what feeds it
-        key, _, out = events[i]
-        if not isinstance(key, str) or calls[key] != 1 or out is None:
-            continue
-        consumer = next((k for k, into, _ in events[i + 1 :] if into == out), None)
-        if isinstance(consumer, int):
-            unit_of[key] = consumer
-        elif isinstance(consumer, str) and consumer in unit_of:
-            unit_of[key] = unit_of[consumer]
-        elif consumer is None and out == _storage(final):
-            unit_of[key] = len(units) - 1
-    companions = {name: units.tensors[u][0] for name, u in sorted(unit_of.items())}
-    return dataclasses.replace(units, companions=companions)
-
-
-def check_stages_compose(
+def stage_entries(
     model: nn.Module,
     units: Units,
     stages: Sequence[Sequence[int]],
     inputs: tuple[torch.Tensor, ...],
-) -> None:
-    """Refuse a cut whose stages (``stages``: the units each holds), run one after the other on
-    ``inputs``, do not compute the model's own output, as when a module without tensors that the
-    forward calls at several places of the chain runs on every stage. Compared as
-    ``torch.testing.assert_close`` does for the dtype (the same kernels run in both: a float-order
-    tolerance). Runs on copies, from the same RNG state, each later stage's activation a leaf
-    that needs a gradient (as torch's stage receives it), and back-propagates each stage (a
-    failing forward or backward is refused by name too); ``model`` is left as it was, but for
-    the statistics a training-mode forward updates (callers put its state back)."""
+) -> Entries:
+    """For each stage after the first, the first module of its units (``cut.unit_modules``) that
+    the forward calls, traced on one forward of ``inputs`` (a training-mode forward moves
+    statistics, BatchNorm's: callers put the model's state back). ``ValueError`` if the forward
+    calls none of a stage's modules, or one of an earlier stage's after a later stage's entry."""
+    groups = unit_modules(model, units)
+    called: dict[str, int] = {}
+
+    def note(path: str) -> Callable[[nn.Module, Any], None]:
+        def hook(_m: nn.Module, _args: Any) -> None:
+            called.setdefault(path, len(called))
+
+        return hook
+
+    hooked = [(path, m) for group in groups for path, m in group.items()]
+    handles = [m.register_forward_pre_hook(note(path)) for path, m in hooked]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=_cuda_devices(model)):
+            model(*inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    entries: list[str | None] = [None]
+    for k, stage_units in enumerate(stages[1:], 1):
+        paths = [path for u in stage_units for path in groups[u] if path in called]
+        if not paths:
+            names = [units.names[u] for u in stage_units]
+            raise ValueError(f"the forward calls no module of stage {k}'s units {names}")
+        entry = min(paths, key=called.__getitem__)
+        earlier = [path for u in range(min(stage_units)) for path in groups[u] if path in called]
+        late = [path for path in earlier if called[path] > called[entry]]
+        if late:
+            raise ValueError(
+                f"module {late[0]!r} runs after {entry!r}, which begins a later stage: units "
+                "follow the model's state_dict order, and its forward calls them in another "
+                "(register the modules in the order the forward calls them)"
+            )
+        entries.append(entry)
+    return tuple(entries)
+
+
+def cut_stage(model: nn.Module, cut: Cut, index: int) -> StageForward:
+    """``model`` cut, in place, to stage ``index``, as ``PipelineStage`` runs it: from its
+    entry to the next stage's."""
+    leave = cut.entries[index + 1] if index + 1 < len(cut.stages) else None
+    stripped = strip_to_stage(model, cut.units, cut.stages[index])
+    return StageForward(stripped, entry=cut.entries[index], exit=leave, hand_first=cut.hand_first)
+
+
+def check_stages_compose(model: nn.Module, cut: Cut, inputs: tuple[torch.Tensor, ...]) -> None:
+    """Refuse a cut whose stages, run one after the other on ``inputs``, do not compute the
+    model's own output. Compared as ``torch.testing.assert_close`` does for the dtype (the same
+    kernels run in both: a float-order tolerance). Runs on copies, from the same RNG state, each
+    later stage's activation a leaf that needs a gradient (as torch's stage receives it), and
+    back-propagates each stage (a failing forward or backward is refused by name too);
+    ``model`` is left as it was, but for the statistics a training-mode forward updates
+    (callers put its state back)."""
     cuda = _cuda_devices(model)
     with torch.no_grad(), torch.random.fork_rng(devices=cuda):  # put back: the stages draw alike
         whole = first_tensor(StageForward(model)(*inputs))
     with torch.enable_grad(), torch.random.fork_rng(devices=cuda):
-        out, kept = _run_stages(model, units, stages, inputs)
+        out = _run_stages(model, cut, inputs)
     try:
-        torch.testing.assert_close(out[0].detach(), whole)
+        torch.testing.assert_close(out.detach(), whole)
     except AssertionError as e:
-        common = set.intersection(*kept)
-        everywhere = sorted(n for n in common if not any(_under(n, k) for k in common - {n}))
         raise ValueError(
             "the stages of this cut do not compute the model's output "
-            f"({str(e).splitlines()[-1].strip()}): {_HOW}; modules without tensors on every "
-            f"stage: {everywhere} (one the forward calls at several places of the chain cannot "
-            "be cut: give each place its own module), as is any code the forward runs between "
-            "modules (a torch.tanh between two blocks: move it into a block)"
+            f"({str(e).splitlines()[-1].strip()}): {_HOW}"
         ) from None
 
 
-def _run_stages(
-    model: nn.Module,
-    units: Units,
-    stages: Sequence[Sequence[int]],
-    inputs: tuple[torch.Tensor, ...],
-) -> tuple[tuple[torch.Tensor, ...], list[set[str]]]:
+def _run_stages(model: nn.Module, cut: Cut, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The stages' forwards one after the other, each back-propagated, each later stage's
     activation a leaf that needs a gradient, as torch's stage receives it (an in-place change
-    of it fails here as in training); the output and, per stage, its modules without tensors."""
+    of it fails here as in training); the last stage's output."""
     out = inputs
-    kept: list[set[str]] = []
-    for stage_units in stages:
-        if kept:
+    for k in range(len(cut.stages)):
+        if k:
             out = (out[0].detach().requires_grad_(), *out[1:])
-        stage = strip_to_stage(copy.deepcopy(model), units.owned(stage_units), units.companions)
-        kept.append(
-            {
-                n
-                for n, m in stage.named_modules()
-                if n and not isinstance(m, PassThrough) and not _module_tensors(m)
-            }
-        )
+        stage = cut_stage(copy.deepcopy(model), cut, k)
         try:
-            handed = StageForward(stage, last=len(kept) == len(stages))(*out)
+            handed = stage(*out)
             out = handed if isinstance(handed, tuple) else (handed,)
         except Exception as e:  # any error of the job's own forward, named
             raise ValueError(
-                f"stage {len(kept) - 1} of this cut fails on the tensor the stage before "
-                f"hands it ({type(e).__name__}: {e}): {_HOW}"
+                f"stage {k} of this cut fails on the tensor the stage before hands it "
+                f"({type(e).__name__}: {e}): {_HOW}"
             ) from e
         try:  # and its backward, as the stage will run it
             if out[0].requires_grad:
                 out[0].backward(torch.ones_like(out[0]))  # type: ignore[no-untyped-call]
         except RuntimeError as e:
-            raise ValueError(
-                f"stage {len(kept) - 1} of this cut fails in its backward ({e}): a module "
-                "the forward calls at several places changes a tensor in place twice"
-            ) from e
+            raise ValueError(f"stage {k} of this cut fails in its backward ({e})") from e
         del stage
-    return out, kept
+    return out[0]

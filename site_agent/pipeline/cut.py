@@ -1,58 +1,168 @@
 """Cutting any job's model into pipeline stages by module name, without rewriting the model.
 
-This module owns the candidate units (runs of the ``state_dict`` starting at a cut point), a
-stage (the model with other stages' modules replaced by a :class:`PassThrough`), the stage as
-``PipelineStage`` takes it (:class:`StageForward`) and the per-unit profile (docs/pipelines.md).
+This module owns the candidate units (runs of the ``state_dict`` starting at a cut point) and
+their modules, a stage (the model with other stages' modules replaced by a :class:`PassThrough`)
+and the stage as ``PipelineStage`` takes it (:class:`StageForward`: its section of the forward)
+(docs/pipelines.md).
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import statistics
-import time
-import warnings
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from site_agent.jobs.contract import first_tensor
 
-log = logging.getLogger(__name__)
-
 
 class PassThrough(nn.Module):
-    """Stands in for a module held by another stage: returns its first input unchanged."""
+    """Stands in, on one stage, for a module another stage holds (``module``, kept on the meta
+    device: no memory, its attributes still readable). Called, it returns zeros shaped as that
+    module's output, found by running it on the meta device once per input signature, or, when
+    it cannot run there (or is not given), its first input unchanged."""
+
+    def __init__(self, module: nn.Module | None = None) -> None:
+        super().__init__()
+        # Not registered as a submodule: no tensors of the stage, not moved by ``.to()``.
+        self.__dict__["_shell"] = module.to("meta") if module is not None else None
+        self.__dict__["_outputs"] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            shell = self.__dict__.get("_shell")
+            if shell is None:
+                raise
+            return getattr(shell, name)  # a model that reads, e.g., layers[0].self_attn
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return args[0] if args else next(iter(kwargs.values()))
+        first = args[0] if args else next(iter(kwargs.values()))
+        leaves = pytree.tree_leaves((args, kwargs))
+        key = tuple(
+            (x.shape, x.dtype) if isinstance(x, torch.Tensor) else _hashable(x) for x in leaves
+        )
+        if key not in self._outputs:
+            self._outputs[key] = self._on_meta(args, kwargs)
+        out = self._outputs[key]
+        if out is None:
+            return first
+        device = next(x.device for x in leaves if isinstance(x, torch.Tensor))
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device), out
+        )
+
+    def _on_meta(self, args: Any, kwargs: Any) -> Any:
+        if self._shell is None:
+            return None
+        meta = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().to("meta"), (args, kwargs))
+        try:
+            with torch.no_grad():
+                return self._shell(*meta[0], **meta[1])
+        except Exception:  # an op without a meta kernel, a data-dependent shape: pass through
+            return None
+
+
+def _hashable(value: Any) -> Any:
+    return value if isinstance(value, (bool, int, float, str, type(None))) else type(value)
+
+
+class _Leave(BaseException):
+    """Ends a stage's forward at the next stage's entry (not an ``Exception``, so that no
+    ``except Exception`` of the model's own code catches it)."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        super().__init__()
+        self.value = value
 
 
 class StageForward(nn.Module):
-    """One stage for ``PipelineStage``: the (cut) model's own forward on the received inputs,
-    reduced to one tensor by :func:`first_tensor`. A stage before the last (``last=False``)
-    hands on after it the inputs beyond the first (attention masks, position ids: integer or
-    bool tensors, as ``make_stage_plan`` requires), so that every stage's forward gets them."""
+    """One stage for ``PipelineStage``: the (cut) model's own forward, run from the stage's
+    ``entry`` module to the next stage's (``exit``).
 
-    def __init__(self, model: nn.Module, *, last: bool = True) -> None:
+    A stage after the first receives the activation, then the model's inputs it calls the model
+    with: all of them when the first is an integer or bool tensor (token ids:
+    ``hand_first``), else those beyond the first, the activation standing in for it. Before
+    ``entry`` the other stages' modules (:class:`PassThrough`) and the code between them run
+    only for what the forward computes on the side (masks, position ids, rotary embeddings); at
+    ``entry`` the activation is put in as that module's first input, with the RNG state the
+    stage began with. At ``exit`` the forward stops and that module's first input is the
+    stage's output, handed on with the model's inputs (those beyond the first must be integer or
+    bool tensors, as ``make_stage_plan`` requires). The last stage (``exit=None``) returns the
+    model's output, reduced to one tensor by :func:`first_tensor`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        entry: str | None = None,
+        exit: str | None = None,
+        hand_first: bool = False,
+    ) -> None:
         super().__init__()
         self.model = model
-        self.last = last
+        self.entry, self.exit, self.hand_first = entry, exit, hand_first
+        self._received: tuple[torch.Tensor, Callable[[], None]] | None = None
+        modules = dict(model.named_modules())
+        if entry is not None:
+            modules[entry].register_forward_pre_hook(self._enter, with_kwargs=True)
+        if exit is not None:
+            modules[exit].register_forward_pre_hook(self._leave, with_kwargs=True)
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        first, *rest = inputs
-        if first.is_leaf and first.requires_grad:
-            # A received activation (torch's stage makes it a leaf): a copy, so that the
-            # model may change it in place (an nn.ReLU(inplace=True) that begins the stage).
-            first = first.clone()
-        out = first_tensor(self.model(first, *rest))
+        model_inputs = inputs
+        if self.entry is not None:
+            received, *handed = inputs
+            if received.is_leaf and received.requires_grad:
+                # Torch's stage makes it a leaf: a copy, so that the model may change it in
+                # place (an nn.ReLU(inplace=True) that begins the stage).
+                received = received.clone()
+            self._received = (received, _rng_restorer(received.device))
+            # What runs before the entry may change its first input in place: not the received.
+            first = () if self.hand_first else (received.detach().clone(),)
+            model_inputs = (*first, *handed)
+        try:
+            out = first_tensor(self.model(*model_inputs))
+        except _Leave as leave:
+            out = leave.value
+        finally:
+            pending, self._received = self._received, None
+        if pending is not None:
+            raise ValueError(f"the stage's first module {self.entry!r} was not called")
         # The zero-bubble schedules detach a stage's output in place, which a view does not
         # allow (a Hugging Face causal LM's logits slice the hidden states a cut head passes).
         out = out.clone() if out._is_view() else out
-        return out if self.last or not rest else (out, *rest)
+        handed_on = model_inputs if self.hand_first else model_inputs[1:]
+        return out if self.exit is None or not handed_on else (out, *handed_on)
+
+    def _enter(self, _m: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        if self._received is None:
+            return None  # called again later in the forward
+        (value, restore_rng), self._received = self._received, None
+        restore_rng()  # what ran before drew nothing, as on the stage that ran it
+        if args:
+            return (value, *args[1:]), kwargs
+        return args, {**kwargs, next(iter(kwargs)): value}
+
+    def _leave(self, _m: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        raise _Leave(first_tensor(args[0] if args else next(iter(kwargs.values()))))
+
+
+def _rng_restorer(device: torch.device) -> Callable[[], None]:
+    """A function that puts back the RNG state of now (the CPU's, and ``device``'s if CUDA)."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore() -> None:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+
+    return restore
 
 
 @dataclass(frozen=True)
@@ -63,20 +173,12 @@ class Units:
     """A name per unit: the cut point it starts at (``"<prefix>"`` for what precedes the first)."""
     tensors: tuple[tuple[str, ...], ...]
     """The ``state_dict`` names each unit holds."""
-    companions: Mapping[str, str] = field(default_factory=dict)
-    """Modules without tensors that the forward applies along the chain, by name, each with a
-    tensor of the unit whose stage runs it (``chain.chain_companions``)."""
 
     def __len__(self) -> int:
         return len(self.names)
 
     def owned(self, unit_indices: Sequence[int]) -> set[str]:
         return {name for i in unit_indices for name in self.tensors[i]}
-
-    def placed(self) -> dict[str, str]:
-        """Each companion's name with its unit's."""
-        unit = {t: self.names[i] for i, names in enumerate(self.tensors) for t in names}
-        return {module: unit[tensor] for module, tensor in self.companions.items()}
 
 
 def _tensor_names(model: nn.Module) -> list[str]:
@@ -92,22 +194,23 @@ def _under(name: str, module_name: str) -> bool:
 
 
 def default_cut_points(model: nn.Module) -> list[str]:
-    """The entries of the model's longest ``nn.ModuleList`` (ties: the first in module order;
-    without one, its longest ``nn.Sequential``, the model itself included) that hold tensors,
-    and the first module after it that holds tensors (its suffix, e.g. final norm and head)."""
+    """The entries of the model's longest ``nn.ModuleList`` or ``nn.ModuleDict`` (ties: the
+    first in module order; without one, its longest ``nn.Sequential``, the model itself
+    included) that hold tensors, and the first module after it that holds tensors (its suffix,
+    e.g. final norm and head)."""
 
-    def of(kind: type[nn.Module]) -> list[tuple[str, nn.Module]]:
+    def of(*kinds: type[nn.Module]) -> list[tuple[str, nn.Module]]:
         return [
             (name, m)
             for name, m in model.named_modules()
-            if isinstance(m, kind) and any(_tensor_names(block) for block in m.children())
+            if isinstance(m, kinds) and any(_tensor_names(block) for block in m.children())
         ]
 
-    lists = of(nn.ModuleList) or of(nn.Sequential)
+    lists = of(nn.ModuleList, nn.ModuleDict) or of(nn.Sequential)
     if not lists:
         raise ValueError(
-            "the model has no nn.ModuleList or nn.Sequential of blocks to cut: give the job "
-            "cut_points"
+            "the model has no nn.ModuleList, nn.ModuleDict or nn.Sequential of blocks to cut: "
+            "give the job cut_points"
         )
     list_name, blocks = max(lists, key=lambda item: len(item[1]._modules))
     prefix = f"{list_name}." if list_name else ""
@@ -151,16 +254,21 @@ def _module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(module.state_dict(keep_vars=True).items())
 
 
-def strip_to_stage(
-    model: nn.Module, owned: set[str], companions: Mapping[str, str] | None = None
-) -> nn.Module:
-    """Replace, in place, every module holding only tensors not in ``owned`` by a
-    :class:`PassThrough`; returns ``model``. Containers (``ModuleList``, ``ModuleDict``) are
-    entered, never replaced, because the forward indexes or iterates them. A module without
-    tensors stays on every stage, unless ``companions`` (``Units.companions``) names the tensor
-    it goes with: then it stays where that tensor does. A module whose own tensors are split
-    between stages, or a tensor tied across stages, is a ``ValueError``."""
-    companions = companions or {}
+def _unit_of_tensor(model: nn.Module, units: Units) -> dict[int, int]:
+    """Each tensor's unit, by tensor id."""
+    owner = {n: i for i, names in enumerate(units.tensors) for n in names}
+    by_id: dict[int, int] = {}
+    for name, tensor in _module_tensors(model):
+        if name in owner:
+            by_id.setdefault(id(tensor), owner[name])
+    return by_id
+
+
+def strip_to_stage(model: nn.Module, units: Units, stage_units: Sequence[int]) -> nn.Module:
+    """Replace, in place, each module of the other stages' units (``unit_modules``) by a
+    :class:`PassThrough`; returns ``model``. Modules without tensors stay. A module whose own
+    tensors are split between stages, or a tensor tied across stages, is a ``ValueError``."""
+    owned = units.owned(stage_units)
     owned_ids = {id(t) for n, t in _module_tensors(model) if n in owned}
     foreign_ids = {id(t) for n, t in _module_tensors(model) if n not in owned}
     tied = [n for n, t in _module_tensors(model) if id(t) in owned_ids & foreign_ids]
@@ -169,19 +277,18 @@ def strip_to_stage(
             f"a tensor tied under the names {tied} is cut across stages: untie it (a Hugging "
             "Face config's tie_word_embeddings = false) or keep its modules on one stage"
         )
+    unit_of = _unit_of_tensor(model, units)
 
     def visit(module: nn.Module, where: str) -> None:
         for child_name, child in list(module.named_children()):
             path = f"{where}.{child_name}" if where else child_name
             ids = {id(t) for _, t in _module_tensors(child)}
-            if not ids:
-                if path in companions and companions[path] not in owned:
-                    setattr(module, child_name, PassThrough())
+            if not ids or ids <= owned_ids:
                 continue
-            if ids <= owned_ids:
-                continue
-            if ids <= foreign_ids and not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-                setattr(module, child_name, PassThrough())
+            one_unit = len({unit_of.get(i) for i in ids}) == 1
+            container = isinstance(child, (nn.ModuleList, nn.ModuleDict))
+            if ids <= foreign_ids and one_unit and not container:
+                setattr(module, child_name, PassThrough(child))
                 continue
             own = {id(t) for t in [*child.parameters(recurse=False), *child.buffers(recurse=False)]}
             if own & owned_ids and own & foreign_ids:
@@ -192,125 +299,20 @@ def strip_to_stage(
     return model
 
 
-def unit_modules(
-    model: nn.Module, units: Units, free: dict[str, nn.Module] | None = None
-) -> list[list[nn.Module]]:
-    """Per unit, the largest modules whose tensors all belong to it (what its time is); in
-    ``free``, if given, the largest modules without tensors outside those, by name."""
-    owner = {n: i for i, names in enumerate(units.tensors) for n in names}
-    by_id: dict[int, int] = {}
-    for name, tensor in _module_tensors(model):
-        if name in owner:
-            by_id.setdefault(id(tensor), owner[name])
-    out: list[list[nn.Module]] = [[] for _ in range(len(units))]
+def unit_modules(model: nn.Module, units: Units) -> list[dict[str, nn.Module]]:
+    """Per unit, by name, the largest modules whose tensors all belong to it: what its time is,
+    where a stage's section of the forward begins, what a :class:`PassThrough` stands in for."""
+    unit_of = _unit_of_tensor(model, units)
+    out: list[dict[str, nn.Module]] = [{} for _ in range(len(units))]
 
     def visit(module: nn.Module, where: str) -> None:
         for name, child in module.named_children():
             path = f"{where}.{name}" if where else name
-            unit_ids = {by_id[id(t)] for _, t in _module_tensors(child) if id(t) in by_id}
-            if not unit_ids:
-                if free is not None and not _module_tensors(child):
-                    free[path] = child
-            elif len(unit_ids) == 1 and not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-                out[unit_ids.pop()].append(child)
-            else:
+            unit_ids = {unit_of[id(t)] for _, t in _module_tensors(child) if id(t) in unit_of}
+            if len(unit_ids) == 1 and not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                out[unit_ids.pop()][path] = child
+            elif unit_ids:
                 visit(child, path)
 
     visit(model, "")
     return out
-
-
-class _UnitTimer:
-    """Module hooks that add each unit's forward and backward seconds and note its output size."""
-
-    def __init__(self, groups: list[list[nn.Module]], cuda: bool, backward: bool) -> None:
-        self.seconds = [0.0] * len(groups)
-        self.sizes = [0] * len(groups)
-        self.cuda = cuda
-        self._started: dict[int, float] = {}
-        self._handles: list[Any] = []
-        for u, modules in enumerate(groups):
-            for m in modules:
-                self._handles += [
-                    m.register_forward_pre_hook(lambda m, _a: self._start(m)),
-                    m.register_forward_hook(lambda m, _a, out, u=u: self._stop(m, u, out)),
-                ]
-                if backward:
-                    self._handles += [
-                        m.register_full_backward_pre_hook(lambda m, _g: self._start(m)),
-                        m.register_full_backward_hook(functools.partial(self._backward_done, u)),
-                    ]
-
-    def _now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def _start(self, module: nn.Module) -> None:
-        self._started[id(module)] = self._now()
-
-    def _stop(self, module: nn.Module, unit: int, out: Any = None) -> None:
-        started = self._started.pop(id(module), None)
-        if started is not None:
-            self.seconds[unit] += self._now() - started
-        if out is not None:
-            try:
-                t = first_tensor(out)
-                self.sizes[unit] = t.numel() * t.element_size()
-            except (ValueError, TypeError):
-                pass
-
-    def _backward_done(self, unit: int, module: nn.Module, _gi: Any, _go: Any) -> None:
-        self._stop(module, unit)
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-
-def profile_units(
-    model: nn.Module,
-    units: Units,
-    run: Callable[[], torch.Tensor],
-    *,
-    steps: int = 3,
-) -> tuple[list[float], list[int]]:
-    """Each unit's forward + backward seconds (median of ``steps`` passes after one warm-up) and
-    its output's bytes, measured by module hooks while ``run()`` (a forward returning a scalar
-    loss through the whole model) is back-propagated. Gradients are taken with
-    ``torch.autograd.grad``, so ``.grad`` fields stay untouched."""
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    try:
-        return _profile(model, units, run, steps, backward=True)
-    except RuntimeError as exc:
-        if "BackwardHookFunction" not in str(exc):
-            raise
-        why = str(exc).split(".")[0]
-    # An in-place op on a timed module's output (an nn.ReLU(inplace=True) after a Linear)
-    # refuses the backward hooks: the forward is timed, and the backward estimated as twice it.
-    log.warning("per-unit profile: forward only, backward estimated as 2x forward (%s)", why)
-    costs, sizes = _profile(model, units, run, steps, backward=False)
-    return [3.0 * c for c in costs], sizes
-
-
-def _profile(
-    model: nn.Module, units: Units, run: Callable[[], torch.Tensor], steps: int, backward: bool
-) -> tuple[list[float], list[int]]:
-    groups = unit_modules(model, units)
-    times: list[list[float]] = [[] for _ in groups]
-    timer = _UnitTimer(groups, any(p.is_cuda for p in model.parameters()), backward)
-    params = [p for p in model.parameters() if p.requires_grad]
-    try:
-        # A unit whose inputs need no gradient (the embedding) still times its backward.
-        with torch.enable_grad(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            for step in range(steps + 1):
-                timer.seconds = [0.0] * len(groups)
-                torch.autograd.grad(run(), params, allow_unused=True)
-                if step > 0:
-                    for u, seconds in enumerate(timer.seconds):
-                        times[u].append(seconds)
-    finally:
-        timer.close()
-    return [statistics.median(t) for t in times], timer.sizes

@@ -23,14 +23,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from site_agent.jobs.contract import federated_state, first_tensor
-from site_agent.pipeline.chain import chain_companions, check_stages_compose
-from site_agent.pipeline.cut import (
-    StageForward,
-    Units,
-    profile_units,
-    strip_to_stage,
-    units_of,
-)
+from site_agent.pipeline.chain import Cut, check_stages_compose, cut_stage, stage_entries
+from site_agent.pipeline.cut import StageForward, units_of
 from site_agent.pipeline.layout import (
     TORCH_SCHEDULES,
     PipelineLayout,
@@ -39,6 +33,7 @@ from site_agent.pipeline.layout import (
     stages_per_rank,
 )
 from site_agent.pipeline.partition import PartitionPlan, partition_layers
+from site_agent.pipeline.profile import profile_units
 
 log = logging.getLogger(__name__)
 
@@ -95,15 +90,14 @@ def split_batch(job: Any, batch: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """The cut every rank applies: the units and which of them each stage holds."""
+    """The cut every rank applies, and the partition it comes from."""
 
-    units: Units
+    cut: Cut
     partition: PartitionPlan
 
-    def strip(self, model: nn.Module, stage: int) -> nn.Module:
-        """``model`` cut, in place, to ``stage`` (``cut.strip_to_stage``)."""
-        units = self.units
-        return strip_to_stage(model, units.owned(self.partition.stages[stage]), units.companions)
+    def stage(self, model: nn.Module, index: int) -> StageForward:
+        """``model`` cut, in place, to stage ``index`` (``chain.cut_stage``)."""
+        return cut_stage(model, self.cut, index)
 
 
 def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePlan:
@@ -135,10 +129,12 @@ def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePl
     model.train()  # as the stages run: dropout on, BatchNorm on batch statistics
     try:
         with torch.random.fork_rng(devices=[]):
-            units = chain_companions(model, units, mb_inputs)
             costs, sizes = profile_units(model, units, run, steps=cfg.profile_steps)
             plan = partition_layers(costs, sizes, num_stages)
-            check_stages_compose(model, units, plan.stages, mb_inputs)
+            entries = stage_entries(model, units, plan.stages, mb_inputs)
+            hand_first = not (inputs[0].is_floating_point() or inputs[0].is_complex())
+            cut = Cut(units, plan.stages, entries, hand_first)
+            check_stages_compose(model, cut, mb_inputs)
     finally:
         model.load_state_dict(state)
         model.train(was_training)
@@ -147,11 +143,11 @@ def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePl
         f"replicas={cfg.num_replicas} schedule={cfg.schedule} microbatches={cfg.num_microbatches} "
         f"data_parallel={cfg.data_parallel if cfg.num_replicas > 1 else '-'} "
         f"units={list(units.names)} boundaries={list(plan.boundaries)} "
-        f"placed={units.placed()} "
+        f"entries={list(entries[1:])} hand_first={hand_first} "
         f"stage_times_s={[round(t, 6) for t in plan.stage_times]} "
         f"predicted_bottleneck_s={plan.bottleneck:.6f} lower_bound_s={plan.lower_bound:.6f}"
     )
-    return StagePlan(units=units, partition=plan)
+    return StagePlan(cut=cut, partition=plan)
 
 
 class RankPipeline:
@@ -188,27 +184,21 @@ class RankPipeline:
         model: nn.Module = job.model
         name_of = {id(p): n for n, p in model.named_parameters()}  # before the cut
         many = len(self.indices) > 1
-        self.modules = [
-            plan.strip(copy.deepcopy(model) if many else model, i).to(device) for i in self.indices
-        ]
+        forwards = [plan.stage(copy.deepcopy(model) if many else model, i) for i in self.indices]
+        self.modules = [forward.model.to(device) for forward in forwards]
         self.scheduler = getattr(job, "scheduler", None)
 
         # Each stage's replicas combine their gradients as ``data_parallel`` says (see _wrap).
         self.data_parallel = cfg.data_parallel if self.dp_group is not None else "allreduce"
         self.stages = stages = [
             PipelineStage(
-                _wrap(
-                    StageForward(module, last=index == self.num_stages - 1),
-                    self.data_parallel,
-                    self.dp_group,
-                    device,
-                ),
+                _wrap(forward, self.data_parallel, self.dp_group, device),
                 index,
                 self.num_stages,
                 device,
                 group=self.pp_group,
             )
-            for index, module in zip(self.indices, self.modules, strict=True)
+            for index, forward in zip(self.indices, forwards, strict=True)
         ]
         # After fully_shard, which replaces the parameters by sharded ones.
         self.optimizer = _keep_local_parameters(job.optimizer, name_of, self.modules)

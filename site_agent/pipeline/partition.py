@@ -1,7 +1,7 @@
 """Bottleneck-optimal split of a chain of layers (a model's units) into pipeline stages.
 
 Solved exactly by dynamic programming, O(p n^2) (Archer et al., ICML 2024). Pure Python: the
-costs come from ``cut.profile_units``.
+costs come from ``profile.profile_units``.
 """
 
 from __future__ import annotations
