@@ -7,11 +7,14 @@ per-unit profile. Trained by torch's schedules: ``test_pipeline_torch.py``.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from site_agent.jobs.contract import JobContext, JobError, check_pipeline_job
 from site_agent.pipeline.chain import Cut, check_stages_compose, cut_stage, stage_entries
@@ -394,7 +397,7 @@ class _Recurrent(nn.Module):
 
 class _Blocks(nn.Module):
     """Blocks in an nn.ModuleDict (as torchtitan's models hold them), the residual in the
-    model's own forward."""
+    model's own loop."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -417,9 +420,8 @@ class _Blocks(nn.Module):
         (_Recurrent(), [[0, 1], [2]], torch.randint(0, 30, (3, 7))),  # cut at rnn and head
         (TorchTransformer(), [[0, 1, 2], [3, 4, 5]], torch.randint(0, 30, (3, 7))),
         (TorchTransformer(), [[0, 1], [2, 3], [4], [5]], torch.randint(0, 30, (3, 7))),
-        (_Blocks(), [[0, 1, 2], [3, 4, 5]], torch.randn(3, 8)),
     ],
-    ids=["gru-tuple", "torch-transformer", "torch-transformer-4", "moduledict-residual"],
+    ids=["gru-tuple", "torch-transformer", "torch-transformer-4"],
 )
 def test_models_not_written_for_pipelines_compose(
     model: nn.Module, stages: list[list[int]], x: torch.Tensor
@@ -431,6 +433,17 @@ def test_models_not_written_for_pipelines_compose(
         whole = model(x)
     torch.testing.assert_close(run_stages(model, cut, x), whole)
     check_stages_compose(model, cut, (x,))
+
+
+def test_a_residual_in_the_models_own_loop_is_refused_by_its_gradient() -> None:
+    model = _Blocks()
+    x = torch.randn(3, 8)
+    cut = cut_of(model, [[0, 1, 2], [3, 4, 5]], x)
+    # The output matches (the stand-ins hand the activation through), its gradient does not: the
+    # residual's own use of the activation on stage 1 is not the one stage 0 sent.
+    torch.testing.assert_close(run_stages(model, cut, x), model(x))
+    with pytest.raises(ValueError, match="gradient of 'inp.bias'.*residual h . layer.h. in the"):
+        check_stages_compose(model, cut, (x,))
 
 
 def test_the_default_cut_takes_a_module_dict_of_blocks() -> None:
@@ -464,3 +477,161 @@ def test_modules_called_out_of_state_dict_order_are_refused_by_name() -> None:
     assert units.names == ("<prefix>", "blocks.0", "blocks.1", "blocks.2")
     with pytest.raises(ValueError, match="module 'norm' runs after 'blocks.1', which begins"):
         stage_entries(model, units, [[0, 1], [2, 3]], (torch.randn(2, 8),))
+
+
+def test_a_stage_hands_on_contiguous_tensors() -> None:
+    model = TorchTransformer().eval()
+    ids = torch.randint(0, 30, (3, 8))[:, :-1]  # a slice of a batch, as a job's split gives
+    assert not ids.is_contiguous()
+    cut = cut_of(model, [[0, 1, 2], [3, 4, 5]], ids)
+    with torch.no_grad():
+        out, handed = cut_stage(copy.deepcopy(model), cut, 0)(ids)
+    assert out.is_contiguous() and handed.is_contiguous()  # gloo and NCCL send only these
+    torch.testing.assert_close(handed, ids, rtol=0, atol=0)
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(self.norm(x)))
+
+
+class _Checkpointed(nn.Module):
+    """Activation checkpointing around each block's call: the recompute calls the block again
+    in the backward, with what the forward gave it."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.blocks = nn.ModuleList([_Residual() for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_around_a_stages_first_module_is_refused(reentrant: bool) -> None:
+    model = _Checkpointed(reentrant)
+    x = torch.randn(4, 8, requires_grad=reentrant)  # the reentrant form needs an input to grad
+    cut = cut_of(model, [[0, 1], [2, 3]], x)
+    # Non-reentrant: the recompute calls the entry again; reentrant: no gradient reaches it.
+    refusal = "'blocks.2' runs again in the backward|stage 1 of this cut sends no gradient back"
+    with pytest.raises(ValueError, match=refusal):
+        check_stages_compose(model, cut, (x,))
+
+
+class _RootPosition(nn.Module):
+    """A parameter held by the model itself (as a ViT's position embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(5, 8))
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.pos
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_parameter_on_the_model_itself_stays_with_its_unit() -> None:
+    model = _RootPosition()
+    x = torch.randn(2, 5, 8)
+    cut = cut_of(model, [[0, 1], [2, 3]], x)
+    assert cut.units.tensors[0] == ("pos",)
+    check_stages_compose(model, cut, (x,))
+    stage = cut_stage(copy.deepcopy(model), cut, 1)
+    assert set(stage.model.state_dict()) == cut.units.owned([2, 3])  # zeros stand in for pos
+    assert "pos" not in dict(stage.model.named_parameters())
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("freq", torch.arange(8.0) / 8, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.freq.cos()
+
+
+class _Scaled(nn.Module):
+    def __init__(self, scale: nn.Module) -> None:
+        super().__init__()
+        self.lin, self.scale = nn.Linear(8, 8), scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale(self.lin(x))
+
+
+def test_a_module_shared_by_every_block_is_left_where_the_stage_holds_it() -> None:
+    shared = _Scale()  # no state_dict tensors: in every block, on every stage
+    model = nn.Sequential(*[_Scaled(shared) for _ in range(4)])
+    x = torch.randn(4, 8)
+    cut = cut_of(model, [[0, 1], [2, 3]], x)
+    check_stages_compose(model, cut, (x,))
+    stage = cut_stage(copy.deepcopy(model), cut, 1)
+    assert stage.model[3].scale.freq.device.type == "cpu"  # not moved with a stand-in
+
+
+def test_a_tie_within_one_stage_is_kept() -> None:
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    model[3].weight = model[2].weight
+    x = torch.randn(4, 8)
+    cut = cut_of(model, [[0, 1], [2, 3]], x)
+    check_stages_compose(model, cut, (x,))
+    with pytest.raises(ValueError, match="tied under the names"):
+        strip_to_stage(copy.deepcopy(model), cut.units, [0, 1, 2])
+
+
+def test_a_stand_in_tells_calls_apart_by_keyword_and_takes_no_tensor_calls() -> None:
+    class Heads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 5)
+
+        def forward(self, x: torch.Tensor, **flags: torch.Tensor) -> torch.Tensor:
+            return self.a(x) if "task_a" in flags else self.b(x)
+
+    stand_in, x, flag = PassThrough(Heads()), torch.randn(2, 4), torch.ones(1)
+    assert stand_in(x, task_a=flag).shape == (2, 3)
+    assert stand_in(x, task_b=flag).shape == (2, 5)
+
+    class Table(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows = nn.Parameter(torch.randn(5, 3))
+
+        def forward(self, n: int) -> torch.Tensor:
+            return self.rows[:n]
+
+    assert PassThrough(Table())(4) == 4  # no tensor to place zeros by: its first input
+
+
+def test_a_stage_is_freed_without_the_garbage_collector() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    cut = cut_of(model, [[0], [1]], torch.randn(2, 8))
+    stage = cut_stage(copy.deepcopy(model), cut, 1)
+    weight = weakref.ref(stage.model[1].weight)
+    gc.disable()
+    try:
+        del stage  # its hooks hold no reference back to it
+        assert weight() is None
+    finally:
+        gc.enable()
+
+
+def test_a_head_tied_to_the_embedding_is_refused_by_name() -> None:
+    from site_agent.jobs.hf import make_job as make_hf
+
+    options = {**HF_OPTIONS, "config": {"num_hidden_layers": 3, "tie_word_embeddings": True}}
+    job = make_hf(JobContext(site_id="t", seed=3, device=torch.device("cpu"), options=options))
+    cfg = PipelineConfig(num_stages=2, num_microbatches=2, profile_steps=1)
+    tied = r"tied under the names \['model.embed_tokens.weight', 'lm_head.weight'\]"
+    with pytest.raises(ValueError, match=tied + ".*tie_word_embeddings = false"):
+        make_stage_plan(job, next(iter(job.batches())), cfg)

@@ -48,8 +48,8 @@ class RegressionJob:
         x, y = batch
         return self.output_loss(model(x), y)
 
-    # With these two a site may pipeline the job (site.stages = 2: the first Linear on one
-    # rank, the Tanh and the last Linear on the other).
+    # With these two a site may pipeline the job (site.stages = 2: the first Linear and the
+    # Tanh on one rank, the last Linear on the other).
     def split(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return batch
 

@@ -5,6 +5,7 @@ cut from the model; and the check that a cut's stages compose to the model (docs
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -100,48 +101,94 @@ def cut_stage(model: nn.Module, cut: Cut, index: int) -> StageForward:
 
 
 def check_stages_compose(model: nn.Module, cut: Cut, inputs: tuple[torch.Tensor, ...]) -> None:
-    """Refuse a cut whose stages, run one after the other on ``inputs``, do not compute the
-    model's own output. Compared as ``torch.testing.assert_close`` does for the dtype (the same
-    kernels run in both: a float-order tolerance). Runs on copies, from the same RNG state, each
-    later stage's activation a leaf that needs a gradient (as torch's stage receives it), and
-    back-propagates each stage (a failing forward or backward is refused by name too);
-    ``model`` is left as it was, but for the statistics a training-mode forward updates
-    (callers put its state back)."""
+    """Refuse a cut whose stages, run one after the other on ``inputs`` and back-propagated from
+    the last to the first as torch's schedules do, do not compute the model's own output and
+    parameter gradients. The output is compared as ``torch.testing.assert_close`` does for the
+    dtype, each gradient by its norm-wise relative error, at most the square root of the dtype's
+    epsilon (the same kernels run in both, in another summation order: 5e-7 was seen for
+    float32, against 3.5e-4 allowed; a lost gradient path is an error of order one). Runs on
+    copies, from the same RNG state, each later stage's activation a leaf that needs a gradient
+    (as torch's stage receives it); a failing forward or backward is refused by name too. ``model`` is left as it was, but for the
+    statistics a training-mode forward updates (callers put its state back)."""
     cuda = _cuda_devices(model)
-    with torch.no_grad(), torch.random.fork_rng(devices=cuda):  # put back: the stages draw alike
-        whole = first_tensor(StageForward(model)(*inputs))
+    whole_model = copy.deepcopy(model)
+    with torch.enable_grad(), torch.random.fork_rng(devices=cuda):  # the stages draw alike
+        whole = first_tensor(StageForward(whole_model)(*inputs))
+        if whole.requires_grad:
+            whole.backward(torch.ones_like(whole))  # type: ignore[no-untyped-call]
     with torch.enable_grad(), torch.random.fork_rng(devices=cuda):
-        out = _run_stages(model, cut, inputs)
+        out, grads = _run_stages(model, cut, inputs)
+    expected = _grads(whole_model)
+    del whole_model
     try:
-        torch.testing.assert_close(out.detach(), whole)
+        torch.testing.assert_close(out.detach(), whole.detach())
     except AssertionError as e:
         raise ValueError(
             "the stages of this cut do not compute the model's output "
             f"({str(e).splitlines()[-1].strip()}): {_HOW}"
         ) from None
+    for name in sorted(set(grads) | set(expected)):
+        got, want = grads.get(name), expected.get(name)
+        error = _relative_error(got, want)
+        if error > torch.finfo(want.dtype if want is not None else torch.float32).eps ** 0.5:
+            raise ValueError(
+                f"the stages of this cut do not compute the model's gradient of {name!r} "
+                f"(relative error {error:.3g}): a later stage takes the activation "
+                "only where its first module does, so a forward that uses it elsewhere too (a "
+                "residual h + layer(h) in the model's own loop rather than inside the block) "
+                "loses the gradient through that use; keep such code inside the blocks"
+            )
 
 
-def _run_stages(model: nn.Module, cut: Cut, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The stages' forwards one after the other, each back-propagated, each later stage's
-    activation a leaf that needs a gradient, as torch's stage receives it (an in-place change
-    of it fails here as in training); the last stage's output."""
-    out = inputs
+def _relative_error(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
+    """``|got - want| / |want|`` in Frobenius norms, a missing gradient counted as zeros
+    (``inf`` where only ``want`` is zero)."""
+    if got is None or want is None:
+        present = got if want is None else want
+        return 0.0 if present is None or not present.any() else math.inf
+    diff, scale = float((got - want).norm()), float(want.norm())
+    return diff / scale if scale else (math.inf if diff else 0.0)
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _run_stages(
+    model: nn.Module, cut: Cut, inputs: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The stages' forwards one after the other, each later stage's activation a leaf that
+    needs a gradient, as torch's stage receives it (an in-place change of it fails here as in
+    training), then their backwards from the last to the first, each from the gradient of the
+    activation the next one received; the last stage's output and every parameter's gradient."""
+    out: tuple[torch.Tensor, ...] = inputs
+    runs: list[tuple[StageForward, torch.Tensor, torch.Tensor]] = []
     for k in range(len(cut.stages)):
-        if k:
-            out = (out[0].detach().requires_grad_(), *out[1:])
         stage = cut_stage(copy.deepcopy(model), cut, k)
         try:
+            if k:
+                out = (out[0].detach().requires_grad_(), *out[1:])
             handed = stage(*out)
-            out = handed if isinstance(handed, tuple) else (handed,)
         except Exception as e:  # any error of the job's own forward, named
             raise ValueError(
                 f"stage {k} of this cut fails on the tensor the stage before hands it "
                 f"({type(e).__name__}: {e}): {_HOW}"
             ) from e
-        try:  # and its backward, as the stage will run it
-            if out[0].requires_grad:
-                out[0].backward(torch.ones_like(out[0]))  # type: ignore[no-untyped-call]
-        except RuntimeError as e:
+        received, out = out[0], handed if isinstance(handed, tuple) else (handed,)
+        runs.append((stage, received, out[0]))
+    upstream: torch.Tensor | None = None
+    for k in reversed(range(len(runs))):
+        stage, received, produced = runs[k]
+        try:
+            if produced.requires_grad:
+                produced.backward(  # type: ignore[no-untyped-call]
+                    torch.ones_like(produced) if upstream is None else upstream
+                )
+        except Exception as e:
             raise ValueError(f"stage {k} of this cut fails in its backward ({e})") from e
-        del stage
-    return out[0]
+        if k:
+            upstream = received.grad
+            if upstream is None:
+                raise ValueError(f"stage {k} of this cut sends no gradient back to stage {k - 1}")
+    grads = {n: g for stage, _, _ in runs for n, g in _grads(stage.model).items()}
+    return runs[-1][2], grads

@@ -8,7 +8,8 @@ and the stage as ``PipelineStage`` takes it (:class:`StageForward`: its section 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import copy
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,15 +21,16 @@ from site_agent.jobs.contract import first_tensor
 
 
 class PassThrough(nn.Module):
-    """Stands in, on one stage, for a module another stage holds (``module``, kept on the meta
-    device: no memory, its attributes still readable). Called, it returns zeros shaped as that
-    module's output, found by running it on the meta device once per input signature, or, when
-    it cannot run there (or is not given), its first input unchanged."""
+    """Stands in, on one stage, for a module another stage holds (``module``, copied to the meta
+    device: no memory, its attributes still readable; the module itself is left as it is).
+    Called, it returns zeros shaped as that module's output, found by running the copy on the
+    meta device once per input signature, or, when it cannot run there (or is not given), its
+    first input unchanged."""
 
     def __init__(self, module: nn.Module | None = None) -> None:
         super().__init__()
         # Not registered as a submodule: no tensors of the stage, not moved by ``.to()``.
-        self.__dict__["_shell"] = module.to("meta") if module is not None else None
+        self.__dict__["_shell"] = _meta_copy(module) if module is not None else None
         self.__dict__["_outputs"] = {}
 
     def __getattr__(self, name: str) -> Any:
@@ -40,18 +42,22 @@ class PassThrough(nn.Module):
                 raise
             return getattr(shell, name)  # a model that reads, e.g., layers[0].self_attn
 
+    def train(self, mode: bool = True) -> PassThrough:
+        if self._shell is not None:
+            self._shell.train(mode)
+        return super().train(mode)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         first = args[0] if args else next(iter(kwargs.values()))
-        leaves = pytree.tree_leaves((args, kwargs))
-        key = tuple(
-            (x.shape, x.dtype) if isinstance(x, torch.Tensor) else _hashable(x) for x in leaves
-        )
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        key = (self.training, repr(spec), *(_signature(x) for x in leaves))
         if key not in self._outputs:
             self._outputs[key] = self._on_meta(args, kwargs)
         out = self._outputs[key]
-        if out is None:
+        if out is None or not tensors:
             return first
-        device = next(x.device for x in leaves if isinstance(x, torch.Tensor))
+        device = tensors[0].device
         return pytree.tree_map_only(
             torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device), out
         )
@@ -67,8 +73,24 @@ class PassThrough(nn.Module):
             return None
 
 
-def _hashable(value: Any) -> Any:
-    return value if isinstance(value, (bool, int, float, str, type(None))) else type(value)
+def _meta_copy(module: nn.Module) -> nn.Module | None:
+    """A copy of ``module`` with its tensors on the meta device (``None`` if it cannot be
+    made), sharing nothing with it."""
+    memo: dict[int, Any] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        meta = t.detach().to("meta")
+        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    try:
+        return copy.deepcopy(module, memo)
+    except Exception:  # a module that cannot be copied: passes its first input through
+        return None
+
+
+def _signature(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.shape, value.dtype
+    plain = (bool, int, float, str, type(None), torch.dtype, torch.device)
+    return value if isinstance(value, plain) else type(value)
 
 
 class _Leave(BaseException):
@@ -80,6 +102,33 @@ class _Leave(BaseException):
         self.value = value
 
 
+class _Section:
+    """The hooks that bound a stage's section of the forward, and what they hand each other.
+    Apart from the stage (which holds it), so that the model's hooks hold no reference to it."""
+
+    def __init__(self, entry: str | None) -> None:
+        self.entry = entry
+        self.received: tuple[torch.Tensor, Callable[[], None]] | None = None
+
+    def enter(self, _m: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        if torch._C._current_graph_task_id() != -1:
+            raise ValueError(
+                f"the stage's first module {self.entry!r} runs again in the backward (activation "
+                "checkpointing around its call): checkpoint inside its forward instead"
+            )
+        if self.received is None:
+            return None  # called again later in the forward
+        (value, restore_rng), self.received = self.received, None
+        restore_rng()  # what ran before drew nothing, as on the stage that ran it
+        if args:
+            return (value, *args[1:]), kwargs
+        return args, {**kwargs, next(iter(kwargs)): value}
+
+    @staticmethod
+    def leave(_m: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        raise _Leave(first_tensor(args[0] if args else next(iter(kwargs.values()))))
+
+
 class StageForward(nn.Module):
     """One stage for ``PipelineStage``: the (cut) model's own forward, run from the stage's
     ``entry`` module to the next stage's (``exit``).
@@ -89,11 +138,12 @@ class StageForward(nn.Module):
     ``hand_first``), else those beyond the first, the activation standing in for it. Before
     ``entry`` the other stages' modules (:class:`PassThrough`) and the code between them run
     only for what the forward computes on the side (masks, position ids, rotary embeddings); at
-    ``entry`` the activation is put in as that module's first input, with the RNG state the
-    stage began with. At ``exit`` the forward stops and that module's first input is the
-    stage's output, handed on with the model's inputs (those beyond the first must be integer or
-    bool tensors, as ``make_stage_plan`` requires). The last stage (``exit=None``) returns the
-    model's output, reduced to one tensor by :func:`first_tensor`."""
+    ``entry`` the activation is put in as that module's first input (its first positional
+    argument, else its first keyword argument), with the RNG state the stage began with. At
+    ``exit`` the forward stops and that module's first input is the stage's output, handed on
+    with the model's inputs (those beyond the first must be integer or bool tensors, as
+    ``make_stage_plan`` requires). The last stage (``exit=None``) returns the model's output,
+    reduced to one tensor by :func:`first_tensor`."""
 
     def __init__(
         self,
@@ -106,22 +156,22 @@ class StageForward(nn.Module):
         super().__init__()
         self.model = model
         self.entry, self.exit, self.hand_first = entry, exit, hand_first
-        self._received: tuple[torch.Tensor, Callable[[], None]] | None = None
+        self._section = _Section(entry)
         modules = dict(model.named_modules())
         if entry is not None:
-            modules[entry].register_forward_pre_hook(self._enter, with_kwargs=True)
+            modules[entry].register_forward_pre_hook(self._section.enter, with_kwargs=True)
         if exit is not None:
-            modules[exit].register_forward_pre_hook(self._leave, with_kwargs=True)
+            modules[exit].register_forward_pre_hook(_Section.leave, with_kwargs=True)
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        model_inputs = inputs
+        model_inputs, section = inputs, self._section
         if self.entry is not None:
             received, *handed = inputs
             if received.is_leaf and received.requires_grad:
                 # Torch's stage makes it a leaf: a copy, so that the model may change it in
                 # place (an nn.ReLU(inplace=True) that begins the stage).
                 received = received.clone()
-            self._received = (received, _rng_restorer(received.device))
+            section.received = (received, _rng_restorer(received.device))
             # What runs before the entry may change its first input in place: not the received.
             first = () if self.hand_first else (received.detach().clone(),)
             model_inputs = (*first, *handed)
@@ -130,26 +180,18 @@ class StageForward(nn.Module):
         except _Leave as leave:
             out = leave.value
         finally:
-            pending, self._received = self._received, None
+            pending, section.received = section.received, None
         if pending is not None:
             raise ValueError(f"the stage's first module {self.entry!r} was not called")
         # The zero-bubble schedules detach a stage's output in place, which a view does not
-        # allow (a Hugging Face causal LM's logits slice the hidden states a cut head passes).
-        out = out.clone() if out._is_view() else out
+        # allow (a Hugging Face causal LM's logits slice the hidden states a cut head passes);
+        # and what a stage sends must be contiguous (a batch's ``ids[:, :-1]`` is not).
+        if out._is_view() or not out.is_contiguous():
+            out = out.clone(memory_format=torch.contiguous_format)
+        if self.exit is None:
+            return out
         handed_on = model_inputs if self.hand_first else model_inputs[1:]
-        return out if self.exit is None or not handed_on else (out, *handed_on)
-
-    def _enter(self, _m: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
-        if self._received is None:
-            return None  # called again later in the forward
-        (value, restore_rng), self._received = self._received, None
-        restore_rng()  # what ran before drew nothing, as on the stage that ran it
-        if args:
-            return (value, *args[1:]), kwargs
-        return args, {**kwargs, next(iter(kwargs)): value}
-
-    def _leave(self, _m: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        raise _Leave(first_tensor(args[0] if args else next(iter(kwargs.values()))))
+        return (out, *(x.contiguous() for x in handed_on)) if handed_on else out
 
 
 def _rng_restorer(device: torch.device) -> Callable[[], None]:
@@ -177,7 +219,7 @@ class Units:
     def __len__(self) -> int:
         return len(self.names)
 
-    def owned(self, unit_indices: Sequence[int]) -> set[str]:
+    def owned(self, unit_indices: Iterable[int]) -> set[str]:
         return {name for i in unit_indices for name in self.tensors[i]}
 
 
@@ -254,46 +296,63 @@ def _module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(module.state_dict(keep_vars=True).items())
 
 
-def _unit_of_tensor(model: nn.Module, units: Units) -> dict[int, int]:
-    """Each tensor's unit, by tensor id."""
-    owner = {n: i for i, names in enumerate(units.tensors) for n in names}
-    by_id: dict[int, int] = {}
-    for name, tensor in _module_tensors(model):
-        if name in owner:
-            by_id.setdefault(id(tensor), owner[name])
-    return by_id
+def _unit_of_name(model: nn.Module, units: Units) -> dict[str, int]:
+    """Each ``state_dict`` name's unit; a second name of a tied tensor (in no unit) goes with
+    the other tensors of its module, or, without any, with the name before it."""
+    unit = {n: i for i, names in enumerate(units.tensors) for n in names}
+    full = [n for n, _ in _module_tensors(model)]
+    of_module: dict[str, int] = {}
+    for n in full:
+        if n in unit:
+            of_module.setdefault(n.rpartition(".")[0], unit[n])
+    out, last = {}, 0
+    for n in full:
+        last = unit.get(n, last)
+        out[n] = unit[n] if n in unit else of_module.get(n.rpartition(".")[0], last)
+    return out
+
+
+def _units_under(module: nn.Module, path: str, unit_of_name: dict[str, int]) -> set[int]:
+    return {unit_of_name[f"{path}.{n}"] for n, _ in _module_tensors(module)}
 
 
 def strip_to_stage(model: nn.Module, units: Units, stage_units: Sequence[int]) -> nn.Module:
     """Replace, in place, each module of the other stages' units (``unit_modules``) by a
-    :class:`PassThrough`; returns ``model``. Modules without tensors stay. A module whose own
+    :class:`PassThrough`, and each of their tensors held directly by a module the stage enters
+    (a ViT's position embedding on the model itself) by zeros that are no parameter and not in
+    the ``state_dict``; returns ``model``. Modules without tensors stay. A module whose own
     tensors are split between stages, or a tensor tied across stages, is a ``ValueError``."""
-    owned = units.owned(stage_units)
-    owned_ids = {id(t) for n, t in _module_tensors(model) if n in owned}
-    foreign_ids = {id(t) for n, t in _module_tensors(model) if n not in owned}
-    tied = [n for n, t in _module_tensors(model) if id(t) in owned_ids & foreign_ids]
+    mine, unit_of_name = set(stage_units), _unit_of_name(model, units)
+    names = _module_tensors(model)
+    owned_ids = {id(t) for n, t in names if unit_of_name[n] in mine}
+    foreign_ids = {id(t) for n, t in names if unit_of_name[n] not in mine}
+    tied = [n for n, t in names if id(t) in owned_ids & foreign_ids]
     if tied:
         raise ValueError(
             f"a tensor tied under the names {tied} is cut across stages: untie it (a Hugging "
             "Face config's tie_word_embeddings = false) or keep its modules on one stage"
         )
-    unit_of = _unit_of_tensor(model, units)
 
     def visit(module: nn.Module, where: str) -> None:
+        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        own_ids = {id(t) for _, t in own}
+        if own_ids & owned_ids and own_ids & foreign_ids:
+            raise ValueError(f"module {where!r} is split between stages: cut at modules")
+        for name, t in own:
+            if id(t) in foreign_ids:
+                delattr(module, name)
+                module.register_buffer(name, torch.zeros_like(t.detach()), persistent=False)
         for child_name, child in list(module.named_children()):
             path = f"{where}.{child_name}" if where else child_name
             ids = {id(t) for _, t in _module_tensors(child)}
-            if not ids or ids <= owned_ids:
+            if ids.isdisjoint(foreign_ids):
                 continue
-            one_unit = len({unit_of.get(i) for i in ids}) == 1
+            one_unit = len(_units_under(child, path, unit_of_name)) == 1
             container = isinstance(child, (nn.ModuleList, nn.ModuleDict))
             if ids <= foreign_ids and one_unit and not container:
                 setattr(module, child_name, PassThrough(child))
-                continue
-            own = {id(t) for t in [*child.parameters(recurse=False), *child.buffers(recurse=False)]}
-            if own & owned_ids and own & foreign_ids:
-                raise ValueError(f"module {path!r} is split between stages: cut at modules")
-            visit(child, path)
+            else:
+                visit(child, path)
 
     visit(model, "")
     return model
@@ -302,13 +361,13 @@ def strip_to_stage(model: nn.Module, units: Units, stage_units: Sequence[int]) -
 def unit_modules(model: nn.Module, units: Units) -> list[dict[str, nn.Module]]:
     """Per unit, by name, the largest modules whose tensors all belong to it: what its time is,
     where a stage's section of the forward begins, what a :class:`PassThrough` stands in for."""
-    unit_of = _unit_of_tensor(model, units)
+    unit_of_name = _unit_of_name(model, units)
     out: list[dict[str, nn.Module]] = [{} for _ in range(len(units))]
 
     def visit(module: nn.Module, where: str) -> None:
         for name, child in module.named_children():
             path = f"{where}.{name}" if where else name
-            unit_ids = {unit_of[id(t)] for _, t in _module_tensors(child) if id(t) in unit_of}
+            unit_ids = _units_under(child, path, unit_of_name)
             if len(unit_ids) == 1 and not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
                 out[unit_ids.pop()][path] = child
             elif unit_ids:
