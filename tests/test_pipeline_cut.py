@@ -32,10 +32,7 @@ def cut_of(
 ) -> Cut:
     """``model``'s units (at ``points``, or the default) cut into ``stages``, entries traced on
     ``inputs``."""
-    units = units_of(model, points)
-    groups = tuple(tuple(s) for s in stages)
-    hand_first = not inputs[0].is_floating_point()
-    return Cut(units, groups, stage_entries(model, units, groups, inputs), hand_first)
+    return Cut.traced(model, units_of(model, points), stages, inputs)
 
 
 def run_stages(model: nn.Module, cut: Cut, *inputs: torch.Tensor) -> torch.Tensor:

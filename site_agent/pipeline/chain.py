@@ -31,6 +31,21 @@ class Cut:
     entries: Entries
     hand_first: bool
 
+    @classmethod
+    def traced(
+        cls,
+        model: nn.Module,
+        units: Units,
+        stages: Sequence[Sequence[int]],
+        inputs: tuple[torch.Tensor, ...],
+    ) -> Cut:
+        """``units`` cut into ``stages``, the entries traced on ``inputs`` (``stage_entries``);
+        the first input travels with the activations unless it is floating point."""
+        groups = tuple(tuple(s) for s in stages)
+        first = inputs[0]
+        hand_first = not (first.is_floating_point() or first.is_complex())
+        return cls(units, groups, stage_entries(model, units, groups, inputs), hand_first)
+
 
 _HOW = (
     "stage k runs the model's forward on the activation it receives, which is put in at the "
@@ -108,8 +123,9 @@ def check_stages_compose(model: nn.Module, cut: Cut, inputs: tuple[torch.Tensor,
     epsilon (the same kernels run in both, in another summation order: 5e-7 was seen for
     float32, against 3.5e-4 allowed; a lost gradient path is an error of order one). Runs on
     copies, from the same RNG state, each later stage's activation a leaf that needs a gradient
-    (as torch's stage receives it); a failing forward or backward is refused by name too. ``model`` is left as it was, but for the
-    statistics a training-mode forward updates (callers put its state back)."""
+    (as torch's stage receives it); a failing forward or backward is refused by name too.
+    ``model`` is left as it was, but for the statistics a training-mode forward updates (callers
+    put its state back)."""
     cuda = _cuda_devices(model)
     whole_model = copy.deepcopy(model)
     with torch.enable_grad(), torch.random.fork_rng(devices=cuda):  # the stages draw alike

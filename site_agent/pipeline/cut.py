@@ -51,7 +51,7 @@ class PassThrough(nn.Module):
         first = args[0] if args else next(iter(kwargs.values()))
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        key = (self.training, repr(spec), *(_signature(x) for x in leaves))
+        key = (self.training, spec, *(_signature(x) for x in leaves))
         if key not in self._outputs:
             self._outputs[key] = self._on_meta(args, kwargs)
         out = self._outputs[key]
@@ -312,8 +312,11 @@ def _unit_of_name(model: nn.Module, units: Units) -> dict[str, int]:
     return out
 
 
-def _units_under(module: nn.Module, path: str, unit_of_name: dict[str, int]) -> set[int]:
-    return {unit_of_name[f"{path}.{n}"] for n, _ in _module_tensors(module)}
+def _units_under(
+    tensors: list[tuple[str, torch.Tensor]], path: str, unit_of_name: dict[str, int]
+) -> set[int]:
+    """The units of a module's ``tensors`` (``_module_tensors``; the module at ``path``)."""
+    return {unit_of_name[f"{path}.{n}"] for n, _ in tensors}
 
 
 def strip_to_stage(model: nn.Module, units: Units, stage_units: Sequence[int]) -> nn.Module:
@@ -344,10 +347,11 @@ def strip_to_stage(model: nn.Module, units: Units, stage_units: Sequence[int]) -
                 module.register_buffer(name, torch.zeros_like(t.detach()), persistent=False)
         for child_name, child in list(module.named_children()):
             path = f"{where}.{child_name}" if where else child_name
-            ids = {id(t) for _, t in _module_tensors(child)}
+            tensors = _module_tensors(child)
+            ids = {id(t) for _, t in tensors}
             if ids.isdisjoint(foreign_ids):
                 continue
-            one_unit = len(_units_under(child, path, unit_of_name)) == 1
+            one_unit = len(_units_under(tensors, path, unit_of_name)) == 1
             container = isinstance(child, (nn.ModuleList, nn.ModuleDict))
             if ids <= foreign_ids and one_unit and not container:
                 setattr(module, child_name, PassThrough(child))
@@ -367,7 +371,7 @@ def unit_modules(model: nn.Module, units: Units) -> list[dict[str, nn.Module]]:
     def visit(module: nn.Module, where: str) -> None:
         for name, child in module.named_children():
             path = f"{where}.{name}" if where else name
-            unit_ids = _units_under(child, path, unit_of_name)
+            unit_ids = _units_under(_module_tensors(child), path, unit_of_name)
             if len(unit_ids) == 1 and not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
                 out[unit_ids.pop()][path] = child
             elif unit_ids:

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from site_agent.jobs.contract import federated_state, first_tensor
-from site_agent.pipeline.chain import Cut, check_stages_compose, cut_stage, stage_entries
+from site_agent.pipeline.chain import Cut, check_stages_compose, cut_stage
 from site_agent.pipeline.cut import StageForward, units_of
 from site_agent.pipeline.layout import (
     TORCH_SCHEDULES,
@@ -131,9 +131,7 @@ def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePl
         with torch.random.fork_rng(devices=[]):
             costs, sizes = profile_units(model, units, run, steps=cfg.profile_steps)
             plan = partition_layers(costs, sizes, num_stages)
-            entries = stage_entries(model, units, plan.stages, mb_inputs)
-            hand_first = not (inputs[0].is_floating_point() or inputs[0].is_complex())
-            cut = Cut(units, plan.stages, entries, hand_first)
+            cut = Cut.traced(model, units, plan.stages, mb_inputs)
             check_stages_compose(model, cut, mb_inputs)
     finally:
         model.load_state_dict(state)
@@ -143,7 +141,7 @@ def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePl
         f"replicas={cfg.num_replicas} schedule={cfg.schedule} microbatches={cfg.num_microbatches} "
         f"data_parallel={cfg.data_parallel if cfg.num_replicas > 1 else '-'} "
         f"units={list(units.names)} boundaries={list(plan.boundaries)} "
-        f"entries={list(entries[1:])} hand_first={hand_first} "
+        f"entries={list(cut.entries[1:])} hand_first={cut.hand_first} "
         f"stage_times_s={[round(t, 6) for t in plan.stage_times]} "
         f"predicted_bottleneck_s={plan.bottleneck:.6f} lower_bound_s={plan.lower_bound:.6f}"
     )
