@@ -632,3 +632,17 @@ def test_a_head_tied_to_the_embedding_is_refused_by_name() -> None:
     tied = r"tied under the names \['model.embed_tokens.weight', 'lm_head.weight'\]"
     with pytest.raises(ValueError, match=tied + ".*tie_word_embeddings = false"):
         make_stage_plan(job, next(iter(job.batches())), cfg)
+
+
+def test_a_torch_too_old_to_hand_on_integer_inputs_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch.torch_version import TorchVersion
+
+    job = make_job("bytegpt")
+    cfg = PipelineConfig(num_stages=2, num_microbatches=2, profile_steps=1)
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.12.0"))
+    with pytest.raises(ValueError, match=r"needs torch >= 2\.13, this is torch 2\.12\.0"):
+        make_stage_plan(job, next(iter(job.batches())), cfg)
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.13.0+cu130"))
+    assert make_stage_plan(job, next(iter(job.batches())), cfg).partition.num_stages == 2

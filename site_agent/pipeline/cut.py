@@ -51,7 +51,7 @@ class PassThrough(nn.Module):
         first = args[0] if args else next(iter(kwargs.values()))
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        key = (self.training, spec, *(_signature(x) for x in leaves))
+        key = (self.training, _hashable(spec), *(_signature(x) for x in leaves))
         if key not in self._outputs:
             self._outputs[key] = self._on_meta(args, kwargs)
         out = self._outputs[key]
@@ -84,6 +84,16 @@ def _meta_copy(module: nn.Module) -> nn.Module | None:
         return copy.deepcopy(module, memo)
     except Exception:  # a module that cannot be copied: passes its first input through
         return None
+
+
+def _hashable(spec: pytree.TreeSpec) -> Any:
+    """``spec`` itself where it hashes by structure, else its text (in torch 2.7 a
+    ``TreeSpec`` holding lists does not hash)."""
+    try:
+        hash(spec)
+    except TypeError:
+        return repr(spec)
+    return spec
 
 
 def _signature(value: Any) -> Any:

@@ -40,6 +40,12 @@ log = logging.getLogger(__name__)
 # Same constant as torch.nn.utils.clip_grad_norm_, so clipping matches the single-process trainer.
 _CLIP_EPS = 1e-6
 
+OLDEST_TORCH = "2.13"
+"""The oldest torch a pipelined site runs on: before it, torch's stages could not hand on the
+model's integer inputs (2.7: "only Tensors of floating point dtype can require gradients"; 2.12:
+"has gradients None and is expecting to send gradients"), which every language model's stages do
+(docs/pipelines.md)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
@@ -104,6 +110,11 @@ def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePl
     """Profile the job's units on one micro-batch of ``sample_batch`` (the site's global batch)
     and cut them into ``cfg.total_stages`` stages, the slowest as fast as possible
     (``partition_layers``); the plan is logged."""
+    if torch.__version__ < OLDEST_TORCH:
+        raise ValueError(
+            f"a pipelined site needs torch >= {OLDEST_TORCH}, this is torch {torch.__version__}: "
+            "upgrade torch, or run the site as one process"
+        )
     model: nn.Module = job.model
     units = units_of(model, getattr(job, "cut_points", None))
     num_stages = cfg.total_stages
