@@ -195,7 +195,8 @@ def _follow(args: argparse.Namespace, run: DemoRun, progress: _Progress, started
             break
         dead = [n for n, p in run.procs.items() if p.poll() not in (None, 0)]
         if dead:
-            progress.reporter.log(f"crossdc demo: {dead} exited with an error; see {run.workdir}")
+            for name in dead:
+                progress.reporter.log(f"crossdc demo: {run.failure(name)}")
             return 1
         if time.monotonic() - started > args.timeout:
             progress.reporter.log(f"crossdc demo: timed out after {args.timeout:.0f}s")

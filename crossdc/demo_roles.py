@@ -6,6 +6,7 @@ processes (``DemoRun``), and reading what the coordinator writes (``endpoint.jso
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import subprocess
 import time
@@ -56,6 +57,21 @@ class DemoRun:
         self.procs[name] = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+
+    def failure(self, name: str) -> str:
+        """Why role ``name`` exited: its status and the line of its log that says why (the last
+        ``cannot start:`` line, else the last exception line, else the last line)."""
+        code = self.procs[name].poll()
+        path = self.workdir / f"{name}.log"
+        try:
+            lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines()]
+        except OSError:
+            lines = []
+        said = [ln for ln in lines if "cannot start:" in ln]
+        said = said or [ln for ln in lines if re.match(r"[\w.]*(Error|Exception)\b", ln)]
+        said = said or [ln for ln in lines if ln and not set(ln) <= set("=-")]
+        why = f": {said[-1]}" if said else ""
+        return f"{name} exited with status {code}{why} (log: {path})"
 
     def close(self, grace_s: float = 10.0) -> None:
         deadline = time.monotonic() + grace_s

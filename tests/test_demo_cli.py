@@ -304,3 +304,32 @@ def test_a_real_demo_run_reports_and_draws(tmp_path: Path) -> None:
         json.loads(line) for line in (tmp_path / "run" / "coordinator" / "history.jsonl").open()
     ]
     assert sum(h["wire_bytes_in"] + h["wire_bytes_out"] for h in hist) <= r["wan_bytes_total"]
+
+
+@pytest.mark.parametrize(
+    ("script", "code", "why"),
+    [
+        (
+            "print('starting'); print('crossdc agent: cannot start: no job'); print('===');"
+            " raise SystemExit(2)",
+            2,
+            ": crossdc agent: cannot start: no job (log: ",
+        ),
+        ("raise RuntimeError('the stage broke')", 1, ": RuntimeError: the stage broke (log: "),
+        ("print('last words'); raise SystemExit(3)", 3, ": last words (log: "),
+    ],
+)
+def test_a_role_that_exits_is_named_with_its_status_and_why(
+    script: str, code: int, why: str, tmp_path: Path
+) -> None:
+    from crossdc.demo_roles import DemoRun
+
+    run = DemoRun(tmp_path)
+    try:
+        run.spawn("site-eu", [sys.executable, "-c", script], {})
+        run.procs["site-eu"].wait(timeout=30)
+        said = run.failure("site-eu")
+    finally:
+        run.close()
+    assert said.startswith(f"site-eu exited with status {code}{why}")
+    assert said.endswith(f"{tmp_path / 'site-eu.log'})")
