@@ -319,8 +319,9 @@ class Closing:
         digest = self._model.hash(state)
         in_sync = self._book.in_sync(a.base_version)
         wants_eval = r.round_id % self._cfg.eval_every_rounds == 0 or a.decision.final
-        # Ask a site that was on time: evaluating costs the evaluator some compute.
-        candidates = [s for s in in_sync if s in merged] or in_sync
+        # Ask a site that can and was on time: evaluating costs the evaluator some compute.
+        able = [s for s in in_sync if self._book.members[s].evaluates]
+        candidates = [s for s in able if s in merged] or able
         evaluator = candidates[0] if candidates and wants_eval else None
         merged_all = tuple(merged) + tuple(f"{u.site_id}@{u.round_id}" for u in a.late)
         delta = Global(
@@ -342,7 +343,8 @@ class Closing:
             if site_id in in_sync:
                 msg = replace(delta, evaluate=site_id == evaluator)
             else:
-                msg = self._model.full_global(state, r.round_id, wants_eval and evaluator is None)
+                asked = wants_eval and evaluator is None and m.evaluates
+                msg = self._model.full_global(state, r.round_id, asked)
             ok = self._post.send(m.peer, msg)
             # The channel holds a result until the site acknowledges it and sends it again when
             # it is lost or the site was away (comm.transport.reliable): sent is delivered. A
@@ -357,7 +359,8 @@ class Closing:
         st = self._model.state
         assert st is not None
         have_final = st.global_version in st.val_losses
-        if not have_final and now - started_at < self._cfg.final_eval_wait_s:
+        can_evaluate = any(m.evaluates for m in self._book.members.values())
+        if not have_final and can_evaluate and now - started_at < self._cfg.final_eval_wait_s:
             return False
         for m in self._book.members.values():
             self._post.send(m.peer, Shutdown(reason=f"completed {len(st.history)} rounds"))

@@ -122,7 +122,15 @@ class Lifecycle:
 
     # ---- membership ----------------------------------------------------------------------------
 
-    def join(self, now: float, site_id: str, peer: bytes, *, in_sync_version: int | None) -> None:
+    def join(
+        self,
+        now: float,
+        site_id: str,
+        peer: bytes,
+        *,
+        in_sync_version: int | None,
+        evaluates: bool = True,
+    ) -> None:
         """A site joined (or rejoined); ``in_sync_version`` is the version it holds when that is
         exactly the coordinator's, else None. A site joins holding no plan (it started, or it
         dropped what a coordinator that forgot it had planned): the open rounds it has not sent
@@ -137,6 +145,7 @@ class Lifecycle:
             last_seen=now,
             global_version=-1 if in_sync_version is None else in_sync_version,
             in_sync=in_sync_version is not None,
+            evaluates=evaluates,
         )
 
     def touch(self, now: float, site_id: str, peer: bytes) -> Member | None:

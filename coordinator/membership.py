@@ -23,6 +23,9 @@ class Member:
     """The global version the site holds (after its last applied Global)."""
     in_sync: bool
     """True when the site holds exactly the coordinator's current global parameters."""
+    evaluates: bool = True
+    """The site can validate a global model (a training loop wrapped without ``evaluate``
+    cannot: it says so at its join, ``capabilities["evaluates"]``)."""
 
 
 def touch(member: Member, now: float, peer: bytes) -> Member:

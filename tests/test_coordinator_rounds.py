@@ -13,6 +13,7 @@ from comm.wire.schema import (
     Global,
     Heartbeat,
     RoundStart,
+    Shutdown,
 )
 from comm.wire.tensors import fragments, state_hash
 from coordinator.lifecycle import next_fragment
@@ -208,3 +209,22 @@ def test_a_slow_save_leaves_the_loop_serving_and_holds_announcements() -> None:
         assert result.global_version == 1
         assert store.state is not None and store.state.global_version == 1
         assert isinstance(h.expect(eu, Heartbeat), Heartbeat)
+
+
+def test_a_site_that_cannot_evaluate_is_never_asked() -> None:
+    # eu, first by name, would be asked; it said at its join that it cannot evaluate.
+    with running(eval_every_rounds=1) as h:
+        eu, us, rs = start_round(h, evaluates=(False, True))
+        g_eu = merge_round(h, eu, us, rs)
+        g_us: Global = h.expect(us, Global)
+        assert not g_eu.evaluate and g_us.evaluate
+
+
+def test_without_a_site_that_evaluates_the_last_round_ends_at_once() -> None:
+    # The final model's validation would be awaited for an hour; no member can give it.
+    with running(max_rounds=1, final_eval_wait_s=3600.0) as h:
+        eu, us, rs = start_round(h, evaluates=(False, False))
+        g_eu = merge_round(h, eu, us, rs)
+        assert not g_eu.evaluate and not h.expect(us, Global).evaluate
+        assert h.expect(eu, Shutdown).reason == "completed 1 rounds"
+        h.expect(us, Shutdown)

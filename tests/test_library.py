@@ -191,3 +191,21 @@ def test_a_script_whose_model_differs_is_told_why_instead_of_training(
     with pytest.raises(RuntimeError, match="exit code 3"):  # noqa: SIM117
         with crossdc.Federation(_site(tmp_path, jobs, "lib", 0.0), model, optimizer):
             pytest.fail("a site the coordinator refused must not train")
+
+
+@pytest.mark.parametrize("evaluates", [True, False])
+def test_a_loop_says_at_its_join_whether_it_can_evaluate(tmp_path: Path, evaluates: bool) -> None:
+    import crossdc
+    from site_agent.session import SiteIdentity
+
+    table = {
+        "site_id": "a",
+        "coordinator_endpoint_file": str(tmp_path / "endpoint.json"),
+        "state_dir": str(tmp_path / "site-a"),
+        "security": {"insecure": True},
+        "job": {"factory": "regression_job:make_job", "python_path": [str(EXAMPLES)]},
+    }
+    model = torch.nn.Linear(2, 1)
+    evaluate = (lambda m: {"loss": 0.0}) if evaluates else None
+    fed = crossdc.Federation(table, model, torch.optim.SGD(model.parameters()), evaluate=evaluate)
+    assert SiteIdentity.of(fed.config, fed.trainer).capabilities["evaluates"] is evaluates

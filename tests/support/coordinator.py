@@ -115,10 +115,20 @@ def rejected(coord: Coordinator, reason: str) -> float:
     return value or 0.0
 
 
-def join(h: Harness, site: Site, version: int = -1, digest: str = "") -> Welcome:
+def join(
+    h: Harness,
+    site: Site,
+    version: int = -1,
+    digest: str = "",
+    capabilities: dict[str, Any] | None = None,
+) -> Welcome:
     site.send(
         Join(
-            site_id=site.site_id, model_fingerprint="fp", global_version=version, state_hash=digest
+            site_id=site.site_id,
+            model_fingerprint="fp",
+            global_version=version,
+            state_hash=digest,
+            capabilities=capabilities or {},
         )
     )
     welcome: Welcome = h.expect(site, Welcome)
@@ -147,15 +157,18 @@ def update(
     )
 
 
-def start_round(h: Harness) -> tuple[Site, Site, RoundStart]:
+def start_round(
+    h: Harness, evaluates: tuple[bool, bool] = (True, True)
+) -> tuple[Site, Site, RoundStart]:
+    """eu and us join (``evaluates``: what each says at its join), eu sends θ0, round 1 opens."""
     eu, us = h.site("eu"), h.site("us")
-    assert join(h, eu).need_init
+    assert join(h, eu, capabilities={"evaluates": evaluates[0]}).need_init
     eu.send(
         InitParams(
             site_id="eu", model_fingerprint="fp", payload=encode_tensors(PARAMS, Fp32Codec())
         )
     )
-    assert not join(h, us).need_init
+    assert not join(h, us, capabilities={"evaluates": evaluates[1]}).need_init
     full = h.expect(us, Global)
     assert full.is_full and full.state_hash == state_hash(PARAMS)
     rs: RoundStart = h.expect(eu, RoundStart)
