@@ -95,6 +95,8 @@ class Intake:
         model exists, a site that built the same θ0 is in sync once it does."""
         self._init_site: str | None = None
         self._init_fingerprint: str | None = None
+        self._left: dict[str, bytes] = {}
+        """The connection each site that left said LEAVE on, until it joins again."""
 
     def forget(self, site_id: str) -> None:
         """Everything kept about a member that left or was removed."""
@@ -119,6 +121,10 @@ class Intake:
         if not isinstance(msg, Heartbeat | InitParams | Update | Eval | SyncRequest | Leave):
             self._post.reject(peer, ErrorCode.UNEXPECTED, f"{type(msg).__name__} is not for me")
             return
+        if isinstance(msg, Heartbeat) and self._left.get(msg.site_id) == peer:
+            # A site that left asks for the acknowledgement of its LEAVE: the echo carries it.
+            self._post.send(peer, msg)
+            return
         if self._member_for(peer, msg.site_id) is None:
             return
         if isinstance(msg, Heartbeat):
@@ -135,6 +141,7 @@ class Intake:
                 self._delivery.send_full(msg.site_id)
         else:
             log.info("[coordinator site=%s] left: %s", msg.site_id, msg.reason)
+            self._left[msg.site_id] = peer
             self._on_leave(msg.site_id)
 
     def _authentic(self, peer: bytes, site_id: str) -> bool:
@@ -245,11 +252,13 @@ class Intake:
             and msg.state_hash == self._model.hash()
         )
         self._keys.joined(peer, msg)
+        self._left.pop(msg.site_id, None)
         self._book.join(
             self._clock(),
             msg.site_id,
             peer,
             in_sync_version=msg.global_version if in_sync else None,
+            evaluates=msg.capabilities.get("evaluates", True) is not False,
         )
         self.claims[msg.site_id] = (msg.global_version, msg.state_hash)
         self._metrics.joins.inc()

@@ -19,8 +19,10 @@ from comm.wire.schema import (
     Error,
     ErrorCode,
     Global,
+    Heartbeat,
     InitParams,
     Join,
+    Leave,
     Message,
     RoundStart,
 )
@@ -243,3 +245,18 @@ def test_a_site_timed_out_is_forgotten_as_one_that_left() -> None:
         assert "us" not in coord.intake.claims and "us" not in coord.planner.views
         assert peer not in chan.out_streams and peer not in chan.in_streams
         assert "eu" in coord.intake.claims
+
+
+def test_a_heartbeat_after_leave_is_echoed_not_refused() -> None:
+    # The site's link asks for the acknowledgement of its LEAVE with a heartbeat; that is no
+    # message from a stranger, so it is echoed, not refused (crossdc_rejected_total feeds an alert).
+    with running() as h:
+        eu, us, _ = start_round(h)
+        eu.send(Leave(site_id="eu", reason="the training loop ended"))
+        h.until(lambda: "eu" not in h.coord.members)
+        assert heard(h, eu) == []
+        assert rejected(h.coord, "not_joined") == 0.0
+        ap = h.site("ap")  # a site that never joined is still told to join
+        ap.send(Heartbeat(site_id="ap", global_version=0, sent_at=1.0))
+        error: Error = h.expect(ap, Error)
+        assert error.code == ErrorCode.NOT_JOINED and rejected(h.coord, "not_joined") == 1.0
