@@ -335,6 +335,16 @@ def test_a_job_without_split_cannot_be_pipelined() -> None:
     with pytest.raises(JobError, match="differs from"):
         check_pipeline_job(Disagrees(), next(iter(job.batches())))  # type: ignore[arg-type]
 
+    class TooManyInputs(NoSplit):  # the model takes one input; split gives two
+        output_loss = job.output_loss
+
+        def split(self, batch: Any) -> Any:
+            inputs, target = job.split(batch)
+            return (inputs, inputs), target
+
+    with pytest.raises(JobError, match=r"split\(batch\), fails: TypeError: .*positional"):
+        check_pipeline_job(TooManyInputs(), next(iter(job.batches())))  # type: ignore[arg-type]
+
 
 def test_profile_units_times_every_unit() -> None:
     job = make_job("hf")

@@ -24,12 +24,14 @@ def evaluate(model: torch.nn.Module) -> dict[str, float]:
     return {"loss": float(((model(val_x).squeeze(-1) - val_y) ** 2).mean())}
 
 
-with crossdc.Federation(sys.argv[1], model, optimizer, evaluate=evaluate) as fed:
+BATCH = 32  # a step counts for its batch's samples, as the job's agent sites count theirs
+fed = crossdc.Federation(sys.argv[1], model, optimizer, evaluate=evaluate, weight_per_step=BATCH)
+with fed:
     for step in range(1_000_000):
         if fed.finished:
             break
-        i = (step * 32) % len(x)
-        loss = ((model(x[i : i + 32]).squeeze(-1) - y[i : i + 32]) ** 2).mean()
+        i = (step * BATCH) % len(x)
+        loss = ((model(x[i : i + BATCH]).squeeze(-1) - y[i : i + BATCH]) ** 2).mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

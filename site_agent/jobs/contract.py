@@ -242,7 +242,14 @@ def check_pipeline_job(job: Job, batch: Any, where: str = "the job") -> float:
         torch.set_rng_state(state)
         inputs, target = job.split(batch)  # type: ignore[attr-defined]
         args = inputs if isinstance(inputs, tuple) else (inputs,)
-        output = job.output_loss(first_tensor(model(*args)), target)  # type: ignore[attr-defined]
+        try:
+            output = job.output_loss(first_tensor(model(*args)), target)  # type: ignore[attr-defined]
+        except Exception as exc:  # the job's own code: named with the call that failed
+            raise JobError(
+                f"{where}: output_loss(model(*inputs), target), with (inputs, target) = "
+                f"split(batch), fails: {type(exc).__name__}: {exc} (the model takes split's "
+                "inputs as positional arguments, in their order)"
+            ) from exc
     a, b = float(whole), float(output)
     if not math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6):
         raise JobError(
