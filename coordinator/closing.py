@@ -10,6 +10,7 @@ the federation.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
@@ -245,7 +246,6 @@ class Closing:
         st = self._model.state
         assert st is not None
         r, merged, plan = decision.round, decision.merged, record.plan
-        total_weight = sum(u.weight for u in fresh) or 1.0
         return {
             "round_id": r.round_id,
             "global_version": r.round_id,
@@ -259,7 +259,7 @@ class Closing:
             "participants": list(r.participants),
             "merged": list(merged),
             "late_merged": [[u.site_id, u.round_id] for u in late],
-            "train_loss": sum(u.weight * u.train_loss for u in fresh) / total_weight,
+            "train_loss": mean_train_loss(fresh),
             "tokens": sum(u.weight for u in fresh),
             "outer_grad_norm": result.outer_grad_norm,
             "uplink_codecs": {s: plan.uplink[s] for s in merged},
@@ -295,16 +295,17 @@ class Closing:
         m.round_duration.observe(entry["duration_s"])
         m.quorum_size.set(len(a.decision.merged))
         m.outer_grad_norm.set(a.step.result.outer_grad_norm)
-        m.train_loss.set(entry["train_loss"])
+        if entry["train_loss"] is not None:
+            m.train_loss.set(entry["train_loss"])
         m.global_version.set(r.round_id)
         log.info(
-            "[coordinator round=%d] closed: %s; merged=%s late=%d loss=%.4f outer_norm=%.4g "
+            "[coordinator round=%d] closed: %s; merged=%s late=%d loss=%s outer_norm=%.4g "
             "outer=%s %.1fs",
             r.round_id,
             a.decision.why,
             a.decision.merged,
             len(a.late),
-            entry["train_loss"],
+            "-" if entry["train_loss"] is None else f"{entry['train_loss']:.4f}",
             a.step.result.outer_grad_norm,
             a.step.result.rule,
             entry["duration_s"],
@@ -366,6 +367,14 @@ class Closing:
             self._post.send(m.peer, Shutdown(reason=f"completed {len(st.history)} rounds"))
         log.info("[coordinator] finished at v%d", st.global_version)
         return True
+
+
+def mean_train_loss(updates: list[Accepted]) -> float | None:
+    """The weighted mean of the train losses the sites reported (a site that reports none sends
+    NaN: a training loop that never called ``record_loss``); ``None`` when none did."""
+    reported = [u for u in updates if not math.isnan(u.train_loss)]
+    weight = sum(u.weight for u in reported)
+    return sum(u.weight * u.train_loss for u in reported) / weight if reported else None
 
 
 def _bytes_by_site(updates: list[Accepted]) -> dict[str, int]:

@@ -61,8 +61,13 @@ class UpdateIntake:
         if isinstance(verdict, UpdateRefusal):
             self._post.reject(peer, verdict.code, verdict.detail, msg.site_id)
             return
-        if not (np.isfinite(msg.weight) and msg.weight > 0 and np.isfinite(msg.train_loss)):
+        if not (np.isfinite(msg.weight) and msg.weight > 0):
             self._post.reject(peer, ErrorCode.NON_FINITE, f"weight {msg.weight}", msg.site_id)
+            return
+        if np.isinf(msg.train_loss):  # NaN: the site reports no loss (mean_train_loss)
+            self._post.reject(
+                peer, ErrorCode.NON_FINITE, f"train_loss {msg.train_loss}", msg.site_id
+            )
             return
         names = self._model.fragment_names[verdict.fragment]
         if self._cfg.secure_aggregation is not None:

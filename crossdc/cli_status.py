@@ -132,11 +132,16 @@ def _print_status(status: dict[str, Any], *, history: bool) -> None:
         val = vals.get(str(h.get("global_version")))
         print(
             f"round {h.get('round_id')}: v{h.get('global_version')} "
-            f"train_loss {h.get('train_loss', float('nan')):.4f} "
+            f"train_loss {_four(h.get('train_loss'))} "
             f"val_loss {'n/a' if val is None else f'{val:.4f}'} "
             f"{h.get('duration_s', float('nan')):.1f}s"
             f"{format_metrics(metrics.get(str(h.get('global_version')), {}))}"
         )
+
+
+def _four(value: Any) -> str:
+    """A figure to four places, ``-`` where there is none (no site reported a train loss)."""
+    return "-" if value is None else f"{value:.4f}"
 
 
 def add_status_command(sub: SubParsers) -> None:

@@ -56,8 +56,10 @@ def print_rounds(status: dict[str, Any], shown: int, state_dir: Path) -> int:
         wan = h.get("wire_bytes_in", 0) + h.get("wire_bytes_out", 0)
         val_s = f"{val:9.4f}" if val is not None else f"{'-':>9}"
         others = format_metrics(metrics.get(str(h["global_version"]), {}))
+        loss = h["train_loss"]
+        loss_s = f"{loss:10.4f}" if loss is not None else f"{'-':>10}"
         print(
-            f"{h['round_id']:>5} {val_s} {h['train_loss']:10.4f} {h['duration_s']:8.1f} "
+            f"{h['round_id']:>5} {val_s} {loss_s} {h['duration_s']:8.1f} "
             f"{fmt_bytes(wan):>12}{others}"
         )
         shown += 1

@@ -227,7 +227,7 @@ class SiteAgent:
         return stats, None
 
     def _send_update(self, rs: RoundStart, stats: TrainStats) -> None:
-        taken = self.replica.take_pseudo_gradient(rs, stats.loss_mean)
+        taken = self.replica.take_pseudo_gradient(rs, stats)
         if taken is None:
             return  # it diverged: the replica starts over from the global model
         delta, local = taken

@@ -127,12 +127,14 @@ class LoopTrainer:
             losses = list(self._losses)
         if taken < num_steps:
             raise _Stopped
-        loss = float(np.mean(losses)) if losses else 0.0
+        # Without record_loss there is no loss to report: NaN, which the coordinator leaves out.
+        loss = float(np.mean(losses)) if losses else math.nan
         return TrainStats(
             steps=taken,
             tokens=int(round(taken * self.weight_per_step)),
             loss_mean=loss,
             loss_last=losses[-1] if losses else loss,
+            loss_reported=bool(losses),
             compute_seconds=time.perf_counter() - start,
         )
 

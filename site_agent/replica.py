@@ -40,7 +40,7 @@ from comm.wire.tensors import (
 from site_agent.config import SiteConfig
 from site_agent.metrics import SiteMetrics
 from site_agent.rounds import SiteRounds
-from site_agent.trainer import SiteTrainer
+from site_agent.trainer import SiteTrainer, TrainStats
 
 log = logging.getLogger("crossdc.site")
 
@@ -161,16 +161,17 @@ class Replica:
         return state_hash(self.global_params)
 
     def take_pseudo_gradient(
-        self, rs: RoundStart, loss_mean: float
+        self, rs: RoundStart, stats: TrainStats
     ) -> tuple[Params, Params] | None:
         """Round ``rs``'s pseudo-gradient Δ = θ_global − θ_local over its fragment, and the local
         values it comes from (what its result will be merged against). None when the local
-        training diverged (a loss or a Δ not finite): never send a corrupt update; the local
+        training diverged (a reported loss or a Δ not finite): never send a corrupt update; the local
         progress is dropped and training starts over from the global model."""
         names = self.fragment_names(rs.num_fragments)[rs.fragment]
         local = self._trainer.parameters_numpy()
         delta = {k: self.global_params[k] - local[k] for k in names}
-        if np.isfinite(loss_mean) and all(np.isfinite(v).all() for v in delta.values()):
+        loss_ok = not stats.loss_reported or np.isfinite(stats.loss_mean)
+        if loss_ok and all(np.isfinite(v).all() for v in delta.values()):
             return delta, {k: local[k] for k in names}
         self._metrics.rejected("non_finite_local")
         log.error(

@@ -8,6 +8,7 @@ run: 1.0 means the WAN cost the site no compute.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -19,19 +20,24 @@ class SlotTally:
     """The inner steps of one slot (a round's share of training), added up call by call."""
 
     def __init__(self) -> None:
-        self.steps = self.tokens = 0
-        self.loss_sum = self.seconds = self.loss_last = 0.0
+        self.steps = self.tokens = self.loss_steps = 0
+        self.loss_sum = self.seconds = 0.0
+        self.loss_last = math.nan
 
     def add(self, s: TrainStats) -> None:
         self.steps += s.steps
         self.tokens += s.tokens
-        self.loss_sum += s.loss_mean * s.steps
         self.seconds += s.compute_seconds
-        self.loss_last = s.loss_last
+        if s.loss_reported:  # the mean is of the steps whose loss was reported
+            self.loss_sum += s.loss_mean * s.steps
+            self.loss_steps += s.steps
+            self.loss_last = s.loss_last
 
     def stats(self) -> TrainStats:
-        mean = self.loss_sum / max(1, self.steps)
-        return TrainStats(self.steps, self.tokens, mean, self.loss_last, self.seconds)
+        reported = self.loss_steps > 0
+        mean = self.loss_sum / self.loss_steps if reported else math.nan
+        last = self.loss_last if reported else math.nan
+        return TrainStats(self.steps, self.tokens, mean, last, self.seconds, reported)
 
 
 class Throughput:

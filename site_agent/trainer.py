@@ -81,6 +81,9 @@ class TrainStats:
     loss_mean: float
     loss_last: float
     compute_seconds: float
+    loss_reported: bool = True
+    """False when the trainer has no loss to report (a training loop that records none): the
+    losses are NaN then, and not a sign of divergence."""
 
 
 class SiteTrainer(Protocol):

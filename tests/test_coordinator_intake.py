@@ -5,7 +5,9 @@ that left or went silent."""
 
 from __future__ import annotations
 
+import math
 import urllib.request
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -32,6 +34,7 @@ from coordinator.service import Coordinator, InitialModel
 from coordinator.state import MemoryStateStore
 from tests.support.coordinator import (
     D_EU,
+    D_US,
     PARAMS,
     Harness,
     ManualClock,
@@ -48,7 +51,7 @@ from tests.support.coordinator import (
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.mark.parametrize("case", range(8))
+@pytest.mark.parametrize("case", range(9))
 def test_bad_update_is_rejected_with_error_counter_and_no_state_change(
     harness: Harness, case: int
 ) -> None:
@@ -260,3 +263,29 @@ def test_a_heartbeat_after_leave_is_echoed_not_refused() -> None:
         ap.send(Heartbeat(site_id="ap", global_version=0, sent_at=1.0))
         error: Error = h.expect(ap, Error)
         assert error.code == ErrorCode.NOT_JOINED and rejected(h.coord, "not_joined") == 1.0
+
+
+def test_a_site_that_reports_no_train_loss_is_left_out_of_the_mean() -> None:
+    # eu's loop recorded no loss (NaN): the round's loss is us's alone, not (100 * 0 + 300 * 2) / 400.
+    with running() as h:
+        eu, us, rs = start_round(h)
+        eu.send(replace(update("eu", rs.round_id, D_EU, weight=100.0), train_loss=math.nan))
+        us.send(update("us", rs.round_id, D_US, weight=300.0))
+        h.expect(eu, Global)
+        assert rejected(h.coord, "non_finite") == 0.0
+        assert h.coord.state is not None and h.coord.state.history[-1]["train_loss"] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("losses", "expected"), [((1.0, 3.0), 2.5), ((math.nan, 3.0), 3.0), ((math.nan,) * 2, None)]
+)
+def test_mean_train_loss_weighs_the_sites_that_reported_one(
+    losses: tuple[float, float], expected: float | None
+) -> None:
+    from coordinator.closing import mean_train_loss
+    from coordinator.ledger import Accepted
+
+    updates = [
+        Accepted(s, 1, w, x, 1.0, 0, ()) for s, w, x in zip("ab", (1.0, 3.0), losses, strict=True)
+    ]
+    assert mean_train_loss(updates) == expected

@@ -7,6 +7,7 @@ when the agent polls a long time without anything left to give it (the agent is 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -542,7 +543,7 @@ def test_an_update_that_fails_to_encode_leaves_every_residual_as_it_was(
     agent.sender.feedback.load_state_dict(before)
     stats = trainer.train_steps(1)
     plan = round_start(1, overlap=True)
-    taken = agent.replica.take_pseudo_gradient(plan, stats.loss_mean)
+    taken = agent.replica.take_pseudo_gradient(plan, stats)
     assert taken is not None
     sent = agent.sender.send_update(plan, stats, taken[0], global_version=0)
     assert not sent and link_of(agent).updates() == []
@@ -550,3 +551,18 @@ def test_an_update_that_fails_to_encode_leaves_every_residual_as_it_was(
     assert set(after) == set(before)
     for name, residual in before.items():
         np.testing.assert_array_equal(after[name], residual)
+
+
+def test_a_slot_tally_means_only_the_losses_reported() -> None:
+    from site_agent.throughput import SlotTally
+
+    tally = SlotTally()
+    tally.add(TrainStats(2, 20, 1.0, 0.5, 0.1))
+    tally.add(TrainStats(3, 30, math.nan, math.nan, 0.2, loss_reported=False))
+    tally.add(TrainStats(2, 20, 3.0, 2.5, 0.1))
+    stats = tally.stats()
+    assert (stats.steps, stats.tokens, stats.loss_reported) == (7, 70, True)
+    assert (stats.loss_mean, stats.loss_last) == (2.0, 2.5)
+    silent = SlotTally()
+    silent.add(TrainStats(3, 30, math.nan, math.nan, 0.2, loss_reported=False))
+    assert not silent.stats().loss_reported and math.isnan(silent.stats().loss_mean)

@@ -179,6 +179,8 @@ class Update:
     fragment: int
     weight: float
     train_loss: float
+    """The mean loss of the inner steps; NaN when the site has none to report (a training loop
+    that never records one): left out of the round's mean, where an infinite one is refused."""
     compute_seconds: float
     step_seconds: float
     """Mean wall seconds per inner step (the scheduler's compute estimate)."""

@@ -4,6 +4,7 @@ real DEALER sockets standing in for sites, and helpers to join, train and land u
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -215,6 +216,7 @@ def _bad_updates(rid: int) -> list[tuple[str, Update, ErrorCode]]:
         ("bad_payload", update("eu", rid, huge), ErrorCode.BAD_PAYLOAD),
         ("stale_round", update("eu", rid + 7, ok), ErrorCode.STALE_ROUND),
         ("non_finite", update("eu", rid, ok, weight=float("nan")), ErrorCode.NON_FINITE),
+        ("non_finite", replace(update("eu", rid, ok), train_loss=-math.inf), ErrorCode.NON_FINITE),
         ("not_joined", update("ap", rid, ok), ErrorCode.NOT_JOINED),
     ]
 
