@@ -257,7 +257,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="crossdc",
-        description=__doc__.splitlines()[0],
+        description=(
+            "Train one model across several data centers: the coordinator, a site agent, the "
+            "demo, benchmarks, plots, federation keys and status. Every command that reports "
+            "takes --json; a bad config prints one line naming the field and exits with 2."
+        ),
         parents=[global_options(suppress=False)],
     )
     p.add_argument("--version", action=_VersionAction)

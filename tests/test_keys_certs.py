@@ -95,7 +95,10 @@ def test_issue_and_verify_auth(kit: Path) -> None:
     # The starter config names the site and the kit; the kit holds no secret but its own.
     toml = (issued.site_kit_dir / SITE_TOML).read_text()
     assert 'site_id = "eu"' in toml and "[site.security]" in toml
+    assert f'kit_dir = "./{issued.site_kit_dir.name}"' in toml  # where it was written, --out too
     assert not (issued.site_kit_dir / CA_KEY).exists()
+    elsewhere = issue_site(kit, "us", 30, out_dir=kit.parent / "us-kit")
+    assert 'kit_dir = "./us-kit"' in (elsewhere.site_kit_dir / SITE_TOML).read_text()
 
 
 @pytest.mark.timeout(30)

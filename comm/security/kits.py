@@ -226,7 +226,7 @@ class IssuedSite:
     site_kit_dir: Path
 
 
-def _site_toml(site_id: str, endpoint: str) -> str:
+def _site_toml(site_id: str, endpoint: str, kit_name: str) -> str:
     return (
         f"# Starter config for site {site_id!r}. Keep this kit directory private to the site\n"
         "# (site.curve.key is its secret key); point kit_dir at where it lives on the site.\n"
@@ -235,7 +235,7 @@ def _site_toml(site_id: str, endpoint: str) -> str:
         f'coordinator = "{endpoint}"\n'
         "\n"
         "[site.security]\n"
-        f'kit_dir = "./crossdc-kit-{site_id}"\n'
+        f'kit_dir = "./{kit_name}"\n'
     )
 
 
@@ -292,7 +292,7 @@ def issue_site(
         _write(target / SITE_CERT, cert_pem, _PUBLIC_MODE)
         for name in (CA_CERT, COORDINATOR_CURVE_PUB, COORDINATOR_SIGN_PUB):
             _write(target / name, (kit / name).read_bytes(), _PUBLIC_MODE)
-        _write(target / SITE_TOML, _site_toml(site_id, coordinator_endpoint).encode(), _PUBLIC_MODE)
+        _write(target / SITE_TOML, _site_toml(site_id, coordinator_endpoint, target.name).encode(), _PUBLIC_MODE)
     log.info(
         "[site=%s] issued certificate serial=%s key=%s valid until %d",
         site_id,
