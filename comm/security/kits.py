@@ -292,7 +292,11 @@ def issue_site(
         _write(target / SITE_CERT, cert_pem, _PUBLIC_MODE)
         for name in (CA_CERT, COORDINATOR_CURVE_PUB, COORDINATOR_SIGN_PUB):
             _write(target / name, (kit / name).read_bytes(), _PUBLIC_MODE)
-        _write(target / SITE_TOML, _site_toml(site_id, coordinator_endpoint, target.name).encode(), _PUBLIC_MODE)
+        _write(
+            target / SITE_TOML,
+            _site_toml(site_id, coordinator_endpoint, target.name).encode(),
+            _PUBLIC_MODE,
+        )
     log.info(
         "[site=%s] issued certificate serial=%s key=%s valid until %d",
         site_id,
