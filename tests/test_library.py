@@ -146,16 +146,24 @@ def test_under_torchrun_rank_0_talks_and_the_other_ranks_follow(
     cfg = write_coordinator_config(tmp_path, min_sites=2, num_inner_steps=12, max_rounds=3)
     procs.start("coordinator", "coordinator", "--config", str(cfg))
     procs.start("site-eu", "agent", "--config", str(_site(tmp_path, jobs, "eu", -1.0)))
-    result = subprocess.run(
+    # Its own process group: on a timeout torchrun's workers go with it, not on as orphans.
+    torchrun = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
         + ["train_ddp.py", str(_site(tmp_path, jobs, "lib", 0.0))],
         cwd=jobs,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=200,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        start_new_session=True,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
+    try:
+        output, _ = torchrun.communicate(timeout=200)
+    finally:
+        if torchrun.poll() is None:
+            os.killpg(torchrun.pid, signal.SIGKILL)
+            torchrun.communicate()
+    assert torchrun.returncode == 0, output
     assert procs.procs["coordinator"].wait(timeout=60) == 0, procs.log("coordinator")
     lines = [(jobs / f"result-{rank}.txt").read_text() for rank in (0, 1)]
     assert len(lines) == 2 and all(line.endswith("same True") for line in lines), lines
