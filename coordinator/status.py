@@ -47,6 +47,7 @@ class CoordinatorStatus:
             "endpoint": self.endpoint,
             "finished": finished,
             "global_version": st.global_version if st else None,
+            "state_hash": self._model.hash() if st else None,
             "round_counter": st.round_counter if st else 0,
             "rounds_completed": len(st.history) if st else 0,
             "members": sorted(book.members),

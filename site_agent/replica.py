@@ -92,7 +92,8 @@ class Replica:
         self._metrics = metrics
         self._verify_key = verify_key
         self.global_version = -1
-        self.global_params: Params = {k: v.copy() for k, v in trainer.parameters_numpy().items()}
+        self._hashed: tuple[Params, str] | None = None  # (the parameters, their state hash)
+        self.global_params = {k: v.copy() for k, v in trainer.parameters_numpy().items()}
         self._sent: dict[int, SentFragment] = {}
         self._layout: tuple[int, list[list[str]]] = (0, [])
         self._sync_asked = -1  # the newest version the whole model was asked for (catch-up)
@@ -157,8 +158,25 @@ class Replica:
             self._layout = (num_fragments, fragments(list(self.global_params), num_fragments))
         return self._layout[1]
 
+    @property
+    def global_params(self) -> Params:
+        """The global model this site holds (replaced whole, never changed in place)."""
+        return self._global_params
+
+    @global_params.setter
+    def global_params(self, params: Params) -> None:
+        self._global_params = params
+        self._hashed = None
+
     def state_hash(self) -> str:
-        return state_hash(self.global_params)
+        """The state hash of ``global_params``, computed once per model held (``/status`` asks
+        for it from another thread: a hash is kept only with the parameters it is of)."""
+        params, hashed = self._global_params, self._hashed
+        if hashed is not None and hashed[0] is params:
+            return hashed[1]
+        digest = state_hash(params)
+        self._hashed = (params, digest)
+        return digest
 
     def take_pseudo_gradient(
         self, rs: RoundStart, stats: TrainStats
@@ -339,4 +357,4 @@ class Replica:
         return new, names
 
     def status(self) -> dict[str, Any]:
-        return {"global_version": self.global_version}
+        return {"global_version": self.global_version, "state_hash": self.state_hash()}

@@ -52,6 +52,8 @@ def test_join_init_round_and_outer_step(harness: Harness) -> None:
     # warm-up (3): the plain mean, whatever the outer lr.
     np.testing.assert_allclose(new["w"], PARAMS["w"] - 0.5, rtol=1e-6)
     assert h.coord.state is not None and h.coord.state.global_version == rs.round_id
+    h.until(lambda: h.coord.status()["global_version"] == rs.round_id)
+    assert h.coord.status()["state_hash"] == g_eu.state_hash  # what sites compare theirs with
     assert h.coord.state.history[-1]["inner_steps_total"] == 3
     assert h.coord.state.history[-1]["outer_rule"].startswith("mean (outer warm-up")
     assert h.coord.metrics.registry.get_sample_value("crossdc_rounds_total") == 1.0

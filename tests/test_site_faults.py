@@ -566,3 +566,16 @@ def test_a_slot_tally_means_only_the_losses_reported() -> None:
     silent = SlotTally()
     silent.add(TrainStats(3, 30, math.nan, math.nan, 0.2, loss_reported=False))
     assert not silent.stats().loss_reported and math.isnan(silent.stats().loss_mean)
+
+
+def test_the_status_names_the_state_hash_of_the_model_held(tmp_path: Path) -> None:
+    from comm.wire.tensors import state_hash
+
+    agent = make_agent(tmp_path, [])
+    replica = agent.replica
+    held = replica.status()["state_hash"]
+    assert held == state_hash(replica.global_params)
+    assert replica.status()["state_hash"] == held  # kept with the parameters it is of
+    replica.global_params = {k: v + 1.0 for k, v in replica.global_params.items()}
+    moved = agent.status()["state_hash"]
+    assert moved != held and moved == state_hash(replica.global_params)
