@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from comm.wire.schema import ErrorCode
 from coordinator.config import CoordinatorConfig
@@ -391,15 +390,3 @@ def lifecycle_config(cfg: CoordinatorConfig) -> LifecycleConfig:
         grace_ceiling_s=cfg.grace_ceiling_s,
         secure_aggregation=cfg.secure_aggregation is not None,
     )
-
-
-def next_fragment(history: Sequence[Mapping[str, Any]], num_fragments: int) -> int:
-    """The fragment a resumed coordinator syncs first: the one after the last completed round's,
-    so a restart keeps the rotation instead of syncing fragment 0 out of turn. 0 without history
-    or when the fragment count has changed since."""
-    if not history:
-        return 0
-    last = history[-1]
-    if last.get("num_fragments") != num_fragments or not isinstance(last.get("fragment"), int):
-        return 0
-    return (int(last["fragment"]) + 1) % num_fragments

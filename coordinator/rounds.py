@@ -4,15 +4,17 @@
 only gathers the snapshot and carries the decision out. Up to ``policy.max_open`` rounds are open
 at once (two when sync overlaps compute: sites train round r+1 while round r is in flight); they
 close in order. After quorum, a round waits a grace window learned from recent arrival lags
-(``grace_window``), then closes without the stragglers, whose updates are merged later.
+(``grace_window``), then closes without the stragglers, whose updates are merged later. A
+restarted coordinator syncs the fragment after the last completed round's (``next_fragment``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 
 class Action(Enum):
@@ -152,3 +154,15 @@ def decide(now: float, snap: RoundSnapshot, policy: RoundPolicy) -> tuple[RoundC
             f"{len(snap.open_rounds)} of {policy.max_open} rounds open"
         )
     return RoundCall(Action.WAIT), f"{why}; {len(snap.ready)} of {policy.min_sites} sites ready"
+
+
+def next_fragment(history: Sequence[Mapping[str, Any]], num_fragments: int) -> int:
+    """The fragment a resumed coordinator syncs first: the one after the last completed round's,
+    so a restart keeps the rotation instead of syncing fragment 0 out of turn. 0 without history
+    or when the fragment count has changed since."""
+    if not history:
+        return 0
+    last = history[-1]
+    if last.get("num_fragments") != num_fragments or not isinstance(last.get("fragment"), int):
+        return 0
+    return (int(last["fragment"]) + 1) % num_fragments

@@ -41,14 +41,14 @@ from coordinator.file_store import FileStateStore
 from coordinator.global_model import GlobalModel
 from coordinator.intake import Intake
 from coordinator.ledger import RoundLedger
-from coordinator.lifecycle import Lifecycle, lifecycle_config, next_fragment
+from coordinator.lifecycle import Lifecycle, lifecycle_config
 from coordinator.masking_keys import MaskingKeys
 from coordinator.membership import Member
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.opening import Opening
 from coordinator.planner import Planner
 from coordinator.post import PostOffice
-from coordinator.rounds import OpenRound
+from coordinator.rounds import OpenRound, next_fragment
 from coordinator.state import GlobalState, StateStore
 from coordinator.status import CoordinatorStatus
 from coordinator.status_board import write_endpoint

@@ -16,7 +16,7 @@ from comm.wire.schema import (
     Shutdown,
 )
 from comm.wire.tensors import fragments, state_hash
-from coordinator.lifecycle import next_fragment
+from coordinator.rounds import next_fragment
 from coordinator.state import MemoryStateStore
 from tests.support.coordinator import (
     D_EU,

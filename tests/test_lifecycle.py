@@ -19,7 +19,8 @@ from coordinator.decisions import (
     Rerun,
     UpdateRefusal,
 )
-from coordinator.lifecycle import Lifecycle, LifecycleConfig, next_fragment
+from coordinator.lifecycle import Lifecycle, LifecycleConfig
+from coordinator.rounds import next_fragment
 
 pytestmark = pytest.mark.timeout(120)
 
