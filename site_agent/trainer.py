@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from site_agent.batches import JobBatches, first_dimension, to_cpu, to_device
 from site_agent.jobs.contract import (
     Job,
     JobError,
@@ -116,19 +117,6 @@ def learning_rate(cfg: InnerOptimConfig, step: int) -> float:
     return cfg.lr
 
 
-def _to_cpu(value: Any) -> Any:
-    """A snapshot of ``value`` with every tensor copied to the CPU (containers rebuilt)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {key: _to_cpu(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_to_cpu(item) for item in value]
-    if isinstance(value, tuple):
-        return tuple(_to_cpu(item) for item in value)
-    return value
-
-
 class NonFiniteLossError(RuntimeError):
     """A run of inner steps whose loss was NaN or infinite: the site stops, sending nothing."""
 
@@ -139,22 +127,6 @@ class NonFiniteLossError(RuntimeError):
         )
         self.step = step
         self.run = run
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor in it (nested in tuples, lists and dicts) on ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {key: to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, list):
-        return [to_device(value, device) for value in batch]
-    if isinstance(batch, tuple):
-        moved = [to_device(value, device) for value in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else tuple(moved)
-    if hasattr(batch, "to") and hasattr(batch, "keys"):  # e.g. transformers' BatchEncoding
-        return batch.to(device)
-    return batch
 
 
 def check_parameters(params: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> None:
@@ -169,41 +141,6 @@ def check_parameters(params: Mapping[str, Any], shapes: Mapping[str, tuple[int, 
         shape = tuple(np.shape(params[name]))
         if shape != tuple(expected):
             raise ValueError(f"parameter {name!r} has shape {shape}, expected {tuple(expected)}")
-
-
-def first_dimension(batch: Any) -> int:
-    """The default weight of a batch: the first dimension of the first tensor in it."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.ndim else 1
-    values = batch.values() if isinstance(batch, Mapping) else batch
-    if isinstance(values, list | tuple) or isinstance(batch, Mapping):
-        for value in values:
-            size = first_dimension(value)
-            if size:
-                return size
-    return 0
-
-
-class JobBatches:
-    """A job's ``batches()``, begun again whenever exhausted (the contract's promise); a
-    ``JobError`` if a fresh pass yields nothing."""
-
-    def __init__(self, job: Job, where: str) -> None:
-        self.job, self.where = job, where
-        self._it: Iterator[Any] | None = None
-
-    def __iter__(self) -> JobBatches:
-        return self
-
-    def __next__(self) -> Any:
-        for _ in range(2):  # the current pass, then a fresh one
-            if self._it is None:
-                self._it = iter(self.job.batches())
-            try:
-                return next(self._it)
-            except StopIteration:
-                self._it = None
-        raise JobError(f"{self.where}: batches() yielded no batch")
 
 
 class JobTrainer:
@@ -367,14 +304,14 @@ class JobTrainer:
         """A CPU snapshot of model, optimizer, scheduler, the job's own state and the step;
         safe for ``weights_only`` loads."""
         state: dict[str, Any] = {
-            "model": _to_cpu(self.model.state_dict()),
-            "optimizer": _to_cpu(self.optimizer.state_dict()),
+            "model": to_cpu(self.model.state_dict()),
+            "optimizer": to_cpu(self.optimizer.state_dict()),
             "step": self.step,
         }
         if self.scheduler is not None:
-            state["scheduler"] = _to_cpu(self.scheduler.state_dict())
+            state["scheduler"] = to_cpu(self.scheduler.state_dict())
         if hasattr(self.job, "state_dict"):
-            state["job"] = _to_cpu(self.job.state_dict())
+            state["job"] = to_cpu(self.job.state_dict())
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from site_agent.batches import JobBatches, first_dimension, to_cpu, to_device
 from site_agent.jobs.contract import (
     Job,
     StateSpec,
@@ -26,7 +27,6 @@ from site_agent.jobs.contract import (
 )
 from site_agent.jobs.contract import buffer_names as federated_buffer_names
 from site_agent.pipeline.engine import PipelineConfig, RankPipeline, make_stage_plan
-from site_agent.trainer import JobBatches, _to_cpu, first_dimension, to_device
 
 # Workers wait for the leader's next command as long as the leader spends between calls.
 CONTROL_TIMEOUT = timedelta(days=7)
@@ -147,9 +147,9 @@ class SiteRank:
         scheduler = pipeline.scheduler
         parts = self._gather(
             {
-                "model": _to_cpu({n: t.detach() for n, t in pipeline.full_state().items()}),
-                "optimizer": _to_cpu(pipeline.optimizer_state()),
-                "scheduler": _to_cpu(scheduler.state_dict()) if scheduler is not None else None,
+                "model": to_cpu({n: t.detach() for n, t in pipeline.full_state().items()}),
+                "optimizer": to_cpu(pipeline.optimizer_state()),
+                "scheduler": to_cpu(scheduler.state_dict()) if scheduler is not None else None,
             }
         )
         if parts is None:
@@ -163,7 +163,7 @@ class SiteRank:
             "step": self.step,
         }
         if hasattr(self.job, "state_dict"):
-            state["job"] = _to_cpu(self.job.state_dict())
+            state["job"] = to_cpu(self.job.state_dict())
         return state
 
     def load_state(self, state: Mapping[str, Any]) -> None:
