@@ -65,7 +65,6 @@ class LoopTrainer:
         self.optimizer = optimizer
         self._evaluate = evaluate
         self.evaluates = evaluate is not None
-        """Whether ``validate`` gives metrics (said at the join: never asked to evaluate)."""
         self.weight_per_step = weight_per_step
         self._on_loaded = on_params_loaded
         self._state = federated_state(model)

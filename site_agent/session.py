@@ -96,8 +96,7 @@ class SiteIdentity:
                 "stages": cfg.stages,
                 "replicas": cfg.replicas,
                 "device": resolve_device(cfg.device),
-                # A trainer without the attribute validates (every job has evaluate).
-                "evaluates": bool(getattr(trainer, "evaluates", True)),
+                "evaluates": trainer.evaluates,
             },
         )
 

@@ -34,10 +34,9 @@ class SlotTally:
             self.loss_last = s.loss_last
 
     def stats(self) -> TrainStats:
-        reported = self.loss_steps > 0
+        reported = self.loss_steps > 0  # loss_last stays NaN until a loss is reported
         mean = self.loss_sum / self.loss_steps if reported else math.nan
-        last = self.loss_last if reported else math.nan
-        return TrainStats(self.steps, self.tokens, mean, last, self.seconds, reported)
+        return TrainStats(self.steps, self.tokens, mean, self.loss_last, self.seconds, reported)
 
 
 class Throughput:

@@ -91,6 +91,10 @@ class SiteTrainer(Protocol):
     """What the site agent needs from whatever trains inside the site: :class:`JobTrainer`, the
     pipelined site's leader, or a script's own loop in library mode."""
 
+    evaluates: bool
+    """Whether ``validate`` gives metrics (the site says so at its join, so that one that
+    cannot is never asked to validate)."""
+
     def train_steps(self, num_steps: int) -> TrainStats: ...
 
     def validate(self) -> dict[str, float] | None: ...
@@ -150,6 +154,8 @@ class JobTrainer:
     ``max_nonfinite_steps``: a non-finite loss skips its step (counted by ``on_skipped``); this
     many in a row raise :class:`NonFiniteLossError`.
     """
+
+    evaluates = True  # every job has evaluate
 
     def __init__(
         self,

@@ -50,6 +50,8 @@ than a few: every scripted message is gated on what the agent already sent)."""
 class FakeTrainer:
     """Two parameters; every inner step adds 1 to each and trains 10 tokens."""
 
+    evaluates = True
+
     def __init__(self) -> None:
         self.params = {"a": np.zeros(4, np.float32), "b": np.zeros(3, np.float32)}
 

@@ -29,6 +29,8 @@ from site_agent.trainer import TrainStats, check_parameters
 class PipelineTrainer:
     """Rank 0's handle on the whole site: the agent's trainer surface (``SiteTrainer``)."""
 
+    evaluates = True  # every job has evaluate
+
     def __init__(
         self, job: Job, cfg: PipelineConfig, device: torch.device, *, where: str = "the job"
     ) -> None:
