@@ -44,11 +44,20 @@ from dataclasses import dataclass
 import msgpack
 
 from comm.transport.linkest import LinkEstimate
+from comm.wire.bounded import UnpackLimits, unpack_bounded
 from comm.wire.frames import Frame, WireError
 from comm.wire.schema import ChunkAck, ErrorCode
 
 _LEN_BYTES = struct.calcsize("<Q")  # one entry of the stream's length table (comm.wire.chunking)
 _MAX_TRANSFER_ID_CHARS = 128
+_ACK_LIMITS = UnpackLimits(
+    max_objects=4,
+    max_array_len=3,
+    max_map_len=1,
+    max_str_len=4 * _MAX_TRANSFER_ID_CHARS,
+    max_bin_len=1,
+)
+"""An acknowledgement is ``[transfer_id, next_index, credit_bytes]`` (``comm.wire.bounded``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,10 +145,7 @@ def encode_ack(ack: ChunkAck) -> bytes:
 
 def decode_ack(frame: Frame) -> ChunkAck:
     """Parse :func:`encode_ack`'s frame; :class:`WireError` (malformed) on anything else."""
-    try:
-        value = msgpack.unpackb(memoryview(frame).cast("B"), raw=False)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise WireError(ErrorCode.MALFORMED, f"ack is not msgpack: {exc}") from None
+    value = unpack_bounded(memoryview(frame).cast("B"), _ACK_LIMITS, "ack is not msgpack")
     if (
         not isinstance(value, list)
         or len(value) != 3

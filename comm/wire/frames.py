@@ -26,14 +26,27 @@ from typing import Any
 import msgpack
 
 from comm.codecs.base import EncodedTensor
+from comm.wire.bounded import UnpackLimits, unpack_bounded
 from comm.wire.errors import WireError as WireError  # raised here, imported from here
-from comm.wire.payload import decode_payload, encode_payload
+from comm.wire.payload import MAX_TENSORS, decode_payload, encode_payload
 from comm.wire.schema import MESSAGE_CLASSES, MESSAGE_TYPES, PROTOCOL_VERSION, ErrorCode, Message
 
 # Anything exposing the buffer protocol: bytes, memoryview, numpy arrays, zmq frame buffers.
 Frame = Any
 
 _MAX_HEADER_BYTES = 1 << 20
+HEADER_LIMITS = UnpackLimits(
+    max_objects=1 << 18,
+    max_array_len=MAX_TENSORS,
+    max_map_len=MAX_TENSORS,
+    max_str_len=_MAX_HEADER_BYTES,
+    max_bin_len=_MAX_HEADER_BYTES,
+)
+"""What a header may hold (``comm.wire.bounded``). The largest legitimate one is a ``Join`` of a
+model of many tensors: its ``state_spec`` lists each as about 6 objects, so 2^18 objects are a
+model of over 40,000 tensors, more than the 1 MiB header holds by their names. No list or map in
+a header is longer than a model's tensor count; a string or a (compressed index) binary costs what
+it weighs."""
 
 
 def _check_value(kind: Any, value: Any, where: str) -> Any:
@@ -231,10 +244,7 @@ def from_wire_envelope(
     head = memoryview(frames[0]).cast("B")
     if head.nbytes > _MAX_HEADER_BYTES:
         raise WireError(ErrorCode.OVERSIZE, f"header of {head.nbytes} bytes")
-    try:
-        header = msgpack.unpackb(head, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise WireError(ErrorCode.MALFORMED, f"header is not msgpack: {exc}") from None
+    header = unpack_bounded(head, HEADER_LIMITS, "header is not msgpack within its bounds")
     if not isinstance(header, dict) or "v" not in header:
         raise WireError(ErrorCode.MALFORMED, "header is not a map with a version")
     if header["v"] != PROTOCOL_VERSION:

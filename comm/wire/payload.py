@@ -20,6 +20,7 @@ import numpy as np
 import zstandard
 
 from comm.codecs.base import EncodedTensor
+from comm.wire.bounded import UnpackLimits, unpack_bounded
 from comm.wire.errors import WireError
 from comm.wire.schema import ErrorCode
 
@@ -32,6 +33,21 @@ COMPRESS_INDEX_FROM = 2048
 MAX_INDEX_BYTES = 16 << 20
 """The most a compressed index may expand to."""
 MAX_TENSORS = 1 << 16
+"""The most tensors one message carries."""
+MAX_OBJECTS_PER_TENSOR = 48
+"""The most msgpack objects one tensor's index entry holds (every key, value and container;
+a chunked top-k entry of a matrix holds 35)."""
+INDEX_LIMITS = UnpackLimits(
+    max_objects=1 + MAX_TENSORS * MAX_OBJECTS_PER_TENSOR,
+    per_item_objects=MAX_OBJECTS_PER_TENSOR,
+    max_array_len=MAX_TENSORS,
+    max_map_len=MAX_OBJECTS_PER_TENSOR,
+    max_str_len=1 << 16,
+    max_bin_len=1 << 16,
+)
+"""What a compressed index may expand into (``comm.wire.bounded``): at most
+:data:`MAX_OBJECTS_PER_TENSOR` objects for each tensor it lists, names and other strings up to
+64 KiB."""
 ALLOWED_DTYPES = frozenset(
     {"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "float16", "float32"}
 )
@@ -69,14 +85,15 @@ def encode_payload(payload: Sequence[EncodedTensor]) -> tuple[list[Any] | bytes,
 
 
 def _index(index: Any) -> Any:
-    """The index as a list: a compressed one expanded (at most :data:`MAX_INDEX_BYTES`)."""
+    """The index as a list: a compressed one expanded (at most :data:`MAX_INDEX_BYTES`, within
+    :data:`INDEX_LIMITS`)."""
     if not isinstance(index, bytes):
         return index
     try:
         raw = zstandard.ZstdDecompressor().decompress(index, max_output_size=MAX_INDEX_BYTES)
-        return msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception as exc:  # zstd and msgpack raise several unrelated types on garbage
+    except Exception as exc:  # zstd raises several unrelated types on garbage
         raise WireError(ErrorCode.MALFORMED, f"compressed payload index: {exc}") from None
+    return unpack_bounded(raw, INDEX_LIMITS, "compressed payload index")
 
 
 def _check(kind: type, value: Any, where: str) -> Any:
