@@ -21,6 +21,7 @@ from comm.security.identity import PeerIdentity
 from comm.security.registry import CertificateRegistry
 from comm.security.rolekits import CoordinatorKit
 from comm.security.zap import ZapHandler
+from comm.transport.charges import Allowance
 from comm.transport.faults import WireFaults
 from comm.transport.router import RouterChannel
 from comm.wire.schema import ERROR_MEANINGS, Error, ErrorCode, Message
@@ -62,8 +63,9 @@ class PostOffice:
     def start_writer(self) -> None:
         self.outbox = Outbox(self._cfg.faults.wrap(self._store))
 
-    def bind(self) -> str:
-        """Bind the socket (after the ZAP handler, so no handshake races it); the endpoint."""
+    def bind(self, allowance: Allowance | None = None) -> str:
+        """Bind the socket (after the ZAP handler, so no handshake races it); the endpoint.
+        ``allowance``: what each peer may make the channel hold (``coordinator.allowance``)."""
         self._ctx = zmq.Context()
         channel_cfg = self._cfg.channel
         if self._kit is not None:
@@ -80,7 +82,9 @@ class PostOffice:
                 "[coordinator] INSECURE MODE: no encryption, no authentication. "
                 "For loopback experiments only; never expose this endpoint."
             )
-        self.chan = RouterChannel(channel_cfg, context=self._ctx, on_reject=self._on_wire_reject)
+        self.chan = RouterChannel(
+            channel_cfg, context=self._ctx, on_reject=self._on_wire_reject, allowance=allowance
+        )
         return self.chan.bind(self._cfg.bind)
 
     def close_writer(self) -> bool:

@@ -32,6 +32,7 @@ import numpy as np
 from comm.security.registry import CertificateRegistry
 from comm.security.rolekits import load_coordinator_kit
 from comm.transport.router import RouterChannel
+from coordinator.allowance import PeerAllowance
 from coordinator.closing import Closing
 from coordinator.config import CoordinatorConfig
 from coordinator.conflicts import IdentityConflicts
@@ -217,7 +218,12 @@ class Coordinator:
                     f"{state.model_fingerprint}"
                 )
             self._resume(state)
-        endpoint = self.status_report.endpoint = self.post.bind()
+        allowance = PeerAllowance(
+            book=self.book,
+            numel=lambda: None if self.model.state is None else self.model.numel,
+            unknown_model_bytes=self.cfg.channel.max_transfer_bytes,
+        )
+        endpoint = self.status_report.endpoint = self.post.bind(allowance)
         if self.cfg.state_dir:
             write_endpoint(self.cfg.state_path, endpoint, self.session_id)
         log.info("[coordinator] listening on %s session=%s", endpoint, self.session_id)

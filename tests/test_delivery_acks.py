@@ -111,11 +111,22 @@ def test_a_floor_releases_what_waited_behind_a_gap_the_sender_gave_up() -> None:
     assert into.offer(5, 3, "e") == ["b", "d", "e"] and into.skipped == 2
 
 
-def test_an_in_stream_stops_waiting_for_a_gap_it_cannot_hold_behind() -> None:
+def test_an_in_stream_full_behind_a_gap_drops_the_newest_unacknowledged_and_never_skips() -> None:
     into: InStream[int] = InStream("s1", max_pending=3)
     assert [into.offer(r, 0, r) for r in (2, 3, 4)] == [[], [], []]
-    assert into.offer(5, 0, 5) == [2, 3, 4, 5] and into.skipped == 1
-    assert into.offer(1, 0, 1) == []  # arrives after all: already given up, dropped as a copy
+    assert into.offer(5, 0, 5) == [] and into.refused == 1 and into.skipped == 0
+    assert into.ack() == ("s1", 0, (2, 3, 4))  # 5 is not acknowledged: its sender resends it
+    assert into.offer(1, 0, 1) == [1, 2, 3, 4]  # the missing one still counts
+    assert into.offer(5, 0, 5) == [5] and into.skipped == 0
+
+
+def test_an_in_stream_holds_behind_a_gap_only_the_bytes_it_is_given_room_for() -> None:
+    into: InStream[str] = InStream("s1")
+    assert into.offer(2, 0, "b", nbytes=600, room=1000) == [] and into.pending_bytes == 600
+    assert into.offer(3, 0, "c", nbytes=600, room=400) == [] and into.refused == 1
+    assert into.pending_bytes == 600 and into.ack() == ("s1", 0, (2,))
+    # The next in order is never refused, whatever its size: it is delivered, not held.
+    assert into.offer(1, 0, "a", nbytes=10**9, room=0) == ["a", "b"] and into.pending_bytes == 0
 
 
 def test_the_resend_timeout_grows_with_the_round_trip_size_and_ack_delay() -> None:

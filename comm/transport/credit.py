@@ -103,8 +103,22 @@ class TransferConfig:
     still arrives (alone). Transfers no larger than the initial credit never wait: their sender
     may send them whole before any acknowledgement."""
 
+    peer_hold_bytes: int = 0
+    """Bytes one sender may make a receiver hold at once (its open transfers' sizes and chunk
+    flags) where the receiver's owner gives no allowance of its own (``comm.transport.charges``);
+    0: twice ``max_transfer_bytes``."""
+    min_progress_bytes_per_s: float = 4096.0
+    """An admitted transfer whose new bytes since its admission fall below this rate over more
+    than ``progress_window_s`` is dropped like an idle one (a sender trickling chunks)."""
+    progress_window_s: float = 120.0
+    """How long an admitted transfer may take before its rate is held against
+    ``min_progress_bytes_per_s``."""
+
     def __post_init__(self) -> None:
+        if not self.peer_hold_bytes:
+            object.__setattr__(self, "peer_hold_bytes", 2 * self.max_transfer_bytes)
         for name in (
+            "peer_hold_bytes",
             "chunk_bytes",
             "max_transfer_bytes",
             "max_pending",
@@ -125,6 +139,10 @@ class TransferConfig:
             raise ValueError(f"transfer.window_factor must be >= 1, got {self.window_factor!r}")
         if not (math.isfinite(self.stall_timeout_s) and self.stall_timeout_s > 0):
             raise ValueError(f"transfer.stall_timeout_s must be > 0, got {self.stall_timeout_s!r}")
+        for name in ("min_progress_bytes_per_s", "progress_window_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"transfer.{name} must be >= 0, got {value!r}")
         if not (math.isfinite(self.idle_expire_s) and self.idle_expire_s > 0):
             raise ValueError(f"transfer.idle_expire_s must be > 0, got {self.idle_expire_s!r}")
 

@@ -75,7 +75,9 @@ class DealerChannel(_Endpoint):
         return None if got is None else got[1]
 
     def _recv_one(self) -> tuple[bytes, Message] | None:
-        frames = self._sock.recv_multipart(copy=False)
+        frames = self._recv_frames()
+        if self._refuse_oversize(COORDINATOR_PEER):
+            return None
         msg = self._parse(COORDINATOR_PEER, [f.buffer for f in frames])
         return None if msg is None else (COORDINATOR_PEER, msg)
 

@@ -7,6 +7,12 @@ The receiver's other acknowledgements (grants when its receive budget admits a w
 keepalives to transfers it holds back) go out after every chunk and on every poll slice.
 A complete message's delivery acknowledgement releases what this end holds for the sender, and
 a numbered message this end already has is dropped (``comm.transport.reliable``).
+
+What a peer makes this end hold beyond the message at hand (transfers, messages behind a gap)
+is charged to it (``comm.transport.charges``); a peer that holds bytes and sends nothing for
+``idle_expire_s`` is dropped, which frees them. A frame list is read one frame at a time: one
+with more frames or more bytes than a message may have is refused as it arrives, its frames
+read and let go, never gathered (``max_message_bytes`` bounds a message, not each frame).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from comm.wire.frames import (
     frames_nbytes,
     from_wire_envelope,
 )
+from comm.wire.payload import PACK_BELOW
 from comm.wire.schema import Chunk, ChunkAck, ErrorCode, Message
 
 log = logging.getLogger(__name__)
@@ -52,11 +59,56 @@ class _Endpoint(_SendSide):
         if self._on_reject is not None:
             self._on_reject(sender, code, detail)
 
+    @property
+    def max_message_frames(self) -> int:
+        """The most frames a message sent whole may have: its header and fields, the pack of
+        small buffers, and one frame per buffer of at least ``PACK_BELOW`` bytes."""
+        return 16 + self.cfg.max_message_bytes // PACK_BELOW
+
+    def _recv_frames(self) -> list[zmq.Frame]:
+        """Read one frame list (one is waiting), a frame at a time. One with more frames or
+        bytes than a message may have comes back cut to its first two frames (enough to tell
+        who sent it), the rest read and let go; :meth:`_refuse_oversize` then rejects it."""
+        sock, limit = self._sock, self.cfg.max_message_bytes + (64 << 10)  # + the routing id
+        frames: list[zmq.Frame] = []
+        nbytes, over = 0, False
+        while True:
+            frame = sock.recv(copy=False)
+            nbytes += len(frame)
+            if not over:
+                frames.append(frame)
+                over = len(frames) > self.max_message_frames + 1 or nbytes > limit
+            more = frame.more
+            if over:
+                frames = frames[:2]  # the routing id and the first frame: who sent it
+            if not more:
+                break
+        self._oversize = nbytes if over else None
+        if over:
+            self.stats.bytes_received += nbytes
+        return frames
+
+    def _refuse_oversize(self, sender: bytes) -> bool:
+        """Whether the frame list just read was over the bounds (then it is rejected)."""
+        nbytes, self._oversize = self._oversize, None
+        if nbytes is None:
+            return False
+        self._reject(
+            sender,
+            ErrorCode.OVERSIZE,
+            f"a message of over {self.max_message_frames} frames or "
+            f"{self.cfg.max_message_bytes} bytes "
+            f"({nbytes} bytes read and let go)",
+        )
+        return True
+
     def _parse(self, sender: bytes, frames: Sequence[Frame]) -> Message | None:
         """One received frame list to a complete message; None for an acknowledgement, a chunk
         of a message still partial, or anything rejected."""
         size = frames_nbytes(frames)
         self.stats.bytes_received += size
+        self.charges.heard(sender, time.monotonic())
+        got_size: int | None = None  # a chunked message's size
         try:
             msg, env = from_wire_envelope(frames, max_bytes=self.cfg.max_message_bytes)
             self._check_replay(sender, env.session, env.seq, inner=False)
@@ -83,6 +135,7 @@ class _Endpoint(_SendSide):
                 first = self._transfer_start.pop(key, None)
                 if first is not None and msg.num_chunks > 1 and now > first[0]:
                     self.stats.goodput_sample(8 * (msg.total_bytes - first[1]) / (now - first[0]))
+                got_size = msg.total_bytes
                 msg, env = from_wire_envelope(got.frames)
                 self._check_replay(sender, env.session, env.seq, inner=True)
                 if isinstance(msg, Chunk | ChunkAck):
@@ -91,13 +144,13 @@ class _Endpoint(_SendSide):
             self._reject(sender, exc.code, exc.detail)
             return None
         self.stats.messages_received += 1
-        delivered = self._delivered(sender, env, msg)
+        delivered = self._delivered(sender, env, msg, size if got_size is None else got_size)
         if not delivered:
             return None
         self._released.extend((sender, later) for later in delivered[1:])
         return delivered[0]
 
-    def _delivered(self, sender: bytes, env: Envelope, msg: Message) -> list[Message]:
+    def _delivered(self, sender: bytes, env: Envelope, msg: Message, nbytes: int) -> list[Message]:
         """Take a complete message's acknowledgement; what to deliver now, in the order sent:
         nothing for a numbered message this end already has (dropped, counted) or one held
         behind a gap, several when it fills one."""
@@ -108,10 +161,23 @@ class _Endpoint(_SendSide):
             return [msg]
         stream = self.in_streams.get(sender)
         if stream is None or stream.session != env.session:
+            self._end_in_stream(sender)
             stream = self.in_streams[sender] = InStream(env.session)
-        before = stream.duplicates
-        delivered = stream.offer(*env.delivery, msg)
+        before, refused, held = stream.duplicates, stream.refused, stream.pending_bytes
+        delivered = stream.offer(*env.delivery, msg, nbytes=nbytes, room=self.charges.room(sender))
         self.stats.duplicates_dropped += stream.duplicates - before
+        if stream.pending_bytes > held:
+            self.charges.charge(sender, stream.pending_bytes - held, "a message behind a gap")
+        elif stream.pending_bytes < held:
+            self.charges.release(sender, held - stream.pending_bytes)
+        if stream.refused > refused:
+            self._reject(
+                sender,
+                ErrorCode.OVERSIZE,
+                f"message {env.delivery[0]} of {nbytes} bytes arrived behind a gap that holds "
+                f"{len(stream.pending)} message(s) of {stream.pending_bytes} bytes: dropped "
+                "unacknowledged, to be sent again",
+            )
         return delivered
 
     def _send_receiver_acks(self, now: float) -> None:
@@ -136,6 +202,15 @@ class _Endpoint(_SendSide):
         if now < self._expire_at:
             return
         self._expire_at = now + 1.0
+        for peer in self.charges.quiet(now, self.transfer_cfg.idle_expire_s, self._holding()):
+            log.warning(
+                "peer %r sent nothing for %.0f s: dropped what it held",
+                peer[:32],
+                self.transfer_cfg.idle_expire_s,
+            )
+            self.stats.rejected["peer_quiet"] += 1
+            self._receiver.drop_sender(peer)
+            self._end_in_stream(peer)
         dropped = self._receiver.expire(now)
         if dropped:
             self.stats.rejected["transfer_idle"] += dropped
@@ -144,6 +219,11 @@ class _Endpoint(_SendSide):
                 dropped,
                 self.transfer_cfg.idle_expire_s,
             )
+
+    def _holding(self) -> set[bytes]:
+        """The peers this end holds bytes for: open transfers, messages behind a gap."""
+        held = {p for p, s in self.in_streams.items() if s.pending}
+        return held | self._receiver.senders()
 
     def _recv_one(self) -> tuple[bytes, Message] | None:
         """Read one frame list (one is waiting) and handle it; a complete message is returned."""

@@ -6,6 +6,12 @@ bandwidth x RTT)`` from the sender's link estimate, clamped to ``max_window``. I
 transfers for reassembly within the receive budget (``comm.transport.receive_budget``, which
 counts what is admitted and what waits): the chunks of a waiting transfer are held outside the
 reassembler, and its sender is acknowledged but granted nothing until it is admitted.
+
+Every open transfer is charged to its sender (``comm.transport.charges``): its size and its
+chunk flags, from its first chunk until it completes or is dropped. A first chunk whose transfer
+does not fit in what its sender may still hold is refused and opens nothing. An admitted
+transfer that moves slower than ``min_progress_bytes_per_s`` over ``progress_window_s`` is
+dropped like an idle one, so a sender trickling chunks cannot keep a place for ever.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from comm.transport.charges import PeerCharges
 from comm.transport.chunk_checks import check_bounds, check_digest, chunk_stride
 from comm.transport.credit import TransferConfig, grant_window_bytes
 from comm.transport.linkest import LinkEstimator
@@ -34,6 +41,8 @@ class _Incoming:
     started_at: float
     received: bytearray  # one flag per chunk
     last_at: float = 0.0  # when its latest new chunk arrived (or it was admitted)
+    progressed_bytes: int = 0
+    """New bytes received since ``started_at`` (its opening, or its admission after waiting)."""
     next_index: int = 0
     waiting: bool = False
     """Not admitted yet: its chunks are held in ``parked``, not in a reassembly buffer."""
@@ -89,8 +98,12 @@ class TransferReceiver:
     by :meth:`acks_due`, which the driver calls after every chunk and on every tick.
     """
 
-    def __init__(self, config: TransferConfig | None = None) -> None:
+    def __init__(
+        self, config: TransferConfig | None = None, charges: PeerCharges | None = None
+    ) -> None:
         self.config = config or TransferConfig()
+        self.charges = charges or PeerCharges(self.config.peer_hold_bytes)
+        """What each sender holds here, against its allowance (shared with the endpoint)."""
         self._reassembler = Reassembler(
             max_transfer_bytes=self.config.max_transfer_bytes, max_pending=self.config.max_pending
         )
@@ -181,6 +194,7 @@ class TransferReceiver:
         self._count(state, chunk.index, duplicate)
         if not duplicate:
             state.last_at = now
+            state.progressed_bytes += nbytes
             state.grant_unanswered = False
         if link is not None and not duplicate:
             link.on_bytes_acked(nbytes, now)
@@ -208,12 +222,17 @@ class TransferReceiver:
         if sum(1 for k in self._incoming if k[0] == sender) >= self.config.max_pending:
             detail = f"more than {self.config.max_pending} open transfers from this sender"
             raise WireError(ErrorCode.OVERSIZE, detail)
+        check_digest(chunk)  # before anything is charged: a corrupt chunk costs its sender nothing
+        cost = chunk.total_bytes + chunk.num_chunks
+        self.charges.charge(sender, cost, f"a transfer of {chunk.num_chunks} chunks")
         wait = self._budget.must_wait(chunk.total_bytes)
         frames = None
-        if wait:
-            check_digest(chunk)
-        else:
-            frames = self._reassembler.add(sender, chunk, now)  # digest and bounds; may raise
+        if not wait:
+            try:
+                frames = self._reassembler.add(sender, chunk, now)  # bounds; may raise
+            except WireError:
+                self.charges.release(sender, cost)
+                raise
         state = _Incoming(
             num_chunks=chunk.num_chunks,
             total_bytes=chunk.total_bytes,
@@ -229,7 +248,7 @@ class TransferReceiver:
             self._budget.enqueue(key, state.total_bytes)
             self.stats.transfers_waited += 1
         else:
-            self._budget.admit(state.total_bytes)
+            self._budget.admit(key, state.total_bytes)
             self._note_peak()
         return state, frames
 
@@ -285,12 +304,13 @@ class TransferReceiver:
         parked, state.parked = state.parked, []
         self._budget.unhold(sum(memoryview(c.data).nbytes for c in parked))
         state.waiting = False
-        self._budget.admit(state.total_bytes)
+        self._budget.admit(key, state.total_bytes)
         for chunk in parked:  # checked when they came; the sender's open transfers are bounded
             frames = self._reassembler.add(sender, chunk, now)
             assert frames is None, "a waiting transfer is never complete"
         self._note_peak()
         state.last_at = state.started_at = now
+        state.progressed_bytes = 0
         state.grant_unanswered = True
         start = state.next_index * state.stride
         state.edge = max(state.edge, start + max(state.stride, self.window_bytes(state.link)))
@@ -302,8 +322,9 @@ class TransferReceiver:
         if state.waiting:
             self._budget.release_waiting(key, sum(memoryview(c.data).nbytes for c in state.parked))
         else:
-            self._budget.release_admitted(state.total_bytes)
+            self._budget.release_admitted(key, state.total_bytes)
             self._reassembler.discard(*key)
+        self.charges.release(key[0], state.total_bytes + state.num_chunks)
         return state
 
     def _note_peak(self) -> None:
@@ -328,6 +349,14 @@ class TransferReceiver:
 
     # -- bookkeeping ----------------------------------------------------------------------
 
+    def _stuck(self, state: _Incoming, now: float, idle_s: float) -> bool:
+        """An admitted transfer idle for ``idle_s``, or too slow over the progress window."""
+        if now - state.last_at > idle_s:
+            return True
+        elapsed = now - state.started_at
+        rate = self.config.min_progress_bytes_per_s
+        return elapsed > self.config.progress_window_s and state.progressed_bytes < rate * elapsed
+
     def _count(self, state: _Incoming, index: int, duplicate: bool) -> None:
         """Count a chunk in; a new one advances ``next_index`` over every chunk now held."""
         self.stats.chunks_received += 1
@@ -351,16 +380,22 @@ class TransferReceiver:
         self._grants = [(s, a) for s, a in self._grants if s != sender]
         self._admit_waiting(self._now)
 
+    def senders(self) -> set[bytes]:
+        """The senders with an open transfer."""
+        return {k[0] for k in self._incoming}
+
     def expire(self, now: float, max_idle_s: float | None = None) -> int:
         """Forget the admitted transfers that got no new chunk for ``max_idle_s`` (default: the
-        config's ``idle_expire_s``), freeing their buffers and admitting waiting ones; return
-        how many. A waiting transfer's idle time counts from its admission: the wait is the
-        receiver's, not a sign its sender is gone (a departed sender is dropped by
-        :meth:`drop_sender`)."""
+        config's ``idle_expire_s``) or moved slower than ``min_progress_bytes_per_s`` over the
+        ``progress_window_s`` since they were admitted, freeing their buffers and admitting
+        waiting ones; return how many. A waiting transfer's time counts from its admission: the
+        wait is the receiver's, not a sign its sender is gone (a departed or quiet sender is
+        dropped by :meth:`drop_sender`)."""
         self._now = max(self._now, now)
         idle_s = self.config.idle_expire_s if max_idle_s is None else max_idle_s
-        self._reassembler.expire(now, idle_s)
-        old = [k for k, s in self._incoming.items() if not s.waiting and now - s.last_at > idle_s]
+        old = [
+            k for k, s in self._incoming.items() if not s.waiting and self._stuck(s, now, idle_s)
+        ]
         for key in old:
             self._remove(key)
         self.stats.transfers_expired += len(old)

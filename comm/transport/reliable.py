@@ -165,47 +165,68 @@ class OutStream:
 class InStream(Generic[T]):
     """What one peer's session has delivered here, in number order: the highest number with none
     missing before it, and what arrived above a gap, held back until the gap fills (as TCP holds
-    bytes), so the receiver sees messages in the order they were sent."""
+    bytes), so the receiver sees messages in the order they were sent.
+
+    What is held behind a gap is bounded in messages (``max_pending``) and, per offer, in bytes
+    (the ``room`` its owner gives). A message that would pass either bound is dropped unheld and
+    unacknowledged: its sender resends it once the gap has filled. A gap is never skipped for
+    want of room; only the sender's floor (it gave the missing ones up) moves past one."""
 
     def __init__(self, session: str, *, max_pending: int = 256) -> None:
         self.session = session
         self.contig = 0
         self.pending: dict[int, T] = {}
         """Messages above the gap, by number."""
+        self._sizes: dict[int, int] = {}
         self.max_pending = max_pending
         self.duplicates = 0
         """Messages dropped because this end already had them."""
         self.skipped = 0
-        """Numbers given up on: below the sender's floor, or too far behind the rest."""
+        """Numbers given up on: at or below the sender's floor."""
+        self.refused = 0
+        """Messages above a gap dropped unacknowledged because holding them would pass a
+        bound (the sender resends them)."""
 
-    def offer(self, rseq: int, floor: int, item: T) -> list[T]:
-        """Message ``rseq`` arrived; what to deliver now, in order (empty: a copy, or held
-        behind a gap). ``floor``: the sender holds nothing at or below it, so nothing there is
-        still coming and what waits behind it goes."""
+    @property
+    def pending_bytes(self) -> int:
+        """The sizes of the messages held above the gap, summed."""
+        return sum(self._sizes.values())
+
+    def offer(
+        self, rseq: int, floor: int, item: T, *, nbytes: int = 0, room: int | None = None
+    ) -> list[T]:
+        """Message ``rseq`` (of ``nbytes``) arrived; what to deliver now, in order (empty: a
+        copy, held behind a gap, or refused for want of room). ``floor``: the sender holds
+        nothing at or below it, so nothing there is still coming and what waits behind it goes.
+        ``room``: bytes this stream may hold beyond what it holds now (None: no byte bound)."""
         out: list[T] = []
         if floor > self.contig:
             for number in sorted(r for r in self.pending if r <= floor):
-                out.append(self.pending.pop(number))
+                out.append(self._pop(number))
             self.skipped += floor - self.contig - len(out)
             self.contig = floor
             self._advance(out)
         if rseq <= self.contig or rseq in self.pending:
             self.duplicates += 1
             return out
+        if rseq != self.contig + 1 and (
+            len(self.pending) >= self.max_pending or (room is not None and nbytes > room)
+        ):
+            self.refused += 1
+            return out
         self.pending[rseq] = item
+        self._sizes[rseq] = nbytes
         self._advance(out)
-        if len(self.pending) > self.max_pending:
-            # Held too long behind a gap: stop waiting for the missing ones.
-            lowest = min(self.pending)
-            self.skipped += lowest - self.contig - 1
-            self.contig = lowest - 1
-            self._advance(out)
         return out
+
+    def _pop(self, rseq: int) -> T:
+        self._sizes.pop(rseq, None)
+        return self.pending.pop(rseq)
 
     def _advance(self, out: list[T]) -> None:
         while self.contig + 1 in self.pending:
             self.contig += 1
-            out.append(self.pending.pop(self.contig))
+            out.append(self._pop(self.contig))
 
     def ack(self) -> tuple[str, int, tuple[int, ...]]:
         """(the session acknowledged, the highest number with none missing, up to

@@ -8,6 +8,7 @@ from typing import Any
 import zmq
 
 from comm.security.identity import PeerIdentity, peer_address, peer_of
+from comm.transport.charges import Allowance
 from comm.transport.endpoint import _Endpoint
 from comm.transport.profile import _PEER_GONE, ChannelConfig, RejectHook, _apply_profile
 from comm.transport.reliable import MUST_ARRIVE
@@ -25,7 +26,10 @@ class RouterChannel(_Endpoint):
         *,
         context: zmq.Context[Any] | None = None,
         on_reject: RejectHook | None = None,
+        allowance: Allowance | None = None,
     ) -> None:
+        """``allowance``: the bytes a peer (by routing id) may make this end hold at once
+        (``comm.transport.charges``); None: the transfer config's ``peer_hold_bytes``."""
         ctx = context or zmq.Context.instance()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -36,6 +40,15 @@ class RouterChannel(_Endpoint):
         """The ZAP-certified identity of each sender (CURVE mode only)."""
         self.addresses: dict[bytes, str] = {}
         """The network address each sender's connection comes from, as the socket reports it."""
+        if allowance is not None:
+            self.charges.allowance = allowance
+        self.charges.key = self._account
+
+    def _account(self, peer: bytes) -> bytes:
+        """Whose account ``peer``'s bytes go to: its certified site, so that one site's
+        connections share one allowance (its routing id where there is no certificate)."""
+        identity = self.identities.get(peer)
+        return peer if identity is None else b"site:" + identity.site_id.encode()
 
     def bind(self, endpoint: str) -> str:
         """Bind (``tcp://127.0.0.1:0`` picks a port) and return the endpoint actually bound."""
@@ -89,7 +102,7 @@ class RouterChannel(_Endpoint):
         return self._next(timeout_s)
 
     def _recv_one(self) -> tuple[bytes, Message] | None:
-        frames = self._sock.recv_multipart(copy=False)
+        frames = self._recv_frames()
         sender = frames[0].bytes
         if len(frames) < 2:
             self._reject(sender, ErrorCode.MALFORMED, "no frames after the routing id")
@@ -108,6 +121,8 @@ class RouterChannel(_Endpoint):
                 )
                 return None
             self.identities[sender] = peer
+        if self._refuse_oversize(sender):
+            return None
         msg = self._parse(sender, [f.buffer for f in frames[1:]])
         return None if msg is None else (sender, msg)
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import zmq
 
+from comm.transport.charges import PeerCharges
 from comm.transport.credit import stall_timeout_s
 from comm.transport.delivering import _DeliverySide
 from comm.transport.faults import WireFaults
@@ -57,7 +58,10 @@ class _SendSide(_DeliverySide):
         self.stats = ChannelStats()
         self._on_reject = on_reject
         self.transfer_cfg = cfg.transfer
-        self._receiver = TransferReceiver(self.transfer_cfg)
+        self.charges = PeerCharges(self.transfer_cfg.peer_hold_bytes)
+        """What each peer makes this end hold (transfers it sends, messages held behind a gap),
+        against its allowance (``comm.transport.charges``)."""
+        self._receiver = TransferReceiver(self.transfer_cfg, self.charges)
         # Per peer, messages go out in the order they were sent: while a large one is in
         # transfer (one per peer at most), later ones wait behind it (heartbeats excepted).
         self._outgoing: dict[bytes, _Outgoing] = {}
@@ -90,6 +94,7 @@ class _SendSide(_DeliverySide):
         self.replay = ReplayGuard()
 
     def _next_seq(self) -> int:
+        self._oversize: int | None = None  # the size of the frame list just read, if over
         self._seq += 1
         return self._seq
 
@@ -366,9 +371,16 @@ class _SendSide(_DeliverySide):
         streams; return how many messages to it were given up."""
         self._receiver.drop_sender(peer)
         self.stats.messages_abandoned += self._end_out_stream(peer)
-        self.in_streams.pop(peer, None)
+        self._end_in_stream(peer)
+        self.charges.forget(peer)
         for key in [k for k in self._transfer_start if k[0] == peer]:
             del self._transfer_start[key]
         dropped = int(self._outgoing.pop(peer, None) is not None)
         waiting = self._queued.pop(peer, None)
         return dropped + (len(waiting) if waiting else 0)
+
+    def _end_in_stream(self, peer: bytes) -> None:
+        """Forget what ``peer``'s session sent here, releasing what it held behind a gap."""
+        stream = self.in_streams.pop(peer, None)
+        if stream is not None and stream.pending_bytes:
+            self.charges.release(peer, stream.pending_bytes)

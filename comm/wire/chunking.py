@@ -3,8 +3,9 @@
 The frames of a message are laid out as one byte stream (a length table, then each frame) and cut
 into :class:`~comm.wire.schema.Chunk` messages of at most ``chunk_bytes``, each carrying its offset and
 a BLAKE2b digest. :class:`Reassembler` puts a stream back together, checks every digest, every
-offset and every size against bounds before it allocates, and returns the original frames (views
-into one buffer, not copies).
+offset and every size against bounds before it keeps a byte, and returns the original frames
+(views into one buffer, not copies). Its buffer grows as chunks arrive, never ahead of them: a
+transfer's claimed size costs nothing until its bytes come.
 """
 
 from __future__ import annotations
@@ -76,11 +77,23 @@ class _Partial:
     num_chunks: int
     total_bytes: int
     buffer: bytearray
+    """The stream's bytes from its start up to the first one missing."""
+    ahead: dict[int, bytes]
+    """Chunks beyond the first gap, by offset (after a reconnect lost some), until it fills."""
     received: set[int]
     filled: int
     started: float
     last: float
     """When its latest new chunk arrived."""
+
+    def place(self, offset: int, data: memoryview) -> None:
+        """Put a new chunk's bytes in: appended where the buffer ends, else kept aside."""
+        if offset != len(self.buffer):
+            self.ahead[offset] = bytes(data)
+            return
+        self.buffer += data
+        while (more := self.ahead.pop(len(self.buffer), None)) is not None:
+            self.buffer += more
 
 
 class Reassembler:
@@ -133,13 +146,7 @@ class Reassembler:
                 detail = f"more than {self.max_pending} open transfers from this sender"
                 raise WireError(ErrorCode.OVERSIZE, detail)
             part = _Partial(
-                chunk.num_chunks,
-                chunk.total_bytes,
-                bytearray(chunk.total_bytes),
-                set(),
-                0,
-                now,
-                now,
+                chunk.num_chunks, chunk.total_bytes, bytearray(), {}, set(), 0, now, now
             )
             self._partial[key] = part
         if (part.num_chunks, part.total_bytes) != (chunk.num_chunks, chunk.total_bytes):
@@ -147,14 +154,14 @@ class Reassembler:
             raise WireError(ErrorCode.MALFORMED, f"chunk {chunk.index} disagrees on transfer size")
         if chunk.index in part.received:
             return None  # a resent chunk after a reconnect: already have it
-        part.buffer[chunk.offset : chunk.offset + data.nbytes] = data
+        part.place(chunk.offset, data)
         part.received.add(chunk.index)
         part.filled += data.nbytes
         part.last = now
         if len(part.received) < part.num_chunks:
             return None
         del self._partial[key]
-        if part.filled != part.total_bytes:
+        if part.filled != part.total_bytes or len(part.buffer) != part.total_bytes:
             raise WireError(ErrorCode.MALFORMED, "chunks do not cover the transfer")
         return _unstream(memoryview(part.buffer))
 
