@@ -3,19 +3,21 @@
 The sending half (``comm.transport.sending``) numbers each message that must arrive and holds it
 (:class:`~comm.transport.reliable.OutStream`); this mixin releases what the peer acknowledges,
 gives up what exceeds the bounds, and sends again, in number order and behind whatever is queued
-for the peer, what is still unacknowledged after :meth:`_DeliverySide.resend_timeout`.
+for the peer, what is still unacknowledged after :meth:`_DeliverySide.resend_timeout`. A message
+given up is never sent afterwards: it leaves the queue, and its transfer stops if it was in one.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Any
 
 import zmq
 
 from comm.transport.linkest import LinkEstimator
+from comm.transport.outgoing import _Queue
 from comm.transport.profile import _PEER_GONE, ChannelConfig
 from comm.transport.reliable import Held, InStream, OutStream, resend_timeout_s
 from comm.transport.stats import ChannelStats
@@ -42,7 +44,7 @@ class _DeliverySide:
     """Per peer: what its current session sent here."""
     _last_rseq: OrderedDict[bytes, int]
     _outgoing: dict[bytes, Any]
-    _queued: dict[bytes, deque[tuple[Message, Held | None]]]
+    _queued: dict[bytes, _Queue]
 
     def send_link(self, peer: bytes) -> LinkEstimator:
         raise NotImplementedError
@@ -70,21 +72,35 @@ class _DeliverySide:
             self._last_rseq.popitem(last=False)
         return stream.abandon()
 
-    def _bound_held(self, peer: bytes) -> None:
-        """Give up the oldest held messages to ``peer`` beyond the configured bounds."""
+    def _bound_held(self, peer: bytes, newest: Held) -> None:
+        """Give up the oldest held messages to ``peer`` beyond the configured bounds, counting
+        what waits for it unsent (queued messages are charged their size) and keeping
+        ``newest``, the message just added: what the peer makes this end hold for it stays
+        within ``max_unacked_bytes`` plus that one message. What is given up is not sent."""
         stream = self.out_streams[peer]
+        waiting = self._queued.get(peer)
+        unheld = 0 if waiting is None else waiting.unheld_bytes
         dropped = stream.abandon(
-            keep=self.cfg.max_unacked_messages, keep_bytes=self.cfg.max_unacked_bytes
+            keep=self.cfg.max_unacked_messages,
+            keep_bytes=max(0, self.cfg.max_unacked_bytes - unheld) + newest.nbytes,
         )
-        if dropped:
-            self.stats.messages_abandoned += dropped
-            log.warning(
-                "peer %r: gave up %d unacknowledged message(s): over %d messages or %d bytes held",
-                peer[:32],
-                dropped,
-                self.cfg.max_unacked_messages,
-                self.cfg.max_unacked_bytes,
-            )
+        if not dropped:
+            return
+        self.stats.messages_abandoned += dropped
+        log.warning(
+            "peer %r: gave up %d unacknowledged message(s): over %d messages or %d bytes held",
+            peer[:32],
+            dropped,
+            self.cfg.max_unacked_messages,
+            self.cfg.max_unacked_bytes,
+        )
+        out = self._outgoing.get(peer)
+        if out is not None and out.held is not None and out.held.rseq not in stream.held:
+            del self._outgoing[peer]  # its chunks stop: the stream's floor tells the peer
+        if waiting is not None:
+            waiting.discard_given_up(stream.held)
+            if not waiting:
+                del self._queued[peer]
 
     def _restart_stream(self, peer: bytes) -> None:
         """Give up everything on its way to ``peer``: held, queued, in transfer."""
@@ -156,7 +172,7 @@ class _DeliverySide:
                     held.sends,
                 )
                 if peer in self._outgoing or peer in self._queued:
-                    self._queued.setdefault(peer, deque()).append((held.msg, held))
+                    self._queued.setdefault(peer, _Queue()).append(held.msg, held)
                     continue
                 try:
                     self._transmit(peer, held.msg, block=False, held=held)

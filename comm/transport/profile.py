@@ -45,7 +45,14 @@ class ChannelConfig:
     linger_s: float = 2.0
     """How long close() waits to flush queued messages."""
     send_timeout_s: float = 30.0
-    """A send blocked this long (peer not draining) fails instead of hanging."""
+    """A send blocked this long (peer not draining) fails instead of hanging; a chunked message
+    whose acknowledged chunk does not advance for this long is dropped, with what waits behind
+    it, whatever else the peer answers."""
+    credit_wait_timeout_s: float = 600.0
+    """Longest a chunked message waits, kept by the receiver's keepalives, while the receiver
+    holds it back for its receive budget (every chunk sent acknowledged, no credit granted
+    beyond the initial credit); then it is dropped like one that made no progress, with what
+    waits behind it. Raise it where an upload may queue longer at the coordinator."""
     high_water_mark: int = 1024
     """Messages queued per peer; sized for a credit window of chunk-sized messages."""
     curve: CurveKeys | None = None
@@ -73,8 +80,12 @@ class ChannelConfig:
     """Messages that must arrive held per peer until acknowledged; the oldest beyond it is
     given up (counted)."""
     max_unacked_bytes: int = 8 << 30
-    """Bytes of such messages held per peer (they are mostly shared with what the sender keeps
-    anyway: the model, an update being built); the oldest beyond it is given up (counted)."""
+    """Bytes held per peer for it: messages that must arrive, sent and not acknowledged or
+    waiting to be sent, and any other message waiting behind a large one (each at its size on
+    the wire). The oldest held beyond it is given up (counted) and never sent afterwards; any
+    other message that would pass it is dropped. Whatever a peer does, this end holds for it at
+    most this plus the newest message (mostly shared with what the sender keeps anyway: the
+    model, an update being built)."""
     stall_timeout_s: float = 1.0
     """Least time without an advancing acknowledgement before a chunked message resumes from
     its last acknowledged chunk (longer on a slow or distant link, see
@@ -113,6 +124,10 @@ class ChannelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"channel.{name} must be an integer >= 1, got {value!r}")
+        if not (math.isfinite(self.credit_wait_timeout_s) and self.credit_wait_timeout_s > 0):
+            raise ValueError(
+                f"channel.credit_wait_timeout_s must be > 0, got {self.credit_wait_timeout_s}"
+            )
         if not self.stall_timeout_s > 0:
             raise ValueError(f"channel.stall_timeout_s must be > 0, got {self.stall_timeout_s}")
 

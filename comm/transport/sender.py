@@ -3,6 +3,9 @@
 :class:`TransferSender` sends a chunk only if it ends within the right edge the receiver's
 acknowledgements granted, keeps that edge from moving back, measures round trips from
 acknowledgements, and on a stall resumes from the last acknowledged chunk, never from zero.
+Only an acknowledgement that moves ``next_index`` on is progress (:attr:`last_advance_at`), and
+the first grant beyond the initial credit (the receiver admitted the transfer); a receiver's
+keepalives while it holds the transfer back keep the stall timer from firing, nothing more.
 """
 
 from __future__ import annotations
@@ -50,8 +53,11 @@ class TransferSender:
         self._next = 0  # next chunk to send
         self._high = 0  # one past the highest chunk ever sent
         self._edge = credit  # absolute stream offset no sent byte may reach
+        self._initial_edge = credit
+        self._admitted = False  # a grant went beyond the initial credit
         self._sent_at: dict[int, float] = {}  # first-send times, for RTT samples (Karn)
-        self._progress_at: float | None = None
+        self._progress_at: float | None = None  # the stall timer
+        self._advanced_at: float | None = None
         self.chunks_sent = 0
         self.chunks_resent = 0
         self.resumes = 0
@@ -102,8 +108,21 @@ class TransferSender:
 
     @property
     def last_progress_at(self) -> float | None:
-        """When an acknowledgement last advanced (or the first send, or the last resume)."""
+        """The stall timer: when an acknowledgement last advanced, the receiver admitted the
+        transfer or answered while holding it back (or the first send, or the last resume)."""
         return self._progress_at
+
+    @property
+    def last_advance_at(self) -> float | None:
+        """When the acknowledged index last advanced or the receiver admitted the transfer (or
+        the first chunk went): the only progress a give-up timeout counts from."""
+        return self._advanced_at
+
+    @property
+    def admitted(self) -> bool:
+        """The receiver granted credit beyond the initial credit: it is reassembling this
+        transfer. One that holds the transfer back for its receive budget grants none."""
+        return self._admitted
 
     def can_send(self) -> bool:
         return self._next < self.num_chunks and self._end(self._next) <= self._edge
@@ -147,6 +166,8 @@ class TransferSender:
         self.chunks_sent += 1
         if self._progress_at is None and now is not None:
             self._progress_at = now
+        if self._advanced_at is None and now is not None:
+            self._advanced_at = now
         return chunk
 
     def pending_chunks(self, now: float | None = None) -> Iterator[Chunk]:
@@ -162,8 +183,9 @@ class TransferSender:
 
         Acknowledgements that arrive late (``next_index`` below the last one) are ignored except
         for their credit, which can only move the right edge forward. One that does not advance
-        but grants more credit, or comes while :attr:`waiting_for_credit`, counts as progress
-        (:attr:`last_progress_at`) without being a new acknowledgement.
+        is progress (:attr:`last_advance_at`) only as the first grant beyond the initial credit;
+        one that comes while :attr:`waiting_for_credit` restarts the stall timer
+        (:attr:`last_progress_at`) and nothing else: more credit alone is no progress.
         """
         if transfer_id != self.transfer_id:
             raise ValueError(f"ack for transfer {transfer_id!r}, this is {self.transfer_id!r}")
@@ -172,13 +194,17 @@ class TransferSender:
         if next_index > self._high:
             raise ValueError(f"ack of chunk {next_index - 1}, never sent (sent {self._high})")
         edge = self._start(next_index) + credit_bytes
-        granted = edge > self._edge
+        admitted = not self._admitted and edge > self._initial_edge
+        self._admitted = self._admitted or admitted
         self._edge = max(self._edge, edge)
         if next_index <= self._acked:
-            if now is not None and (granted or self.waiting_for_credit):
-                # A grant, or the receiver's keepalive while it holds the transfer back: it is
-                # there and has everything sent, so the stall timer starts again.
+            if now is not None and (admitted or self.waiting_for_credit):
+                # The receiver's keepalive while it holds the transfer back, or the grant that
+                # ends the wait: it is there and has everything sent, so the stall timer starts
+                # again. Only the grant is progress: keepalives alone keep it waiting, not going.
                 self._progress_at = now
+                if admitted:
+                    self._advanced_at = now
             return None
         sample: float | None = None
         sent_at = self._sent_at.get(next_index - 1)
@@ -189,7 +215,7 @@ class TransferSender:
         self._acked = next_index
         self._next = max(self._next, next_index)  # the receiver already holds those
         if now is not None:
-            self._progress_at = now
+            self._progress_at = self._advanced_at = now
         # Chunks below the acknowledgement are never sent again (a resume goes back to it at
         # most); chunks spanning frame boundaries are copies, so let them go.
         for index in range(self._released, min(next_index, len(self._chunks))):

@@ -6,9 +6,16 @@ arrive. Messages to one peer go out in the order they were sent (heartbeats may 
 transfer whose acknowledgements stop advancing resumes from the last acknowledged chunk (each
 resume without progress since doubles the wait before the next, up to 16 stall timeouts: one
 TCP connection loses nothing unless it breaks, so a slow receiver needs time, not resends); one
-that makes no progress for ``send_timeout_s`` is dropped and counted, with what waits behind it.
-A transfer the receiver holds back for its receive budget (every chunk sent acknowledged, no
-credit left) waits without resending: the receiver's periodic acknowledgements keep it alive.
+whose acknowledged index does not advance for ``send_timeout_s`` is dropped and counted, with
+what waits behind it, whatever acknowledgements came meanwhile (more credit alone is no
+progress). A transfer the receiver holds back for its receive budget (every chunk sent
+acknowledged, no credit beyond the initial one) waits without resending: the receiver's periodic
+acknowledgements keep it, for ``credit_wait_timeout_s`` at most (see
+:meth:`~comm.transport.outgoing._Outgoing.give_up_reason`).
+
+What waits for a peer is charged to it in bytes: a message queued behind a large one counts its
+size against ``max_unacked_bytes`` with what is held for the peer unacknowledged, and a message
+given up for that bound is never sent afterwards (it leaves the queue, or its transfer stops).
 
 Above the transfers sits acknowledged delivery (``comm.transport.delivering``): a message that
 must arrive is numbered and held until the peer acknowledges it, and every message to a peer
@@ -31,7 +38,7 @@ from comm.transport.credit import stall_timeout_s
 from comm.transport.delivering import _DeliverySide
 from comm.transport.faults import WireFaults
 from comm.transport.linkest import LinkEstimator
-from comm.transport.outgoing import _MAX_BACKOFF, _Outgoing, _Pending
+from comm.transport.outgoing import _MAX_BACKOFF, _Outgoing, _Queue
 from comm.transport.profile import _PEER_GONE, ChannelConfig, RejectHook
 from comm.transport.receiver import TransferReceiver
 from comm.transport.reliable import MUST_ARRIVE, Held
@@ -65,7 +72,7 @@ class _SendSide(_DeliverySide):
         # Per peer, messages go out in the order they were sent: while a large one is in
         # transfer (one per peer at most), later ones wait behind it (heartbeats excepted).
         self._outgoing: dict[bytes, _Outgoing] = {}
-        self._queued: dict[bytes, deque[_Pending]] = {}
+        self._queued: dict[bytes, _Queue] = {}
         # Acknowledged delivery (see _DeliverySide).
         self.out_streams = {}
         self.in_streams = {}
@@ -142,15 +149,24 @@ class _SendSide(_DeliverySide):
         message that must arrive stays held all the same, and goes again later. A ``Join`` (and
         the ``Welcome`` answering it) starts the conversation afresh: what was still held, queued
         or in transfer to the peer belonged to the membership it replaces and is given up (the
-        peer stops waiting for it by the stream's floor)."""
+        peer stops waiting for it by the stream's floor).
+
+        A message that waits is charged its size at once (``max_unacked_bytes``, with what is
+        held for the peer); one that must arrive gives up the oldest held beyond the bound, any
+        other is dropped when it would pass it."""
         held = None
         if isinstance(msg, Join | Welcome):
             self._restart_stream(peer)
         if type(msg) in MUST_ARRIVE:
             held = self._out_stream(peer).add(msg)
-            self._bound_held(peer)
-        if not isinstance(msg, Heartbeat) and (peer in self._outgoing or peer in self._queued):
-            self._queued.setdefault(peer, deque()).append((msg, held))
+        waits = not isinstance(msg, Heartbeat) and (peer in self._outgoing or peer in self._queued)
+        if waits and not self._enqueue(peer, msg, held):
+            return
+        if held is not None:
+            self._bound_held(peer, held)
+        if waits:
+            if peer not in self._outgoing:
+                self._release(peer)  # what it waited behind was given up
             return
         try:
             self._transmit(peer, msg, block=True, held=held)
@@ -211,11 +227,38 @@ class _SendSide(_DeliverySide):
             raise
         self.stats.messages_sent += 1
 
+    def _enqueue(self, peer: bytes, msg: Message, held: Held | None) -> bool:
+        """Put ``msg`` behind what waits for ``peer``, charged its size; False: not held for
+        delivery and over the peer's bound, dropped instead (counted)."""
+        nbytes = frames_nbytes(to_wire(msg, session=self.session))  # header aside, its size
+        waiting = self._queued.get(peer)
+        if held is not None:
+            held.nbytes = nbytes
+        else:
+            stream = self.out_streams.get(peer)
+            holding = (0 if stream is None else stream.held_bytes) + (
+                0 if waiting is None else waiting.unheld_bytes
+            )
+            if holding + nbytes > self.cfg.max_unacked_bytes:
+                self.stats.messages_dropped += 1
+                log.warning(
+                    "peer %r: dropped a %s of %d bytes: %d bytes wait or are held for it already",
+                    peer[:32],
+                    type(msg).__name__,
+                    nbytes,
+                    holding,
+                )
+                return False
+        if waiting is None:
+            waiting = self._queued[peer] = _Queue()
+        waiting.append(msg, held, nbytes)
+        return True
+
     def _release(self, peer: bytes) -> None:
         """Send what waits for ``peer`` up to (and including the start of) the next large one."""
         waiting = self._queued.get(peer)
         while waiting and peer not in self._outgoing:
-            msg, held = waiting[0]
+            msg, held = waiting.first()
             try:
                 self._transmit(peer, msg, block=False, held=held)
             except zmq.ZMQError as exc:
@@ -285,23 +328,23 @@ class _SendSide(_DeliverySide):
         """The routing frames that address ``peer`` (none on a DEALER)."""
         raise NotImplementedError
 
-    def _on_ack(self, peer: bytes, ack: ChunkAck) -> None:
+    def _on_ack(self, peer: bytes, ack: ChunkAck, now: float | None = None) -> None:
         out = self._outgoing.get(peer)
         if out is None or out.tx.transfer_id != ack.transfer_id:
             return  # a late ack of a finished, dropped or forgotten transfer
         tx = out.tx
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         acked_before = tx.acked_bytes
-        progress_before = tx.last_progress_at
+        advanced_before = tx.last_advance_at
         try:
             rtt_s = tx.on_ack(ack.transfer_id, ack.next_index, ack.credit_bytes, now)
         except ValueError as exc:
             raise WireError(ErrorCode.MALFORMED, f"ack: {exc}") from None
         if rtt_s is not None:
             self.rtt_sample(peer, rtt_s, now)
-        if tx.last_progress_at != progress_before:
-            # Acknowledged further, granted more credit, or held by a receiver that has all of it
-            # so far (waiting for its receive budget): alive, not a stall.
+        if tx.last_advance_at != advanced_before:
+            # Acknowledged further, or admitted by a receiver that held it back: progress. A
+            # keepalive while held back only restarts the transfer's stall timer.
             out.progress_at = now
             out.resumes_in_a_row = 0
         if tx.acked_bytes > acked_before:
@@ -326,10 +369,17 @@ class _SendSide(_DeliverySide):
             tx = out.tx
             base_s = stall_timeout_s(self.transfer_cfg, self.send_link(out.peer).snapshot())
             stall_s = base_s * 2 ** min(out.resumes_in_a_row, _MAX_BACKOFF)
-            if not tx.stalled(now, stall_s):
+            stalled = tx.stalled(now, stall_s)
+            if not stalled and not tx.waiting_for_credit:
                 continue
             tag = f"[transfer={tx.transfer_id} peer={out.peer[:32]!r}]"
-            if now - out.progress_at >= max(self.cfg.send_timeout_s, 3 * base_s):
+            why = out.give_up_reason(
+                now,
+                base_s=base_s,
+                send_timeout_s=self.cfg.send_timeout_s,
+                credit_wait_s=self.cfg.credit_wait_timeout_s,
+            )
+            if why is not None:
                 del self._outgoing[peer]
                 self.stats.messages_dropped += 1
                 # Known lost. A peer heard from since the transfer stopped moving is there: the
@@ -342,16 +392,12 @@ class _SendSide(_DeliverySide):
                     out.held.sends += 1
                     out.held.failed = silent
                 log.warning(
-                    "%s no progress for %.1f s: dropped at chunk %d of %d",
-                    tag,
-                    now - out.progress_at,
-                    tx.acked_index,
-                    tx.num_chunks,
+                    "%s %s: dropped at chunk %d of %d", tag, why, tx.acked_index, tx.num_chunks
                 )
                 self._drop_queue(peer, "a large message before them was dropped", failed=silent)
                 continue
-            if tx.waiting_for_credit:
-                continue  # nothing in flight, nothing to resend: the receiver's keepalives are late
+            if tx.waiting_for_credit or not stalled:
+                continue  # nothing in flight, nothing to resend (its keepalives may be late)
             log.info(
                 "%s no ack for %.2f s: resuming at chunk %d (sent up to %d of %d)",
                 tag,
