@@ -122,8 +122,10 @@ class Intake:
             self._post.reject(peer, ErrorCode.UNEXPECTED, f"{type(msg).__name__} is not for me")
             return
         if isinstance(msg, Heartbeat) and self._left.get(msg.site_id) == peer:
-            # A site that left asks for the acknowledgement of its LEAVE: the echo carries it.
-            self._post.send(peer, msg)
+            # A site that left asks for the acknowledgement of its LEAVE: the echo carries it,
+            # while its certificate is still good.
+            if self._authentic(peer, msg.site_id):
+                self._post.send(peer, msg)
             return
         if self._member_for(peer, msg.site_id) is None:
             return

@@ -6,11 +6,15 @@ key kit), runs the background state writer (:class:`~coordinator.outbox.Outbox`)
 message goes out now when every save queued so far is durable, otherwise once it is. The channel
 delivers what must arrive, sending it again when it is lost or the site was away
 (``comm.transport.reliable``); a refusal is an Error to the sender, a counter and a log line.
+With a key kit, the channel checks each message's certificate against the registry, and
+:meth:`PostOffice.cut_off` checks every connected peer's at least once per heartbeat interval
+(the registry rereads the kit every half interval): a revoked or expired peer is cut off.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -23,7 +27,7 @@ from comm.security.rolekits import CoordinatorKit
 from comm.security.zap import ZapHandler
 from comm.transport.charges import Allowance
 from comm.transport.faults import WireFaults
-from comm.transport.router import RouterChannel
+from comm.transport.router import CutOff, RouterChannel
 from comm.wire.schema import ERROR_MEANINGS, Error, ErrorCode, Message
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import CoordinatorMetrics
@@ -42,8 +46,11 @@ class PostOffice:
         store: StateStore,
         metrics: CoordinatorMetrics,
         kit: CoordinatorKit | None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cfg = cfg
+        self._clock = clock
         self._store = store
         self._metrics = metrics
         self._kit = kit
@@ -70,7 +77,9 @@ class PostOffice:
         channel_cfg = self._cfg.channel
         if self._kit is not None:
             self.registry = CertificateRegistry.from_kit(
-                self._kit.kit_dir, on_refuse=self._on_trust_refused
+                self._kit.kit_dir,
+                reload_interval_s=min(1.0, channel_cfg.heartbeat_interval_s / 2),
+                on_refuse=self._on_trust_refused,
             )
             self._metrics.watch_certificates(self._trusted_certificates)
             self._metrics.watch_cas(self._trusted_cas)
@@ -83,7 +92,12 @@ class PostOffice:
                 "For loopback experiments only; never expose this endpoint."
             )
         self.chan = RouterChannel(
-            channel_cfg, context=self._ctx, on_reject=self._on_wire_reject, allowance=allowance
+            channel_cfg,
+            context=self._ctx,
+            on_reject=self._on_wire_reject,
+            allowance=allowance,
+            vet=self._vet if self.registry is not None else None,
+            clock=self._clock,
         )
         return self.chan.bind(self._cfg.bind)
 
@@ -176,6 +190,29 @@ class PostOffice:
         """A peer that left or was removed: its connection's state goes."""
         if self.chan is not None:
             self.chan.forget(peer)
+
+    def cut_off(self) -> list[CutOff]:
+        """Check the certificates of the peers connected (at most every half heartbeat
+        interval) and return every peer the channel cut off since the last call, for a
+        revoked or expired certificate: each one's messages are refused and counted by
+        reason, and its connection is shut."""
+        if self.chan is None:
+            return []
+        self.chan.sweep()
+        cut = self.chan.take_cut_off()
+        for c in cut:
+            self._metrics.rejected.labels(reason=c.reason).inc()
+        return cut
+
+    def _vet(self, identity: PeerIdentity) -> None:
+        """The channel's check of a connection's certified identity (raises AuthError)."""
+        assert self.registry is not None
+        self.registry.check_peer(
+            user_id=identity.site_id,
+            serial=identity.serial,
+            claimed_site_id=identity.site_id,
+            now=time.time(),
+        )
 
     def identity(self, peer: bytes) -> PeerIdentity | None:
         """The certified identity of ``peer``'s connection (CURVE mode)."""

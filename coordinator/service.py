@@ -31,7 +31,7 @@ import numpy as np
 
 from comm.security.registry import CertificateRegistry
 from comm.security.rolekits import load_coordinator_kit
-from comm.transport.router import RouterChannel
+from comm.transport.router import CutOff, RouterChannel
 from coordinator.allowance import PeerAllowance
 from coordinator.closing import Closing
 from coordinator.config import CoordinatorConfig
@@ -93,7 +93,7 @@ class Coordinator:
             cfg.state_dir, keep=cfg.keep_checkpoints, signing_key=signing_key
         )
         self.book = Lifecycle(lifecycle_config(cfg))
-        self.post = PostOffice(cfg, store, self.metrics, kit)
+        self.post = PostOffice(cfg, store, self.metrics, kit, clock=clock)
         self.model = GlobalModel(
             num_fragments=cfg.num_fragments,
             deltas_dir=cfg.state_path / "deltas" if cfg.state_dir else None,
@@ -273,6 +273,8 @@ class Coordinator:
 
     def tick(self) -> None:
         now = self.clock()
+        for cut in self.post.cut_off():
+            self._on_cut_off(cut)
         if now - self.status_report.published_at > 1.0:
             self._publish_status()
         if self.model.state is None:
@@ -329,6 +331,16 @@ class Coordinator:
         m = self.book.leave(site_id)
         self._forget(site_id, m.peer if m is not None else None)
         self.metrics.members.set(len(self.book.members))
+
+    def _on_cut_off(self, cut: CutOff) -> None:
+        """A connection the channel cut off (a revoked or expired certificate): the member it
+        carries leaves, as by a Leave."""
+        site_id = cut.identity.site_id
+        m = self.book.members.get(site_id)
+        if m is None or m.peer != cut.peer:
+            return
+        log.warning("[coordinator site=%s] removed: certificate %s", site_id, cut.reason)
+        self._remove(site_id)
 
     def _on_removed(self, decision: Remove) -> None:
         """Members timed out."""
