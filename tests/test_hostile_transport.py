@@ -13,9 +13,11 @@ import time
 import tracemalloc
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import zmq
 
+from comm.codecs.floats import Fp32Codec
 from comm.transport.charges import PeerCharges
 from comm.transport.credit import TransferConfig
 from comm.transport.profile import ChannelConfig
@@ -23,7 +25,9 @@ from comm.transport.receiver import TransferReceiver
 from comm.transport.router import RouterChannel
 from comm.wire.chunking import chunk_digest
 from comm.wire.frames import WireError, to_wire
-from comm.wire.schema import Chunk, ErrorCode, Leave
+from comm.wire.schema import Chunk, ErrorCode, InitParams, Leave
+from comm.wire.tensors import encode_tensors
+from tests.support.coordinator import join, rejected, running
 
 CHUNK = 4096
 WAIT_S = 30.0  # bound on waiting for something that must happen; never a speed assertion
@@ -209,3 +213,25 @@ def test_a_message_of_too_many_frames_is_refused_as_it_is_read(
         assert kept[0] <= 3  # the routing id and the first frames: who sent it, never the rest
     finally:
         raw.close(0)
+
+
+# ---- the coordinator's allowance ------------------------------------------------------------
+
+
+def test_a_site_that_has_not_joined_may_not_make_the_coordinator_hold_a_transfer() -> None:
+    big = {"w": np.arange(1 << 18, dtype=np.float32)}  # 1 MiB: travels in chunks of 256 KiB
+    payload = encode_tensors(big, Fp32Codec())
+    with running() as h:
+        chan = h.coord.post.chan
+        assert chan is not None
+        stranger = h.site("stranger")
+        stranger.send(InitParams(site_id="stranger", model_fingerprint="fp", payload=payload))
+        h.until(lambda: rejected(h.coord, "oversize") >= 1)
+        assert chan.charges.total == 0 and chan._receiver.pending == 0
+        assert "stranger" not in h.coord.members and h.coord.state is None
+        # A member may: the same θ0 is taken in and installed.
+        eu = h.site("eu")
+        assert join(h, eu).need_init
+        eu.send(InitParams(site_id="eu", model_fingerprint="fp", payload=payload))
+        h.until(lambda: eu.chan.recv(0.0) is None and h.coord.state is not None)  # acks pumped
+        assert h.coord.model.numel == 1 << 18 and chan.charges.total == 0
