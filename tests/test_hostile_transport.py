@@ -235,3 +235,27 @@ def test_a_site_that_has_not_joined_may_not_make_the_coordinator_hold_a_transfer
         eu.send(InitParams(site_id="eu", model_fingerprint="fp", payload=payload))
         h.until(lambda: eu.chan.recv(0.0) is None and h.coord.state is not None)  # acks pumped
         assert h.coord.model.numel == 1 << 18 and chan.charges.total == 0
+
+
+def test_what_a_router_holds_for_a_peer_that_never_acknowledges_is_within_its_allowance() -> None:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    chan = RouterChannel(ChannelConfig(linger_s=0.1), context=ctx, allowance=lambda _p: 10_000)
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.IDENTITY, b"mute/1")
+    try:
+        raw.connect(chan.bind("tcp://127.0.0.1:0"))
+        hello = to_wire(Leave(site_id="mute", reason="hello"), session="x", seq=1)
+        raw.send_multipart([bytes(f) for f in hello])
+        deadline = time.monotonic() + WAIT_S
+        while (got := chan.recv(0.05)) is None:
+            assert time.monotonic() < deadline, "the first message did not arrive"
+        peer = got[0]
+        for i in range(40):  # each must arrive, and the peer never acknowledges one
+            assert chan.send(peer, Leave(site_id="c", reason=f"{i:04d}" + "x" * 1000))
+        held = chan.out_streams[peer].held_bytes
+        assert 0 < held <= 10_000 + 1200 and chan.stats.messages_abandoned > 0
+    finally:
+        raw.close(0)
+        chan.close(0)
+        ctx.term()

@@ -49,6 +49,9 @@ class _DeliverySide:
     def send_link(self, peer: bytes) -> LinkEstimator:
         raise NotImplementedError
 
+    def _held_bound(self, peer: bytes) -> int:
+        raise NotImplementedError
+
     def _transmit(
         self, peer: bytes, msg: Message, *, block: bool, held: Held | None = None
     ) -> None:
@@ -76,13 +79,14 @@ class _DeliverySide:
         """Give up the oldest held messages to ``peer`` beyond the configured bounds, counting
         what waits for it unsent (queued messages are charged their size) and keeping
         ``newest``, the message just added: what the peer makes this end hold for it stays
-        within ``max_unacked_bytes`` plus that one message. What is given up is not sent."""
+        within its bound (``max_unacked_bytes``, or its allowance where smaller) plus that one
+        message. What is given up is not sent."""
         stream = self.out_streams[peer]
         waiting = self._queued.get(peer)
         unheld = 0 if waiting is None else waiting.unheld_bytes
         dropped = stream.abandon(
             keep=self.cfg.max_unacked_messages,
-            keep_bytes=max(0, self.cfg.max_unacked_bytes - unheld) + newest.nbytes,
+            keep_bytes=max(0, self._held_bound(peer) - unheld) + newest.nbytes,
         )
         if not dropped:
             return
@@ -92,7 +96,7 @@ class _DeliverySide:
             peer[:32],
             dropped,
             self.cfg.max_unacked_messages,
-            self.cfg.max_unacked_bytes,
+            self._held_bound(peer),
         )
         out = self._outgoing.get(peer)
         if out is not None and out.held is not None and out.held.rseq not in stream.held:

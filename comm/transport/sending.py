@@ -94,6 +94,7 @@ class _SendSide(_DeliverySide):
         # First-chunk arrival per transfer: goodput = bytes after the first chunk / time since.
         self._transfer_start: dict[tuple[bytes, str], tuple[float, int]] = {}
         self._expire_at = 0.0  # next sweep of idle partly received transfers
+        self._oversize: int | None = None  # the size of the frame list just read, if over
         # Replay protection: our session and sequence on every frame list we send; per sender,
         # the sessions seen and the last sequence of the current one (bounded, see ReplayGuard).
         self.session = os.urandom(8).hex()
@@ -101,7 +102,6 @@ class _SendSide(_DeliverySide):
         self.replay = ReplayGuard()
 
     def _next_seq(self) -> int:
-        self._oversize: int | None = None  # the size of the frame list just read, if over
         self._seq += 1
         return self._seq
 
@@ -239,7 +239,7 @@ class _SendSide(_DeliverySide):
             holding = (0 if stream is None else stream.held_bytes) + (
                 0 if waiting is None else waiting.unheld_bytes
             )
-            if holding + nbytes > self.cfg.max_unacked_bytes:
+            if holding + nbytes > self._held_bound(peer):
                 self.stats.messages_dropped += 1
                 log.warning(
                     "peer %r: dropped a %s of %d bytes: %d bytes wait or are held for it already",
@@ -412,6 +412,18 @@ class _SendSide(_DeliverySide):
             self._pump(out, now, block=False)
         self._resend_due(now)
 
+    def _held_bound(self, peer: bytes) -> int:
+        """The bytes this end may hold for ``peer`` (sent unacknowledged, or waiting): the
+        channel's ``max_unacked_bytes``, or less where the owner's allowance for the peer
+        (``comm.transport.charges``) is smaller, so a peer costs its allowance each way."""
+        return min(self.cfg.max_unacked_bytes, self.charges.allowance(peer))
+
+    def _end_in_stream(self, peer: bytes) -> None:
+        """Forget what ``peer``'s session sent here, releasing what it held behind a gap."""
+        stream = self.in_streams.pop(peer, None)
+        if stream is not None and stream.pending_bytes:
+            self.charges.release(peer, stream.pending_bytes)
+
     def _drop_peer_transfers(self, peer: bytes) -> int:
         """Forget every transfer to and from ``peer``, what waits behind them and both delivery
         streams; return how many messages to it were given up."""
@@ -424,9 +436,3 @@ class _SendSide(_DeliverySide):
         dropped = int(self._outgoing.pop(peer, None) is not None)
         waiting = self._queued.pop(peer, None)
         return dropped + (len(waiting) if waiting else 0)
-
-    def _end_in_stream(self, peer: bytes) -> None:
-        """Forget what ``peer``'s session sent here, releasing what it held behind a gap."""
-        stream = self.in_streams.pop(peer, None)
-        if stream is not None and stream.pending_bytes:
-            self.charges.release(peer, stream.pending_bytes)
