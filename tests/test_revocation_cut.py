@@ -203,6 +203,8 @@ def test_a_second_connection_on_a_members_routing_id_is_never_delivered(
     # heartbeat timeout, and reconnecting, it gets through (as a site that reconnected before
     # its previous connection was seen to end).
     eu.close()
+    beat = Heartbeat(site_id="coordinator", global_version=-1, sent_at=1.0)
+    pump(h, lambda: not h.coord.post.probe(peer, beat))  # the socket saw eu's connection end
     clock.now += h.coord.cfg.channel.heartbeat_timeout_s
     h.coord.step(0.0)
     pump(h, lambda: thief.saw(zmq.EVENT_DISCONNECTED))
