@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comm.durable import atomic_write, fsync_dir
+from comm.durable import PRIVATE_MODE, atomic_write, fsync_dir
 
 META_FILE = "meta.json"
 HISTORY_FILE = "history.jsonl"
@@ -86,9 +86,13 @@ class JsonLog:
             return
         body = b"".join(line + b"\n" for line in lines)
         created = not self.path.exists()
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, PRIVATE_MODE)
         try:
-            if os.fstat(fd).st_size != self.end:
+            st = os.fstat(fd)
+            if st.st_mode & 0o777 != PRIVATE_MODE:
+                # Private as the state files are, also when an older version created it 0644.
+                os.fchmod(fd, PRIVATE_MODE)
+            if st.st_size != self.end:
                 os.ftruncate(fd, self.end)
             view = memoryview(body)
             offset = self.end

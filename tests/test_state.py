@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -318,3 +319,21 @@ def test_status_board_can_bound_val_losses_too(tmp_path: Path) -> None:
     unbounded = StatusBoard(None, lambda: 0.0)
     unbounded.publish({"val_losses": {"0": 1.0, "1": 0.5}})
     assert unbounded.get()["val_losses"] == {"0": 1.0, "1": 0.5}
+
+
+def test_file_store_logs_are_private_as_its_state_files(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        fs = FileStateStore(tmp_path)
+        s = replace(make_state(0), history=(), val_losses={})
+        fs.save(s)
+        for r in range(1, 3):
+            s = _grown(s, r)
+            fs.save(s)
+        # A log an older version created 0644 is made private at its next append.
+        os.chmod(tmp_path / VAL_LOSSES_FILE, 0o644)
+        fs.save(_grown(s, 3))
+    finally:
+        os.umask(old)
+    for name in (HISTORY_FILE, VAL_LOSSES_FILE, "meta.json"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o600, name
