@@ -5,8 +5,10 @@ and leaves (updates go to :mod:`coordinator.updates`).
 the site), refreshes the member in the lifecycle, and handles it. A join from a second
 connection for a member whose connection is alive is refused and the member kept
 (:mod:`coordinator.conflicts` counts and logs the conflict). It owns what sites said at
-their join (the version and hash they hold) and who was asked for the initial model. A refusal
-is an Error to the sender and a counter, never a change of state.
+their join (the version and hash they hold) and who was asked for the initial model. Under
+secure aggregation a join must announce a usable session key (:mod:`coordinator.masking_keys`),
+or it is refused (``BAD_KEY``) and the site never enters a masking set. A refusal is an Error to
+the sender and a counter, never a change of state.
 """
 
 from __future__ import annotations
@@ -241,6 +243,11 @@ class Intake:
 
     def _on_join(self, peer: bytes, msg: Join) -> None:
         if not self._authentic(peer, msg.site_id):
+            return
+        try:
+            self._keys.check(msg)
+        except ValueError as exc:
+            self._post.reject(peer, ErrorCode.BAD_KEY, str(exc), msg.site_id)
             return
         old = self._book.members.get(msg.site_id)
         if not self._admit(peer, msg.site_id, old) or self._refuse_other_model(peer, msg):

@@ -8,9 +8,8 @@ A round's id is durable before any site hears of the round.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
-from comm.security.secagg import MaskingPlan, decide_attempt
+from comm.security.secagg import MaskingPlan, decide_attempt, plan_message
 from comm.wire.schema import RoundCancel, RoundStart
 from coordinator.config import CoordinatorConfig
 from coordinator.decisions import Abort, Open, Rerun
@@ -23,16 +22,6 @@ from coordinator.planner import Planner
 from coordinator.post import PostOffice
 
 log = logging.getLogger("crossdc.coordinator")
-
-
-def secagg_plan_message(plan: MaskingPlan) -> dict[str, Any]:
-    return {
-        "attempt": plan.attempt,
-        "peers": {
-            s: [p.session_public.hex(), p.static_public.decode() if p.static_public else ""]
-            for s, p in sorted(plan.participants.items())
-        },
-    }
 
 
 class Opening:
@@ -71,7 +60,7 @@ class Opening:
             self._metrics.extra_steps.labels(site=site_id).inc(steps)
         masking = self._masking(round_id, participants)
         record = self._ledger.open(round_id, plan, masking)
-        secagg = secagg_plan_message(masking) if masking is not None else {}
+        secagg = plan_message(masking) if masking is not None else {}
         evaluate_base = not st.history and st.global_version not in st.val_losses
         # Logged once the id is durable, like the announcement that follows: a round whose id a
         # crash lost was never opened for anyone, and the next incarnation issues that id again.
@@ -159,7 +148,7 @@ class Opening:
                     participants=survivors,
                     evaluate=False,
                     reason=why,
-                    secagg=secagg_plan_message(rerun),
+                    secagg=plan_message(rerun),
                 ),
             )
 

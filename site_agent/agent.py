@@ -291,6 +291,7 @@ class SiteAgent:
     def _check_link(self) -> None:
         if self.kit_watch is not None and (kit := self.kit_watch.poll()) is not None:
             self.metrics.certificate_expiry(kit.certificate.not_after)
+            self.sender.kit_loaded(kit)
             self.status_doc.write()
         lost = self.session.check_link()
         if lost is not None:

@@ -20,14 +20,14 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from comm.codecs.base import EncodedTensor, NonFiniteError
 from comm.codecs.feedback import ErrorFeedback
 from comm.codecs.registry import get_codec
+from comm.security.certs import CACertificate
 from comm.security.masking import (
-    Peer,
     SecAggConfig,
     x25519_from_curve_secret,
     x25519_public_bytes,
 )
 from comm.security.rolekits import SiteKit
-from comm.security.secagg import SecAggSession
+from comm.security.secagg import PeerRefused, PeerTrust, SecAggSession, plan_from_message
 from comm.wire.schema import Message, RoundStart, Update
 from site_agent.config import SiteConfig
 from site_agent.exits import EXIT_FAULT_DRILL
@@ -61,12 +61,12 @@ class UpdateSender:
         feedback: ErrorFeedback,
         secure_aggregation: SecAggConfig | None = None,
         privacy: DPConfig | None = None,
-        static_key: X25519PrivateKey | None = None,
+        trust: PeerTrust | None = None,
         fault_exit_round: int = 0,
     ) -> None:
-        """``static_key``: the site's CURVE key as X25519, binding its masks to its certified
-        identity. ``fault_exit_round``: a fault drill, the round whose masked update the process
-        dies before sending (0: none)."""
+        """``trust``: the site's certified identity and its kit's CAs (CURVE mode), binding
+        every mask to certified keys (:class:`PeerTrust`). ``fault_exit_round``: a fault drill,
+        the round whose masked update the process dies before sending (0: none)."""
         self.site_id = site_id
         self._channel = channel
         self._metrics = metrics
@@ -78,7 +78,8 @@ class UpdateSender:
         # Secure aggregation: one X25519 key per process, announced at join; the masking session
         # is bound to the coordinator's session (every site derives pair keys from the same id).
         self._secagg_key = X25519PrivateKey.generate() if secure_aggregation else None
-        self._static_key = static_key
+        self._trust = trust
+        self._kit: SiteKit | None = None
         self.secagg: SecAggSession | None = None
         self._unmasked: dict[int, tuple[Params, TrainStats]] = {}  # kept for a re-run
         self._fault_exit_round = fault_exit_round
@@ -94,17 +95,33 @@ class UpdateSender:
         feedback: ErrorFeedback,
         kit: SiteKit | None,
     ) -> UpdateSender:
-        masked = cfg.secure_aggregation is not None
-        return cls(
+        sender = cls(
             site_id=cfg.site_id,
             channel=channel,
             metrics=metrics,
             feedback=feedback,
             secure_aggregation=cfg.secure_aggregation,
             privacy=cfg.privacy,
-            static_key=x25519_from_curve_secret(kit.curve.secret) if masked and kit else None,
             fault_exit_round=cfg.fault_exit_before_send_round,
         )
+        if cfg.secure_aggregation is not None and kit is not None:
+            sender.kit_loaded(kit)
+        return sender
+
+    def kit_loaded(self, kit: SiteKit) -> None:
+        """The site's kit, at start or reloaded (a CA rollover): masks bind to its certified
+        CURVE key, and peers' certificates are checked against its CAs."""
+        self._kit = kit
+        if self._secagg_cfg is not None and self._trust is None:
+            # A reloaded kit holds the same CURVE key (SiteKitWatcher refuses another one).
+            self._trust = PeerTrust(
+                static_key=x25519_from_curve_secret(kit.curve.secret),
+                certificate=kit.certificate.to_pem(),
+                cas=self._trusted_cas,
+            )
+
+    def _trusted_cas(self) -> tuple[CACertificate, ...]:
+        return self._kit.cas if self._kit is not None else ()
 
     # ---- the session -------------------------------------------------------------------------
 
@@ -123,7 +140,7 @@ class UpdateSender:
             session_id=session_id,
             config=self._secagg_cfg,
             session_key=self._secagg_key,
-            static_key=self._static_key,
+            trust=self._trust,
         )
 
     def trained(self, num_fragments: int, tokens: int) -> None:
@@ -287,20 +304,15 @@ class UpdateSender:
         self, rs: RoundStart, delta: Params, stats: TrainStats, global_version: int
     ) -> bool:
         assert self.secagg is not None, "open_session() first"
-        attempt = int(rs.secagg.get("attempt", 0))
         try:
-            peers = {
-                site: Peer(
-                    session_public=bytes.fromhex(keys[0]),
-                    static_public=keys[1].encode() if keys[1] else None,
-                )
-                for site, keys in rs.secagg["peers"].items()
-            }
+            attempt, peers = plan_from_message(rs.secagg)
             masked = self.secagg.mask(
                 delta, round_id=rs.round_id, participants=peers, attempt=attempt
             )
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            self._metrics.rejected("secagg_plan")
+        except ValueError as exc:
+            # Nothing goes out: to the coordinator this site dropped out of the attempt, which
+            # re-runs with the survivors; the update stays local for the next round.
+            self._metrics.rejected("secagg_peer" if isinstance(exc, PeerRefused) else "secagg_plan")
             log.error("[site=%s round=%d] not masking: %s", self.site_id, rs.round_id, exc)
             return False
         if rs.round_id == self._fault_exit_round and attempt == 0:

@@ -270,7 +270,9 @@ class Session:
                 return ErrorResponse.CARRY_ON
             log.info("[site=%s] coordinator does not know us: joining again", self.site_id)
             return ErrorResponse.JOIN_AGAIN
-        if code is ErrorCode.MODEL_MISMATCH:
+        if code in (ErrorCode.MODEL_MISMATCH, ErrorCode.BAD_KEY):
+            # Joining again would be refused the same way: another model, or secure
+            # aggregation on at the coordinator and not here.
             log.error("[site=%s] %s", self.site_id, msg.detail)
             return ErrorResponse.STOP_FATAL
         if code is ErrorCode.UNAUTHENTICATED:

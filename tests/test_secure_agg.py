@@ -10,9 +10,11 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 import zmq
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from comm.security.certs import make_ca_certificate, make_site_certificate, parse_ca_certificate
 from comm.security.masking import (
     WEIGHT_KEY,
     Peer,
@@ -24,8 +26,12 @@ from comm.security.masking import (
 )
 from comm.security.secagg import (
     MaskingPlan,
+    PeerRefused,
+    PeerTrust,
     SecAggSession,
     decide_attempt,
+    plan_from_message,
+    plan_message,
     unmask_mean,
     unmask_sum,
     unmask_sum_fixed,
@@ -312,44 +318,102 @@ def test_secure_agg_curve_keys_are_x25519_keys() -> None:
     assert x25519_public_bytes(key) == z85.decode(public)
 
 
-@pytest.mark.timeout(30)
-def test_secure_agg_static_keys_defeat_key_substitution() -> None:
-    """A coordinator that relays its own session key in place of site b's learns a's update
-    when pair keys use session keys alone, and not when they also use certified static keys."""
-    x_a = {"w": np.linspace(-1, 1, 32)}
-    zero = {"w": np.zeros(32)}
-    for use_static in (False, True):
-        curve = {s: zmq.curve_keypair() for s in "ab"}
+NOW = 1_700_000_000.0
 
-        def session(site: str, *, static: bytes | None) -> SecAggSession:
-            return SecAggSession(
-                site_id=site,
-                session_id="sess-1",
-                config=CFG,
-                static_key=x25519_from_curve_secret(static) if static else None,
-            )
 
-        a = session("a", static=curve["a"][1] if use_static else None)
-        # The attacker knows its session key, but not b's CURVE secret: it uses its own.
-        attacker_static = zmq.curve_keypair()[1] if use_static else None
-        attacker = session("b", static=attacker_static)
-        fake_b = Peer(
-            session_public=attacker.session_public,
-            static_public=curve["b"][0] if use_static else None,  # b's certified key
+def _certified(site_ids: list[str]) -> dict[str, PeerTrust]:
+    """Each site's certified identity under one CA, as its kit would give it."""
+    ca_key = Ed25519PrivateKey.generate()
+    validity = {"not_before": int(NOW) - 60, "not_after": int(NOW) + 86400}
+    ca = parse_ca_certificate(make_ca_certificate(ca_key, serial="1", **validity))
+    trusts = {}
+    for i, site in enumerate(site_ids):
+        public, secret = zmq.curve_keypair()
+        cert = make_site_certificate(
+            ca_key, site_id=site, curve_public=public, serial=f"{i + 2:x}", **validity
         )
-        participants = {"a": a.peer(), "b": fake_b}
-        masked_a = a.mask(x_a, round_id=1, participants=participants)
-        if use_static:
-            with pytest.raises(ValueError, match="other keys"):
-                attacker.mask(zero, round_id=1, participants=participants)
-            forged_plan = {"a": participants["a"], "b": attacker.peer()}
-            masked_b = attacker.mask(zero, round_id=1, participants=forged_plan)
-        else:
-            masked_b = attacker.mask(zero, round_id=1, participants=participants)
-        plan = MaskingPlan(round_id=1, attempt=0, participants=participants)
-        recovered = unmask_sum(dict(a=masked_a, b=masked_b), plan, CFG, dtype=np.float64)["w"]
-        leaked = bool(np.allclose(recovered, x_a["w"], atol=1e-6))
-        assert leaked is (not use_static)
+        trusts[site] = PeerTrust(
+            static_key=x25519_from_curve_secret(secret),
+            certificate=cert.to_pem(),
+            cas=lambda: (ca,),
+            wall_clock=lambda: NOW,
+        )
+    return trusts
+
+
+@pytest.mark.timeout(30)
+def test_secure_agg_certified_plan_on_the_wire_gives_the_exact_sum() -> None:
+    """With certificates, every site verifies its peers from the relayed plan and the masked
+    sum is still the exact fixed-point sum."""
+    sites = ["eu", "us", "ap"]
+    trusts = _certified(sites)
+    sessions = {
+        s: SecAggSession(site_id=s, session_id="sess-1", config=CFG, trust=trusts[s]) for s in sites
+    }
+    attempt, relayed = plan_from_message(plan_message(_plan(sessions)))
+    plan = MaskingPlan(round_id=1, attempt=attempt, participants=relayed)
+    rng = np.random.default_rng(3)
+    updates = _random_updates(rng, sites, [(3, 4)], 1.0)
+    masked = _mask_all(sessions, plan, updates)
+    ones = dict.fromkeys(sites, 1.0)
+    got = unmask_sum_fixed(masked, plan, CFG)
+    for name, want in _plain_fixed_sum(updates, ones, CFG).items():
+        np.testing.assert_array_equal(got[name], want)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("certified", [False, True])
+def test_secure_agg_static_keys_defeat_key_substitution(certified: bool) -> None:
+    """A coordinator that relays its own session key in place of site b's learns a's update
+    when pair keys use session keys alone; not when they also use the certified static keys,
+    even though it relays b's genuine certificate (which a verifies) and masks as well as it
+    can with a key and certificate of its own."""
+    x_a = {"w": np.linspace(-1, 1, 32)}
+    trusts = _certified(["a", "b"])
+    own = _certified(["b"])["b"]  # the attacker holds no CURVE secret of b's
+    attacker_trust = PeerTrust(
+        static_key=own.static_key,
+        certificate=own.certificate,
+        cas=trusts["a"].cas,  # it may verify a's certificate too
+        wall_clock=lambda: NOW,
+    )
+    a = SecAggSession(
+        site_id="a", session_id="sess-1", config=CFG, trust=trusts["a"] if certified else None
+    )
+    attacker = SecAggSession(
+        site_id="b", session_id="sess-1", config=CFG, trust=attacker_trust if certified else None
+    )
+    fake_b = Peer(
+        session_public=attacker.session_public,
+        certificate=trusts["b"].certificate if certified else None,  # b's genuine one
+    )
+    participants = {"a": a.peer(), "b": fake_b}
+    masked_a = a.mask(x_a, round_id=1, participants=participants)
+    masked_b = attacker.mask(
+        {"w": np.zeros(32)}, round_id=1, participants={"a": a.peer(), "b": attacker.peer()}
+    )
+    plan = MaskingPlan(round_id=1, attempt=0, participants=participants)
+    recovered = unmask_sum(dict(a=masked_a, b=masked_b), plan, CFG, dtype=np.float64)["w"]
+    leaked = bool(np.allclose(recovered, x_a["w"], atol=1e-6))
+    assert leaked is (not certified)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "session_public",
+    [bytes(32), (1).to_bytes(32, "little"), (2**255 - 19).to_bytes(32, "little"), bytes(31)],
+    ids=["all_zero", "order_4", "non_canonical_zero", "31_bytes"],
+)
+def test_a_peer_with_an_unusable_session_key_is_refused_by_name(session_public: bytes) -> None:
+    """A relayed session key no pair can mask with is refused naming the peer, before any
+    exchange, and nothing is recorded: the site can still mask that round with a good plan."""
+    sessions = _sessions(["a", "b", "c"], CFG)
+    good = _plan(sessions).participants
+    bad = {**good, "c": Peer(session_public=session_public)}
+    with pytest.raises(PeerRefused, match="peer 'c'") as refused:
+        sessions["a"].mask({"w": np.zeros(3)}, round_id=1, participants=bad)
+    assert refused.value.site_id == "c"
+    sessions["a"].mask({"w": np.zeros(3)}, round_id=1, participants=good)
 
 
 @pytest.mark.timeout(60)

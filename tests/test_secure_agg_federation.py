@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from comm.security.kits import issue_site
 from coordinator.file_store import FileStateStore
 from tests.conftest import Procs, read_status, write_coordinator_config, write_site_config
 
@@ -16,12 +17,22 @@ SECAGG = {"clip_bound": 64.0}
 
 
 def _run(
-    procs: Procs, root: Path, *, secagg: bool, sites: int = 2, drop: str = "", **coord: object
+    procs: Procs,
+    root: Path,
+    *,
+    secagg: bool,
+    sites: int = 2,
+    drop: str = "",
+    kit: Path | None = None,
+    **coord: object,
 ) -> dict:
+    """A federation of ``sites`` processes; with ``kit``, in CURVE mode with certificates."""
     root.mkdir()
     procs.workdir = root
     extra = {"secure_aggregation": SECAGG} if secagg else {}
     coord.setdefault("max_rounds", 3)
+    if kit is not None:
+        coord["security"] = {"kit_dir": str(kit)}
     cfg = write_coordinator_config(
         root,
         min_sites=sites,
@@ -36,6 +47,9 @@ def _run(
     names = ["eu", "us", "ap"][:sites]
     for i, site in enumerate(names):
         fault = {"fault_exit_before_send_round": 2} if site == drop else {}
+        if kit is not None:
+            site_kit = issue_site(kit, site, days=1, out_dir=root / f"kit-{site}").site_kit_dir
+            fault["security"] = {"kit_dir": str(site_kit)}
         path = write_site_config(root, site, i, sites, **extra, **fault)
         procs.start(f"site-{site}-{tag}", "agent", "--config", str(path))
     assert procs.procs[f"coordinator-{tag}"].wait(timeout=240) == 0, procs.log(f"coordinator-{tag}")
@@ -114,3 +128,15 @@ def test_a_lost_rerun_plan_is_sent_again_by_the_channel_not_after_a_deadline(
     log = procs.log("coordinator-lost")
     assert "fault injection: the re-run plan to eu is lost" in log
     assert "(RoundStart) after 1 send(s): sending it again" in log
+
+
+def test_secure_agg_with_certificates_masks_with_verified_peers(
+    procs: Procs, tmp_path: Path, kit: Path
+) -> None:
+    # CURVE mode: the coordinator relays each peer's certificate and every site verifies it
+    # against its own kit before masking.
+    status = _run(procs, tmp_path / "certified", secagg=True, kit=kit, max_rounds=2)
+    assert status["rounds_completed"] == 2
+    assert "masked update accepted" in procs.log("coordinator-certified")
+    for site in ("eu", "us"):
+        assert "not masking" not in procs.log(f"site-{site}-certified")

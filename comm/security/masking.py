@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import zmq.utils.z85 as z85
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -146,14 +146,36 @@ def curve_public_raw(public: bytes) -> bytes:
     return raw
 
 
+def check_x25519_public(public: bytes) -> None:
+    """Raise ValueError unless ``public`` is a 32-byte X25519 public key a pair can mask with.
+
+    The all-zero key, the other points of small order and their non-canonical encodings give
+    the all-zero shared secret with every key: X25519 refuses the exchange (a peer announcing
+    one would stop every honest site from masking) and nothing secret would come of it. An
+    exchange with a fixed probe key tells: its scalar is a multiple of 8 below the large prime
+    orders, so the result is zero exactly for those points."""
+    if len(public) != 32:
+        raise ValueError(f"an X25519 public key has 32 bytes, got {len(public)}")
+    try:
+        _PROBE_KEY.exchange(X25519PublicKey.from_public_bytes(bytes(public)))
+    except ValueError:
+        raise ValueError("the X25519 public key is a point of small order") from None
+
+
+_PROBE_KEY = X25519PrivateKey.from_private_bytes(hashlib.sha256(b"crossdc-x25519-probe").digest())
+
+
 @dataclass(frozen=True, kw_only=True)
 class Peer:
-    """A site's keys as announced for masking."""
+    """A site's keys as the coordinator relays them for masking."""
 
     session_public: bytes
     """Raw 32-byte X25519 public key of the site's current session key."""
-    static_public: bytes | None = None
-    """The site's CURVE public key from its CA-verified certificate (raw or Z85)."""
+    certificate: bytes | None = None
+    """The site's certificate (PEM), signed by the federation CA: it binds the site's CURVE key
+    (an X25519 key) to its site id. A site with a kit verifies it against its own kit's CAs
+    before masking with the peer (:class:`comm.security.secagg.PeerTrust`); None without
+    certificates (an insecure loopback federation)."""
 
 
 def _ordered(site_ids: Collection[str]) -> list[str]:

@@ -30,14 +30,21 @@ The coordinator must unmask one attempt per round and discard the vectors of aba
 see docs/security.md for what a coordinator that keeps them (or lies about dropouts) can learn.
 
 Pair keys mix a per-session X25519 key (fresh each time an agent starts, so a restarted site never
-reuses masks) with, when given, the sites' static CURVE keys from their CA-signed certificates, so
-a coordinator relaying session keys cannot substitute its own and learn the masks.
+reuses masks) with, in CURVE mode, the sites' static CURVE keys. The coordinator relays each
+peer's session key with the peer's certificate; a site masks with a peer only once that
+certificate verifies against the site's own kit (:class:`PeerTrust`: signed by one of its CAs,
+valid now, naming the site id it is relayed for) and the session key is a usable X25519 key.
+A coordinator can then substitute neither key to learn the masks: it holds no site's CURVE
+secret, so every pair key with an honest peer stays secret to the pair, whatever session key it
+relays. A peer that fails is refused by name (:class:`PeerRefused`) and the site masks with
+nobody in that attempt: it drops out, as a site that went silent does.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -45,6 +52,8 @@ import numpy as np
 import numpy.typing as npt
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
+from comm.security.certs import CACertificate, Certificate
+from comm.security.common import AuthError
 from comm.security.masking import (
     WEIGHT_KEY,
     MaskedArrays,
@@ -52,12 +61,69 @@ from comm.security.masking import (
     SecAggConfig,
     _ordered,
     _pair_key,
+    check_x25519_public,
     curve_public_raw,
     encode_fixed,
     mask_stream,
     to_signed,
     x25519_public_bytes,
 )
+
+# ---------------------------------------------------------------------------------------------
+# What a site checks before it masks with a peer
+
+
+class PeerRefused(ValueError):
+    """A peer of a masking plan whose keys this site will not mask with, and why."""
+
+    def __init__(self, site_id: str, why: str) -> None:
+        super().__init__(f"secagg: peer {site_id!r} refused: {why}")
+        self.site_id = site_id
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerTrust:
+    """A site's certified identity for masking, and what it checks its peers against.
+
+    ``static_key`` is the site's CURVE secret as X25519 (:func:`x25519_from_curve_secret`);
+    ``certificate`` its own certificate (PEM); ``cas`` returns the CAs of its kit's ``ca.pem``
+    (called at every plan, so a kit reloaded during a CA rollover counts); ``wall_clock`` is
+    what certificate validity is checked at.
+    """
+
+    static_key: X25519PrivateKey
+    certificate: bytes
+    cas: Callable[[], Sequence[CACertificate]]
+    wall_clock: Callable[[], float] = time.time
+
+    def certified_key(self, site_id: str, certificate: bytes | None) -> bytes:
+        """The raw X25519 key that ``certificate`` certifies for ``site_id``: signed by a CA of
+        ``cas()``, naming ``site_id``, valid now. Raises :class:`PeerRefused` otherwise."""
+        if not certificate:
+            raise PeerRefused(site_id, "the plan relays no certificate for it")
+        try:
+            cert = Certificate.from_pem(certificate)
+            cas = self.cas()
+            ca = cert.issuer_among(cas)
+            if ca is None:
+                fingerprints = ", ".join(c.fingerprint for c in cas)
+                raise AuthError(
+                    "bad_signature",
+                    f"certificate serial={cert.serial} is signed by no CA of this site's kit "
+                    f"({fingerprints})",
+                )
+            cert.verify(ca.public_key, self.wall_clock(), site_id=site_id)
+        except AuthError as exc:
+            raise PeerRefused(site_id, f"{exc.reason}: {exc.detail}") from None
+        return curve_public_raw(cert.curve_public)
+
+
+def _usable_session_key(site_id: str, peer: Peer) -> None:
+    try:
+        check_x25519_public(peer.session_public)
+    except ValueError as exc:
+        raise PeerRefused(site_id, f"session key: {exc}") from None
+
 
 # ---------------------------------------------------------------------------------------------
 # The site's side
@@ -68,8 +134,8 @@ class SecAggSession:
 
     ``session_key`` is generated fresh unless given; announce :attr:`session_public` to the
     coordinator, which relays every participant's :class:`Peer` in its round plan. With
-    ``static_key`` (the site's CURVE secret, :func:`x25519_from_curve_secret`), every participant
-    must come with its certified ``static_public`` too, and pair keys depend on both.
+    ``trust`` (CURVE mode) every participant must come with a certificate that verifies against
+    it, and pair keys depend on the certified static keys too.
     """
 
     def __init__(
@@ -79,23 +145,29 @@ class SecAggSession:
         session_id: str,
         config: SecAggConfig,
         session_key: X25519PrivateKey | None = None,
-        static_key: X25519PrivateKey | None = None,
+        trust: PeerTrust | None = None,
     ) -> None:
         self.site_id = site_id
         self.session_id = session_id
         self.config = config
         self._session_key = session_key or X25519PrivateKey.generate()
-        self._static_key = static_key
+        self._trust = trust
         self.session_public = x25519_public_bytes(self._session_key)
-        self.static_public = x25519_public_bytes(static_key) if static_key is not None else None
+        self.static_public = x25519_public_bytes(trust.static_key) if trust is not None else None
         self._last: tuple[int, int] | None = None
         self._last_members: dict[str, Peer] = {}
 
     def peer(self) -> Peer:
         """This site's own entry for a round plan."""
-        return Peer(session_public=self.session_public, static_public=self.static_public)
+        certificate = self._trust.certificate if self._trust is not None else None
+        return Peer(session_public=self.session_public, certificate=certificate)
 
-    def _check_plan(self, round_id: int, attempt: int, participants: Mapping[str, Peer]) -> None:
+    def _check_plan(
+        self, round_id: int, attempt: int, participants: Mapping[str, Peer]
+    ) -> dict[str, bytes]:
+        """Refuse a plan this site must not mask for (ValueError; :class:`PeerRefused` naming
+        the first peer whose keys fail); the certified static key of every other participant
+        (none without ``trust``)."""
         cfg = self.config
         if self.site_id not in participants:
             raise ValueError(f"secagg: site {self.site_id!r} is not in the masking set")
@@ -106,18 +178,8 @@ class SecAggSession:
             )
         if not 0 <= attempt < cfg.max_attempts:
             raise ValueError(f"secagg: attempt {attempt} is outside [0, {cfg.max_attempts})")
-        me = participants[self.site_id]
-        if me.session_public != self.session_public or (
-            self.static_public is not None
-            and (
-                me.static_public is None or curve_public_raw(me.static_public) != self.static_public
-            )
-        ):
+        if not self._is_me(participants[self.site_id]):
             raise ValueError("secagg: the plan lists other keys for this site")
-        if self._static_key is not None:
-            missing = [s for s, p in participants.items() if p.static_public is None]
-            if missing:
-                raise ValueError(f"secagg: no certified static key for {missing}")
         if self._last is not None and (round_id, attempt) <= self._last:
             raise ValueError(
                 f"secagg: already masked round {self._last[0]} attempt {self._last[1]}; "
@@ -135,6 +197,28 @@ class SecAggSession:
                 prev[s] != p for s, p in participants.items()
             ):
                 raise ValueError("secagg: a re-run's set must be survivors of the previous one")
+        statics: dict[str, bytes] = {}
+        for site_id in _ordered(participants):
+            if site_id == self.site_id:
+                continue
+            peer = participants[site_id]
+            _usable_session_key(site_id, peer)
+            if self._trust is not None:
+                statics[site_id] = self._trust.certified_key(site_id, peer.certificate)
+        return statics
+
+    def _is_me(self, entry: Peer) -> bool:
+        """Whether the plan's entry for this site holds this site's keys: its session key and,
+        with ``trust``, a certificate of its own CURVE key."""
+        if entry.session_public != self.session_public:
+            return False
+        if self._trust is None:
+            return True
+        try:
+            cert = Certificate.from_pem(entry.certificate or b"")
+        except AuthError:
+            return False
+        return curve_public_raw(cert.curve_public) == self.static_public
 
     def mask(
         self,
@@ -156,7 +240,7 @@ class SecAggSession:
             raise ValueError(f"secagg: tensor name {WEIGHT_KEY!r} is reserved")
         if not (math.isfinite(weight) and 0.0 <= weight <= 1.0):
             raise ValueError(f"secagg: weight must be in [0, 1], got {weight}")
-        self._check_plan(round_id, attempt, participants)
+        statics = self._check_plan(round_id, attempt, participants)
         out: MaskedArrays = {
             name: encode_fixed(name, np.asarray(x, dtype=np.float64) * weight, cfg)
             for name, x in arrays.items()
@@ -166,7 +250,9 @@ class SecAggSession:
         for other in members:
             if other == self.site_id:
                 continue
-            pair_key = self._pair_key(round_id, attempt, members, other, participants)
+            pair_key = self._pair_key(
+                round_id, attempt, members, other, participants, statics.get(other)
+            )
             add = self.site_id < other
             for name, enc in out.items():
                 m = mask_stream(pair_key, name, enc.size, cfg).reshape(enc.shape)
@@ -186,13 +272,15 @@ class SecAggSession:
         members: list[str],
         other: str,
         participants: Mapping[str, Peer],
+        other_static: bytes | None,
     ) -> bytes:
         peer = participants[other]
         shared = self._session_key.exchange(X25519PublicKey.from_public_bytes(peer.session_public))
-        if self._static_key is not None:
-            assert peer.static_public is not None  # checked in _check_plan
-            static = X25519PublicKey.from_public_bytes(curve_public_raw(peer.static_public))
-            shared += self._static_key.exchange(static)
+        if self._trust is not None:
+            assert other_static is not None  # certified in _check_plan
+            shared += self._trust.static_key.exchange(
+                X25519PublicKey.from_public_bytes(other_static)
+            )
         lo, hi = sorted((self.site_id, other))
         return _pair_key(
             session_id=self.session_id,
@@ -217,6 +305,44 @@ class MaskingPlan:
     round_id: int
     attempt: int
     participants: Mapping[str, Peer]
+
+
+def plan_message(plan: MaskingPlan) -> dict[str, Any]:
+    """``RoundStart.secagg`` for ``plan``: ``attempt``, and per site ``[session public key as
+    hex, certificate PEM or ""]`` (see :func:`plan_from_message`)."""
+    return {
+        "attempt": plan.attempt,
+        "peers": {
+            s: [p.session_public.hex(), p.certificate.decode("ascii") if p.certificate else ""]
+            for s, p in sorted(plan.participants.items())
+        },
+    }
+
+
+def plan_from_message(secagg: Mapping[str, Any]) -> tuple[int, dict[str, Peer]]:
+    """The attempt and the peers a ``RoundStart.secagg`` relays, as relayed: nothing is
+    verified here (:meth:`SecAggSession.mask` does). ValueError when it is malformed."""
+    attempt, peers = secagg.get("attempt"), secagg.get("peers")
+    if not isinstance(attempt, int) or isinstance(attempt, bool):
+        raise ValueError("secagg: the plan names no attempt")
+    if not isinstance(peers, dict):
+        raise ValueError("secagg: the plan lists no peers")
+    out: dict[str, Peer] = {}
+    for site_id, keys in peers.items():
+        if not (
+            isinstance(site_id, str)
+            and isinstance(keys, list)
+            and len(keys) == 2
+            and all(isinstance(k, str) for k in keys)
+        ):
+            raise ValueError(f"secagg: the plan's entry for {site_id!r} is not [key, certificate]")
+        try:
+            session_public = bytes.fromhex(keys[0])
+            certificate = keys[1].encode("ascii") if keys[1] else None
+        except (ValueError, UnicodeEncodeError):
+            raise PeerRefused(str(site_id), "its relayed keys are not hex and PEM") from None
+        out[site_id] = Peer(session_public=session_public, certificate=certificate)
+    return attempt, out
 
 
 @dataclass(frozen=True, kw_only=True)

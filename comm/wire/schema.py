@@ -14,10 +14,11 @@ from typing import Any
 
 from comm.codecs.base import EncodedTensor
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """3: ``Eval`` carries the job's metrics (``metrics``) in place of ``num_tokens``. 4: the header
 may carry acknowledged delivery (``"r"``, ``"a"``; see ``comm.wire.frames``). 5: ``Global`` may
-be a sparse broadcast (``part_weights``, ``outer_lr``)."""
+be a sparse broadcast (``part_weights``, ``outer_lr``). 6: ``RoundStart.secagg`` relays each
+peer's certificate in place of its bare CURVE key; ``BAD_KEY``."""
 
 
 class MessageType(enum.IntEnum):
@@ -60,6 +61,7 @@ class ErrorCode(enum.IntEnum):
     UNAUTHENTICATED = 13
     REPLAY = 14
     BAD_SIGNATURE = 15
+    BAD_KEY = 16
 
 
 ERROR_MEANINGS: dict[ErrorCode, str] = {
@@ -78,6 +80,7 @@ ERROR_MEANINGS: dict[ErrorCode, str] = {
     ErrorCode.UNAUTHENTICATED: "the sender's certificate does not allow this message",
     ErrorCode.REPLAY: "the (session, sequence) of this message was already seen",
     ErrorCode.BAD_SIGNATURE: "a signature does not verify",
+    ErrorCode.BAD_KEY: "a public key the sender announced cannot be used",
 }
 
 
@@ -157,8 +160,11 @@ class RoundStart:
     """Why the scheduler chose this plan (for logs)."""
     secagg: dict[str, Any] = field(default_factory=dict)
     """Secure aggregation of this round, empty when off: ``attempt`` and ``peers`` (site id ->
-    [session public key hex, certified CURVE public key or ""]). A re-run repeats the round id
-    with a higher attempt and only the survivors; the site re-masks the update it already made."""
+    [session public key hex, the site's certificate as PEM or "" without certificates]; built
+    and read by ``comm.security.secagg.plan_message`` / ``plan_from_message``). Each site
+    verifies every peer's certificate against its own kit before masking. A re-run repeats the
+    round id with a higher attempt and only the survivors; the site re-masks the update it
+    already made."""
 
 
 @dataclass(frozen=True, kw_only=True)
