@@ -39,6 +39,7 @@ from comm.security.common import (
     SITE_TOML,
     SITES_DIR,
     AuthError,
+    check_site_id,
     curve_raw,
 )
 from comm.security.crl import load_revocations, parse_revocations
@@ -399,3 +400,11 @@ def test_security_config_is_secure_by_default() -> None:
     SecurityConfig(kit_dir="kit").require()
     with pytest.raises(ValueError, match="security.insecure"):
         SecurityConfig(kit_dir="kit", insecure=True)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("site_id", ["eu\n", "eu\r\n", "\neu", "eu ", "é", "x" * 65])
+def test_a_site_id_is_matched_whole(site_id: str) -> None:
+    with pytest.raises(ValueError, match="site_id"):
+        check_site_id(site_id)
+    assert check_site_id("eu-west_1") == "eu-west_1"

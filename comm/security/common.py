@@ -53,7 +53,8 @@ BLOB_KIND = "crossdc-blob-v1"
 _PRIVATE_MODE = 0o600
 _PUBLIC_MODE = 0o644
 _DIR_MODE = 0o700
-_SITE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_SITE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""A whole site id (``fullmatch``: ``$`` would also take one with a trailing newline)."""
 _SECONDS_PER_DAY = 86400
 _BACKDATE_S = 300
 """A new certificate is valid from 5 minutes before it was issued, for clock skew between the
@@ -122,7 +123,7 @@ def key_fingerprint(public_key: bytes | Ed25519PublicKey) -> str:
 
 
 def check_site_id(site_id: str) -> str:
-    if not _SITE_ID.match(site_id):
+    if not _SITE_ID.fullmatch(site_id):
         raise ValueError(f"site_id must be 1-64 letters, digits, '-' or '_', got {site_id!r}")
     return site_id
 
