@@ -46,7 +46,12 @@ from coordinator.lifecycle import Lifecycle
 from coordinator.masking_keys import MaskingKeys
 from coordinator.membership import Member
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.model_spec import first_difference, spec_from_capabilities, spec_from_params
+from coordinator.model_spec import (
+    averaged_difference,
+    first_difference,
+    spec_from_capabilities,
+    spec_from_params,
+)
 from coordinator.planner import Planner
 from coordinator.post import PostOffice
 from coordinator.updates import UpdateIntake
@@ -184,14 +189,20 @@ class Intake:
     # ---- joins and the initial model -------------------------------------------------------
 
     def _refuse_other_model(self, peer: bytes, msg: Join) -> bool:
-        """A site whose model is not the federation's is refused, naming the first difference."""
+        """A site whose model is not the federation's is refused, naming the first difference;
+        so is one that would average other tensors than the federation's first join declared."""
         st = self._model.state
         fingerprint = st.model_fingerprint if st else self._init_fingerprint
+        declared = spec_from_capabilities(msg.capabilities)
         if fingerprint is None or msg.model_fingerprint == fingerprint:
             if self._model.spec is None:
-                self._model.spec = spec_from_capabilities(msg.capabilities)
-            return False
-        declared = spec_from_capabilities(msg.capabilities)
+                self._model.spec = declared
+                return False
+            differs = averaged_difference(declared, self._model.spec) if declared else None
+            if differs is None:
+                return False
+            self._post.reject(peer, ErrorCode.MODEL_MISMATCH, differs, msg.site_id)
+            return True
         known = self._model.spec or (spec_from_params(st.params) if st else None)
         why = f": {first_difference(declared, known)}" if declared and known else ""
         self._post.reject(

@@ -3,7 +3,9 @@
 The coordinator never imports a job: it knows the model as the names, shapes and dtypes a site
 declared at its join (``capabilities["state_spec"]``, with the job's factory as
 ``capabilities["job"]``), or, after a restart, as the names and shapes of the tensors it holds.
-:func:`first_difference` turns a fingerprint mismatch into a sentence naming what differs.
+:func:`first_difference` turns a fingerprint mismatch into a sentence naming what differs, and
+:func:`averaged_difference` the tensors two sites would average differently (the first join
+declares the federation's list, ``averaged``; a later one declaring another is refused).
 """
 
 from __future__ import annotations
@@ -62,6 +64,21 @@ def spec_from_capabilities(capabilities: Mapping[str, Any]) -> ModelSpec | None:
 
 def spec_from_params(params: Mapping[str, np.ndarray]) -> ModelSpec:
     return ModelSpec(tuple(TensorSpec(n, tuple(a.shape), None) for n, a in params.items()))
+
+
+def averaged_difference(site: ModelSpec, federation: ModelSpec) -> str | None:
+    """None when ``site`` averages the same tensors as ``federation``, else a clause naming the
+    first that differs. Both sides must agree: the outer step averages these (a site applies a
+    sparse broadcast with its own list), so one site's list may not decide for the others."""
+    if site.averaged == federation.averaged:
+        return None
+    extra, missing = (
+        sorted(site.averaged - federation.averaged),
+        sorted(federation.averaged - site.averaged),
+    )
+    if extra:
+        return f"the site averages {extra[0]!r}, which the federation steps as a weight"
+    return f"the federation averages {missing[0]!r}, which the site steps as a weight"
 
 
 def first_difference(site: ModelSpec, federation: ModelSpec) -> str:

@@ -1,7 +1,9 @@
-"""Updates into the coordinator: each one validated (round, fragment, finite weight, shapes, norm
-bound; under secure aggregation shape and attempt only, its values being hidden), told to the
-lifecycle, and folded into its round's sum in the ledger. A refusal is an Error to the sender
-and a counter, never a change of state.
+"""Updates into the coordinator: each one validated (a global model to update, the site's
+reported figures (``coordinator.reported``), round, fragment, shapes, norm bound; under secure
+aggregation shape and attempt only, its values being hidden), told to the lifecycle, and folded
+into its round's sum in the ledger. A refusal is an Error to the sender and a counter, never a
+change of state: the planner learns a site's step time and link only from an update admitted to
+its round.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from coordinator.lifecycle import Lifecycle
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.planner import Planner
 from coordinator.post import PostOffice
+from coordinator.reported import check_reported
 from coordinator.scheduler import SiteView
 from coordinator.strategy import Arrays, global_norm
 
@@ -51,24 +54,22 @@ class UpdateIntake:
         self._metrics = metrics
 
     def on_update(self, now: float, peer: bytes, msg: Update) -> None:
-        assert self._model.state is not None
-        self._planner.observe(
-            SiteView(msg.site_id, msg.step_seconds, msg.link_rtt_s, msg.link_goodput_bps)
-        )
-        verdict = self._book.check_update(
+        if self._model.state is None:
+            # A member may send anything; before θ0 exists no round is open to take it.
+            detail = "no global model yet: the initial parameters come first"
+            self._post.reject(peer, ErrorCode.UNEXPECTED, detail, msg.site_id)
+            return
+        verdict = check_reported(msg) or self._book.check_update(
             msg.site_id, msg.round_id, msg.fragment, msg.global_version
         )
         if isinstance(verdict, UpdateRefusal):
             self._post.reject(peer, verdict.code, verdict.detail, msg.site_id)
             return
-        if not (np.isfinite(msg.weight) and msg.weight > 0):
-            self._post.reject(peer, ErrorCode.NON_FINITE, f"weight {msg.weight}", msg.site_id)
-            return
-        if np.isinf(msg.train_loss):  # NaN: the site reports no loss (mean_train_loss)
-            self._post.reject(
-                peer, ErrorCode.NON_FINITE, f"train_loss {msg.train_loss}", msg.site_id
-            )
-            return
+        # The site's figures are finite and in range (coordinator.reported): the planner may
+        # divide by them.
+        self._planner.observe(
+            SiteView(msg.site_id, msg.step_seconds, msg.link_rtt_s, msg.link_goodput_bps)
+        )
         names = self._model.fragment_names[verdict.fragment]
         if self._cfg.secure_aggregation is not None:
             self._on_masked(now, peer, msg, names)

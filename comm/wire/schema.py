@@ -62,6 +62,7 @@ class ErrorCode(enum.IntEnum):
     REPLAY = 14
     BAD_SIGNATURE = 15
     BAD_KEY = 16
+    OUT_OF_RANGE = 17
 
 
 ERROR_MEANINGS: dict[ErrorCode, str] = {
@@ -81,6 +82,7 @@ ERROR_MEANINGS: dict[ErrorCode, str] = {
     ErrorCode.REPLAY: "the (session, sequence) of this message was already seen",
     ErrorCode.BAD_SIGNATURE: "a signature does not verify",
     ErrorCode.BAD_KEY: "a public key the sender announced cannot be used",
+    ErrorCode.OUT_OF_RANGE: "a figure the site reported (weight, step time, link) is out of range",
 }
 
 
