@@ -159,8 +159,8 @@ def test_a_quiet_peer_is_named_once_for_its_owner_to_free() -> None:
     charges = PeerCharges(1 << 20)
     charges.heard(b"a", 0.0)
     charges.heard(b"b", 250.0)
-    assert charges.quiet(301.0, 300.0, {b"a", b"b"}) == [b"a"]
-    assert charges.quiet(302.0, 300.0, {b"a", b"b"}) == []
+    assert charges.quiet(301.0, 300.0) == [b"a"]
+    assert charges.quiet(302.0, 300.0) == []
 
 
 # ---- over a real socket ---------------------------------------------------------------------
@@ -235,6 +235,29 @@ def test_a_site_that_has_not_joined_may_not_make_the_coordinator_hold_a_transfer
         eu.send(InitParams(site_id="eu", model_fingerprint="fp", payload=payload))
         h.until(lambda: eu.chan.recv(0.0) is None and h.coord.state is not None)  # acks pumped
         assert h.coord.model.numel == 1 << 18 and chan.charges.total == 0
+
+
+def test_a_router_forgets_everything_of_a_routing_id_gone_quiet(
+    router: tuple[RouterChannel, str, zmq.Context[zmq.Socket[bytes]]],
+) -> None:
+    chan, endpoint, ctx = router
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(endpoint)
+    try:
+        hello = to_wire(Leave(site_id="s", reason="hello"), session="x", seq=1)
+        raw.send_multipart([bytes(f) for f in hello])
+        deadline = time.monotonic() + WAIT_S
+        while (got := chan.recv(0.05)) is None:
+            assert time.monotonic() < deadline, "the first message did not arrive"
+        peer = got[0]
+        chan.link(peer)  # what is measured about it
+        assert peer in chan.addresses and peer in chan.links
+        chan._expire_idle(time.monotonic() + chan.transfer_cfg.idle_expire_s + 1.0)
+        assert peer not in chan.addresses and peer not in chan.links
+        assert chan.charges.quiet(time.monotonic() + 1e6, 0.0) == []
+    finally:
+        raw.close(0)
 
 
 def test_what_a_router_holds_for_a_peer_that_never_acknowledges_is_within_its_allowance() -> None:

@@ -11,8 +11,8 @@ The allowance is the owner's: a coordinator allows a site that has not joined a 
 member about the largest message its model makes (``coordinator.allowance``); without an owner's
 rule every peer may hold ``default_bytes``. Charges are keyed by :attr:`PeerCharges.key`: the
 routing id, or, where a channel knows the certified identity behind it, that identity, so one
-site's connections share one allowance. A peer that holds bytes and sends nothing for a while
-is *quiet*: :meth:`PeerCharges.quiet` names it so its owner frees what it holds.
+site's connections share one allowance. A peer that sends nothing for a while is *quiet*:
+:meth:`PeerCharges.quiet` names it so its owner frees what it holds and keeps for it.
 """
 
 from __future__ import annotations
@@ -83,12 +83,12 @@ class PeerCharges:
         """A message (any) came from ``peer``."""
         self._heard[peer] = now
 
-    def quiet(self, now: float, idle_s: float, holding: set[bytes]) -> list[bytes]:
-        """Routing ids among ``holding`` not heard from for ``idle_s``; they are forgotten here
-        (their owner drops what they hold, which releases it)."""
-        gone = [p for p in holding if now - self._heard.get(p, now) > idle_s]
+    def quiet(self, now: float, idle_s: float) -> list[bytes]:
+        """Routing ids not heard from for ``idle_s``; they are forgotten here (their owner
+        drops what it keeps for them, which releases what they hold)."""
+        gone = [p for p, at in self._heard.items() if now - at > idle_s]
         for peer in gone:
-            self._heard.pop(peer, None)
+            del self._heard[peer]
         return gone
 
     def forget(self, peer: bytes) -> None:

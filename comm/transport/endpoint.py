@@ -202,15 +202,8 @@ class _Endpoint(_SendSide):
         if now < self._expire_at:
             return
         self._expire_at = now + 1.0
-        for peer in self.charges.quiet(now, self.transfer_cfg.idle_expire_s, self._holding()):
-            log.warning(
-                "peer %r sent nothing for %.0f s: dropped what it held",
-                peer[:32],
-                self.transfer_cfg.idle_expire_s,
-            )
-            self.stats.rejected["peer_quiet"] += 1
-            self._receiver.drop_sender(peer)
-            self._end_in_stream(peer)
+        for peer in self.charges.quiet(now, self.transfer_cfg.idle_expire_s):
+            self._drop_quiet(peer)
         dropped = self._receiver.expire(now)
         if dropped:
             self.stats.rejected["transfer_idle"] += dropped
@@ -220,10 +213,17 @@ class _Endpoint(_SendSide):
                 self.transfer_cfg.idle_expire_s,
             )
 
-    def _holding(self) -> set[bytes]:
-        """The peers this end holds bytes for: open transfers, messages behind a gap."""
-        held = {p for p, s in self.in_streams.items() if s.pending}
-        return held | self._receiver.senders()
+    def _drop_quiet(self, peer: bytes) -> None:
+        """``peer`` sent nothing for ``idle_expire_s``: drop what it holds here."""
+        if peer in self._receiver.senders() or peer in self.in_streams:
+            log.warning(
+                "peer %r sent nothing for %.0f s: dropped what it held",
+                peer[:32],
+                self.transfer_cfg.idle_expire_s,
+            )
+            self.stats.rejected["peer_quiet"] += 1
+        self._receiver.drop_sender(peer)
+        self._end_in_stream(peer)
 
     def _recv_one(self) -> tuple[bytes, Message] | None:
         """Read one frame list (one is waiting) and handle it; a complete message is returned."""

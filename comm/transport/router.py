@@ -195,6 +195,12 @@ class RouterChannel(_Endpoint):
         self.links.pop(peer, None)
         self.send_links.pop(peer, None)
 
+    def _drop_quiet(self, peer: bytes) -> None:
+        """A routing id not heard from for ``idle_expire_s``: everything kept for it goes (a
+        member speaks every heartbeat interval; a site's new connection has a new id)."""
+        super()._drop_quiet(peer)
+        self.forget(peer)
+
     # ---- identities checked while connected ------------------------------------------------
 
     def sweep(self) -> None:
