@@ -1,5 +1,6 @@
 """The site agent's shape, checked by parsing its modules: the agent is a composition root that
-no component imports back, and its modules and functions stay small enough to read."""
+no component imports back, and holds components rather than borrowed functions. How long a
+module or a function is stays a reader's guide, never a test: files split where concepts part."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / "site_agent"
 ASSEMBLERS = {"site_agent/launch.py", "site_agent/library.py"}
 """The modules that build an agent (and so import it); nothing the agent uses is among them."""
-MAX_FILE_LINES = 400
-MAX_FUNCTION_LINES = 60
 MAX_AGENT_ATTRIBUTES = 15
 
 
@@ -39,22 +38,6 @@ def test_no_component_imports_the_agent_back() -> None:
         if "site_agent.agent" in _imports(ast.parse(path.read_text(encoding="utf-8"))):
             offenders.append(rel)
     assert not offenders
-
-
-def test_modules_and_functions_stay_small() -> None:
-    too_long = []
-    for path in _modules():
-        rel = str(path.relative_to(ROOT))
-        source = path.read_text(encoding="utf-8")
-        if len(source.splitlines()) > MAX_FILE_LINES:
-            too_long.append(f"{rel}: {len(source.splitlines())} lines")
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                assert node.end_lineno is not None
-                length = node.end_lineno - node.lineno + 1
-                if length > MAX_FUNCTION_LINES:
-                    too_long.append(f"{rel}:{node.lineno} {node.name}: {length} lines")
-    assert not too_long
 
 
 def test_the_agent_holds_components_not_borrowed_functions() -> None:
