@@ -307,6 +307,7 @@ def _add_bench_command(sub: SubParsers) -> None:
             "delivery",
             "equal_tokens",
             "fuzz",
+            "hostile",
             "pipeline",
             "scale",
             "wan",

@@ -58,6 +58,10 @@ class FedSpec:
     """The embedded byte GPT's shape (unused with ``job``)."""
     job: tuple[str, ...] = ()
     """Another job than the byte GPT, as the demo's arguments (``--job F --job-option K=V``)."""
+    demo_flags: tuple[str, ...] = ()
+    """More of the demo's arguments (``--secure-aggregation``)."""
+    coordinator: dict[str, Any] = field(default_factory=dict)
+    """Keys of the coordinator's ``[coordinator]`` table that replace what the run writes."""
 
 
 @dataclass
@@ -99,7 +103,7 @@ def demo_args(spec: FedSpec) -> argparse.Namespace:
     add_demo_arguments(parser)
     argv = [f"--sites={spec.sites}", f"--inner-steps={spec.inner_steps}"]
     argv += ["--no-outer-final-mean", "--eval-every=1000000"]
-    argv += [*([] if spec.overlap else ["--no-overlap"]), *spec.job]
+    argv += [*([] if spec.overlap else ["--no-overlap"]), *spec.job, *spec.demo_flags]
     args = parser.parse_args(argv)
     resolve_outer_rule_defaults(args)
     return args
@@ -154,6 +158,7 @@ class Federation:
             "site_timeout_s": self.spec.site_timeout_s,
             "round_deadline_s": self.spec.round_deadline_s,
             "metrics_port": 0,
+            **self.spec.coordinator,
         }
         coord_cfg = write_coordinator_config(
             args, self.workdir, overrides=overrides, model=self.spec.model
