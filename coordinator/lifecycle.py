@@ -224,8 +224,10 @@ class Lifecycle:
 
     # ---- the tick ------------------------------------------------------------------------------
 
-    def tick(self, now: float) -> Decision | None:
-        """The next decision, its transition applied; None when there is nothing to do."""
+    def tick(self, now: float, unconfirmed: frozenset[str] = frozenset()) -> Decision | None:
+        """The next decision, its transition applied; None when there is nothing to do.
+        ``unconfirmed``: members that have not yet acknowledged the model last sent to them;
+        they hold it only once they do, so no round is opened for them before."""
         removed = self.expire(now)
         if removed is not None:
             return removed
@@ -236,7 +238,9 @@ class Lifecycle:
         )
         snap = RoundSnapshot(
             open_rounds=tuple(self.open_rounds),
-            ready=tuple(ready_sites(self.members, self.global_version)),
+            ready=tuple(
+                s for s in ready_sites(self.members, self.global_version) if s not in unconfirmed
+            ),
             alive=frozenset(self.members),
             completed_rounds=self.completed_rounds,
             grace_s=grace,

@@ -28,7 +28,7 @@ from comm.security.zap import ZapHandler
 from comm.transport.charges import Allowance
 from comm.transport.faults import WireFaults
 from comm.transport.router import CutOff, RouterChannel
-from comm.wire.schema import ERROR_MEANINGS, Error, ErrorCode, Message
+from comm.wire.schema import ERROR_MEANINGS, Error, ErrorCode, Global, Message
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.outbox import Outbox
@@ -150,6 +150,10 @@ class PostOffice:
 
     def _send_queued(self, peer: bytes, msg: Message) -> None:
         self.send_now(peer, msg)
+
+    def awaits_model(self, peer: bytes) -> bool:
+        """Whether a model (a ``Global``) sent to ``peer`` in chunks is not acknowledged yet."""
+        return self.chan is not None and self.chan.unacknowledged_large(peer, Global)
 
     def send_now(self, peer: bytes, msg: Message) -> bool:
         """Send now: False when ``peer`` is not connected and ``msg`` need not arrive (one that

@@ -289,12 +289,18 @@ class Coordinator:
             return
         # Several decisions can follow at once (remove a silent site, close r, open r+2).
         for _ in range(8):
-            decision = self.book.tick(now)
+            decision = self.book.tick(now, self._unconfirmed())
             if decision is None:
                 return
             self._route(now, decision)
             if self._finish_started is not None:
                 return
+
+    def _unconfirmed(self) -> frozenset[str]:
+        """Members a model was sent to in chunks that have not acknowledged it: a site that
+        cannot or will not take the model is not planned into rounds it would only hold up."""
+        members = self.book.members
+        return frozenset(s for s, m in members.items() if self.post.awaits_model(m.peer))
 
     def _route(self, now: float, decision: Decision) -> None:
         if isinstance(decision, Remove):

@@ -282,3 +282,40 @@ def test_what_a_router_holds_for_a_peer_that_never_acknowledges_is_within_its_al
         raw.close(0)
         chan.close(0)
         ctx.term()
+
+
+def test_a_member_that_never_takes_the_model_is_not_planned_into_rounds() -> None:
+    from comm.wire.schema import Global, Heartbeat, Join, RoundStart
+    from coordinator.service import InitialModel
+
+    big = {"w": np.arange(1 << 18, dtype=np.float32)}  # 1 MiB: the model travels in chunks
+    with running(initial=InitialModel(big, "fp"), min_sites=1) as h:
+        # "mute" joins and never reads: the model's chunks to it are never acknowledged.
+        mute = h.site("mute")
+        mute.send(
+            Join(
+                site_id="mute",
+                model_fingerprint="fp",
+                global_version=-1,
+                state_hash="",
+                capabilities={},
+            )
+        )
+        h.until(lambda: "mute" in h.coord.members)
+        eu = h.site("eu")
+        eu.send(
+            Join(
+                site_id="eu",
+                model_fingerprint="fp",
+                global_version=-1,
+                state_hash="",
+                capabilities={},
+            )
+        )
+        got = h.expect(eu, Global)  # reading it acknowledges its chunks
+        assert got.is_full
+        eu.send(Heartbeat(site_id="eu", global_version=got.global_version, sent_at=0.0))
+        start: RoundStart = h.expect(eu, RoundStart)
+        assert h.coord.open_round is not None
+        assert h.coord.open_round.participants == ("eu",)
+        assert start.round_id == h.coord.open_round.round_id

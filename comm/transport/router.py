@@ -184,6 +184,16 @@ class RouterChannel(_Endpoint):
         msg = self._parse(sender, [f.buffer for f in frames[1:]])
         return None if msg is None else (sender, msg)
 
+    def unacknowledged_large(self, peer: bytes, kind: type) -> bool:
+        """Whether a message of ``kind`` to ``peer`` that travels in chunks (one that must
+        arrive) is not acknowledged yet: queued, in transfer, or sent and awaiting the peer's
+        word. (One sent whole is as good as delivered: the channel resends it until it is.)"""
+        stream = self.out_streams.get(peer)
+        if stream is None:
+            return False
+        big = self.cfg.chunk_bytes
+        return any(isinstance(h.msg, kind) and h.nbytes > big for h in stream.held.values())
+
     def forget(self, peer: bytes) -> None:
         """Drop a departed peer's transfers, both directions, what was measured about it, and
         its replay state (the routing id names one site process: a restart gets a new one)."""
