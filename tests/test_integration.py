@@ -176,10 +176,10 @@ def test_garbage_frames_are_rejected_while_training_continues(procs: Procs, tmp_
         }
         sock.send_multipart([b"\x00not msgpack at all"])
         sock.send_multipart([msgpack.packb({**good_head, "v": 99})])
-        # Over the application bound (counted and rejected), under libzmq's hard MAXMSGSIZE
-        # (beyond which libzmq drops the connection itself).
-        oversize = ChannelConfig().max_message_bytes + 1024
-        sock.send_multipart([msgpack.packb(good_head), b"x" * oversize])
+        # Over the application bound (counted and rejected) in two frames, each under libzmq's
+        # hard MAXMSGSIZE (beyond which libzmq drops the connection itself).
+        half = ChannelConfig().max_message_bytes // 2 + 1024
+        sock.send_multipart([msgpack.packb(good_head), b"x" * half, b"x" * half])
         sock.send_multipart([msgpack.packb({**good_head, "t": 250})])
         sock.send_multipart([msgpack.packb(good_head)])  # valid but never joined
         wait_for(

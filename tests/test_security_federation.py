@@ -194,11 +194,12 @@ def test_auth_matrix_rejects_each_attack_while_the_federation_trains(
     bad = dataclasses.replace(chunk, data=b"z" + bytes(chunk.data)[1:])
     ap.send(to_wire(bad, session="ap-session", seq=8))
     _await(coord, "bad_digest")
-    # An oversize frame and a wrong protocol version.
+    # An oversize message and a wrong protocol version.
     head = {"v": PROTOCOL_VERSION, "t": int(MessageType.HEARTBEAT), "s": "ap-session", "q": 9}
     head["f"] = {"site_id": "ap", "global_version": 0, "sent_at": 0.0}
     head["p"] = []
-    ap.send([msgpack.packb(head), b"x" * (coord.cfg.channel.max_message_bytes + 1)])
+    half = b"x" * (coord.cfg.channel.max_message_bytes // 2 + 1)  # each frame under MAXMSGSIZE
+    ap.send([msgpack.packb(head), half, half])
     _await(coord, "oversize")
     ap.send([msgpack.packb({**head, "v": PROTOCOL_VERSION + 1, "q": 10})])
     _await(coord, "wrong_version")

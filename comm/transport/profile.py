@@ -164,7 +164,10 @@ def _apply_profile(sock: zmq.Socket[Any], cfg: ChannelConfig, *, server: bool) -
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.SNDTIMEO, _ms(cfg.send_timeout_s))
-    sock.setsockopt(zmq.MAXMSGSIZE, 4 * cfg.max_message_bytes)
+    # A frame larger than a whole message may be can never be valid: libzmq drops the
+    # connection that sends one before holding it. (It bounds each frame, not a message: the
+    # frames of one message are held until its last arrives; docs/security.md.)
+    sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
     sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(cfg.heartbeat_interval_s))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(cfg.heartbeat_timeout_s))
     sock.setsockopt(zmq.HEARTBEAT_TTL, _ms(cfg.heartbeat_timeout_s))
