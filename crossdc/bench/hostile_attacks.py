@@ -29,6 +29,7 @@ import zstandard
 
 from comm.codecs.registry import get_codec
 from comm.security.kits import revoke_site
+from comm.transport.profile import ChannelConfig
 from comm.wire.chunking import chunk_digest
 from comm.wire.schema import (
     MESSAGE_TYPES,
@@ -370,7 +371,8 @@ def _header_bomb(peer: HostilePeer, objects: int) -> list[bytes]:
 
 
 def decompression_bomb(env: AttackEnv) -> list[Outcome]:
-    """A compressed payload index of 16M objects, a header of 900k: each followed by a
+    """A compressed payload index of 16M objects, a header of 300k (as many one-byte objects
+    as a frame within ``MAXMSGSIZE`` holds): each followed by a
     heartbeat, whose refusal (``not_joined``) times how long the coordinator took to get past
     the bomb."""
     site = "hx-bomb"
@@ -379,7 +381,7 @@ def decompression_bomb(env: AttackEnv) -> list[Outcome]:
     try:
         for name, frames, objects in (
             ("decompression_bomb_index", _index_bomb(peer, (16 << 20) - 8), (16 << 20) - 8),
-            ("decompression_bomb_header", _header_bomb(peer, 900_000), 900_000),
+            ("decompression_bomb_header", _header_bomb(peer, 300_000), 300_000),
         ):
             before_log = len(_logged(env, site))
             before_err = len(peer.replies.errors)
@@ -519,33 +521,50 @@ def held_behind_gap(env: AttackEnv) -> list[Outcome]:
 
 
 def message_size(env: AttackEnv) -> list[Outcome]:
-    """One message of 256 frames of 1 MiB each (every frame within ``MAXMSGSIZE``)."""
+    """One message of 256 frames of 1 MiB each (each frame over ``MAXMSGSIZE``, the
+    whole-message bound: libzmq must drop the connection), then one of as many frames of the
+    largest size libzmq lets through, 256 x ``max_message_bytes`` (libzmq holds it whole until
+    its last frame; the coordinator must refuse it by name)."""
     site = "hx-size"
-    peer = env.peer(site)
-    try:
-        frame = b"\0" * (1 << 20)
-        head = peer.frames(_update(site, 1, 64))[0]
-        before = env.peak_rss()
-        peer.send_frames([head, *([frame] * 255)])
-        _settle(peer, 5.0)
-        growth = env.peak_rss() - before
-        logged = _logged(env, site)
-        return [
-            Outcome(
-                "message_256_frames",
-                6,
-                site,
-                refused=bool(logged),
-                cause=logged[0] if logged else "no refusal logged",
-                evidence={
-                    "frames": 256,
-                    "bytes_sent": 256 << 20,
-                    "coordinator_peak_rss_growth_bytes": growth,
-                },
+    outcomes: list[Outcome] = []
+    bound = ChannelConfig().max_message_bytes
+    for name, frame_bytes in (("message_256_frames", 1 << 20), ("message_256_frames_max", bound)):
+        peer = env.peer(site)
+        try:
+            frame = b"\0" * frame_bytes
+            head = peer.frames(_update(site, 1, 64))[0]
+            before = env.peak_rss()
+            since = len(_logged(env, site))
+            peer.send_frames([head, *([frame] * 255)])
+            _settle(peer, 5.0)
+            growth = env.peak_rss() - before
+            logged = _logged(env, site)[since:]
+            dropped = peer.replies.first_disconnect_at is not None
+            if logged:
+                cause = logged[0]
+            elif dropped:
+                cause = (
+                    f"connection dropped by libzmq: a frame of {frame_bytes} > MAXMSGSIZE {bound}"
+                )
+            else:
+                cause = "no refusal logged"
+            outcomes.append(
+                Outcome(
+                    name,
+                    6,
+                    site,
+                    refused=bool(logged) or dropped,
+                    cause=cause,
+                    evidence={
+                        "frames": 256,
+                        "bytes_sent": 256 * frame_bytes,
+                        "coordinator_peak_rss_growth_bytes": growth,
+                    },
+                )
             )
-        ]
-    finally:
-        peer.close()
+        finally:
+            peer.close()
+    return outcomes
 
 
 # --------------------------------------------------------------------------------------------
