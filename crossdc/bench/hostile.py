@@ -19,6 +19,8 @@ from the federation's CA) connected straight to the coordinator's socket. The re
 - ``attacks``: per attack its name, the finding of issue 36 it tries, ``refused`` (measured:
   an Error back, a refusal the coordinator logged naming the attacker, a connection cut, a
   transfer dropped) and ``cause``, the coordinator's own words;
+- ``checks``: each target of the bench as measured: growth within ``bound_bytes`` and within
+  256 MiB, the longest gap under attack within twice the attack-free one, every attack refused.
 - ``bound_bytes``: docs/security.md's bound of what the coordinator's channel holds for its
   peers, at this run's model and membership.
 """
@@ -314,7 +316,20 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "attacks": [o.to_json() for o in outcomes],
         }
     )
+    report["checks"] = checks(report)
     return report
+
+
+def checks(report: dict[str, Any]) -> dict[str, bool | None]:
+    """The issue's targets, each measured against the figures above (None: not measured)."""
+    growth, bound = report["rss_growth_bytes"], report["bound_bytes"]
+    gap, free_gap = report["longest_round_gap_s"], report["attack_free_round_gap_s"]
+    return {
+        "rss_growth_within_bound": None if growth is None else growth <= bound,
+        "rss_growth_within_256_mib": None if growth is None else growth <= 256 << 20,
+        "round_gap_within_2x": None if not free_gap else gap <= 2 * free_gap,
+        "every_attack_refused": not report["attacks_not_refused"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
