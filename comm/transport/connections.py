@@ -9,7 +9,10 @@ connection (its local and remote addresses as recorded when it was accepted: a d
 number is reused once libzmq closes it). libzmq then sees the connection end and drops the
 peer's pipe; the peer's reconnect goes through the handshake again, and ZAP.
 
-A connection accepted that delivers no message for ``silent_s`` is cut too. Without
+A connection that delivers no message for ``silent_s`` (since it was accepted, or since its
+last message) is cut too: every site heartbeats each interval, so a silent connection is dead,
+half-open, or held by a peer with nothing to say. This is the coordinator's dead-peer detection:
+its ROUTER sends no ZMTP heartbeats of its own (``comm.transport.profile`` says why). Without
 ``ROUTER_HANDOVER`` (see ``comm.transport.router``) libzmq holds a second connection that
 presents a routing id already in use apart, delivering nothing from it, and keeps it apart
 after the first one ends: the connection a site opens when it reconnects before the coordinator
@@ -42,8 +45,8 @@ class _Connection:
     ends: tuple[Any, Any]
     """(local, remote) address when accepted: what makes the descriptor this connection."""
     accepted_at: float
-    spoke: bool = False
-    """A message came from it."""
+    spoke_at: float | None = None
+    """When a message last came from it (None: none yet)."""
 
 
 def _ends(fd: int) -> tuple[Any, Any] | None:
@@ -60,7 +63,7 @@ class Connections:
 
     ``note`` every received frame, read the monitor's news (``events``) at least every few
     tens of milliseconds (its clock dates each connection's start), ``cut`` a peer,
-    ``cut_silent`` what never spoke, ``close`` before the socket."""
+    ``cut_silent`` what stopped speaking, ``close`` before the socket."""
 
     def __init__(
         self,
@@ -98,7 +101,7 @@ class Connections:
             self.events()
             conn = self._open.get(fd)
         if conn is not None:
-            conn.spoke = True
+            conn.spoke_at = self._clock()
 
     def events(self) -> None:
         """Take the monitor's news: connections accepted and ended."""
@@ -124,8 +127,8 @@ class Connections:
         return conn is not None and self._shutdown(fd, conn)
 
     def cut_silent(self) -> int:
-        """Cut the connections accepted ``silent_s`` or more ago that delivered no message;
-        how many."""
+        """Cut the connections that delivered no message for ``silent_s`` (since they were
+        accepted, or since their last one); how many."""
         self.events()
         if not self.usable:
             return 0
@@ -133,14 +136,14 @@ class Connections:
         quiet = [
             (fd, c)
             for fd, c in self._open.items()
-            if not c.spoke and now - c.accepted_at >= self.silent_s
+            if now - (c.accepted_at if c.spoke_at is None else c.spoke_at) >= self.silent_s
         ]
         cut = 0
         for fd, conn in quiet:
             if self._shutdown(fd, conn):
                 cut += 1
                 log.warning(
-                    "cut connection from %s: it delivered no message in %.1f s",
+                    "cut connection from %s: it delivered no message for %.1f s",
                     conn.ends[1],
                     self.silent_s,
                 )

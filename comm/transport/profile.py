@@ -168,7 +168,12 @@ def _apply_profile(sock: zmq.Socket[Any], cfg: ChannelConfig, *, server: bool) -
     # connection that sends one before holding it. (It bounds each frame, not a message: the
     # frames of one message are held until its last arrives; docs/security.md.)
     sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(cfg.heartbeat_interval_s))
+    # A ROUTER sends no ZMTP heartbeats: libzmq (4.3.5) aborts the whole process when a
+    # heartbeat falls due on a connection whose peer hung up while its receive pipe was full
+    # ("Assertion failed: !_io_error", stream_engine_base.cpp), which any peer that floods
+    # and hangs up can cause. It still answers its peers' heartbeats, and cuts connections
+    # that go silent itself (comm.transport.connections).
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 0 if server else _ms(cfg.heartbeat_interval_s))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(cfg.heartbeat_timeout_s))
     sock.setsockopt(zmq.HEARTBEAT_TTL, _ms(cfg.heartbeat_timeout_s))
     sock.setsockopt(zmq.RECONNECT_IVL, _ms(cfg.reconnect_interval_s))
