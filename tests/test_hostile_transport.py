@@ -179,19 +179,26 @@ def router() -> Iterator[tuple[RouterChannel, str, zmq.Context[zmq.Socket[bytes]
         ctx.term()
 
 
+def _greeted(chan: RouterChannel, raw: zmq.Socket[bytes], endpoint: str) -> bytes:
+    """Connect ``raw`` to ``chan`` and send one message; the routing id it arrived under."""
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(endpoint)
+    hello = to_wire(Leave(site_id="s", reason="hello"), session="x", seq=1)
+    raw.send_multipart([bytes(f) for f in hello])
+    deadline = time.monotonic() + WAIT_S
+    while (got := chan.recv(0.05)) is None:
+        assert time.monotonic() < deadline, "the first message did not arrive"
+    return got[0]
+
+
 def test_a_message_of_too_many_frames_is_refused_as_it_is_read(
     router: tuple[RouterChannel, str, zmq.Context[zmq.Socket[bytes]]],
 ) -> None:
     chan, endpoint, ctx = router
     raw = ctx.socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(endpoint)
     try:
+        _greeted(chan, raw, endpoint)
         hello = to_wire(Leave(site_id="s", reason="hello"), session="x", seq=1)
-        raw.send_multipart([bytes(f) for f in hello])
-        deadline = time.monotonic() + WAIT_S
-        while chan.recv(0.05) is None:
-            assert time.monotonic() < deadline, "the first message did not arrive"
         kept: list[int] = []
         read = chan._recv_frames
 
@@ -243,15 +250,8 @@ def test_a_router_forgets_everything_of_a_routing_id_gone_quiet(
 ) -> None:
     chan, endpoint, ctx = router
     raw = ctx.socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(endpoint)
     try:
-        hello = to_wire(Leave(site_id="s", reason="hello"), session="x", seq=1)
-        raw.send_multipart([bytes(f) for f in hello])
-        deadline = time.monotonic() + WAIT_S
-        while (got := chan.recv(0.05)) is None:
-            assert time.monotonic() < deadline, "the first message did not arrive"
-        peer = got[0]
+        peer = _greeted(chan, raw, endpoint)
         chan.link(peer)  # what is measured about it
         assert peer in chan.addresses and peer in chan.links
         chan._expire_idle(time.monotonic() + chan.transfer_cfg.idle_expire_s + 1.0)
@@ -265,16 +265,9 @@ def test_what_a_router_holds_for_a_peer_that_never_acknowledges_is_within_its_al
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     chan = RouterChannel(ChannelConfig(linger_s=0.1), context=ctx, allowance=lambda _p: 10_000)
     raw = ctx.socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
     raw.setsockopt(zmq.IDENTITY, b"mute/1")
     try:
-        raw.connect(chan.bind("tcp://127.0.0.1:0"))
-        hello = to_wire(Leave(site_id="mute", reason="hello"), session="x", seq=1)
-        raw.send_multipart([bytes(f) for f in hello])
-        deadline = time.monotonic() + WAIT_S
-        while (got := chan.recv(0.05)) is None:
-            assert time.monotonic() < deadline, "the first message did not arrive"
-        peer = got[0]
+        peer = _greeted(chan, raw, chan.bind("tcp://127.0.0.1:0"))
         for i in range(40):  # each must arrive, and the peer never acknowledges one
             assert chan.send(peer, Leave(site_id="c", reason=f"{i:04d}" + "x" * 1000))
         held = chan.out_streams[peer].held_bytes
