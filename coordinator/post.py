@@ -151,6 +151,15 @@ class PostOffice:
     def _send_queued(self, peer: bytes, msg: Message) -> None:
         self.send_now(peer, msg)
 
+    def models_given_up(self) -> list[bytes]:
+        """The peers a model (a ``Global``) was given up to since the last call, over what the
+        channel may hold for them: they do not hold it."""
+        if self.chan is None:
+            return []
+        given_up = list(self.chan.given_up)
+        self.chan.given_up.clear()
+        return [peer for peer, msg in given_up if isinstance(msg, Global)]
+
     def awaits_model(self, peer: bytes) -> bool:
         """Whether a model (a ``Global``) sent to ``peer`` in chunks is not acknowledged yet."""
         return self.chan is not None and self.chan.unacknowledged_large(peer, Global)

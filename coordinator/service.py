@@ -275,6 +275,7 @@ class Coordinator:
         now = self.clock()
         for cut in self.post.cut_off():
             self._on_cut_off(cut)
+        self._models_given_up()
         if now - self.status_report.published_at > 1.0:
             self._publish_status()
         if self.model.state is None:
@@ -295,6 +296,15 @@ class Coordinator:
             self._route(now, decision)
             if self._finish_started is not None:
                 return
+
+    def _models_given_up(self) -> None:
+        """A member whose model the channel gave up (it held more for it than it may) does not
+        hold it: out of sync, it gets the whole model with the next result."""
+        peers = set(self.post.models_given_up())
+        for site_id, m in list(self.book.members.items()):
+            if m.peer in peers and m.in_sync:
+                log.warning("[coordinator site=%s] its model was given up: out of sync", site_id)
+                self.book.holds(site_id, m.global_version, in_sync=False)
 
     def _unconfirmed(self) -> frozenset[str]:
         """Members a model was sent to in chunks that have not acknowledged it: a site that

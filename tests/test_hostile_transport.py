@@ -26,9 +26,9 @@ from comm.transport.receiver import TransferReceiver
 from comm.transport.router import RouterChannel
 from comm.wire.chunking import chunk_digest
 from comm.wire.frames import WireError, to_wire
-from comm.wire.schema import Chunk, ErrorCode, InitParams, Leave
+from comm.wire.schema import Chunk, ErrorCode, InitParams, Join, Leave
 from comm.wire.tensors import encode_tensors
-from tests.support.coordinator import join, rejected, running
+from tests.support.coordinator import join, on_base, rejected, running
 
 CHUNK = 4096
 WAIT_S = 30.0  # bound on waiting for something that must happen; never a speed assertion
@@ -279,33 +279,19 @@ def test_what_a_router_holds_for_a_peer_that_never_acknowledges_is_within_its_al
 
 
 def test_a_member_that_never_takes_the_model_is_not_planned_into_rounds() -> None:
-    from comm.wire.schema import Global, Heartbeat, Join, RoundStart
+    from comm.wire.schema import Global, Heartbeat, RoundStart
     from coordinator.service import InitialModel
 
     big = {"w": np.arange(1 << 18, dtype=np.float32)}  # 1 MiB: the model travels in chunks
-    with running(initial=InitialModel(big, "fp"), min_sites=1) as h:
+    # What the channel may hold for a peer: the model once, not twice.
+    channel = ChannelConfig(linger_s=0.1, max_unacked_bytes=1 << 20)
+    with running(initial=InitialModel(big, "fp"), min_sites=1, channel=channel) as h:
         # "mute" joins and never reads: the model's chunks to it are never acknowledged.
         mute = h.site("mute")
-        mute.send(
-            Join(
-                site_id="mute",
-                model_fingerprint="fp",
-                global_version=-1,
-                state_hash="",
-                capabilities={},
-            )
-        )
+        mute.send(_join("mute"))
         h.until(lambda: "mute" in h.coord.members)
         eu = h.site("eu")
-        eu.send(
-            Join(
-                site_id="eu",
-                model_fingerprint="fp",
-                global_version=-1,
-                state_hash="",
-                capabilities={},
-            )
-        )
+        eu.send(_join("eu"))
         got = h.expect(eu, Global)  # reading it acknowledges its chunks
         assert got.is_full
         eu.send(Heartbeat(site_id="eu", global_version=got.global_version, sent_at=0.0))
@@ -313,6 +299,22 @@ def test_a_member_that_never_takes_the_model_is_not_planned_into_rounds() -> Non
         assert h.coord.open_round is not None
         assert h.coord.open_round.participants == ("eu",)
         assert start.round_id == h.coord.open_round.round_id
+        # The round's result goes to mute too: with it, more than the channel may hold for
+        # mute waits, the model is given up, and mute no longer counts as holding it.
+        assert h.coord.members["mute"].in_sync
+        eu.send(on_base("eu", start, {"w": np.zeros(1 << 18, np.float32)}))
+        h.until(lambda: eu.chan.recv(0.0) is None and not h.coord.members["mute"].in_sync)
+        assert h.coord.post.chan is not None and h.coord.post.chan.stats.messages_abandoned
+
+
+def _join(site_id: str) -> Join:
+    return Join(
+        site_id=site_id,
+        model_fingerprint="fp",
+        global_version=-1,
+        state_hash="",
+        capabilities={},
+    )
 
 
 _FLOOD_AND_HANG_UP = """

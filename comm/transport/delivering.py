@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 import zmq
@@ -43,6 +43,9 @@ class _DeliverySide:
     in_streams: dict[bytes, InStream[Message]]
     """Per peer: what its current session sent here."""
     _last_rseq: OrderedDict[bytes, int]
+    given_up: deque[tuple[bytes, Message]]
+    """Messages that must arrive given up over a peer's bound, with the peer, for the owner to
+    learn the peer does not hold them (bounded: the oldest fall out)."""
     _outgoing: dict[bytes, Any]
     _queued: dict[bytes, _Queue]
 
@@ -84,12 +87,14 @@ class _DeliverySide:
         stream = self.out_streams[peer]
         waiting = self._queued.get(peer)
         unheld = 0 if waiting is None else waiting.unheld_bytes
+        before = list(stream.held.values())
         dropped = stream.abandon(
             keep=self.cfg.max_unacked_messages,
             keep_bytes=max(0, self._held_bound(peer) - unheld) + newest.nbytes,
         )
         if not dropped:
             return
+        self.given_up.extend((peer, h.msg) for h in before if h.rseq not in stream.held)
         self.stats.messages_abandoned += dropped
         log.warning(
             "peer %r: gave up %d unacknowledged message(s): over %d messages or %d bytes held",

@@ -77,6 +77,7 @@ class _SendSide(_DeliverySide):
         self.out_streams = {}
         self.in_streams = {}
         self._last_rseq = OrderedDict()
+        self.given_up = deque(maxlen=1024)
         self.faults: WireFaults | None = None
         """A deterministic loss injector (tests and drills only)."""
         self.links: dict[bytes, LinkEstimator] = {}
