@@ -16,7 +16,7 @@ from the federation's CA) connected straight to the coordinator's socket. The re
 - ``longest_round_gap_s`` / ``attack_free_round_gap_s``: the longest time between two
   consecutive rounds closing in each phase (the round's ``finished_unix`` in the coordinator's
   status), the phase's end counting as a close when the last round closed before it;
-- ``attacks``: per attack its name, the finding of issue 36 it tries, ``refused`` (measured:
+- ``attacks``: per attack its name, the class of attack it belongs to, ``refused`` (measured:
   an Error back, a refusal the coordinator logged naming the attacker, a connection cut, a
   transfer dropped) and ``cause``, the coordinator's own words;
 - ``checks``: each target of the bench as measured: growth within ``bound_bytes`` and within
@@ -321,7 +321,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 
 def checks(report: dict[str, Any]) -> dict[str, bool | None]:
-    """The issue's targets, each measured against the figures above (None: not measured)."""
+    """The bench's targets, each measured against the figures above (None: not measured)."""
     growth, bound = report["rss_growth_bytes"], report["bound_bytes"]
     gap, free_gap = report["longest_round_gap_s"], report["attack_free_round_gap_s"]
     return {

@@ -1,4 +1,4 @@
-"""The attacks of ``crossdc bench hostile``: one certified site per class of issue 36's findings.
+"""The attacks of ``crossdc bench hostile``: one certified site per class of attack.
 
 Each attack runs in a thread of its own with its own ZeroMQ context, as a site whose
 certificate the federation's CA issued (``comm.security.kits.issue_site``), so the coordinator
@@ -63,7 +63,8 @@ class Outcome:
 
     name: str
     finding: int
-    """The numbered finding of issue 36 it tries (0: a connection that never joins)."""
+    """The class of attack, numbered as in docs/security.md section 9 (0: a connection that
+    never joins)."""
     site_id: str
     refused: bool = False
     cause: str = ""
