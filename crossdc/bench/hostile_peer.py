@@ -25,17 +25,11 @@ from zmq.utils.monitor import recv_monitor_message
 from comm.security.rolekits import load_site_kit
 from comm.wire.chunking import Reassembler
 from comm.wire.frames import Envelope, WireError, from_wire_envelope, to_wire
-from comm.wire.schema import Chunk, ChunkAck, Error, ErrorCode, Heartbeat, Message
+from comm.wire.schema import Chunk, ChunkAck, Error, Heartbeat, Message
+from crossdc.bench.fuzz_live_sites import code_name
 
 FULL_CREDIT_BYTES = 64 << 20
 """The credit a peer that takes what it is sent grants each chunk's transfer."""
-
-
-def code_name(code: int) -> str:
-    try:
-        return ErrorCode(code).name.lower()
-    except ValueError:
-        return str(code)
 
 
 @dataclass
