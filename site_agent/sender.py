@@ -27,7 +27,13 @@ from comm.security.masking import (
     x25519_public_bytes,
 )
 from comm.security.rolekits import SiteKit
-from comm.security.secagg import PeerRefused, PeerTrust, SecAggSession, plan_from_message
+from comm.security.secagg import (
+    PeerRefused,
+    PeerTrust,
+    SecAggSession,
+    masked_payload,
+    plan_from_message,
+)
 from comm.wire.schema import Message, RoundStart, Update
 from site_agent.config import SiteConfig
 from site_agent.exits import EXIT_FAULT_DRILL
@@ -321,17 +327,7 @@ class UpdateSender:
             )
             logging.shutdown()
             os._exit(EXIT_FAULT_DRILL)
-        payload = tuple(
-            EncodedTensor(
-                name=name,
-                shape=tuple(arr.shape),
-                codec="secagg",
-                meta={"attempt": attempt},
-                buffers=(arr.reshape(-1),),
-            )
-            for name, arr in masked.items()
-        )
-        self._send(rs, stats, payload, float(stats.tokens), global_version)
+        self._send(rs, stats, masked_payload(masked, attempt), float(stats.tokens), global_version)
         log.info(
             "[site=%s round=%d] sent masked fragment %d (attempt %d)",
             self.site_id,

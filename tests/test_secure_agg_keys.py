@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 import zmq
 
-from comm.codecs.base import EncodedTensor
 from comm.codecs.floats import Fp32Codec
 from comm.security.kits import init_kit, issue_site
 from comm.security.masking import Peer, SecAggConfig
-from comm.security.secagg import SecAggSession
+from comm.security.secagg import SecAggSession, masked_payload
 from comm.wire.schema import Error, ErrorCode, Global, InitParams, Join, RoundStart, Update
 from comm.wire.tensors import encode_tensors
 from site_agent.agent import SiteAgent
@@ -153,17 +152,7 @@ def _masked_update(session: SecAggSession, rs: RoundStart, delta: dict[str, np.n
     attempt = rs.secagg["attempt"]
     peers = {s: Peer(session_public=bytes.fromhex(k[0])) for s, k in rs.secagg["peers"].items()}
     masked = session.mask(delta, round_id=rs.round_id, participants=peers, attempt=attempt)
-    payload = tuple(
-        EncodedTensor(
-            name=name,
-            shape=tuple(arr.shape),
-            codec="secagg",
-            meta={"attempt": attempt},
-            buffers=(arr.reshape(-1),),
-        )
-        for name, arr in masked.items()
-    )
-    return replace(on_base(session.site_id, rs, delta), payload=payload)
+    return replace(on_base(session.site_id, rs, delta), payload=masked_payload(masked, attempt))
 
 
 def _join_masking(h: Harness, site: Site, cfg: SecAggConfig) -> SecAggSession:
