@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -31,7 +32,6 @@ from comm.security.secagg import (
     PeerRefused,
     PeerTrust,
     SecAggSession,
-    masked_payload,
     plan_from_message,
 )
 from comm.wire.schema import Message, RoundStart, Update
@@ -339,3 +339,17 @@ class UpdateSender:
 
     def status(self) -> dict[str, Any]:
         return {"dp_epsilon": self.accountant.epsilon() if self.accountant else None}
+
+
+def masked_payload(masked: Mapping[str, np.ndarray], attempt: int) -> tuple[EncodedTensor, ...]:
+    """A masked update as it travels: each tensor flat, codec ``secagg``, naming its attempt."""
+    return tuple(
+        EncodedTensor(
+            name=name,
+            shape=tuple(arr.shape),
+            codec="secagg",
+            meta={"attempt": attempt},
+            buffers=(arr.reshape(-1),),
+        )
+        for name, arr in masked.items()
+    )

@@ -16,12 +16,13 @@ import zmq
 from comm.codecs.floats import Fp32Codec
 from comm.security.kits import init_kit, issue_site
 from comm.security.masking import Peer, SecAggConfig
-from comm.security.secagg import SecAggSession, masked_payload
+from comm.security.secagg import SecAggSession
 from comm.wire.schema import Error, ErrorCode, Global, InitParams, Join, RoundStart, Update
 from comm.wire.tensors import encode_tensors
 from site_agent.agent import SiteAgent
 from site_agent.config import load_site_config
 from site_agent.launch import build_job_trainer
+from site_agent.sender import masked_payload
 from tests.conftest import write_site_config
 from tests.support.coordinator import (
     PARAMS,

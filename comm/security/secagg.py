@@ -52,7 +52,6 @@ import numpy as np
 import numpy.typing as npt
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
-from comm.codecs.base import EncodedTensor
 from comm.security.certs import CACertificate, Certificate
 from comm.security.common import AuthError
 from comm.security.masking import (
@@ -306,22 +305,6 @@ class MaskingPlan:
     round_id: int
     attempt: int
     participants: Mapping[str, Peer]
-
-
-def masked_payload(
-    masked: Mapping[str, npt.NDArray[Any]], attempt: int
-) -> tuple[EncodedTensor, ...]:
-    """A masked update as it travels: each tensor flat, codec ``secagg``, naming its attempt."""
-    return tuple(
-        EncodedTensor(
-            name=name,
-            shape=tuple(arr.shape),
-            codec="secagg",
-            meta={"attempt": attempt},
-            buffers=(arr.reshape(-1),),
-        )
-        for name, arr in masked.items()
-    )
 
 
 def plan_message(plan: MaskingPlan) -> dict[str, Any]:
