@@ -190,7 +190,7 @@ def harness() -> Iterator[Any]:
 
 
 # --------------------------------------------------------------------------------------------
-# The container deployment (tests/test_containers_*.py). Session-scoped: the tests only read them,
+# The container deployment (tests/deploy/). Session-scoped: the tests only read them,
 # and rendering every kustomization takes kubectl a while. tests.support.containers is imported
 # inside the fixtures so that without PyYAML only those tests are skipped.
 

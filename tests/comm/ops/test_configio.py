@@ -12,6 +12,7 @@ import pytest
 from comm.ops.configio import ConfigError, build, dump_toml, env_overrides, load_section
 from coordinator.config import CoordinatorConfig
 from site_agent.config import SiteConfig
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -128,7 +129,7 @@ def test_cli_bad_config_prints_one_line_and_exits_2(tmp_path: Path) -> None:
 
 
 def test_shipped_example_configs_load() -> None:
-    root = Path(__file__).resolve().parent.parent / "deploy" / "config"
+    root = ROOT / "deploy" / "config"
     from coordinator.config import load_coordinator_config
     from site_agent.config import load_site_config
 
@@ -208,16 +209,14 @@ def _code_default(cls: Any, parts: list[str]) -> Any:
 NO_DEFAULT = object()
 
 
-@pytest.mark.parametrize(
-    "name", sorted(p.name for p in (Path(__file__).parent.parent / "deploy" / "config").iterdir())
-)
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "deploy" / "config").iterdir()))
 def test_example_config_values_are_the_code_defaults_unless_noted(name: str) -> None:
     """Every value in an example config equals the code's default, or its line says
     ``default: X`` with X the code's default: the examples cannot drift from the code."""
     import re
     import tomllib
 
-    path = Path(__file__).parent.parent / "deploy" / "config" / name
+    path = ROOT / "deploy" / "config" / name
     doc = tomllib.loads(path.read_text())
     ((section, _),) = doc.items()
     cls = CoordinatorConfig if section == "coordinator" else SiteConfig

@@ -22,7 +22,7 @@ from site_agent.pipeline.cut import PassThrough, Units, strip_to_stage, units_of
 from site_agent.pipeline.engine import PipelineConfig, make_stage_plan
 from site_agent.pipeline.layout import stage_indices, stages_per_rank
 from site_agent.pipeline.profile import profile_units
-from tests.test_pipeline_torch import HF_OPTIONS, TorchTransformer, make_job
+from tests.site_agent.pipeline.test_torch import HF_OPTIONS, TorchTransformer, make_job
 
 pytestmark = pytest.mark.timeout(120)
 

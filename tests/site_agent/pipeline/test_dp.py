@@ -29,8 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from comm.security.rolekits import SecurityConfig
 from site_agent.config import SiteConfig, load_site_config
 from site_agent.pipeline.layout import check_data_parallel
-from tests.support.procgroup import LocalProcessGroup
-from tests.test_pipeline_torch import (
+from tests.site_agent.pipeline.test_torch import (
     _make_pipeline,
     _pipeline_config,
     _site_run,
@@ -38,6 +37,7 @@ from tests.test_pipeline_torch import (
     check_site_run,
     make_job,
 )
+from tests.support.procgroup import LocalProcessGroup
 
 pytestmark = pytest.mark.timeout(300)
 

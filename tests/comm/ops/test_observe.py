@@ -39,8 +39,8 @@ from coordinator.service import Coordinator
 from site_agent.agent import SiteAgent
 from site_agent.config import SiteConfig
 from site_agent.metrics import SiteMetrics
+from tests.site_agent.test_faults import FakeTrainer
 from tests.support.deploy import PROMETHEUS, free_port, http_get, needs_prometheus, wait_prometheus
-from tests.test_site_faults import FakeTrainer
 
 USER = "prometheus"
 PASSWORD = "correct horse battery staple"

@@ -24,6 +24,7 @@ from site_agent.config import load_site_config
 from site_agent.launch import build_job_trainer
 from site_agent.sender import masked_payload
 from tests.conftest import write_site_config
+from tests.site_agent.test_secagg import RecordingLink, _round
 from tests.support.coordinator import (
     PARAMS,
     Harness,
@@ -33,7 +34,6 @@ from tests.support.coordinator import (
     rejected,
     running,
 )
-from tests.test_site_secagg import RecordingLink, _round
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -111,7 +111,7 @@ def test_an_exception_that_is_no_refusal_is_a_finding_and_exits_1(
     [finding] = report["findings"]  # one per distinct place, however many inputs hit it
     assert finding["target"] == "broken" and finding["kind"] == "exception"
     assert finding["error"] == "KeyError" and finding["where"].startswith(
-        "tests/test_bench_fuzz.py:"
+        "tests/crossdc/bench/test_fuzz.py:"
     )
     assert len(bytes.fromhex(finding["input_hex"])) % 2 == 0
 

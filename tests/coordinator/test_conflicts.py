@@ -26,6 +26,7 @@ from comm.transport.profile import ChannelConfig
 from comm.wire.schema import Error, ErrorCode, Heartbeat, Join, Welcome
 from coordinator.conflicts import ClaimVerdict, judge_claim
 from coordinator.membership import Member
+from tests.conftest import ROOT
 from tests.support.coordinator import Harness, ManualClock, Site, heard, join, rejected, running
 from tests.support.deploy import PROMTOOL, alert_rules, needs_promtool
 
@@ -212,9 +213,7 @@ def test_the_counted_conflict_fires_the_alert(fed: Federation, tmp_path: Path) -
     series = f"crossdc_identity_conflicts_total{{{selector}}}"
     values = " ".join(f"{v:.0f}" for v in scraped) + f" {scraped[-1]:.0f}x10"
     tests = {
-        "rule_files": [
-            str(Path(__file__).resolve().parent.parent / "deploy/prometheus/alerts.yml")
-        ],
+        "rule_files": [str(ROOT / "deploy/prometheus/alerts.yml")],
         "evaluation_interval": "1m",
         "tests": [
             {

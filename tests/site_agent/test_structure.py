@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SITE = ROOT / "site_agent"
 ASSEMBLERS = {"site_agent/launch.py", "site_agent/library.py"}
 """The modules that build an agent (and so import it); nothing the agent uses is among them."""

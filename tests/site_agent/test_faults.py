@@ -403,7 +403,7 @@ def test_after_a_silence_or_a_reset_the_agent_sends_no_update_again(
     tmp_path: Path, silence_s: float, resets: int
 ) -> None:
     # What was in flight is held by the channel until the coordinator acknowledges it and sent
-    # again from there (comm.transport.reliable, tests/test_delivery_acks.py): a copy from the
+    # again from there (comm.transport.reliable, tests/comm/transport/test_delivery_acks.py): a copy from the
     # agent would only add an update's bytes on the link.
     assert _silence(tmp_path, silence_s, resets) == [1]
 

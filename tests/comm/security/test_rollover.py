@@ -1,7 +1,7 @@
 """CA rollover on a kit: `keys rotate-ca` and `keys retire-ca`, what the coordinator's registry and
 a site's kit watcher make of each step while they run, and what they refuse.
 
-The live federation rolled over while it trains is tests/test_security_rollover.py.
+The live federation rolled over while it trains is tests/comm/security/test_rollover_federation.py.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ import struct
 import time
 import tracemalloc
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +27,7 @@ from comm.wire.chunking import chunk_digest
 from comm.wire.frames import WireError, to_wire
 from comm.wire.schema import Chunk, ErrorCode, InitParams, Join, Leave
 from comm.wire.tensors import encode_tensors
+from tests.conftest import ROOT
 from tests.support.coordinator import join, on_base, rejected, running
 
 CHUNK = 4096
@@ -321,6 +321,7 @@ _FLOOD_AND_HANG_UP = """
 import sys, time, zmq
 from comm.transport.profile import ChannelConfig
 from comm.transport.router import RouterChannel
+from tests.conftest import ROOT
 
 cfg = ChannelConfig(heartbeat_interval_s=0.1, linger_s=0.1)
 ctx = zmq.Context()
@@ -350,7 +351,7 @@ def test_a_peer_that_floods_and_hangs_up_does_not_abort_the_router() -> None:
         capture_output=True,
         text=True,
         timeout=60,
-        cwd=str(Path(__file__).resolve().parent.parent),
+        cwd=str(ROOT),
     )
     # With ZMTP heartbeats on a ROUTER, libzmq 4.3.5 aborts here (SIGABRT, "!_io_error").
     assert done.returncode == 0 and "alive" in done.stdout, done.stderr[-2000:]
