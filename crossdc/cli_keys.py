@@ -1,5 +1,4 @@
-"""``crossdc keys``: create a federation kit, issue and revoke sites, roll the CA over, migrate an
-older kit."""
+"""``crossdc keys``: create a federation kit, issue and revoke sites, roll the CA over."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ from crossdc.cli_common import EXIT_BAD_CONFIG, SubParsers, add_command
 def cmd_keys(args: argparse.Namespace) -> int:
     from comm.security.common import AuthError
     from comm.security.kits import init_kit, issue_site, revoke_site
-    from comm.security.migrate import migrate_kit
     from comm.security.rollover import retire_ca, rotate_ca
 
     try:
@@ -35,18 +33,6 @@ def cmd_keys(args: argparse.Namespace) -> int:
                 "serial": cert.serial,
                 "not_after": cert.not_after,
                 "site_kit_dir": str(issued.site_kit_dir),
-            }
-        elif args.keys_command == "migrate":
-            done = migrate_kit(args.kit)
-            out = {
-                "kit_dir": str(done.kit_dir),
-                "certificates": len(done.certificates),
-                "revoked_serials": list(done.revoked),
-                "backup_dir": str(done.backup_dir),
-                "site_files": {
-                    site: [str(done.upgrade_dir / site / name) for name in ("site.pem", "ca.pem")]
-                    for site in sorted({c.site_id for c in done.certificates})
-                },
             }
         elif args.keys_command == "rotate-ca":
             rolled = rotate_ca(args.kit, ca_days=args.ca_days, days=args.days)
@@ -86,7 +72,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def add_keys_command(sub: SubParsers) -> None:
-    """``keys init``, ``issue``, ``revoke``, ``rotate-ca``, ``retire-ca`` and ``migrate``."""
+    """``keys init``, ``issue``, ``revoke``, ``rotate-ca`` and ``retire-ca``."""
     k = add_command(sub, "keys", help="federation keys: CA, coordinator and site kits")
     ksub = k.add_subparsers(dest="keys_command", required=True)
     ki = add_command(ksub, "init", help="create a federation kit (CA and coordinator keys)")
@@ -135,9 +121,4 @@ def add_keys_command(sub: SubParsers) -> None:
         help="retire even if a site's key holds a certificate of the previous CA only",
     )
     kx.add_argument("--json", action="store_true")
-    km = add_command(
-        ksub, "migrate", help="convert a format-1 kit to X.509, keeping every site's identity"
-    )
-    km.add_argument("--kit", required=True)
-    km.add_argument("--json", action="store_true")
     k.set_defaults(func=cmd_keys)

@@ -2,9 +2,9 @@
 
 This package owns every key and signed document crossdc uses (docs/security.md): the federation
 CA and the X.509 certificates it signs (``certs``), its revocation list (``crl``), kits on disk
-and the keys a running role loads (``kits``), kits made before X.509 (``legacy``, ``migrate``),
-blob signatures (``signing``), the coordinator's registry of certified keys and revocations
-(``registry``), moving a federation to a new CA (``rollover``), the identity a CURVE connection carries (``identity``), the ZAP handler that
+and the keys a running role loads (``kits``), blob signatures (``signing``), the coordinator's
+registry of certified keys and revocations (``registry``), moving a federation to a new CA
+(``rollover``), the identity a CURVE connection carries (``identity``), the ZAP handler that
 decides who may connect (``zap``), and secure aggregation by pairwise masking (``masking`` for
 the math, ``secagg`` for the protocol). Names, errors and helpers they share are in ``common``.
 

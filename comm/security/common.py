@@ -27,7 +27,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from comm.durable import atomic_write
 
 KIT_FORMAT = 2
-"""2: X.509 certificates and a CRL; 1: crossdc's own one-line documents (``comm.security.legacy``)."""
+"""2: X.509 certificates and a CRL. Format 1 (crossdc's own one-line documents, before X.509) is
+refused with what to do (``comm.security.kits.require_format``)."""
 
 MANIFEST = "kit.json"
 CA_KEY = "ca.key"

@@ -32,7 +32,6 @@ from pathlib import Path
 import zmq
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from comm.security import legacy
 from comm.security.certs import (
     CACertificate,
     Certificate,
@@ -85,6 +84,49 @@ from comm.security.signing import (
 )
 
 log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which kits this crossdc reads
+
+_FORMAT1_CA_PUB = "ca.pub"
+"""A kit of format 1 (crossdc's own one-line certificates, before X.509) held its CA key here."""
+
+_REISSUE_HINT = (
+    "this crossdc no longer reads it: make a new federation kit with `crossdc keys init` and "
+    "re-issue every site with `crossdc keys issue --kit KIT --site SITE`"
+)
+
+
+def require_format(kit: Path) -> Path:
+    """A federation kit of this format, or ValueError saying what it is and what to do."""
+    if not (kit / MANIFEST).exists():
+        raise ValueError(f"{str(kit)!r} is not a federation kit (no {MANIFEST})")
+    try:
+        found = json.loads((kit / MANIFEST).read_text()).get("format")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{str(kit / MANIFEST)!r} is not a kit manifest: {exc}") from None
+    if found == 1:
+        raise ValueError(
+            f"{str(kit)!r} is a format-1 kit (crossdc's own certificates, before X.509); "
+            f"{_REISSUE_HINT}"
+        )
+    if found != KIT_FORMAT:
+        raise ValueError(f"{str(kit)!r} has kit format {found!r}; this crossdc reads {KIT_FORMAT}")
+    return kit
+
+
+def role_kit(kit: Path, role: str) -> Path:
+    """A running role's kit directory, unless it is a format-1 kit or holds no CA certificate."""
+    if (kit / CA_CERT).exists():
+        return kit
+    if (kit / _FORMAT1_CA_PUB).exists():
+        what = "site kit" if role == "site" else "kit"
+        raise ValueError(
+            f"{str(kit)!r} is a format-1 {what} (crossdc's own certificates, before X.509); "
+            f"{_REISSUE_HINT}"
+        )
+    raise ValueError(f"{str(kit)!r} has no CA certificate {CA_CERT}: is it a crossdc kit?")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,7 +301,7 @@ def issue_site(
     """
     check_site_id(site_id)
     _check_days(days, "days")
-    kit = legacy.require_format(Path(kit_dir))
+    kit = require_format(Path(kit_dir))
     target = Path(out_dir) if out_dir is not None else kit / SITES_DIR / site_id
     if target.exists():
         raise ValueError(f"refusing to overwrite {str(target)!r}: remove it or pass out_dir")
@@ -327,7 +369,7 @@ def revoke_site(kit_dir: str | Path, site_id: str, *, now: float | None = None) 
     are cut by the per-message check (:meth:`CertificateRegistry.check_peer`).
     """
     check_site_id(site_id)
-    kit = legacy.require_format(Path(kit_dir))
+    kit = require_format(Path(kit_dir))
     with _kit_lock(kit):
         cas = load_ca_bundle(kit / CA_CERT)
         keys = _ca_keys(kit, cas)

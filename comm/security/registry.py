@@ -29,8 +29,7 @@ from comm.security.common import (
     key_fingerprint,
 )
 from comm.security.crl import RevocationList
-from comm.security.kits import issued_certificates
-from comm.security.legacy import role_kit
+from comm.security.kits import issued_certificates, role_kit
 from comm.security.rolekits import RefuseCallback, file_stamp
 from comm.security.trust import (
     Trust,

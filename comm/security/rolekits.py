@@ -15,7 +15,6 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from comm.security import legacy
 from comm.security.certs import (
     CACertificate,
     Certificate,
@@ -36,7 +35,7 @@ from comm.security.common import (
     key_fingerprint,
 )
 from comm.security.identity import CurveKeys
-from comm.security.kits import _load_curve
+from comm.security.kits import _load_curve, role_kit
 from comm.security.signing import (
     load_private_key,
     load_public_key,
@@ -83,7 +82,7 @@ class CoordinatorKit:
 
 
 def load_coordinator_kit(kit_dir: str | Path) -> CoordinatorKit:
-    kit = legacy.role_kit(Path(kit_dir), "coordinator")
+    kit = role_kit(Path(kit_dir), "coordinator")
     public, secret = _load_curve(kit / COORDINATOR_CURVE_KEY, kit / COORDINATOR_CURVE_PUB)
     return CoordinatorKit(
         kit_dir=kit,
@@ -118,7 +117,7 @@ def load_site_kit(
     """Load and check a site's startup kit: its certificate must be signed by a CA of the kit's
     ``ca.pem``, certify the kit's own CURVE key (and ``site_id`` when given) and be valid now;
     otherwise :class:`AuthError` explains why, before any connection is refused for it."""
-    kit = legacy.role_kit(Path(site_kit_dir), "site")
+    kit = role_kit(Path(site_kit_dir), "site")
     at = time.time() if now is None else now
     public, secret = _load_curve(kit / SITE_CURVE_KEY, kit / SITE_CURVE_PUB)
     cert = load_certificate(kit / SITE_CERT)

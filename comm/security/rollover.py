@@ -31,7 +31,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from comm.security import legacy
 from comm.security.certs import (
     CACertificate,
     Certificate,
@@ -72,6 +71,7 @@ from comm.security.kits import (
     _write_crl_blocks,
     _write_manifest,
     issued_certificates,
+    require_format,
 )
 from comm.security.signing import _private_pem, generate_signing_key
 
@@ -146,7 +146,7 @@ def rotate_ca(
     _check_days(ca_days, "ca_days")
     if days is not None:
         _check_days(days, "days")
-    kit = legacy.require_format(Path(kit_dir))
+    kit = require_format(Path(kit_dir))
     with _kit_lock(kit):
         if (kit / PREVIOUS_CA_KEY).exists():
             raise ValueError(
@@ -268,7 +268,7 @@ def retire_ca(kit_dir: str | Path, *, force: bool = False, now: float | None = N
     not the CAs' of ``ca.pem``, and, unless ``force``, a kit where a site's key holds a valid
     certificate of the previous CA and none of the new one (it would be locked out).
     """
-    kit = legacy.require_format(Path(kit_dir))
+    kit = require_format(Path(kit_dir))
     with _kit_lock(kit):
         if not (kit / PREVIOUS_CA_KEY).exists():
             raise ValueError(
