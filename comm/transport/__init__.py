@@ -9,8 +9,8 @@ travel as digested chunks under credit-based flow control (``credit``, ``sender`
 (heartbeats may overtake). Chunks and acknowledgements carry the sender's (session, sequence) like
 every other message, so a resent chunk is a new send with a new sequence number. ``linkest``
 measures each link (RTT, goodput, BDP) for the credit window and the scheduler; ``profile``
-configures the sockets; ``stats`` counts; ``drivers`` are bare DEALER/ROUTER transfer drivers for
-benchmarks.
+configures the sockets; ``stats`` counts. (The benchmarks' bare DEALER/ROUTER drivers of a
+transfer live in ``crossdc.bench.transfer_drivers``.)
 
 Import rule: it may import ``comm.wire`` (messages and frames) and ``comm.security`` (CURVE keys,
 peer identities), nothing else from ``comm``, and never ``coordinator``, ``site_agent`` or

@@ -27,7 +27,7 @@ never to zero, and sends on from there; the receiver drops chunks it already hol
 them, so its next acknowledgement lets the sender skip what arrived after the gap.
 
 The sender (``comm.transport.sender``) and the receiver (``comm.transport.receiver``) are pure state machines (time passed in);
-the drivers of ``comm.transport.drivers`` are thin, over a DEALER and a
+the benchmarks' drivers (``crossdc.bench.transfer_drivers``) are thin, over a DEALER and a
 ROUTER socket that only receive, tick and send; they frame their traffic with a one-byte kind
 frame (``KIND_CHUNK`` and friends) and :func:`encode_ack`. The channels drive the same
 state machines over its DEALER/ROUTER channels, with ``ChunkAck`` sent as a schema message under

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from site_agent.pipeline.simulate import Action, SimResult, executed_order, simulate
+from crossdc.bench.pipeline_sim import Action, SimResult, executed_order, simulate
 
 
 @dataclass(frozen=True)

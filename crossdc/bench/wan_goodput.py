@@ -30,7 +30,7 @@ import numpy as np
 import zmq
 
 from comm.transport.credit import TransferConfig
-from comm.transport.drivers import ZmqTransferReceiver, ZmqTransferSender
+from crossdc.bench.transfer_drivers import ZmqTransferReceiver, ZmqTransferSender
 from crossdc.bench.wan_goodput_channels import channel_transfer
 from crossdc.lab.netns import HtbShape, NetnsPair, netns_available
 from crossdc.lab.profiles import LinkProfile

@@ -1,5 +1,5 @@
 """Intra-site pipeline parallelism over ``torch.distributed.pipelining`` (docs/pipelines.md).
 
-``partition``, ``layout`` and ``simulate`` are pure Python; the other modules import torch and
+``partition`` and ``layout`` are pure Python; the other modules import torch and
 are imported only where they are needed.
 """

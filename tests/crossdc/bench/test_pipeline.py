@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from crossdc.bench import pipeline as bench
-from site_agent.pipeline.simulate import SimResult, simulate, single_stage_order
+from crossdc.bench.pipeline_sim import SimResult, simulate, single_stage_order
 
 
 def _record_of(sim: SimResult, schedule: str, m: int) -> dict[str, object]:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from site_agent.pipeline.simulate import (
+from crossdc.bench.pipeline_sim import (
     Action,
     executed_order,
     simulate,
