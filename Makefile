@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev,hf,sklearn]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,hf,sklearn,plot]'
 	$(BIN)/python -m pip install --quiet -e '.[fuzz]' || echo "atheris did not install: crossdc bench fuzz runs its built-in engine"
 	touch $(STAMP)
 

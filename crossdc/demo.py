@@ -213,10 +213,10 @@ def _follow(args: argparse.Namespace, run: DemoRun, progress: _Progress, started
 
 
 def _figures(workdir: Path, out_dir: Path) -> list[Path]:
-    from crossdc.plot import plot_run
+    from crossdc.plot import PlotUnavailable, plot_run
 
     try:
         return plot_run(workdir, out_dir)
-    except (ValueError, OSError) as exc:  # no completed round: nothing to draw
+    except (ValueError, OSError, PlotUnavailable) as exc:  # no round, or no matplotlib
         print(f"crossdc demo: no figures: {exc}", file=sys.stderr)
         return []

@@ -18,6 +18,10 @@ sweep's ``frontier.json`` or a single run's ``--json`` report, as many as given:
 bytes ratio against data parallelism over its validation-loss gap, one marker per seed, and the
 frontier (the best ratio reached at each gap or better) into ``frontier.png``; ``--table`` also
 prints the points as a Markdown table.
+
+matplotlib is the optional ``plot`` extra (``pip install 'crossdc[plot]'``), imported only when a
+figure is drawn: a figure asked for without it raises :class:`PlotUnavailable`, which names the
+extra.
 """
 
 from __future__ import annotations
@@ -30,6 +34,28 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.history_log import read_history
+
+PLOT_EXTRA = "pip install 'crossdc[plot]'"
+"""How to get matplotlib, which only the figures need."""
+
+
+class PlotUnavailable(ImportError):
+    """A figure was asked for without matplotlib installed; the message names the extra."""
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the headless Agg backend (files only, never a display)."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise PlotUnavailable(
+            f"figures need matplotlib, the optional 'plot' extra: {PLOT_EXTRA} ({exc})"
+        ) from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
 
 FIGURES = (
     "val_loss_vs_time.png",
@@ -75,10 +101,7 @@ def _loss_points(
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
     """Write the figures of the run in ``run_dir`` into ``out_dir`` (default: the run
     directory); return their paths. Raises ``ValueError`` when the run completed no round."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, never a display
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     run = Path(run_dir)
     out = Path(out_dir) if out_dir is not None else run
@@ -284,10 +307,7 @@ def frontier_table(points: Sequence[dict[str, Any]]) -> str:
 def plot_frontier(sources: str | Path | Sequence[str | Path], png_path: str | Path) -> Path:
     """The frontier picture of every point in ``sources`` (see :func:`read_frontier_points`):
     bytes ratio (log) over loss gap (%), a marker per seed."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, never a display
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     paths = [sources] if isinstance(sources, (str, Path)) else list(sources)
     points = read_frontier_points(paths)
@@ -352,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(frontier_table(read_frontier_points(args.frontier)))
         else:
             paths = plot_run(args.run_dir, args.out)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, PlotUnavailable) as exc:
         print(f"crossdc plot: {exc}", file=sys.stderr)
         return 1
     if args.json:

@@ -98,3 +98,10 @@ def test_a_subcommand_imports_what_it_runs(tmp_path: Path) -> None:
 )
 def test_parsing_a_frame_or_a_config_imports_no_torch(module: str) -> None:
     assert "torch" not in _loaded_by_import(module)
+
+
+@pytest.mark.parametrize("module", ["coordinator.service", "site_agent.launch", "crossdc.demo"])
+def test_the_roles_and_the_demo_import_no_matplotlib(module: str) -> None:
+    """matplotlib is the optional ``plot`` extra: a coordinator or a site runs without it, and
+    the demo imports it only to draw its figures."""
+    assert "matplotlib" not in _loaded_by_import(module)

@@ -4,6 +4,7 @@ history (written by the real state store) and the sites' status files."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -85,6 +86,20 @@ def test_cli_plot_and_its_errors(tmp_path: Path, capsys: pytest.CaptureFixture[s
     empty.mkdir()
     assert main(["plot", str(empty)]) == 1
     assert "holds no completed round" in capsys.readouterr().err
+
+
+def test_without_matplotlib_a_figure_names_the_plot_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """matplotlib is the optional ``plot`` extra: without it a figure fails with a message that
+    says how to install it, and reading a run or a frontier never needs it."""
+    run = _run_dir(tmp_path / "run", rounds=1)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(plot.PlotUnavailable, match=r"crossdc\[plot\]"):
+        plot.plot_run(run, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert main(["plot", str(run)]) == 1
+    assert "pip install 'crossdc[plot]'" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)
