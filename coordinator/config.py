@@ -12,9 +12,9 @@ from comm.ops.httpsec import HttpSecurityConfig
 from comm.security.masking import SecAggConfig
 from comm.security.rolekits import SecurityConfig
 from comm.transport.profile import ChannelConfig
+from coordinator import strategies
 from coordinator.faults import FaultPlan
 from coordinator.scheduler import directions
-from coordinator.strategy import OUTER_STRATEGIES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,26 +201,13 @@ class CoordinatorConfig:
             raise ValueError(
                 f"coordinator.outer_warmup_steps must be >= 0, got {self.outer_warmup_steps}"
             )
-        if self.outer_strategy not in OUTER_STRATEGIES:
-            raise ValueError(
-                f"coordinator.outer_strategy must be one of {', '.join(OUTER_STRATEGIES)}, "
-                f"got {self.outer_strategy!r}"
-            )
-        if self.outer_strategy == "sparseloco" and self.secure_aggregation is not None:
-            raise ValueError(
-                "coordinator.outer_strategy = 'sparseloco' cannot run with "
-                "coordinator.secure_aggregation: the pairwise masks are dense, so a masked "
-                "update cannot stay sparse; use 'diloco' or turn secure aggregation off"
-            )
-        if self.broadcast not in ("dense", "sparse"):
-            raise ValueError(
-                f"coordinator.broadcast must be 'dense' or 'sparse', got {self.broadcast!r}"
-            )
-        if self.broadcast == "sparse" and self.outer_strategy != "sparseloco":
-            raise ValueError(
-                "coordinator.broadcast = 'sparse' needs coordinator.outer_strategy = "
-                f"'sparseloco' (got {self.outer_strategy!r}): a momentum step is dense"
-            )
+        problem = strategies.problem(
+            self.outer_strategy,
+            broadcast=self.broadcast,
+            secure_aggregation=self.secure_aggregation is not None,
+        )
+        if problem is not None:
+            raise ValueError(problem)
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(
                 f"coordinator.outer_momentum must be in [0, 1), got {self.outer_momentum}"

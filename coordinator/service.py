@@ -32,6 +32,7 @@ import numpy as np
 from comm.security.registry import CertificateRegistry
 from comm.security.rolekits import load_coordinator_kit
 from comm.transport.router import CutOff, RouterChannel
+from coordinator import strategies
 from coordinator.allowance import PeerAllowance
 from coordinator.closing import Closing
 from coordinator.config import CoordinatorConfig
@@ -53,7 +54,7 @@ from coordinator.rounds import OpenRound, next_fragment
 from coordinator.state import GlobalState, StateStore
 from coordinator.status import CoordinatorStatus
 from coordinator.status_board import write_endpoint
-from coordinator.strategy import DiLoCo, SparseLoCo, Strategy
+from coordinator.strategy import Strategy
 from coordinator.updates import UpdateIntake
 
 log = logging.getLogger("crossdc.coordinator")
@@ -378,7 +379,8 @@ class Coordinator:
 
 
 def _configured_strategy(cfg: CoordinatorConfig) -> Strategy:
-    """The outer optimizer ``coordinator.outer_strategy`` names."""
-    if cfg.outer_strategy == "sparseloco":
-        return SparseLoCo(lr=cfg.outer_lr)
-    return DiLoCo(lr=cfg.outer_lr, momentum=cfg.outer_momentum, warmup_steps=cfg.outer_warmup_steps)
+    """The outer optimizer ``coordinator.outer_strategy`` names, from the registry."""
+    settings = strategies.OuterSettings(
+        lr=cfg.outer_lr, momentum=cfg.outer_momentum, warmup_steps=cfg.outer_warmup_steps
+    )
+    return strategies.build(cfg.outer_strategy, settings)

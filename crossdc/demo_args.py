@@ -64,8 +64,9 @@ def argument_problem(args: argparse.Namespace) -> str | None:
         return "--sites, --rounds and --inner-steps must be >= 1"
     if args.outer_warmup_steps < 0:
         return "--outer-warmup-steps must be >= 0"
-    if args.broadcast == "sparse" and args.outer_strategy != "sparseloco":
-        return "--broadcast sparse needs --outer-strategy sparseloco (a momentum step is dense)"
+    problem = outer_strategy_problem(args)
+    if problem is not None:
+        return problem
     if not 0.0 <= args.error_feedback_decay <= 1.0:
         return f"--error-feedback-decay must be in [0, 1], got {args.error_feedback_decay}"
     if (args.job_path or args.job_option) and not args.job:
@@ -75,6 +76,23 @@ def argument_problem(args: argparse.Namespace) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+COMMAND_LINE_SPELLING = ("--outer-strategy", "--broadcast", "--secure-aggregation")
+"""How the demo's (and ``crossdc bench wan``'s) messages name the strategy's settings."""
+
+
+def outer_strategy_problem(args: argparse.Namespace) -> str | None:
+    """What the strategy registry says of ``--outer-strategy`` with ``--broadcast`` and
+    ``--secure-aggregation``; None: they go together."""
+    from coordinator import strategies
+
+    return strategies.problem(
+        args.outer_strategy,
+        broadcast=args.broadcast,
+        secure_aggregation=bool(getattr(args, "secure_aggregation", False)),
+        spelling=strategies.Spelling(*COMMAND_LINE_SPELLING, command_line=True),
+    )
 
 
 def _add_run_shape_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,17 +124,17 @@ def _add_sync_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum")
     p.add_argument(
         "--outer-strategy",
-        choices=("diloco", "sparseloco"),
         default="diloco",
-        help="diloco: Nesterov outer step; sparseloco: outer SGD, the sites' decayed error "
+        help="the outer optimizer, by its registered name (coordinator.strategies): diloco "
+        "(default): Nesterov outer step; sparseloco: outer SGD, the sites' decayed error "
         "feedback as the only memory",
     )
     p.add_argument(
         "--broadcast",
         choices=("dense", "sparse"),
         default="dense",
-        help="dense: the outer delta through the downlink codec; sparse (sparseloco): the "
-        "round's updates forwarded",
+        help="dense: the outer delta through the downlink codec; sparse: the round's updates "
+        "forwarded (a strategy without momentum, e.g. sparseloco)",
     )
     p.add_argument(
         "--error-feedback-decay",

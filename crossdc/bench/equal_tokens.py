@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from comm.codecs.registry import get_codec
-from coordinator.strategy import OUTER_STRATEGIES
+from coordinator import strategies
 from crossdc.bench import print_report
 from crossdc.bench.equal_tokens_args import build_parser, int_list
 from crossdc.bench.equal_tokens_sim import (
@@ -79,14 +79,15 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError("--outer-warmup-steps and --overlap-steps must be >= 0")
     if not args.outer_lr > 0 or not 0.0 <= args.outer_momentum < 1.0:
         raise ValueError("--outer-lr must be > 0 and --outer-momentum in [0, 1)")
-    if args.strategy not in OUTER_STRATEGIES:
-        raise ValueError(f"--strategy must be one of {', '.join(OUTER_STRATEGIES)}")
     if not 0.0 <= args.ef_decay <= 1.0:
         raise ValueError(f"--ef-decay must be in [0, 1], got {args.ef_decay}")
-    if args.broadcast not in ("dense", "sparse"):
-        raise ValueError("--broadcast must be dense or sparse")
-    if args.broadcast == "sparse" and args.strategy != "sparseloco":
-        raise ValueError("--broadcast sparse needs --strategy sparseloco (no momentum buffer)")
+    problem = strategies.problem(
+        args.strategy,
+        broadcast=args.broadcast,
+        spelling=strategies.Spelling("--strategy", "--broadcast", command_line=True),
+    )
+    if problem is not None:
+        raise ValueError(problem)
     if not args.selsync_threshold >= 0:
         raise ValueError(f"--selsync-threshold must be >= 0, got {args.selsync_threshold}")
     if args.jobs < 1:

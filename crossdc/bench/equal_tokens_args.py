@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from coordinator.strategy import OUTER_STRATEGIES
+from coordinator import strategies
 from crossdc.demo_args import add_outer_rule_arguments
 from crossdc.progress import add_progress_argument
 from site_agent.trainer import InnerOptimConfig
@@ -35,17 +35,17 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--strategy",
         default="diloco",
-        choices=OUTER_STRATEGIES,
-        help="diloco: Nesterov outer step; sparseloco: outer SGD, no momentum (the sites' "
-        "decayed error feedback is the memory)",
+        choices=strategies.names(),
+        help=strategies.help_text(),
     )
     p.add_argument("--ef-decay", type=float, default=1.0, help="site residual decay beta")
     p.add_argument(
         "--broadcast",
         default="dense",
-        choices=("dense", "sparse"),
-        help="dense: the outer delta through the downlink codec; sparse (sparseloco): the "
-        "sites' encoded updates forwarded",
+        choices=strategies.BROADCASTS,
+        help="dense: the outer delta through the downlink codec; sparse ("
+        + ", ".join(strategies.supporting(broadcast="sparse"))
+        + "): the sites' encoded updates forwarded",
     )
     p.add_argument(
         "--selsync-threshold",

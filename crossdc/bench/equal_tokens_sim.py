@@ -11,8 +11,9 @@ import numpy as np
 from comm.codecs.base import PayloadCodec
 from comm.codecs.feedback import ErrorFeedback
 from comm.codecs.registry import decode_tensor, get_codec
+from coordinator import strategies
 from coordinator.config import CoordinatorConfig
-from coordinator.strategy import DiLoCo, SparseLoCo, weighted_mean
+from coordinator.strategies.base import OuterSettings, weighted_mean
 from crossdc.ddp.trainer import DDPTrainer
 from crossdc.progress import (
     SILENT,
@@ -119,12 +120,6 @@ def _broadcast(fb: ErrorFeedback, params: Arrays, target: Arrays, codec: Payload
     return nbytes
 
 
-def _outer(strategy: str, lr: float, momentum: float, warmup_steps: int) -> DiLoCo | SparseLoCo:
-    if strategy == "sparseloco":
-        return SparseLoCo(lr=lr)
-    return DiLoCo(lr=lr, momentum=momentum, warmup_steps=warmup_steps)
-
-
 def _site_updates(
     trainers: list[LocalTrainer],
     site_fb: list[ErrorFeedback],
@@ -185,7 +180,8 @@ def run_diloco(
     up, down = get_codec(uplink), get_codec(downlink)
     site_fb = [ErrorFeedback(decay=ef_decay) for _ in trainers]
     coord_fb = ErrorFeedback()
-    outer = _outer(strategy, outer_lr, outer_momentum, outer_warmup_steps)
+    settings = OuterSettings(lr=outer_lr, momentum=outer_momentum, warmup_steps=outer_warmup_steps)
+    outer = strategies.build(strategy, settings)
     params: Arrays = trainers[0].parameters_numpy()
     momentum: Arrays = {k: np.zeros_like(v) for k, v in params.items()}
     at_send: list[Arrays | None] = [None for _ in trainers]

@@ -40,10 +40,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from coordinator import strategies
 from coordinator.history_log import read_history
 from crossdc.bench import print_report
 from crossdc.bench.ddp import run_ddp
 from crossdc.bench.wan_goodput import run as run_goodput
+from crossdc.demo_args import outer_strategy_problem
 from crossdc.demo_roles import site_ids
 from crossdc.progress import (
     SILENT,
@@ -208,8 +210,9 @@ def argument_problem(args: argparse.Namespace) -> str | None:
                 get_codec(spec)
             except ValueError as exc:
                 return f"{flag}: {exc}"
-    if args.broadcast == "sparse" and args.outer_strategy != "sparseloco":
-        return "--broadcast sparse needs --outer-strategy sparseloco (a momentum step is dense)"
+    problem = outer_strategy_problem(args)
+    if problem is not None:
+        return problem
     if not 0.0 <= args.error_feedback_decay <= 1.0:
         return f"--error-feedback-decay must be in [0, 1], got {args.error_feedback_decay}"
     return None
@@ -226,12 +229,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="crossdc's codec, both directions (default auto: the scheduler's, bytes first)",
     )
     p.add_argument("--uplink-codec", default="", help="the sites' codec (default: --codec)")
-    p.add_argument("--outer-strategy", choices=("diloco", "sparseloco"), default="diloco")
+    p.add_argument(
+        "--outer-strategy",
+        choices=strategies.names(),
+        default="diloco",
+        help=strategies.help_text(),
+    )
     p.add_argument(
         "--broadcast",
-        choices=("dense", "sparse"),
+        choices=strategies.BROADCASTS,
         default="dense",
-        help="sparse (sparseloco): the round's updates forwarded in place of a delta",
+        help="sparse (" + ", ".join(strategies.supporting(broadcast="sparse")) + "): the round's "
+        "updates forwarded in place of a delta",
     )
     p.add_argument("--error-feedback-decay", type=float, default=1.0, help="the sites' decay")
     p.add_argument("--outer-lr", type=float, default=None, help="default: the demo's")

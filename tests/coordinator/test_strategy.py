@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -166,3 +169,108 @@ def test_site_error_feedback_decay_is_checked() -> None:
         SiteConfig(**base, security=insecure, error_feedback_decay=1.5)
     cfg = SiteConfig(**base, security=insecure, error_feedback_decay=0.95)
     assert cfg.error_feedback_decay == 0.95
+
+
+# A strategy added the way a new one is: one class, registered by its name, declaring what it
+# is compatible with. Nothing else names it, yet the config, the service and the commands take it.
+
+
+@pytest.fixture
+def toy_strategy() -> Iterator[type]:
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from coordinator import strategies
+    from coordinator.strategies.base import OuterResult, OuterSettings, OuterStrategy
+
+    @dataclass(frozen=True)
+    class ToyMean(OuterStrategy):
+        """θ ← θ − lr · mean(Δ): no momentum, so any broadcast of a dense delta suits it."""
+
+        name: ClassVar[str] = "toymean"
+        summary: ClassVar[str] = "a test's plain mean"
+        why_not_other_broadcasts: ClassVar[str] = "the toy is dense"
+
+        lr: float = 1.0
+
+        @classmethod
+        def from_settings(cls, settings: OuterSettings) -> ToyMean:
+            return cls(lr=settings.lr)
+
+        def outer_step(self, params, momentum, updates, **_: object) -> OuterResult:  # type: ignore[no-untyped-def, override]
+            grad = weighted_mean([(w, t) for _, w, t in sorted(updates, key=lambda u: u[0])])
+            new = {
+                k: (p - np.float32(self.lr) * grad[k]).astype(np.float32) for k, p in params.items()
+            }
+            return OuterResult(new, dict(momentum), 0.0, "toy mean")
+
+    strategies.register(ToyMean)
+    try:
+        yield ToyMean
+    finally:
+        strategies.unregister("toymean")
+
+
+def test_a_registered_strategy_is_configured_built_and_stepped(toy_strategy: type) -> None:
+    from comm.security.masking import SecAggConfig
+    from comm.security.rolekits import SecurityConfig
+    from coordinator import strategies
+    from coordinator.config import CoordinatorConfig
+    from coordinator.service import _configured_strategy
+
+    insecure = SecurityConfig(insecure=True)
+    assert strategies.names() == ("diloco", "sparseloco", "toymean")
+    cfg = CoordinatorConfig(security=insecure, outer_strategy="toymean", outer_lr=0.5)
+    toy = _configured_strategy(cfg)
+    assert toy == toy_strategy(lr=0.5)
+    params = {"w": np.array([1.0, 2.0], np.float32)}
+    updates = [
+        ("b", 3.0, {"w": np.array([0.0, 4.0], np.float32)}),
+        ("a", 1.0, {"w": np.array([4.0, 0.0], np.float32)}),
+    ]
+    out = toy.outer_step(params, {"w": np.zeros(2, np.float32)}, updates)
+    np.testing.assert_allclose(out.params["w"], [1.0 - 0.5 * 1.0, 2.0 - 0.5 * 3.0], rtol=1e-6)
+    # Its declarations are what the config checks: secure aggregation yes, a sparse broadcast no.
+    CoordinatorConfig(
+        security=insecure, outer_strategy="toymean", secure_aggregation=SecAggConfig(clip_bound=8.0)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"needs coordinator.outer_strategy = 'sparseloco' \(got 'toymean'\): the toy is dense",
+    ):
+        CoordinatorConfig(security=insecure, outer_strategy="toymean", broadcast="sparse")
+    with pytest.raises(ValueError, match="use 'diloco' or 'toymean' or turn secure"):
+        CoordinatorConfig(
+            security=insecure,
+            outer_strategy="sparseloco",
+            secure_aggregation=SecAggConfig(clip_bound=8.0),
+        )
+
+
+def test_a_registered_strategy_is_offered_by_the_commands(toy_strategy: type) -> None:
+    from crossdc.bench.equal_tokens_args import build_parser as equal_tokens_parser
+    from crossdc.bench.wan import build_parser as wan_parser
+    from crossdc.demo_args import add_demo_arguments, outer_strategy_problem
+
+    demo = argparse.ArgumentParser()
+    add_demo_arguments(demo)
+    assert outer_strategy_problem(demo.parse_args(["--outer-strategy", "toymean"])) is None
+    sparse = demo.parse_args(["--outer-strategy", "toymean", "--broadcast", "sparse"])
+    assert outer_strategy_problem(sparse) == (
+        "--broadcast sparse needs --outer-strategy sparseloco (got 'toymean'): the toy is dense"
+    )
+    assert wan_parser().parse_args(["--outer-strategy", "toymean"]).outer_strategy == "toymean"
+    assert equal_tokens_parser("").parse_args(["--strategy", "toymean"]).strategy == "toymean"
+
+
+def test_a_strategy_name_is_registered_once(toy_strategy: type) -> None:
+    from coordinator import strategies
+
+    twin = type("Twin", (toy_strategy,), {})
+    with pytest.raises(ValueError, match="'toymean' is registered twice"):
+        strategies.register(twin)
+    assert strategies.get("toymean") is toy_strategy
+    with pytest.raises(
+        ValueError, match="unknown outer strategy 'nope'; known: diloco, sparseloco"
+    ):
+        strategies.get("nope")

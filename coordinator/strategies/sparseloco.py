@@ -1,0 +1,85 @@
+"""SparseLoCo's outer step (Sarfi et al., 2025): the sites' decayed error-feedback
+accumulators are the only memory, and the outer step is plain SGD on the mean of their sparse
+updates (``comm.codecs.broadcast.sparse_step``, the same function the sites apply to the sparse
+broadcast)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from comm.codecs.broadcast import sparse_step
+from coordinator.strategies import register
+from coordinator.strategies.base import (
+    Arrays,
+    OuterResult,
+    OuterSettings,
+    OuterStrategy,
+    global_norm,
+    weighted_mean,
+)
+
+
+@register
+@dataclass(frozen=True)
+class SparseLoCo(OuterStrategy):
+    """Outer SGD without momentum: θ ← θ − lr · (token-weighted mean of the sparse updates).
+
+    The momentum of DiLoCo is replaced by each site's decayed error-feedback accumulator
+    (e ← βe + Δ, send the chunk top-k of e, keep the rest), so the coordinator keeps no buffer:
+    ``momentum`` passes through unchanged. The step is :func:`sparse_step`, which the sites also
+    run on the broadcast (the sites' sparse updates forwarded), so they land on the coordinator's
+    exact parameters. Statistics tensors take the plain mean.
+    """
+
+    name: ClassVar[str] = "sparseloco"
+    summary: ClassVar[str] = "outer SGD, the sites' decayed error feedback as the only memory"
+    broadcasts: ClassVar[frozenset[str]] = frozenset({"dense", "sparse"})
+    secure_aggregation: ClassVar[bool] = False
+    why_not_secure_aggregation: ClassVar[str] = (
+        "the pairwise masks are dense, so a masked update cannot stay sparse"
+    )
+
+    lr: float = 1.0
+
+    @classmethod
+    def from_settings(cls, settings: OuterSettings) -> SparseLoCo:
+        return cls(lr=settings.lr)
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"outer lr must be > 0, got {self.lr}")
+
+    def outer_step(
+        self,
+        params: Mapping[str, np.ndarray],
+        momentum: Mapping[str, np.ndarray],
+        updates: Sequence[tuple[str, float, Mapping[str, np.ndarray]]],
+        *,
+        inner_steps: int | None = None,
+        final: bool = False,
+        averaged: Collection[str] = (),
+    ) -> OuterResult:
+        ordered = sorted(updates, key=lambda u: u[0])  # site order fixes float summation order
+        return self.step(params, momentum, [(w, t) for _, w, t in ordered], averaged=averaged)
+
+    def step(
+        self,
+        params: Mapping[str, np.ndarray],
+        momentum: Mapping[str, np.ndarray],
+        weighted: Sequence[tuple[float, Mapping[str, np.ndarray]]],
+        *,
+        averaged: Collection[str] = (),
+    ) -> OuterResult:
+        """The step over ``weighted`` (weight, update) in the order given: the arithmetic a site
+        runs on a sparse broadcast, whose order is the broadcast's."""
+        new_params = sparse_step(params, weighted, lr=self.lr, averaged=averaged)
+        grad = weighted_mean(weighted)
+        rule = f"sparse sgd lr={self.lr:g} (no momentum)"
+        if any(k in averaged for k in params):
+            rule += "; statistics tensors: mean"
+        buf: Arrays = {k: np.asarray(v, dtype=np.float32) for k, v in momentum.items()}
+        return OuterResult(new_params, buf, global_norm(grad), rule)
