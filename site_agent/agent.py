@@ -253,7 +253,7 @@ class SiteAgent:
         self.session.join(
             global_version=self.replica.global_version,
             state_hash=self.replica.state_hash(),
-            secagg_public=self.sender.secagg_public(),
+            announce=self.sender.join_capabilities(),
         )
 
     def _stop_if_requested(self) -> int | None:
@@ -313,9 +313,9 @@ class SiteAgent:
         elif isinstance(msg, RoundStart):
             if self.replica.catch_up_needed(msg.global_version):
                 self._ask_for_model()
-            if msg.secagg.get("attempt", 0) > 0:
-                # A re-run after a dropout: no training, mask again.
-                if self.sender.remask(msg, global_version=self.replica.global_version):
+            if msg.attempt > 0:
+                # A repeat of a round already trained (after a dropout): no training.
+                if self.sender.send_again(msg, global_version=self.replica.global_version):
                     self._update_sent()
             else:
                 self.rounds.round_start(msg)

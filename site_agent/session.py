@@ -13,7 +13,7 @@ import enum
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from dataclasses import replace as dc_replace
 from pathlib import Path
@@ -214,11 +214,11 @@ class Session:
         assert self.link is not None, "start() first"
         return self.link.recv(timeout_s)
 
-    def join(self, *, global_version: int, state_hash: str, secagg_public: bytes | None) -> None:
+    def join(self, *, global_version: int, state_hash: str, announce: Mapping[str, str]) -> None:
+        """Join (or join again), announcing the site's capabilities and ``announce`` (what its
+        payload form announces)."""
         self._last_join_at = self._clock()
-        capabilities = dict(self.identity.capabilities)
-        if secagg_public is not None:
-            capabilities["secagg_session_public"] = secagg_public.hex()
+        capabilities = {**self.identity.capabilities, **announce}
         self.send(
             Join(
                 site_id=self.site_id,

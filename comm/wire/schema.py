@@ -168,6 +168,13 @@ class RoundStart:
     round id with a higher attempt and only the survivors; the site re-masks the update it
     already made."""
 
+    @property
+    def attempt(self) -> Any:
+        """Which attempt of the round this plan is: 0 the first; a higher one repeats a round the
+        site has trained already (a secure aggregation re-run), and the site sends again the
+        update it made, without training."""
+        return self.secagg.get("attempt", 0)
+
 
 @dataclass(frozen=True, kw_only=True)
 class RoundCancel:

@@ -71,7 +71,7 @@ def test_a_site_that_cannot_mask_keeps_its_progress_for_the_next_update(tmp_path
     assert link.sent == []
     assert not agent.replica.in_flight and agent.sender.tokens_pending(0) == stats.tokens
     # Nothing is kept for a re-run of that round either.
-    assert not agent.sender.remask(_round(1, {"attempt": 1}), global_version=0)
+    assert not agent.sender.send_again(_round(1, {"attempt": 1}), global_version=0)
     rejected = agent.metrics.registry.get_sample_value(
         "crossdc_site_rejected_total", {"site": "eu", "reason": "secagg_plan"}
     )
@@ -79,9 +79,8 @@ def test_a_site_that_cannot_mask_keeps_its_progress_for_the_next_update(tmp_path
 
     # A usable plan (the other site's keys): the masked update goes out and is recorded.
     other = SecAggSession(site_id="us", session_id="s", config=cfg.secure_aggregation)
-    mine = agent.sender.secagg_public()
-    assert mine is not None
-    peers = {"eu": [mine.hex(), ""], "us": [other.session_public.hex(), ""]}
+    mine = agent.sender.join_capabilities()["secagg_session_public"]
+    peers = {"eu": [mine, ""], "us": [other.session_public.hex(), ""]}
     agent._send_update(_round(2, {"attempt": 0, "peers": peers}), stats)
     assert [type(m) for m in link.sent] == [Update]
     assert agent.replica.in_flight and agent.sender.tokens_pending(0) == 0

@@ -22,7 +22,7 @@ from comm.wire.tensors import encode_tensors
 from site_agent.agent import SiteAgent
 from site_agent.config import load_site_config
 from site_agent.launch import build_job_trainer
-from site_agent.sender import masked_payload
+from site_agent.payload import masked_payload
 from tests.conftest import write_site_config
 from tests.site_agent.test_secagg import RecordingLink, _round
 from tests.support.coordinator import (
@@ -100,13 +100,12 @@ def test_a_site_refuses_a_peer_key_the_coordinator_substituted(
     agent.sender.open_session("s")
     stats = agent.trainer.train_steps(2)
     agent.sender.trained(1, stats.tokens)
-    mine = agent.sender.secagg_public()
-    assert mine is not None
+    mine = agent.sender.join_capabilities()["secagg_session_public"]
     # The coordinator relays its own session key for us and, in place of us's certificate,
     # a key or certificate of its choosing.
     attacker = SecAggSession(site_id="us", session_id="s", config=cfg.secure_aggregation)
     forged = {
-        "eu": [mine.hex(), _pem(kits["eu"])],
+        "eu": [mine, _pem(kits["eu"])],
         "us": [attacker.session_public.hex(), _substitute(case, kits)],
     }
     agent._send_update(_round(1, {"attempt": 0, "peers": forged}), stats)
