@@ -5,15 +5,22 @@ This package owns the codec seam and every codec. A codec turns one float32 tens
 travel as zero-copy frames) and back. The wire layer (``comm.wire``) never looks inside ``meta`` or
 the buffers; it only carries them, naming the codec by ``codec_id`` and ``spec``.
 
-Codecs, by spec string (see ``docs/compression.md`` for sizes and error bounds):
+Codec families, one module each, each registering itself with ``registry`` (its name, wire id,
+spec parameters, and whether the ``+zstd`` stage may follow it; see ``docs/compression.md`` for
+sizes and error bounds):
 
-- ``fp32``: the float32 bytes (lossless).
-- ``fp16``: IEEE half precision; values beyond +-65504 saturate.
-- ``bf16``: bfloat16 bit patterns as uint16, round to nearest even.
-- ``int8[:block=N]`` / ``int4[:block=N]`` / ``int2[:block=N]``: blockwise symmetric absmax
-  quantization, one fp16 scale per block; int4 packs two values per byte, int2 (ternary) four.
-- ``topk:F[,values=fp16]``: the ``round(F * numel)`` largest magnitudes with uint32 indices.
-- any of the above followed by ``+zstd[:level=L]``: a lossless zstandard stage over each buffer.
+- ``floats``: ``fp32`` (lossless), ``fp16`` (values beyond +-65504 saturate), ``bf16`` (round
+  to nearest even).
+- ``quantize``: ``int8`` / ``int4`` / ``int3`` / ``int2`` ``[:block=N]``, blockwise symmetric
+  absmax quantization with one fp16 scale per block.
+- ``sparse``: ``topk:F[,values=fp16]``, the ``round(F * numel)`` largest magnitudes with uint32
+  indices.
+- ``chunktopk``: ``chunktopk[:chunk=C,k=K,bits=B]``, the top k of every chunk of C values at B
+  bits a value, positions Rice-coded (it takes no ``+zstd``).
+- ``entropy``: ``+zstd[:level=L]`` after any of the others, a lossless zstandard stage over each
+  buffer.
+
+``registry.families()`` lists what is registered; a new family is a new module.
 
 Invariants every codec keeps: ``encode`` rejects NaN/Inf with ``NonFiniteError``; ``decode``
 validates the buffers against the sizes the meta implies and rejects a non-finite result; encoded
@@ -21,9 +28,9 @@ buffers never alias the input and decoded arrays are fresh, writable and C-conti
 elementwise and blockwise codecs can encode a flat tensor chunk by chunk with byte-identical
 results (``chunk_multiple``, ``encode_chunks``, ``join_chunks``).
 
-Modules: ``base`` (the encoded form, the protocol, finiteness), ``plumbing`` (shared array helpers
-and the codec skeleton), ``floats``, ``quantize``, ``sparse``, ``entropy`` (the codec families),
-``registry`` (spec strings and wire ids, chunked encoding), ``feedback`` (error feedback).
+Other modules: ``base`` (the encoded form, the protocol, finiteness), ``plumbing`` (shared array
+helpers and the codec skeleton), ``registry`` (the families by name and wire id, spec strings,
+chunked encoding), ``feedback`` (error feedback), ``broadcast`` (the sparse broadcast's step).
 
 Importing any of it imports no torch: specs, wire ids, layouts and sizes need none, so a
 coordinator's config or a frame parses without it. The functions that encode and decode import

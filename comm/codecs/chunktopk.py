@@ -34,6 +34,7 @@ from comm.codecs.plumbing import (
     _range_checked,
     _read_buffer,
 )
+from comm.codecs.registry import SpecParams, register_codec
 
 _POSITION_FORMS = ("rice", "zbitmap", "bitmap")
 _ZSTD_LEVEL = 9
@@ -43,6 +44,7 @@ _F16 = np.dtype(np.float16)
 _U8 = np.dtype(np.uint8)
 
 
+@register_codec
 @dataclass(frozen=True)
 class ChunkTopKCodec:
     """Top ``k`` magnitudes of every chunk of ``chunk`` values, ``bits`` bits per kept value."""
@@ -54,6 +56,13 @@ class ChunkTopKCodec:
     codec_id: ClassVar[int] = 9
     exact_size: ClassVar[bool] = False
     chunk_multiple: ClassVar[int] = 0
+    no_stage_because: ClassVar[str] = "chunktopk entropy-codes its own positions"
+
+    @classmethod
+    def from_spec(cls, params: SpecParams) -> ChunkTopKCodec:
+        """``chunktopk[:chunk=C,k=K,bits=B]``."""
+        params.allow("chunk", "k", "bits")
+        return cls(**{key: params.integer(key) for key in params.keywords})
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk <= 1 << 20:

@@ -18,10 +18,13 @@ from comm.codecs.base import (
     TensorLike,
     _nbytes,
 )
-from comm.codecs.floats import Bf16Codec, Fp16Codec, Fp32Codec
-from comm.codecs.plumbing import _check_buffers, _check_family, _check_shape, _read_buffer
-from comm.codecs.quantize import Int2Codec, Int4Codec, Int8Codec
-from comm.codecs.sparse import TopKCodec
+from comm.codecs.plumbing import (
+    _check_buffers,
+    _check_family,
+    _check_shape,
+    _Codec,
+    _read_buffer,
+)
 
 # --------------------------------------------------------------------------------------------
 # Lossless zstandard stage
@@ -31,9 +34,6 @@ def _zstd_bound(size: int) -> int:
     """ZSTD_COMPRESSBOUND: the most bytes one zstd frame of ``size`` input bytes can take."""
     small = ((128 << 10) - size) >> 11 if size < (128 << 10) else 0
     return size + (size >> 8) + small
-
-
-_InnerCodec = Fp32Codec | Fp16Codec | Bf16Codec | Int8Codec | Int4Codec | Int2Codec | TopKCodec
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,8 @@ class ZstdCodec:
     compresses far better (top-k indices ~1.2x -> ~1.9x, fp16 ~1.09x -> ~1.18x).
     """
 
-    inner: _InnerCodec
+    inner: _Codec
+    """Any codec built on the shared skeleton (its buffer layout is what the stage needs)."""
     level: int = _DEFAULT_ZSTD_LEVEL
     exact_size: ClassVar[bool] = False
     chunk_multiple: ClassVar[int] = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import numpy as np
 import numpy.typing as npt
@@ -21,6 +21,7 @@ from comm.codecs.plumbing import (
     _to_numpy,
     _torch_view,
 )
+from comm.codecs.registry import SpecParams, register_codec
 
 if TYPE_CHECKING:
     pass
@@ -47,12 +48,18 @@ class _ElementwiseCodec(_Codec):
     def spec(self) -> str:
         return self.name
 
+    @classmethod
+    def from_spec(cls, params: SpecParams) -> Self:
+        params.allow()
+        return cls()
+
     def _layout(self, numel: int, meta: dict[str, Any] | None) -> Layout:
         if meta:
             _bad_meta(meta, self.name)
         return [(self.wire_dtype, numel)]
 
 
+@register_codec
 @dataclass(frozen=True)
 class Fp32Codec(_ElementwiseCodec):
     """Lossless: the float32 bytes themselves (copied, so the send never aliases the input)."""
@@ -73,6 +80,7 @@ class Fp32Codec(_ElementwiseCodec):
         return out
 
 
+@register_codec
 @dataclass(frozen=True)
 class Fp16Codec(_ElementwiseCodec):
     """IEEE half precision. Finite values beyond +-65504 saturate to +-65504."""
@@ -93,6 +101,7 @@ class Fp16Codec(_ElementwiseCodec):
         return out.numpy()
 
 
+@register_codec
 @dataclass(frozen=True)
 class Bf16Codec(_ElementwiseCodec):
     """bfloat16 (fp32's exponent, 8-bit significand) as uint16 bit patterns, round to nearest

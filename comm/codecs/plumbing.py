@@ -149,6 +149,16 @@ class _Codec:
 
     name: ClassVar[str]
     exact_size: ClassVar[bool] = True
+    codec_id: ClassVar[int]
+    no_stage_because: ClassVar[str] = ""
+    """Empty: the ``+zstd`` stage may follow this codec (``comm.codecs.registry``)."""
+
+    @property
+    def spec(self) -> str:
+        raise NotImplementedError
+
+    def encode(self, name: str, x: TensorLike) -> EncodedTensor:
+        raise NotImplementedError
 
     def _layout(self, numel: int, meta: dict[str, Any] | None) -> Layout:
         """Buffer layout for ``numel`` elements: from this codec's parameters when ``meta`` is

@@ -7,7 +7,7 @@ int4 and int3 pack two values per byte, int2 four. Work on CPU runs in tiles of 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +31,7 @@ from comm.codecs.plumbing import (
     _to_numpy,
     _torch_view,
 )
+from comm.codecs.registry import SpecParams, register_codec
 
 if TYPE_CHECKING:
     import torch
@@ -117,6 +118,13 @@ class _BlockCodec(_Codec):
     @property
     def chunk_multiple(self) -> int:
         return self.block
+
+    @classmethod
+    def from_spec(cls, params: SpecParams) -> Self:
+        params.allow("block")
+        if "block" in params.keywords:
+            return cls(block=params.integer("block"))  # type: ignore[call-arg]
+        return cls()
 
     def _value_count(self, numel: int) -> int:
         raise NotImplementedError
@@ -219,6 +227,7 @@ class _BlockCodec(_Codec):
         return out.numpy()
 
 
+@register_codec
 @dataclass(frozen=True)
 class Int8Codec(_BlockCodec):
     """Symmetric int8 per block of ``block`` values: q = round(x / s) in [-127, 127],
@@ -249,6 +258,7 @@ class Int8Codec(_BlockCodec):
 _NIBBLE_BIAS = 8
 
 
+@register_codec
 @dataclass(frozen=True)
 class Int4Codec(_BlockCodec):
     """Symmetric int4 per block of ``block`` values: q = round(x / s) in [-7, 7],
@@ -293,6 +303,7 @@ class Int4Codec(_BlockCodec):
         out2d.mul_(s32[:, None])
 
 
+@register_codec
 @dataclass(frozen=True)
 class Int3Codec(Int4Codec):
     """Symmetric 3-bit codes per block of ``block`` values: q = round(x / s) in [-3, 3],
@@ -309,6 +320,7 @@ class Int3Codec(Int4Codec):
 _CRUMB_WEIGHTS = (1.0, 4.0, 16.0, 64.0)
 
 
+@register_codec
 @dataclass(frozen=True)
 class Int2Codec(_BlockCodec):
     """Ternary per block of ``block`` values: q = round(x / s) in {-1, 0, 1}, s = absmax

@@ -21,6 +21,7 @@ from comm.codecs.plumbing import (
     _range_checked,
     _to_numpy,
 )
+from comm.codecs.registry import SpecParams, register_codec
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +38,7 @@ _VALUE_DTYPES: dict[str, np.dtype[Any]] = {
 }
 
 
+@register_codec
 @dataclass(frozen=True)
 class TopKCodec(_Codec):
     """The k = max(1, round(fraction * numel)) largest magnitudes, as (values, uint32 indices)
@@ -61,6 +63,21 @@ class TopKCodec(_Codec):
     def spec(self) -> str:
         extra = "" if self.values == "fp32" else f",values={self.values}"
         return f"topk:{self.fraction!r}{extra}"
+
+    @classmethod
+    def from_spec(cls, params: SpecParams) -> TopKCodec:
+        """``topk:F[,values=V]`` or ``topk:k=F[,values=V]``."""
+        if len(params.positional) > 1 or (params.positional and "k" in params.keywords):
+            raise ValueError(f"topk: give the fraction once, got {params.text!r}")
+        params.allow("k", "values", positional=True)
+        raw = params.positional[0] if params.positional else params.keywords.get("k")
+        if raw is None:
+            raise ValueError("topk: missing the fraction of values to keep, e.g. 'topk:0.01'")
+        try:
+            fraction = float(raw)
+        except ValueError:
+            raise ValueError(f"topk: fraction must be a number, got {raw!r}") from None
+        return cls(fraction=fraction, values=params.keywords.get("values", "fp32"))
 
     def k_for(self, numel: int) -> int:
         """Number of values kept for a tensor of ``numel`` elements."""
