@@ -82,7 +82,7 @@ def _initial_model(cfg: InitialModelConfig | None) -> InitialModel | None:
     if cfg is None:
         return None
     from coordinator.service import InitialModel
-    from site_agent.model import ModelConfig, initial_parameters, model_fingerprint
+    from site_agent.jobs.bytegpt.model import ModelConfig, initial_parameters, model_fingerprint
 
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(cfg.model) - known)

@@ -3,23 +3,21 @@ the device ``site.device`` resolves to."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from comm.ops.configio import load_section, merge
+from comm.ops.configio import ConfigError, build, env_overrides, load_toml, merge
 from comm.ops.httpsec import HttpSecurityConfig
 from comm.security.masking import SecAggConfig
 from comm.security.rolekits import SecurityConfig
 from comm.transport.profile import ChannelConfig
-from site_agent.data import DataConfig
 from site_agent.jobs.contract import BYTEGPT_FACTORY
-from site_agent.model import ModelConfig
 from site_agent.pipeline.layout import TORCH_SCHEDULES, check_data_parallel
 from site_agent.privacy import DPConfig
-from site_agent.trainer import InnerOptimConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +30,9 @@ class JobConfig:
     """Directories put in front of ``sys.path`` before the factory is imported."""
     options: dict[str, Any] = field(default_factory=dict)
     """``[site.job.options]``: handed to the factory as they are."""
+    grad_clip: float = 1.0
+    """Largest global gradient L2 norm: crossdc clips every job's gradients to it before the
+    optimizer step; 0 disables clipping."""
     max_nonfinite_steps: int = 8
     """A non-finite loss skips its step; this many in a row stop the site."""
 
@@ -43,10 +44,8 @@ class JobConfig:
             )
         if self.max_nonfinite_steps < 1:
             raise ValueError("site.job.max_nonfinite_steps must be >= 1")
-
-    @property
-    def is_builtin_bytegpt(self) -> bool:
-        return self.factory == BYTEGPT_FACTORY
+        if not self.grad_clip >= 0:
+            raise ValueError(f"site.job.grad_clip must be >= 0, got {self.grad_clip}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,10 +72,6 @@ class SiteConfig:
     """``auto`` (CUDA if present), ``cpu`` or ``cuda[:N]``."""
     num_threads: int = 0
     """torch intra-op threads; 0 leaves torch's default."""
-    eval_batches: int = 8
-    """Byte GPT job: validation batches per evaluation."""
-    eval_batch_size: int = 16
-    """Byte GPT job: sequences per validation batch."""
     steps_per_poll: int = 4
     """Inner steps between two looks at the coordinator link (where results are merged)."""
     fault_slow_step_s: float = 0.0
@@ -107,13 +102,8 @@ class SiteConfig:
     privacy: DPConfig | None = None
     """Differential privacy of this site's updates (clip + Gaussian noise); off when absent."""
     job: JobConfig = field(default_factory=JobConfig)
-    """``[site.job]``: what this site trains (the embedded byte GPT unless set)."""
-    data: DataConfig = field(default_factory=DataConfig)
-    """Byte GPT job: the site's text."""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """Byte GPT job: the model's shape."""
-    optim: InnerOptimConfig = field(default_factory=InnerOptimConfig)
-    """Byte GPT job: its AdamW and batch size; ``grad_clip`` applies to every job."""
+    """``[site.job]``: what this site trains (the embedded byte GPT unless set) and with which
+    options."""
     channel: ChannelConfig = field(default_factory=ChannelConfig)
     error_feedback_decay: float = 1.0
     """β of the uplink's error feedback: each round sends C(Δ + β e) and keeps the rest as e. 1
@@ -143,16 +133,8 @@ class SiteConfig:
             raise ValueError("site.fault_slow_step_s must be >= 0")
         if self.steps_per_poll < 1:
             raise ValueError("site.steps_per_poll must be >= 1")
-        if self.eval_batches < 1 or self.eval_batch_size < 1:
-            raise ValueError("site.eval_batches and site.eval_batch_size must be >= 1")
         if self.stages < 1 or self.replicas < 1:
             raise ValueError("site.stages and site.replicas must be >= 1")
-        if not self.job.is_builtin_bytegpt:
-            self._check_custom_job()
-        if self.job.is_builtin_bytegpt and self.stages > self.model.num_layers + 2:
-            raise ValueError(
-                f"site.stages={self.stages} exceeds the model's {self.model.num_layers + 2} layers"
-            )
         if self.schedule not in TORCH_SCHEDULES:
             raise ValueError(
                 f"site.schedule must be one of {', '.join(TORCH_SCHEDULES)}, got {self.schedule!r}"
@@ -163,52 +145,69 @@ class SiteConfig:
 
         self.security.require()
 
-    def _check_custom_job(self) -> None:
-        """The byte GPT's own sections mean nothing to another job: refuse them, not ignore."""
-        defaults: dict[str, object] = {
-            "model": ModelConfig(),
-            "data": DataConfig(),
-            "eval_batches": 8,
-            "eval_batch_size": 16,
-        }
-        for name, default in defaults.items():
-            if getattr(self, name) != default:
-                raise ValueError(
-                    f"site.{name} configures the built-in byte GPT job only; the job "
-                    f"{self.job.factory!r} takes its settings from [site.job.options]"
-                )
-        default_optim = InnerOptimConfig()
-        for name, value in asdict(self.optim).items():
-            if name != "grad_clip" and value != getattr(default_optim, name):
-                raise ValueError(
-                    f"site.optim.{name} configures the built-in byte GPT job only (the job "
-                    f"{self.job.factory!r} builds its own optimizer); site.optim.grad_clip "
-                    "applies to every job"
-                )
-
     @property
     def state_path(self) -> Path:
         return Path(self.state_dir)
 
-    def job_options(self) -> dict[str, Any]:
-        """The options the job's factory gets: ``[site.job.options]``, and for the byte GPT its
-        site sections under them."""
-        if not self.job.is_builtin_bytegpt:
-            return dict(self.job.options)
-        return merge(
-            {
-                "model": asdict(self.model),
-                "data": asdict(self.data),
-                "optim": asdict(self.optim),
-                "eval_batches": self.eval_batches,
-                "eval_batch_size": self.eval_batch_size,
-            },
-            self.job.options,
+
+BYTEGPT_SECTIONS = ("model", "data", "optim", "eval_batches", "eval_batch_size")
+"""The byte GPT job's settings a ``[site]`` table may still hold where its job's options belong
+(``[site.model]`` for ``[site.job.options.model]``, and so on): read as those options."""
+
+
+def bytegpt_sections_as_options(table: Mapping[str, Any], prefix: str = "site") -> dict[str, Any]:
+    """``table`` (a ``[site]`` table) with the byte GPT's settings written in the site's own
+    tables moved into the job's options, where they belong.
+
+    ``[site.model]``, ``[site.data]``, ``[site.optim]``, ``site.eval_batches`` and
+    ``site.eval_batch_size`` become the same keys of ``[site.job.options]``, a key given there
+    winning; ``site.optim.grad_clip`` (clipping applies to every job) becomes
+    ``site.job.grad_clip`` unless that is given. The byte GPT's settings with another job are
+    refused, not ignored: that job takes its settings from ``[site.job.options]``."""
+    where = f"{prefix}." if prefix else ""
+    legacy = {k: table[k] for k in BYTEGPT_SECTIONS if k in table}
+    if not legacy:
+        return dict(table)
+    out = {k: v for k, v in table.items() if k not in BYTEGPT_SECTIONS}
+    job = out.get("job", {})
+    if not isinstance(job, Mapping):
+        return dict(table)  # build names the bad value
+    job = dict(job)
+    optim = legacy.get("optim")
+    if isinstance(optim, Mapping) and "grad_clip" in optim:
+        job.setdefault("grad_clip", optim["grad_clip"])
+        rest = {k: v for k, v in optim.items() if k != "grad_clip"}
+        if rest:
+            legacy["optim"] = rest
+        else:
+            del legacy["optim"]
+    factory = job.get("factory", BYTEGPT_FACTORY)
+    if legacy and factory != BYTEGPT_FACTORY:
+        name = next(iter(legacy))
+        raise ConfigError(
+            f"{where}{name} configures the built-in byte GPT job only; the job {factory!r} "
+            f"takes its settings from [{where}job.options]"
         )
+    if legacy:
+        options = job.get("options", {})
+        job["options"] = merge(legacy, options) if isinstance(options, Mapping) else options
+    out["job"] = job
+    return out
+
+
+def site_config_from_table(table: Mapping[str, Any]) -> SiteConfig:
+    """A ``[site]`` table (its byte GPT sections read as its job's options) as a SiteConfig."""
+    return build(SiteConfig, bytegpt_sections_as_options(table), prefix="site")
 
 
 def load_site_config(path: str | Path, **explicit: object) -> SiteConfig:
-    return load_section(SiteConfig, path, "site", **explicit)
+    """Read ``[site]`` of a TOML file (plus ``CROSSDC_SITE_*`` overrides) into a SiteConfig."""
+    doc = load_toml(path)
+    unknown = sorted(set(doc) - {"site"})
+    if unknown:
+        raise ConfigError(f"unknown table [{unknown[0]}] in {path} (expected [site])")
+    table = merge(doc.get("site", {}), env_overrides("site"))
+    return build(SiteConfig, bytegpt_sections_as_options(table), prefix="site", **explicit)
 
 
 def resolve_device(spec: str) -> str:

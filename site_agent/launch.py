@@ -16,20 +16,12 @@ import torch
 from comm.durable import atomic_write
 from site_agent.agent import SiteAgent
 from site_agent.config import SiteConfig, resolve_device
-from site_agent.data import BatchSampler, SiteData, load_corpora, sampler_seed
 from site_agent.exits import EXIT_CANNOT_START, EXIT_OK
-from site_agent.jobs.bytegpt import LocalTrainer
 from site_agent.jobs.contract import Job, JobContext, build_job
 from site_agent.metrics import SiteMetrics
-from site_agent.model import build_model
 from site_agent.trainer import JobTrainer
 
 log = logging.getLogger("crossdc.site")
-
-
-def load_site_data(cfg: SiteConfig) -> SiteData:
-    """The byte GPT job's training corpus and validation corpus (never trained on)."""
-    return load_corpora(cfg.data)
 
 
 def build_site_job(
@@ -40,7 +32,7 @@ def build_site_job(
         site_id=cfg.site_id,
         seed=cfg.seed,
         device=device,
-        options=cfg.job_options(),
+        options=cfg.job.options,
         rank=rank,
         world_size=world_size,
         state_dir=cfg.state_path,
@@ -54,7 +46,7 @@ def build_job_trainer(cfg: SiteConfig, metrics: SiteMetrics | None = None) -> Jo
     device = torch.device(resolve_device(cfg.device))
     trainer = JobTrainer(
         build_site_job(cfg, device),
-        grad_clip=cfg.optim.grad_clip,
+        grad_clip=cfg.job.grad_clip,
         device=device,
         max_nonfinite_steps=cfg.job.max_nonfinite_steps,
         on_skipped=metrics.nonfinite_step if metrics is not None else None,
@@ -62,19 +54,6 @@ def build_job_trainer(cfg: SiteConfig, metrics: SiteMetrics | None = None) -> Jo
     )
     trainer.preflight()
     return trainer
-
-
-def build_local_trainer(cfg: SiteConfig, data: SiteData) -> LocalTrainer:
-    device = resolve_device(cfg.device)
-    model = build_model(cfg.model, cfg.seed, device=device)
-    site_seed = sampler_seed(cfg.seed, cfg.data.shard_index)
-    sampler = BatchSampler(
-        data.train,
-        batch_size=cfg.optim.batch_size,
-        context_len=cfg.model.context_len,
-        seed=site_seed,
-    )
-    return LocalTrainer(model=model, sampler=sampler, optim_cfg=cfg.optim, device=device)
 
 
 def build_agent(cfg: SiteConfig) -> SiteAgent:
@@ -119,7 +98,7 @@ def pipeline_config(cfg: SiteConfig) -> Any:
         num_microbatches=cfg.microbatches,
         schedule=cfg.schedule,
         data_parallel=cfg.data_parallel,
-        grad_clip=cfg.optim.grad_clip,
+        grad_clip=cfg.job.grad_clip,
     )
 
 

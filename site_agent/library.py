@@ -30,8 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from comm.ops.configio import build
-from site_agent.config import SiteConfig, load_site_config
+from site_agent.config import SiteConfig, load_site_config, site_config_from_table
 from site_agent.exits import EXIT_CRASHED, EXIT_OK
 from site_agent.jobs.contract import StateSpec, check_metrics, federated_state, job_fingerprint
 from site_agent.jobs.contract import buffer_names as federated_buffer_names
@@ -201,7 +200,7 @@ def _site_config(config: SiteConfig | str | Path | Mapping[str, Any]) -> SiteCon
     if isinstance(config, str | Path):
         return load_site_config(config)
     table = config.get("site", config)
-    return build(SiteConfig, table, prefix="site.")
+    return site_config_from_table(table)
 
 
 class Federation:

@@ -37,42 +37,6 @@ from site_agent.jobs.contract import buffer_names as federated_buffer_names
 from site_agent.jobs.contract import state_spec as model_state_spec
 
 
-@dataclass(frozen=True, kw_only=True)
-class InnerOptimConfig:
-    """The site-local AdamW and its schedule."""
-
-    lr: float = 3e-3
-    """Peak learning rate, reached after warm-up and then held constant."""
-    weight_decay: float = 0.1
-    """Decoupled weight decay, applied to weight matrices and embeddings only."""
-    beta1: float = 0.9
-    """AdamW first-moment decay."""
-    beta2: float = 0.95
-    """AdamW second-moment decay."""
-    warmup_steps: int = 20
-    """Inner steps of linear warm-up from ``lr / warmup_steps`` to ``lr``; 0 disables it."""
-    grad_clip: float = 1.0
-    """Maximum global gradient L2 norm; 0 disables clipping."""
-    batch_size: int = 16
-    """Sequences per inner step."""
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"inner_optim.lr must be > 0, got {self.lr}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"inner_optim.weight_decay must be >= 0, got {self.weight_decay}")
-        for name in ("beta1", "beta2"):
-            value = getattr(self, name)
-            if not 0 <= value < 1:
-                raise ValueError(f"inner_optim.{name} must be in [0, 1), got {value}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"inner_optim.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not self.grad_clip >= 0:
-            raise ValueError(f"inner_optim.grad_clip must be >= 0, got {self.grad_clip}")
-        if self.batch_size < 1:
-            raise ValueError(f"inner_optim.batch_size must be >= 1, got {self.batch_size}")
-
-
 @dataclass(frozen=True)
 class TrainStats:
     """What one call of ``train_steps`` did."""
@@ -112,13 +76,6 @@ class SiteTrainer(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
-
-
-def learning_rate(cfg: InnerOptimConfig, step: int) -> float:
-    """The learning rate of inner step ``step`` (0-based): linear warm-up, then constant."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    return cfg.lr
 
 
 class NonFiniteLossError(RuntimeError):

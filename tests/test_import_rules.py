@@ -36,10 +36,17 @@ ALLOWED: dict[str, set[str]] = {
     "comm.transport": {"comm.wire", "comm.security"},
     # The two roles share only comm: neither imports the other, nor crossdc.
     "coordinator": set(_COMM),
-    "site_agent": set(_COMM),
+    # The site's core knows a job only through the job contract, never a built-in job itself.
+    "site_agent": _COMM | {"site_agent.jobs.contract"},
+    # The job contract: what a job gives crossdc and how a factory is found and checked.
+    "site_agent.jobs.contract": set(_COMM),
+    # The built-in jobs (the byte GPT, digits, Hugging Face): the contract and each other only;
+    # never the site's core (its trainer, agent, config), which drives them through the contract.
+    "site_agent.jobs": _COMM | {"site_agent.jobs.contract"},
     # The lab (WAN emulation) is tooling on the crossdc side and stands alone.
     "crossdc.lab": set(),
-    "crossdc": _COMM | {"coordinator", "site_agent", "crossdc.lab"},
+    "crossdc": _COMM
+    | {"coordinator", "site_agent", "site_agent.jobs", "site_agent.jobs.contract", "crossdc.lab"},
 }
 
 

@@ -53,6 +53,7 @@ from crossdc.bench.equal_tokens_sim import (
     run_diloco,
     site_trainer,
 )
+from crossdc.bench.local_trainer import LocalTrainer
 from crossdc.demo_args import resolve_outer_rule_defaults
 from crossdc.demo_roles import DEMO_MODEL
 from crossdc.plot import frontier_point, plot_frontier
@@ -62,10 +63,9 @@ from crossdc.progress import (
     open_progress,
     pop_no_progress,
 )
-from site_agent.data import ByteCorpus, eval_batches, stdlib_split
-from site_agent.jobs.bytegpt import LocalTrainer
-from site_agent.model import ModelConfig
-from site_agent.trainer import InnerOptimConfig
+from site_agent.jobs.bytegpt.data import ByteCorpus, eval_batches, stdlib_split
+from site_agent.jobs.bytegpt.model import ModelConfig
+from site_agent.jobs.bytegpt.optim import InnerOptimConfig
 
 Arrays = dict[str, np.ndarray]
 

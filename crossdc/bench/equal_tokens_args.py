@@ -9,7 +9,7 @@ from pathlib import Path
 from coordinator import strategies
 from crossdc.demo_args import add_outer_rule_arguments
 from crossdc.progress import add_progress_argument
-from site_agent.trainer import InnerOptimConfig
+from site_agent.jobs.bytegpt.optim import InnerOptimConfig
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:

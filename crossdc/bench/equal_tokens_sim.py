@@ -14,15 +14,15 @@ from comm.codecs.registry import decode_tensor, get_codec
 from coordinator import strategies
 from coordinator.config import CoordinatorConfig
 from coordinator.strategies.base import OuterSettings, weighted_mean
+from crossdc.bench.local_trainer import LocalTrainer
 from crossdc.ddp.trainer import DDPTrainer
 from crossdc.progress import (
     SILENT,
     Progress,
 )
-from site_agent.data import BatchSampler, ByteCorpus, sampler_seed
-from site_agent.jobs.bytegpt import LocalTrainer
-from site_agent.model import ModelConfig, build_model
-from site_agent.trainer import InnerOptimConfig
+from site_agent.jobs.bytegpt.data import BatchSampler, ByteCorpus, sampler_seed
+from site_agent.jobs.bytegpt.model import ModelConfig, build_model
+from site_agent.jobs.bytegpt.optim import InnerOptimConfig
 
 Arrays = dict[str, np.ndarray]
 

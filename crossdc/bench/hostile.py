@@ -172,7 +172,7 @@ def _issue_attackers(workdir: Path) -> None:
 
 
 def _fingerprint(model: dict[str, int]) -> str:
-    from site_agent.model import ModelConfig, model_fingerprint
+    from site_agent.jobs.bytegpt.model import ModelConfig, model_fingerprint
 
     return model_fingerprint(ModelConfig(**model))
 

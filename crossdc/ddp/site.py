@@ -49,12 +49,12 @@ from comm.wire.schema import (
     Welcome,
 )
 from comm.wire.tensors import decode_tensors, encode_tensors, spec_of, state_hash
+from crossdc.bench.local_trainer import build_local_trainer, bytegpt_options, load_site_data
 from crossdc.ddp.trainer import Batch, DDPTrainer
 from site_agent.config import SiteConfig, resolve_device
-from site_agent.data import eval_batches
 from site_agent.exits import EXIT_FATAL, EXIT_OK
-from site_agent.launch import build_local_trainer, load_site_data
-from site_agent.model import model_fingerprint
+from site_agent.jobs.bytegpt.data import eval_batches
+from site_agent.jobs.bytegpt.model import model_fingerprint
 from site_agent.session import read_endpoint_file
 
 log = logging.getLogger("crossdc.site.ddp")
@@ -84,7 +84,7 @@ class DDPSite:
         self.site_id = cfg.site_id
         self.trainer = trainer
         self.val_batches = list(val_batches)
-        self.fingerprint = model_fingerprint(cfg.model)
+        self.fingerprint = model_fingerprint(bytegpt_options(cfg).model)
         params = trainer.parameters_numpy()
         self.spec = spec_of(params)
         self.initial_hash = state_hash(params)
@@ -363,7 +363,8 @@ def build_ddp_site(cfg: SiteConfig) -> DDPSite:
         torch.set_num_threads(cfg.num_threads)
     data = load_site_data(cfg)
     trainer = DDPTrainer(build_local_trainer(cfg, data))
+    opts = bytegpt_options(cfg)
     val = eval_batches(
-        data.val, cfg.eval_batches, cfg.eval_batch_size, cfg.model.context_len, seed=0
+        data.val, opts.eval_batches, opts.eval_batch_size, opts.model.context_len, seed=0
     )
     return DDPSite(cfg, trainer=trainer, val_batches=val)

@@ -2,8 +2,8 @@
 
 This module owns ``DDPTrainer``: it computes the gradient of a batch without stepping
 (``compute_gradient``) and takes the AdamW step on a given gradient (``apply_gradient``: the same
-clipping and learning-rate schedule as :class:`~site_agent.jobs.bytegpt.LocalTrainer`, which it wraps),
-so the sites of a run, applying the same mean gradients, stay bit-identical.
+clipping and learning-rate schedule as :class:`~crossdc.bench.local_trainer.LocalTrainer`,
+which it wraps), so the sites of a run, applying the same mean gradients, stay bit-identical.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from site_agent.jobs.bytegpt import LocalTrainer
-from site_agent.model import lm_loss
-from site_agent.trainer import learning_rate
+from crossdc.bench.local_trainer import LocalTrainer
+from site_agent.jobs.bytegpt.model import lm_loss
+from site_agent.jobs.bytegpt.optim import learning_rate
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -85,8 +85,8 @@ class DDPTrainer:
         for name, p in self._params.items():
             # torch.tensor copies: the caller's arrays (maybe read-only) are never touched.
             p.grad = torch.tensor(grad[name], dtype=p.dtype, device=p.device)
-        if cfg.grad_clip > 0:
-            nn.utils.clip_grad_norm_(self._params.values(), cfg.grad_clip)
+        if self.local.grad_clip > 0:
+            nn.utils.clip_grad_norm_(self._params.values(), self.local.grad_clip)
         lr = learning_rate(cfg, self.local.step)
         for group in self.local.optimizer.param_groups:
             group["lr"] = lr

@@ -4,8 +4,8 @@
 It owns its options (``DigitsOptions``), the split (``validation_indices`` and ``split_indices``,
 pure functions of the labels), the model (64 -> hidden -> BatchNorm -> ReLU -> 10, so the
 federation also averages BatchNorm's running statistics while ``num_batches_tracked`` stays local),
-a seeded endless batch stream with a resumable cursor, and ``train_alone``: the baseline of one site
-trained on its own skewed share, which a federation must beat. Use it as
+and a seeded endless batch stream with a resumable cursor. (The baseline a federation must beat,
+one site trained alone on its own skewed share, is ``crossdc.bench.alone.train_alone``.) Use it as
 ``[site.job] factory = "site_agent.jobs.digits:make_job"``; scikit-learn is needed only there
 (``pip install crossdc[sklearn]``).
 """
@@ -23,7 +23,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from site_agent.jobs.contract import JobContext, parse_options
-from site_agent.trainer import JobTrainer
 
 FACTORY = "site_agent.jobs.digits:make_job"
 NUM_CLASSES = 10
@@ -233,15 +232,3 @@ class DigitsJob:
 def make_job(ctx: JobContext) -> DigitsJob:
     """The digits job's factory."""
     return DigitsJob(ctx, parse_options(DigitsOptions, ctx.options))
-
-
-def train_alone(options: Mapping[str, Any], seed: int, steps: int) -> dict[str, float]:
-    """The validation metrics of one site's job trained alone on its share for ``steps`` steps
-    (on the CPU): the baseline a federation of these sites must beat."""
-    opts = parse_options(DigitsOptions, options)
-    ctx = JobContext(
-        site_id=f"site{opts.site_index}", seed=seed, device=torch.device("cpu"), options=options
-    )
-    trainer = JobTrainer(make_job(ctx), where=f"the digits job of site {opts.site_index}")
-    trainer.train_steps(steps)
-    return trainer.validate()

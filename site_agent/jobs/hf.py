@@ -1,5 +1,6 @@
 """A built-in job: a Hugging Face ``transformers`` causal LM, built from a config (never
-downloaded) and trained on a site's text (``site_agent.data``) with AdamW and a linear warm-up.
+downloaded) and trained on a site's text (the byte GPT's corpora,
+``site_agent.jobs.bytegpt.data``) with AdamW and a linear warm-up.
 
 ``make_job`` is its factory (``[site.job] factory = "site_agent.jobs.hf:make_job"``); its options
 (``[site.job.options]``) are the fields of :class:`HFOptions`. It owns the model's construction
@@ -24,11 +25,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from site_agent.data import BatchSampler, ByteCorpus, DataConfig, eval_batches, load_corpora
-from site_agent.data import sampler_seed as data_sampler_seed
-from site_agent.jobs.bytegpt import WarmupSchedule, adamw
+from site_agent.jobs.bytegpt.data import (
+    BatchSampler,
+    ByteCorpus,
+    DataConfig,
+    eval_batches,
+    load_corpora,
+)
+from site_agent.jobs.bytegpt.data import sampler_seed as data_sampler_seed
+from site_agent.jobs.bytegpt.optim import InnerOptimConfig, WarmupSchedule, adamw
 from site_agent.jobs.contract import JobContext, parse_options
-from site_agent.trainer import InnerOptimConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 """Input ids and next-token targets, both int64 ``[B, T]``."""

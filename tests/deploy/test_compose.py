@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from coordinator.config import load_coordinator_config
+from crossdc.bench.local_trainer import bytegpt_options
 from crossdc.cli import build_parser
 from site_agent.config import load_site_config
 from tests.support.containers import (
@@ -159,11 +160,12 @@ def test_compose_sites_reach_the_coordinator_service(compose: dict[str, Any]) ->
         host, port = tcp_endpoint(cfg.coordinator)
         assert host in compose["services"] and host == "coordinator" and port == bind_port
         assert "coordinator" in service["depends_on"]
-        assert cfg.data.num_shards == len(SITES)
-        shards.add(cfg.data.shard_index)
+        opts = bytegpt_options(cfg)
+        assert opts.data.num_shards == len(SITES)
+        shards.add(opts.data.shard_index)
         assert coord.initial_model is not None
-        assert dataclasses.asdict(cfg.model) == {
-            **dataclasses.asdict(cfg.model),
+        assert dataclasses.asdict(opts.model) == {
+            **dataclasses.asdict(opts.model),
             **coord.initial_model.model,
         }, "the coordinator builds the sites' model"
         assert cfg.seed == coord.initial_model.seed

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from crossdc.bench.local_trainer import bytegpt_options
 from tests.support.containers import (
     RENDER,
     ROOT,
@@ -96,8 +97,9 @@ def test_k8s_sites_reach_the_coordinator_service(
         )
         host, port = tcp_endpoint(cfg.coordinator)
         assert host == service["metadata"]["name"] and port == service_ports(service)["wan"]
-        assert cfg.site_id == site and cfg.data.num_shards == len(SITES)
-        shards.add(cfg.data.shard_index)
+        data = bytegpt_options(cfg).data
+        assert cfg.site_id == site and data.num_shards == len(SITES)
+        shards.add(data.shard_index)
         assert coord.initial_model is not None and cfg.seed == coord.initial_model.seed
     assert shards == set(range(len(SITES)))
 

@@ -50,6 +50,7 @@ def test_the_example_coordinator_builds_the_example_sites_theta0() -> None:
     """The coordinator's [initial_model] names the seed and model every example site builds, so
     the sites join in sync and nothing is uploaded."""
     from coordinator.config import load_coordinator_config
+    from crossdc.bench.local_trainer import bytegpt_options
     from site_agent.config import load_site_config
 
     initial = load_coordinator_config(CONFIGS / "coordinator.toml").initial_model
@@ -57,8 +58,9 @@ def test_the_example_coordinator_builds_the_example_sites_theta0() -> None:
     for path in sorted(CONFIGS.glob("site-*.toml")):
         site = load_site_config(path)
         assert site.seed == initial.seed, path.name
-        assert dataclasses.asdict(site.model) == {
-            **dataclasses.asdict(type(site.model)()),
+        model = bytegpt_options(site).model
+        assert dataclasses.asdict(model) == {
+            **dataclasses.asdict(type(model)()),
             **initial.model,
         }, path.name
 

@@ -23,13 +23,13 @@ def test_build_nested_and_explicit_wins() -> None:
         {
             "site_id": "eu",
             "coordinator": "tcp://h:1",
-            "model": {"d_model": 64, "num_heads": 4},
+            "channel": {"heartbeat_interval_s": 2.0},
             "security": {"insecure": True},
         },
         prefix="site",
         seed=7,
     )
-    assert cfg.model.d_model == 64 and cfg.seed == 7
+    assert cfg.channel.heartbeat_interval_s == 2.0 and cfg.seed == 7
 
 
 @pytest.mark.parametrize(
@@ -68,13 +68,13 @@ def test_secure_by_default_refuses_a_config_without_keys() -> None:
 def test_site_config_errors() -> None:
     with pytest.raises(ConfigError, match="site.coordinator"):
         build(SiteConfig, {"site_id": "eu"}, prefix="site")
-    with pytest.raises(ConfigError, match="model.d_model"):
+    with pytest.raises(ConfigError, match="site.job.grad_clip"):
         build(
             SiteConfig,
             {
                 "site_id": "eu",
                 "coordinator": "tcp://h:1",
-                "model": {"d_model": 30, "num_heads": 4},
+                "job": {"grad_clip": -1.0},
                 "security": {"insecure": True},
             },
             prefix="site",
@@ -188,7 +188,9 @@ def _code_default(cls: Any, parts: list[str]) -> Any:
     import dataclasses
     import typing
 
-    from site_agent.model import ModelConfig
+    from site_agent.config import JobConfig
+    from site_agent.jobs.bytegpt import ByteGPTOptions
+    from site_agent.jobs.bytegpt.model import ModelConfig
 
     hints = typing.get_type_hints(cls)
     f = {f.name: f for f in dataclasses.fields(cls)}[parts[0]]
@@ -197,6 +199,8 @@ def _code_default(cls: Any, parts: list[str]) -> Any:
         inner = [a for a in (kind, *typing.get_args(kind)) if dataclasses.is_dataclass(a)]
         if inner:
             return _code_default(inner[0], parts[1:])
+        if cls is JobConfig and f.name == "options":  # the default job's: the byte GPT's
+            return _code_default(ByteGPTOptions, parts[1:])
         assert f.name == "model", f"no table {parts[0]} in {cls.__name__}"
         return _code_default(ModelConfig, parts[1:])  # initial_model.model: the sites' model
     if f.default is not dataclasses.MISSING:

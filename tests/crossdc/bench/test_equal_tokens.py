@@ -13,7 +13,7 @@ from comm.codecs.registry import get_codec
 from crossdc import plot
 from crossdc.bench import equal_tokens
 from crossdc.demo_roles import DEMO_MODEL
-from site_agent.model import ModelConfig, build_model
+from site_agent.jobs.bytegpt.model import ModelConfig, build_model
 
 
 @pytest.fixture(autouse=True)

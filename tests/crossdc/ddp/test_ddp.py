@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +27,15 @@ from comm.transport.profile import ChannelConfig
 from comm.wire.schema import Message, StepGrad
 from comm.wire.tensors import state_hash
 from coordinator.strategy import weighted_mean
+from crossdc.bench.local_trainer import LocalTrainer
 from crossdc.ddp.coordinator import DDPCoordinator
 from crossdc.ddp.decision import Action, DDPConfig, Snapshot, decide
 from crossdc.ddp.site import RESULT_FILE, DDPSite
 from crossdc.ddp.trainer import DDPTrainer
-from site_agent.config import SiteConfig
-from site_agent.data import BatchSampler, ByteCorpus
-from site_agent.jobs.bytegpt import LocalTrainer
-from site_agent.model import ModelConfig, build_model
-from site_agent.trainer import InnerOptimConfig
+from site_agent.config import JobConfig, SiteConfig
+from site_agent.jobs.bytegpt.data import BatchSampler, ByteCorpus
+from site_agent.jobs.bytegpt.model import ModelConfig, build_model
+from site_agent.jobs.bytegpt.optim import InnerOptimConfig
 from tests.conftest import ROOT, TINY_MODEL
 
 MODEL = ModelConfig(**TINY_MODEL)
@@ -93,8 +93,7 @@ class Federation:
             coordinator=self.endpoint,
             state_dir=str(self.tmp / f"site-{site_id}"),
             device="cpu",
-            model=MODEL,
-            optim=OPTIM,
+            job=JobConfig(options={"model": asdict(MODEL), "optim": asdict(OPTIM)}),
             channel=CHANNEL,
             security=SecurityConfig(insecure=True),
         )

@@ -3,7 +3,6 @@ real ``crossdc agent`` processes from TOML; every bad input refused before anyth
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import math
 import subprocess
@@ -19,9 +18,10 @@ from torch import nn
 
 from comm.ops.configio import build, dump_toml
 from comm.security.rolekits import SecurityConfig
-from site_agent.config import SiteConfig
-from site_agent.data import DataConfig
+from site_agent.config import JobConfig, SiteConfig, site_config_from_table
+from site_agent.jobs.bytegpt.model import ModelConfig, model_fingerprint
 from site_agent.jobs.contract import (
+    BYTEGPT_FACTORY,
     JobContext,
     JobError,
     build_job,
@@ -30,7 +30,6 @@ from site_agent.jobs.contract import (
     state_spec,
 )
 from site_agent.launch import build_agent, build_job_trainer
-from site_agent.model import ModelConfig, model_fingerprint
 from site_agent.trainer import JobTrainer, NonFiniteLossError
 from tests.conftest import ROOT, Procs, read_status, wait_for, write_coordinator_config
 
@@ -230,9 +229,44 @@ def test_the_agent_exits_2_naming_the_bad_job(tmp_path: Path, user_jobs: Path) -
 
 
 def test_the_byte_gpt_sections_are_refused_for_another_job(tmp_path: Path, user_jobs: Path) -> None:
-    cfg = _cfg(tmp_path, user_jobs)
-    with pytest.raises(ValueError, match="site.model configures the built-in byte GPT job only"):
-        dataclasses.replace(cfg, model=ModelConfig(num_layers=3))
+    table = _site(tmp_path, user_jobs, "eu", coordinator="tcp://127.0.0.1:1")
+    del table["coordinator_endpoint_file"]
+    for key, value in (("model", {"num_layers": 3}), ("eval_batches", 2), ("optim", {"lr": 0.1})):
+        with pytest.raises(
+            ValueError, match=f"site.{key} configures the built-in byte GPT job only"
+        ):
+            site_config_from_table({**table, key: value})
+    # Clipping applies to every job: site.optim.grad_clip alone is read as site.job.grad_clip.
+    assert site_config_from_table({**table, "optim": {"grad_clip": 0.5}}).job.grad_clip == 0.5
+
+
+def test_the_byte_gpt_sections_are_read_as_its_options() -> None:
+    """[site.model], [site.data], [site.optim] and site.eval_* of a byte GPT site are its job's
+    options (a key given in [site.job.options] wins); site.optim.grad_clip is site.job.grad_clip."""
+    base = {"site_id": "eu", "coordinator": "tcp://h:1", "security": {"insecure": True}}
+    legacy = site_config_from_table(
+        {
+            **base,
+            "model": {"d_model": 64, "num_heads": 4},
+            "data": {"shard_index": 1, "num_shards": 3},
+            "optim": {"lr": 0.01, "grad_clip": 0.5},
+            "eval_batches": 2,
+            "job": {"options": {"model": {"d_model": 32}}},
+        }
+    )
+    assert legacy.job.factory == BYTEGPT_FACTORY and legacy.job.grad_clip == 0.5
+    assert legacy.job.options == {
+        "model": {"d_model": 32, "num_heads": 4},
+        "data": {"shard_index": 1, "num_shards": 3},
+        "optim": {"lr": 0.01},
+        "eval_batches": 2,
+    }
+    options = {"model": {"d_model": 32, "num_heads": 4}, "optim": {"lr": 0.01}}
+    canonical = site_config_from_table(
+        {**base, "job": {"grad_clip": 0.5, "options": {**options, "eval_batches": 2}}}
+    )
+    assert canonical.job.options["model"] == legacy.job.options["model"]
+    assert site_config_from_table(base).job == JobConfig()
 
 
 class _NanAfter:
@@ -290,15 +324,20 @@ def test_the_byte_gpt_job_is_the_default_and_matches_its_config(tmp_path: Path) 
         coordinator="tcp://127.0.0.1:1",
         state_dir=str(tmp_path),
         device="cpu",
-        model=ModelConfig(context_len=16, num_layers=1, d_model=16, num_heads=2),
-        data=DataConfig(max_bytes=20_000),
+        job=JobConfig(
+            options={
+                "model": {"context_len": 16, "num_layers": 1, "d_model": 16, "num_heads": 2},
+                "data": {"max_bytes": 20_000},
+            }
+        ),
         security=SecurityConfig(insecure=True),
     )
 
     trainer = build_job_trainer(cfg)
-    assert trainer.fingerprint(cfg.job.factory) == model_fingerprint(cfg.model)
+    model = ModelConfig(context_len=16, num_layers=1, d_model=16, num_heads=2)
+    assert trainer.fingerprint(cfg.job.factory) == model_fingerprint(model)
     ctx = JobContext(
-        site_id="eu", seed=cfg.seed, device=torch.device("cpu"), options=cfg.job_options()
+        site_id="eu", seed=cfg.seed, device=torch.device("cpu"), options=cfg.job.options
     )
     twin = JobTrainer(build_job(cfg.job.factory, ctx))
     a, b = trainer.parameters_numpy(), twin.parameters_numpy()

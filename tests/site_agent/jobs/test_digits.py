@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from crossdc.bench.alone import train_alone
 from site_agent.jobs.contract import JobContext, JobError, build_job, federated_state
 from site_agent.trainer import JobTrainer
 
@@ -21,7 +22,6 @@ from site_agent.jobs.digits import (  # noqa: E402 (after the skip)
     FACTORY,
     load_data,
     split_indices,
-    train_alone,
     validation_indices,
 )
 

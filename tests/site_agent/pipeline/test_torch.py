@@ -42,7 +42,7 @@ HF_OPTIONS = {
 }
 
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "docs" / "examples"
 
 
 class _MaskedBlock(nn.Linear):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from site_agent.model import (
+from site_agent.jobs.bytegpt.model import (
     Block,
     ByteGPT,
     Embedding,

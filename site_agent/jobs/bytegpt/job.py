@@ -1,11 +1,4 @@
-"""The embedded default job: the byte-level GPT (``site_agent.model``) on byte corpora
-(``site_agent.data``), trained with AdamW and a linear warm-up.
-
-``make_job`` is its factory (``[site.job] factory = "site_agent.jobs.bytegpt:make_job"``, the
-default). Its options are the tables ``model``, ``data`` and ``optim`` (``ModelConfig``,
-``DataConfig``, ``InnerOptimConfig``) and ``eval_batches`` / ``eval_batch_size``; a site's
-``[site.model]``, ``[site.data]``, ``[site.optim]`` and ``site.eval_*`` fill them.
-"""
+"""The byte GPT job itself: its options, the job object crossdc drives, and its factory."""
 
 from __future__ import annotations
 
@@ -15,50 +8,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LRScheduler
 
-from site_agent.data import (
+from site_agent.jobs.bytegpt.data import (
     BatchSampler,
-    ByteCorpus,
     DataConfig,
     eval_batches,
     load_corpora,
     sampler_seed,
 )
+from site_agent.jobs.bytegpt.model import ModelConfig, build_model, lm_loss
+from site_agent.jobs.bytegpt.optim import InnerOptimConfig, WarmupSchedule, adamw
 from site_agent.jobs.contract import JobContext, parse_options
-from site_agent.model import ModelConfig, build_model, lm_loss
-from site_agent.trainer import InnerOptimConfig, JobTrainer, learning_rate
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-class WarmupSchedule(LRScheduler):
-    """``learning_rate(cfg, step)`` for the step about to be taken: linear warm-up, then flat."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: InnerOptimConfig) -> None:
-        self._cfg = cfg
-        super().__init__(optimizer)
-
-    def get_lr(self) -> list[float | torch.Tensor]:
-        return [learning_rate(self._cfg, self.last_epoch) for _ in self.optimizer.param_groups]
-
-    def state_dict(self) -> dict[str, Any]:
-        # Numbers only (the config is rebuilt from the site's), so weights_only loads take it.
-        return {k: v for k, v in super().state_dict().items() if k != "_cfg"}
-
-
-def adamw(model: nn.Module, cfg: InnerOptimConfig) -> torch.optim.AdamW:
-    """AdamW with decoupled weight decay on weight matrices and embeddings only."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=learning_rate(cfg, 0),
-        betas=(cfg.beta1, cfg.beta2),
-    )
 
 
 class ByteGPTJob:
@@ -127,11 +89,16 @@ def mean_loss(model: nn.Module, batches: Sequence[Batch]) -> float:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ByteGPTOptions:
-    """The byte GPT job's options (``[site.job.options]``)."""
+    """The byte GPT job's options (``[site.job.options]``; a site's legacy ``[site.model]``,
+    ``[site.data]``, ``[site.optim]`` and ``site.eval_*`` are read into them too)."""
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """``[site.job.options.model]``: the model's shape, the same at every site."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """``[site.job.options.data]``: this site's text (its shard of the standard library, or a
+    directory)."""
     optim: InnerOptimConfig = dataclasses.field(default_factory=InnerOptimConfig)
+    """``[site.job.options.optim]``: AdamW, its warm-up and the batch size."""
     eval_batches: int = 8
     """Validation batches per evaluation."""
     eval_batch_size: int = 16
@@ -157,38 +124,3 @@ def make_job(ctx: JobContext) -> ByteGPTJob:
         data.val, opts.eval_batches, opts.eval_batch_size, opts.model.context_len, seed=0
     )
     return ByteGPTJob(model=model, sampler=sampler, optim_cfg=opts.optim, val_batches=val)
-
-
-class LocalTrainer(JobTrainer):
-    """The byte GPT's trainer, built from its pieces (benchmarks and tests build it so); its
-    ``evaluate`` takes the batches to score."""
-
-    def __init__(
-        self,
-        *,
-        model: nn.Module,
-        sampler: BatchSampler,
-        optim_cfg: InnerOptimConfig,
-        device: str | torch.device = "cpu",
-    ) -> None:
-        model = model.to(torch.device(device))
-        super().__init__(
-            ByteGPTJob(model=model, sampler=sampler, optim_cfg=optim_cfg),
-            grad_clip=optim_cfg.grad_clip,
-            device=device,
-        )
-        self.sampler = sampler
-        self.optim_cfg = optim_cfg
-
-    @torch.no_grad()
-    def evaluate(self, batches: Sequence[Batch]) -> float:
-        """Mean loss over ``batches`` in eval mode."""
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            return mean_loss(self.model, batches)
-        finally:
-            self.model.train(was_training)
-
-
-__all__ = ["ByteCorpus", "ByteGPTJob", "LocalTrainer", "make_job"]

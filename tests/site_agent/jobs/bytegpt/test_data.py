@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from site_agent.data import (
+from site_agent.jobs.bytegpt.data import (
     FILE_SEPARATOR,
     BatchSampler,
     ByteCorpus,

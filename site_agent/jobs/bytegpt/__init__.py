@@ -1,0 +1,19 @@
+"""The embedded default job: a small byte-level GPT trained on byte corpora (by default the
+Python standard library's own source), with AdamW and a linear warm-up.
+
+It is one built-in job among others: the site's core knows it only through the job contract
+(``site_agent.jobs.contract``), as ``BYTEGPT_FACTORY``, the default of ``site.job.factory``.
+
+- ``model``: ``ModelConfig`` and the model (``ByteGPT``, a plain chain of layers a pipeline can
+  cut), its loss and fingerprint;
+- ``data``: ``DataConfig``, the corpora (the standard library split by module, or a directory of
+  text files) and the seeded batch sampler;
+- ``optim``: ``InnerOptimConfig``, AdamW and its warm-up schedule;
+- ``job``: ``ByteGPTOptions`` (its ``[site.job.options]``: the tables ``model``, ``data`` and
+  ``optim``, and ``eval_batches`` / ``eval_batch_size``), ``ByteGPTJob`` and ``make_job``, the
+  factory (``site_agent.jobs.bytegpt:make_job``).
+"""
+
+from site_agent.jobs.bytegpt.job import ByteGPTJob, ByteGPTOptions, make_job, mean_loss
+
+__all__ = ["ByteGPTJob", "ByteGPTOptions", "make_job", "mean_loss"]
