@@ -1,24 +1,163 @@
-"""Streaming aggregation: each update folded into a running weighted sum the moment it arrives.
+"""Aggregators: how a round's updates are checked, folded as they land, and turned into the
+outer step and what the sites are sent.
 
-The coordinator keeps one :class:`RunningSum` per open round (and one per round whose late
-updates wait for their fragment's next sync), never the sites' updates themselves, so its memory
-is O(model) whatever the number of sites. Under secure aggregation a :class:`MaskedSum` does the
-same for the masked vectors: their pairwise masks cancel in the modular sum, so only the sum is
-kept and only the sum is ever unmasked. Sums are accumulated in float64: the mean is the same
-as a float32 mean of the kept updates up to float32 rounding, whatever the arrival order.
+One :class:`Aggregator` is chosen when the federation is assembled; each round folds its
+updates through a :class:`Fold` the aggregator gives it, and at its close
+:meth:`Fold.result` hands the strategy what it merges (:class:`RoundResult`). Two live here:
+
+- :class:`WeightedMean`: each update decoded, bounded by its norm and folded into a
+  :class:`RunningSum` the moment it arrives (the sites' updates themselves are never kept:
+  memory is O(model) per open round whatever the number of sites); the strategy steps on the
+  weighted mean and the step's delta goes down through the downlink codec, the difference to
+  the exact result kept as the downlink residual (:func:`outer_step`).
+- :class:`SparseForward`: the same checks, but the updates are kept as they arrived and the
+  broadcast forwards them with their weights; the strategy runs on them decoded as a site
+  decodes that broadcast, so every site lands on the coordinator's parameters bit for bit
+  (:func:`sparse_outer_step`).
+
+Late updates (their round closed) fold into a second fold of their round, merged at their
+fragment's next sync, down-weighted by the syncs they missed. Sums are accumulated in float64:
+the mean is the same as a float32 mean of the kept updates up to float32 rounding, whatever the
+arrival order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from comm.security.masking import WEIGHT_KEY, SecAggConfig, to_signed
+from comm.codecs.base import EncodedTensor
+from comm.codecs.registry import get_codec
+from comm.wire.frames import WireError
+from comm.wire.schema import ErrorCode, Join
+from comm.wire.tensors import decode_parts, decode_tensors, encode_tensors
+from coordinator.state import GlobalState
+from coordinator.strategy import OuterResult, SparseLoCo, Strategy, global_norm
 
 Arrays = dict[str, npt.NDArray[np.float32]]
+Shapes = Mapping[str, tuple[int, ...]]
+"""The tensors a round covers, by name: the fragment's (or a shard's share of it)."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """An update's payload the aggregator will not fold: the Error code and detail."""
+
+    code: ErrorCode
+    detail: str
+
+
+@dataclass(frozen=True)
+class Late:
+    """A closed round's late updates, merged into a later close of the same fragment."""
+
+    origin: int
+    """The round they were trained for."""
+    divisor: int
+    """What their weights are divided by: 1 + the syncs of their fragment they missed."""
+    fold: Fold
+
+
+@dataclass(frozen=True)
+class OuterStep:
+    """What one close computes for the tensors its round covers."""
+
+    state: GlobalState
+    """The new state (params, momentum and residual updated for the round's tensors)."""
+    delta: Arrays
+    """The exact outer result minus the previous params, per tensor."""
+    encoded: tuple[EncodedTensor, ...]
+    """What the sites are sent and apply."""
+    result: OuterResult
+    part_weights: tuple[float, ...] = ()
+    """A sparse broadcast: the weight of each update ``encoded`` holds (empty: a delta)."""
+    outer_lr: float = 0.0
+    """A sparse broadcast: the step's learning rate, which the sites apply too."""
+    downlink: str = ""
+    """The codec the result went down in, as the round's history names it."""
+
+
+class RoundResult(Protocol):
+    """What a closed round hands the strategy: ``step`` runs it and encodes the broadcast."""
+
+    @property
+    def count(self) -> int:
+        """Updates (or means of them) merged."""
+        ...
+
+    def step(
+        self,
+        strategy: Strategy,
+        st: GlobalState,
+        names: Sequence[str],
+        *,
+        downlink: str,
+        inner_steps: int,
+        final: bool,
+        averaged: Collection[str],
+    ) -> OuterStep: ...
+
+
+class Fold(Protocol):
+    """One round's (or one closed round's late updates') running aggregate."""
+
+    start_fields: Mapping[str, Any]
+    """What this attempt adds to each participant's RoundStart (empty for most)."""
+
+    def add(
+        self, site_id: str, weight: float, payload: Sequence[EncodedTensor], shapes: Shapes
+    ) -> Refused | str:
+        """Check one update's payload against the round's tensors and fold it in: a refusal,
+        or a note for the log."""
+        ...
+
+    def result(self, label: str, late: Sequence[Late]) -> RoundResult:
+        """What the strategy merges: this fold (on-time updates of round ``label``) and the
+        late folds given."""
+        ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class Aggregator(Protocol):
+    """How rounds aggregate; chosen once per federation."""
+
+    name: str
+    """For the log: what aggregates."""
+    whole_rounds: bool
+    """A round merges all of its participants' updates or is retried with those that remain
+    (:meth:`retry`); False: it may close with a quorum."""
+    late_refusal: str
+    """Why a closed round takes no late update ("" when it does)."""
+
+    def check_join(self, msg: Join) -> None:
+        """Refuse (ValueError naming the site) a join that could not take part."""
+
+    def joined(self, peer: bytes, msg: Join) -> None:
+        """What a join (checked by :meth:`check_join`) brings that rounds will need."""
+
+    def forget(self, site_id: str) -> None:
+        """A member left or was removed."""
+
+    def fold(self, round_id: int, participants: Sequence[str]) -> Fold:
+        """A fresh fold for a round opening with ``participants``."""
+        ...
+
+    def late_fold(self) -> Fold:
+        """A fresh fold for a closed round's late updates."""
+        ...
+
+    def retry(
+        self, round_id: int, fold: Fold, received: Sequence[str]
+    ) -> tuple[tuple[tuple[str, ...], Fold] | None, str]:
+        """A whole round lacking updates: its next attempt (who takes part, and its fold; None:
+        it is abandoned), and why."""
+        ...
 
 
 class RunningSum:
@@ -55,59 +194,264 @@ class RunningSum:
         return sum(int(a.nbytes) for a in self._sum.values())
 
 
-class MaskedSum:
-    """The modular sum of one masking attempt's vectors, per tensor, and who sent them.
+def decode_bounded(
+    payload: Sequence[EncodedTensor], shapes: Shapes, max_norm: float
+) -> tuple[Arrays, float] | Refused:
+    """An update's tensors and their norm, or why not: they do not decode into the round's
+    shapes, or they exceed the norm bound."""
+    try:
+        delta = decode_tensors(payload, dict(shapes))
+    except WireError as exc:
+        return Refused(exc.code, exc.detail)
+    norm = global_norm(delta)
+    if norm > max_norm:
+        return Refused(ErrorCode.BAD_PAYLOAD, f"update norm {norm:.3g} > bound {max_norm:.3g}")
+    return delta, norm
 
-    Integer addition modulo 2^k is exact and order-free, so the result is the same as summing the
-    kept vectors at the end; a site's vectors may be freed as soon as they are added."""
 
-    def __init__(self, config: SecAggConfig) -> None:
-        self._config = config
-        self._sum: dict[str, npt.NDArray[np.unsignedinteger[Any]]] = {}
-        self.senders: set[str] = set()
+class _NoKeys:
+    """Joins need nothing, rounds are never retried, closed rounds take late updates."""
+
+    name = "aggregation"
+    whole_rounds = False
+    late_refusal = ""
+
+    def check_join(self, msg: Join) -> None:
+        return None
+
+    def joined(self, peer: bytes, msg: Join) -> None:
+        return None
+
+    def forget(self, site_id: str) -> None:
+        return None
+
+    def retry(
+        self, round_id: int, fold: Fold, received: Sequence[str]
+    ) -> tuple[tuple[tuple[str, ...], Fold] | None, str]:
+        raise AssertionError("only whole rounds are retried")
+
+
+# ---- the weighted mean ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MeanResult:
+    """The on-time updates' running mean and each late round's, for the strategy's step."""
+
+    updates: list[tuple[str, float, Arrays]]
+
+    @property
+    def count(self) -> int:
+        return len(self.updates)
+
+    def step(
+        self,
+        strategy: Strategy,
+        st: GlobalState,
+        names: Sequence[str],
+        *,
+        downlink: str,
+        inner_steps: int,
+        final: bool,
+        averaged: Collection[str],
+    ) -> OuterStep:
+        return outer_step(
+            strategy,
+            st,
+            names,
+            self.updates,
+            downlink=downlink,
+            inner_steps=inner_steps,
+            final=final,
+            averaged=averaged,
+        )
+
+
+class MeanFold:
+    """Updates decoded, norm-bounded and folded into one running sum."""
+
+    start_fields: Mapping[str, Any] = {}
+
+    def __init__(self, max_norm: float) -> None:
+        self._max_norm = max_norm
+        self.sum = RunningSum()
 
     def add(
-        self, site_id: str, vectors: Mapping[str, npt.NDArray[np.unsignedinteger[Any]]]
-    ) -> None:
-        if site_id in self.senders:
-            raise ValueError(f"secagg: site {site_id!r} already sent its vectors")
-        if self._sum and {n: a.shape for n, a in vectors.items()} != {
-            n: a.shape for n, a in self._sum.items()
-        }:
-            raise ValueError(f"secagg: site {site_id!r} sent other tensor names or shapes")
-        for name, arr in vectors.items():
-            if arr.dtype != self._config.dtype:
-                raise ValueError(
-                    f"secagg: site {site_id!r} tensor {name!r} is {arr.dtype}, "
-                    f"not {self._config.dtype}"
-                )
-            acc = self._sum.get(name)
-            if acc is None:
-                self._sum[name] = np.array(arr, dtype=self._config.dtype, copy=True)
-            else:
-                np.add(acc, arr, out=acc)
-        self.senders.add(site_id)
+        self, site_id: str, weight: float, payload: Sequence[EncodedTensor], shapes: Shapes
+    ) -> Refused | str:
+        decoded = decode_bounded(payload, shapes, self._max_norm)
+        if isinstance(decoded, Refused):
+            return decoded
+        self.sum.add(weight, decoded[0])
+        return f"norm={decoded[1]:.4g}"
 
-    def mean(self, participants: Mapping[str, object]) -> tuple[Arrays, float]:
-        """The weighted mean and the total weight, once exactly ``participants`` have added
-        their vectors (otherwise the masks do not cancel: ValueError)."""
-        if self.senders != set(participants):
-            raise ValueError(
-                f"secagg: vectors from {sorted(self.senders)} do not match the masking set "
-                f"{sorted(participants)}"
+    def result(self, label: str, late: Sequence[Late]) -> RoundResult:
+        """The running mean of the on-time updates, and each late round's once, down-weighted
+        by how many syncs of its fragment it missed (late updates of one round share that
+        weight, so they come as one mean)."""
+        updates: list[tuple[str, float, Arrays]] = []
+        if self.sum.count:
+            updates.append((f"round {label}", self.sum.weight, self.sum.mean()))
+        for lf in late:
+            assert isinstance(lf.fold, MeanFold)
+            updates.append(
+                (f"late@{lf.origin}", lf.fold.sum.weight / lf.divisor, lf.fold.sum.mean())
             )
-        if WEIGHT_KEY not in self._sum:
-            raise ValueError(f"secagg: vectors lack the weight entry {WEIGHT_KEY!r}")
-        frac = -self._config.frac_bits
-        sums = {
-            n: np.ldexp(to_signed(a, self._config).astype(np.float64), frac)
-            for n, a in self._sum.items()
-        }
-        total = float(sums.pop(WEIGHT_KEY)[0])
-        if total <= 0:
-            raise ValueError("secagg: the total weight is 0: no site contributed")
-        return {n: (v / total).astype(np.float32) for n, v in sums.items()}, total
+        return MeanResult(updates)
 
     @property
     def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in self._sum.values())
+        return self.sum.nbytes
+
+
+class WeightedMean(_NoKeys):
+    """The plain weighted mean of the sites' updates."""
+
+    name = "weighted mean"
+
+    def __init__(self, max_update_norm: float = 1e6) -> None:
+        self.max_update_norm = max_update_norm
+
+    def fold(self, round_id: int, participants: Sequence[str]) -> Fold:
+        return MeanFold(self.max_update_norm)
+
+    def late_fold(self) -> Fold:
+        return MeanFold(self.max_update_norm)
+
+
+def outer_step(
+    strategy: Strategy,
+    st: GlobalState,
+    names: Sequence[str],
+    updates: list[tuple[str, float, Arrays]],
+    *,
+    downlink: str,
+    inner_steps: int,
+    final: bool,
+    averaged: Collection[str],
+) -> OuterStep:
+    """The strategy's outer step over ``names`` from ``st`` (its residual carried in), the delta
+    encoded for the sites, and the state they will hold: params plus the decoded delta, the
+    difference to the exact result kept as the downlink residual."""
+    result = strategy.outer_step(
+        {k: st.params[k] + st.residual[k] for k in names},
+        {k: st.momentum[k] for k in names},
+        updates,
+        inner_steps=inner_steps,
+        final=final,
+        averaged=averaged,
+    )
+    delta = {k: result.params[k] - st.params[k] for k in names}
+    encoded = tuple(encode_tensors(delta, get_codec(downlink)))
+    decoded = decode_tensors(list(encoded))
+    params, residual, momentum = dict(st.params), dict(st.residual), dict(st.momentum)
+    for k in names:
+        params[k] = st.params[k] + decoded[k]
+        residual[k] = result.params[k] - params[k]
+        momentum[k] = result.momentum[k]
+    new = replace(st, params=params, momentum=momentum, residual=residual)
+    return OuterStep(new, delta, encoded, result, downlink=downlink)
+
+
+# ---- the sparse forward --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    """The round's updates as they arrived, with their weights: the broadcast forwards them."""
+
+    parts: list[tuple[float, tuple[EncodedTensor, ...]]]
+
+    @property
+    def count(self) -> int:
+        return len(self.parts)
+
+    def step(
+        self,
+        strategy: Strategy,
+        st: GlobalState,
+        names: Sequence[str],
+        *,
+        downlink: str,
+        inner_steps: int,
+        final: bool,
+        averaged: Collection[str],
+    ) -> OuterStep:
+        assert isinstance(strategy, SparseLoCo)  # the config allows no other
+        return sparse_outer_step(strategy, st, names, self.parts, averaged=averaged)
+
+
+class ForwardFold:
+    """Updates checked as :class:`MeanFold` checks them and kept as they arrived."""
+
+    start_fields: Mapping[str, Any] = {}
+
+    def __init__(self, max_norm: float) -> None:
+        self._max_norm = max_norm
+        self.kept: dict[str, tuple[float, tuple[EncodedTensor, ...]]] = {}
+
+    def add(
+        self, site_id: str, weight: float, payload: Sequence[EncodedTensor], shapes: Shapes
+    ) -> Refused | str:
+        decoded = decode_bounded(payload, shapes, self._max_norm)
+        if isinstance(decoded, Refused):
+            return decoded
+        self.kept[site_id] = (weight, tuple(payload))
+        return f"norm={decoded[1]:.4g}"
+
+    def result(self, label: str, late: Sequence[Late]) -> RoundResult:
+        """The on-time updates in site order, then each late one (by round, then site),
+        down-weighted as :class:`MeanFold` weighs them."""
+        parts = [self.kept[s] for s in sorted(self.kept)]
+        for lf in late:
+            assert isinstance(lf.fold, ForwardFold)
+            for s in sorted(lf.fold.kept):
+                weight, encoded = lf.fold.kept[s]
+                parts.append((weight / lf.divisor, encoded))
+        return ForwardResult(parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(enc.nbytes for _, part in self.kept.values() for enc in part)
+
+
+class SparseForward(WeightedMean):
+    """The sparse broadcast: the round's encoded updates forwarded, the step run on them."""
+
+    name = "sparse forward"
+
+    def fold(self, round_id: int, participants: Sequence[str]) -> Fold:
+        return ForwardFold(self.max_update_norm)
+
+    def late_fold(self) -> Fold:
+        return ForwardFold(self.max_update_norm)
+
+
+def sparse_outer_step(
+    strategy: SparseLoCo,
+    st: GlobalState,
+    names: Sequence[str],
+    parts: Sequence[tuple[float, tuple[EncodedTensor, ...]]],
+    *,
+    averaged: Collection[str],
+) -> OuterStep:
+    """SparseLoCo's step over the round's encoded updates ``parts`` (weight, tensors), in their
+    order, decoded as a site decodes the broadcast that forwards them: the sites compute the
+    same parameters bit for bit, so there is no downlink residual to keep."""
+    payload = tuple(enc for _, part in parts for enc in part)
+    weights = tuple(w for w, _ in parts)
+    decoded = decode_parts(payload, weights, {k: tuple(st.params[k].shape) for k in names})
+    result = strategy.step(
+        {k: st.params[k] for k in names},
+        {k: st.momentum[k] for k in names},
+        decoded,
+        averaged=averaged,
+    )
+    params = dict(st.params)
+    params.update({k: result.params[k] for k in names})
+    delta = {k: result.params[k] - st.params[k] for k in names}
+    new = replace(st, params=params)
+    rule = f"{result.rule}; sparse broadcast of {len(parts)} update(s)"
+    return OuterStep(
+        new, delta, payload, replace(result, rule=rule), weights, strategy.lr, downlink="sparse"
+    )

@@ -1,10 +1,6 @@
-"""Closing rounds: the outer step over the round's updates (late ones down-weighted), the new
-state persisted, and, once it is durable, its result announced to every member; and the end of
-the federation.
-
-:func:`outer_step` is the arithmetic, a pure function of the strategy and its inputs;
-:class:`Closing` gathers those inputs from the ledger, hands the result to the global model
-(which persists it) and broadcasts it once durable.
+"""Closing rounds: ``round.result()`` (its updates, and the late ones of its fragment,
+down-weighted) -> the strategy's step -> ``model.advance()`` (the new state persisted), and,
+once it is durable, the result broadcast to every member; and the end of the federation.
 """
 
 from __future__ import annotations
@@ -12,105 +8,23 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from comm.codecs.base import EncodedTensor
-from comm.codecs.registry import get_codec
 from comm.wire.schema import Global, Shutdown
-from comm.wire.tensors import decode_parts, decode_tensors, encode_tensors
+from coordinator.aggregate import OuterStep
 from coordinator.config import CoordinatorConfig
 from coordinator.decisions import Close
 from coordinator.global_model import GlobalModel
-from coordinator.ledger import Accepted, RoundLedger, RoundRecord
 from coordinator.lifecycle import Lifecycle
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.planner import Planner
 from coordinator.post import PostOffice
-from coordinator.state import GlobalState
-from coordinator.strategy import Arrays, OuterResult, SparseLoCo, Strategy
+from coordinator.round import Accepted
+from coordinator.strategy import Strategy
 
 log = logging.getLogger("crossdc.coordinator")
-
-
-@dataclass(frozen=True)
-class OuterStep:
-    """What one close computes for the fragment it syncs."""
-
-    state: GlobalState
-    """The new state (params, momentum and residual updated for the fragment)."""
-    delta: Arrays
-    """The exact outer result minus the previous params, per tensor of the fragment."""
-    encoded: tuple[EncodedTensor, ...]
-    """``delta`` in the downlink codec: what the sites apply."""
-    result: OuterResult
-    part_weights: tuple[float, ...] = ()
-    """A sparse broadcast: the weight of each update ``encoded`` holds (empty: a delta)."""
-    outer_lr: float = 0.0
-    """A sparse broadcast: the step's learning rate, which the sites apply too."""
-
-
-def sparse_outer_step(
-    strategy: SparseLoCo,
-    st: GlobalState,
-    names: Sequence[str],
-    parts: Sequence[tuple[float, tuple[EncodedTensor, ...]]],
-    *,
-    averaged: Collection[str],
-) -> OuterStep:
-    """SparseLoCo's step over the round's encoded updates ``parts`` (weight, tensors), in their
-    order, decoded as a site decodes the broadcast that forwards them: the sites compute the
-    same parameters bit for bit, so there is no downlink residual to keep."""
-    payload = tuple(enc for _, part in parts for enc in part)
-    weights = tuple(w for w, _ in parts)
-    decoded = decode_parts(payload, weights, {k: tuple(st.params[k].shape) for k in names})
-    result = strategy.step(
-        {k: st.params[k] for k in names},
-        {k: st.momentum[k] for k in names},
-        decoded,
-        averaged=averaged,
-    )
-    params = dict(st.params)
-    params.update({k: result.params[k] for k in names})
-    delta = {k: result.params[k] - st.params[k] for k in names}
-    new = replace(st, params=params)
-    rule = f"{result.rule}; sparse broadcast of {len(parts)} update(s)"
-    return OuterStep(new, delta, payload, replace(result, rule=rule), weights, strategy.lr)
-
-
-def outer_step(
-    strategy: Strategy,
-    st: GlobalState,
-    names: Sequence[str],
-    updates: list[tuple[str, float, Arrays]],
-    *,
-    downlink: str,
-    inner_steps: int,
-    final: bool,
-    averaged: Collection[str],
-) -> OuterStep:
-    """The strategy's outer step over ``names`` from ``st`` (its residual carried in), the delta
-    encoded for the sites, and the state they will hold: params plus the decoded delta, the
-    difference to the exact result kept as the downlink residual."""
-    result = strategy.outer_step(
-        {k: st.params[k] + st.residual[k] for k in names},
-        {k: st.momentum[k] for k in names},
-        updates,
-        inner_steps=inner_steps,
-        final=final,
-        averaged=averaged,
-    )
-    delta = {k: result.params[k] - st.params[k] for k in names}
-    encoded = tuple(encode_tensors(delta, get_codec(downlink)))
-    decoded = decode_tensors(list(encoded))
-    params, residual, momentum = dict(st.params), dict(st.residual), dict(st.momentum)
-    for k in names:
-        params[k] = st.params[k] + decoded[k]
-        residual[k] = result.params[k] - params[k]
-        momentum[k] = result.momentum[k]
-    new = replace(st, params=params, momentum=momentum, residual=residual)
-    return OuterStep(new, delta, encoded, result)
 
 
 @dataclass(frozen=True)
@@ -133,7 +47,6 @@ class Closing:
         *,
         book: Lifecycle,
         model: GlobalModel,
-        ledger: RoundLedger,
         planner: Planner,
         strategy: Strategy,
         post: PostOffice,
@@ -143,7 +56,6 @@ class Closing:
         self._cfg = cfg
         self._book = book
         self._model = model
-        self._ledger = ledger
         self._planner = planner
         self._strategy = strategy
         self._post = post
@@ -158,86 +70,38 @@ class Closing:
         st = self._model.state
         assert st is not None
         r = decision.round
-        record = self._ledger.take(r.round_id)
-        fresh = [record.accepted[s] for s in decision.merged]
-        late, updates = self._updates(decision, record)
+        assert r.plan is not None
+        fresh = [r.accepted[s] for s in decision.merged]
+        result, late = r.result(decision.late)
         # Inner steps behind the model this round produces: every completed slot and this one.
         inner_steps = sum(int(h["num_inner_steps"]) for h in st.history)
-        inner_steps += record.plan.num_inner_steps
+        inner_steps += r.plan.num_inner_steps
         # The run's last round: no round will start from what it produces. Only with one
         # fragment: with several, aborts shift which round is a fragment's last.
         final = self._cfg.outer_final_mean and self._cfg.num_fragments == 1 and decision.final
         spec = self._model.spec
-        averaged = spec.averaged if spec is not None else ()
-        names = self._model.fragment_names[r.fragment]
-        if self._cfg.broadcast == "sparse":
-            assert isinstance(self._strategy, SparseLoCo)  # the config allows no other
-            parts = self._parts(decision, record, late)
-            step = sparse_outer_step(self._strategy, st, names, parts, averaged=averaged)
-        else:
-            step = outer_step(
-                self._strategy,
-                st,
-                names,
-                updates,
-                downlink=record.plan.downlink,
-                inner_steps=inner_steps,
-                final=final,
-                averaged=averaged,
-            )
-        entry = self._history_entry(now, decision, record, step.result, fresh, late, inner_steps)
+        step = result.step(
+            self._strategy,
+            st,
+            list(r.tensors),
+            downlink=r.plan.downlink,
+            inner_steps=inner_steps,
+            final=final,
+            averaged=spec.averaged if spec is not None else (),
+        )
+        entry = self._history_entry(now, decision, step, fresh, late, inner_steps)
         new_state = replace(step.state, global_version=r.round_id, history=(*st.history, entry))
         step = replace(step, state=new_state)
         self._model.advance(new_state)  # durable before announced
-        self._planner.measured(r.round_id, record.arrived, decision.merged, record.plan)
+        self._planner.measured(r.round_id, r.arrived, decision.merged, r.plan)
         done = Announcement(decision, step, st.global_version, entry, late)
         self._post.later(lambda: self._announce(done))
-
-    def _updates(
-        self, decision: Close, record: RoundRecord
-    ) -> tuple[list[Accepted], list[tuple[str, float, Arrays]]]:
-        """The late updates merged here, and what the strategy merges: the running mean of the
-        on-time ones, and each late update once, down-weighted by how many syncs of its fragment
-        it missed (late updates of one round share that weight, so they come as one mean); with
-        secure aggregation, only the unmasked weighted mean (the sites' updates are never seen)."""
-        r = decision.round
-        late, late_sums = self._ledger.take_late((u.site_id, u.round_id) for u in decision.late)
-        if record.masked is not None:
-            assert record.masking is not None
-            mean, total = record.masked.mean(record.masking.participants)
-            return late, [("secure-aggregate", total, mean)]
-        updates: list[tuple[str, float, Arrays]] = []
-        if record.sum.count:
-            updates.append((f"round {r.round_id}", record.sum.weight, record.sum.mean()))
-        for origin, late_sum in late_sums:
-            weight = late_sum.weight / self._late_divisor(r.round_id, origin)
-            updates.append((f"late@{origin}", weight, late_sum.mean()))
-        return late, updates
-
-    def _parts(
-        self, decision: Close, record: RoundRecord, late: list[Accepted]
-    ) -> list[tuple[float, tuple[EncodedTensor, ...]]]:
-        """A sparse broadcast's updates as they arrived: the on-time ones in site order, then
-        each late one, down-weighted as :meth:`_updates` weighs it."""
-        r = decision.round
-        parts = [
-            (record.accepted[s].weight, record.accepted[s].encoded) for s in sorted(decision.merged)
-        ]
-        for u in sorted(late, key=lambda u: (u.round_id, u.site_id)):
-            parts.append((u.weight / self._late_divisor(r.round_id, u.round_id), u.encoded))
-        return parts
-
-    def _late_divisor(self, round_id: int, origin: int) -> int:
-        """What a late update's weight is divided by: 1 + the syncs of its fragment it missed
-        (at least one)."""
-        return 1 + max(1, (round_id - origin) // self._cfg.num_fragments)
 
     def _history_entry(
         self,
         now: float,
         decision: Close,
-        record: RoundRecord,
-        result: OuterResult,
+        step: OuterStep,
         fresh: list[Accepted],
         late: list[Accepted],
         inner_steps: int,
@@ -245,7 +109,8 @@ class Closing:
         """The closed round's summary, as the durable history keeps it."""
         st = self._model.state
         assert st is not None
-        r, merged, plan = decision.round, decision.merged, record.plan
+        r, merged, plan, result = decision.round, decision.merged, decision.round.plan, step.result
+        assert plan is not None
         return {
             "round_id": r.round_id,
             "global_version": r.round_id,
@@ -263,7 +128,7 @@ class Closing:
             "tokens": sum(u.weight for u in fresh),
             "outer_grad_norm": result.outer_grad_norm,
             "uplink_codecs": {s: plan.uplink[s] for s in merged},
-            "downlink_codec": plan.downlink if self._cfg.broadcast == "dense" else "sparse",
+            "downlink_codec": step.downlink,
             "update_bytes": sum(u.nbytes for u in fresh + late),
             "update_bytes_by_site": _bytes_by_site(fresh + late),
             "compute_seconds_max": max((u.compute_seconds for u in fresh), default=0.0),

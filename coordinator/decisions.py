@@ -1,51 +1,48 @@
-"""What the round lifecycle decides, and its verdicts on updates: plain frozen data.
+"""What the round lifecycle decides: plain frozen data naming the rounds it is about.
 
-:class:`~coordinator.lifecycle.Lifecycle` returns these; the service carries them out.
+:class:`~coordinator.lifecycle.Lifecycle` returns these, its transition applied; the service
+carries them out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from comm.wire.schema import ErrorCode
 from coordinator.membership import Member
-from coordinator.rounds import OpenRound
-
-
-@dataclass(frozen=True)
-class ClosedRound:
-    """What is remembered of a closed (or aborted) round, to judge its late updates."""
-
-    participants: frozenset[str]
-    merged: frozenset[str]
-    fragment: int
-
-
-@dataclass(frozen=True)
-class LateUpdate:
-    """An update accepted after its round closed, waiting for its fragment's next sync."""
-
-    site_id: str
-    round_id: int
-    fragment: int
+from coordinator.round import Round
 
 
 @dataclass(frozen=True)
 class Open:
-    round_id: int
-    participants: tuple[str, ...]
-    fragment: int
-    base_version: int
-    """The global version of the fragment the updates must build on (maybe still in flight)."""
+    round: Round
+    """The new round (no plan yet: the opening gives it one)."""
     why: str
+
+    @property
+    def round_id(self) -> int:
+        return self.round.round_id
+
+    @property
+    def participants(self) -> tuple[str, ...]:
+        return self.round.participants
+
+    @property
+    def fragment(self) -> int:
+        return self.round.fragment
+
+    @property
+    def base_version(self) -> int:
+        """The global version of the fragment the updates must build on (maybe in flight)."""
+        return self.round.base_version
 
 
 @dataclass(frozen=True)
 class Close:
-    round: OpenRound
+    round: Round
     merged: tuple[str, ...]
-    late: tuple[LateUpdate, ...]
-    """Late updates of earlier rounds of the same fragment, merged here (once)."""
+    late: tuple[Round, ...]
+    """Earlier rounds of the same fragment whose late updates are merged here (once), oldest
+    first."""
     final: bool
     """The run's last round (``max_rounds`` reached by this close)."""
     why: str
@@ -59,11 +56,12 @@ class Abort:
 
 
 @dataclass(frozen=True)
-class Rerun:
-    """Secure aggregation: the oldest round lacks some masked vectors; the service either re-runs
-    it with the survivors (``Lifecycle.rerun``) or abandons it (``Lifecycle.abort``)."""
+class Retry:
+    """A whole round (its aggregator merges all of its participants or none) lacks some updates:
+    the service either retries it with those that remain (``Lifecycle.retry``) or abandons it
+    (``Lifecycle.abort``)."""
 
-    round: OpenRound
+    round: Round
     received: tuple[str, ...]
     why: str
 
@@ -85,20 +83,4 @@ class Remove:
         return tuple(m.site_id for m in self.members)
 
 
-Decision = Open | Close | Abort | Rerun | Finish | Remove
-
-
-@dataclass(frozen=True)
-class UpdateRefusal:
-    """An update that may not be accepted: the Error code and detail its sender is told."""
-
-    code: ErrorCode
-    detail: str
-
-
-@dataclass(frozen=True)
-class Admission:
-    """An update that may be accepted: on time (its round is open) or late."""
-
-    late: bool
-    fragment: int
+Decision = Open | Close | Abort | Retry | Finish | Remove

@@ -1,14 +1,16 @@
-"""Messages from sites into the coordinator: joins, the initial model, evaluations, sync requests
-and leaves (updates go to :mod:`coordinator.updates`).
+"""Messages from sites into the coordinator: joins, the initial model, updates, evaluations,
+sync requests and leaves.
 
 :class:`Intake` authenticates each message (CURVE mode: the connection's certificate must name
 the site), refreshes the member in the lifecycle, and handles it. A join from a second
 connection for a member whose connection is alive is refused and the member kept
-(:mod:`coordinator.conflicts` counts and logs the conflict). It owns what sites said at
-their join (the version and hash they hold) and who was asked for the initial model. Under
-secure aggregation a join must announce a usable session key (:mod:`coordinator.masking_keys`),
-or it is refused (``BAD_KEY``) and the site never enters a masking set. A refusal is an Error to
-the sender and a counter, never a change of state.
+(:mod:`coordinator.conflicts` counts and logs the conflict); a join the federation's aggregator
+cannot take (``Aggregator.check_join``) is refused with ``BAD_KEY``. It owns what sites said at
+their join (the version and hash they hold) and who was asked for the initial model. An update's
+reported figures are checked (:mod:`coordinator.reported`), then its round takes it
+(``Lifecycle.take`` -> ``Round.take``: round, fragment, duplicate, then the aggregator's checks of
+the payload, then the fold); the planner learns a site's step time and link only from an update
+its round accepted. A refusal is an Error to the sender and a counter, never a change of state.
 """
 
 from __future__ import annotations
@@ -38,12 +40,12 @@ from comm.wire.schema import (
     Welcome,
 )
 from comm.wire.tensors import decode_tensors
+from coordinator.aggregate import Aggregator
 from coordinator.config import CoordinatorConfig
 from coordinator.conflicts import ClaimVerdict, IdentityConflicts
 from coordinator.delivery import Delivery
 from coordinator.global_model import GlobalModel
 from coordinator.lifecycle import Lifecycle
-from coordinator.masking_keys import MaskingKeys
 from coordinator.membership import Member
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.model_spec import (
@@ -54,7 +56,9 @@ from coordinator.model_spec import (
 )
 from coordinator.planner import Planner
 from coordinator.post import PostOffice
-from coordinator.updates import UpdateIntake
+from coordinator.reported import check_reported
+from coordinator.round import UpdateRefusal
+from coordinator.scheduler import SiteView
 
 log = logging.getLogger("crossdc.coordinator")
 
@@ -74,10 +78,9 @@ class Intake:
         book: Lifecycle,
         model: GlobalModel,
         post: PostOffice,
-        updates: UpdateIntake,
         delivery: Delivery,
         planner: Planner,
-        keys: MaskingKeys,
+        aggregator: Aggregator,
         conflicts: IdentityConflicts,
         metrics: CoordinatorMetrics,
         on_leave: Callable[[str], None],
@@ -89,10 +92,9 @@ class Intake:
         self._book = book
         self._model = model
         self._post = post
-        self._updates = updates
         self._delivery = delivery
         self._planner = planner
-        self._keys = keys
+        self._aggregator = aggregator
         self._conflicts = conflicts
         self._metrics = metrics
         self._on_leave = on_leave
@@ -109,7 +111,7 @@ class Intake:
         """Everything kept about a member that left or was removed."""
         self.claims.pop(site_id, None)
         self._conflicts.forget(site_id)
-        self._keys.forget(site_id)
+        self._aggregator.forget(site_id)
         self._planner.forget(site_id)
 
     def initiator_gone(self) -> None:
@@ -141,7 +143,7 @@ class Intake:
         elif isinstance(msg, InitParams):
             self._on_init(peer, msg)
         elif isinstance(msg, Update):
-            self._updates.on_update(self._clock(), peer, msg)
+            self._on_update(peer, msg)
         elif isinstance(msg, Eval):
             self._on_eval(msg)
         elif isinstance(msg, SyncRequest):
@@ -256,7 +258,7 @@ class Intake:
         if not self._authentic(peer, msg.site_id):
             return
         try:
-            self._keys.check(msg)
+            self._aggregator.check_join(msg)
         except ValueError as exc:
             self._post.reject(peer, ErrorCode.BAD_KEY, str(exc), msg.site_id)
             return
@@ -271,7 +273,7 @@ class Intake:
             and msg.global_version == st.global_version
             and msg.state_hash == self._model.hash()
         )
-        self._keys.joined(peer, msg)
+        self._aggregator.joined(peer, msg)
         self._left.pop(msg.site_id, None)
         self._book.join(
             self._clock(),
@@ -332,6 +334,49 @@ class Intake:
             else:
                 self._delivery.send_full(site_id)
         self._on_changed()
+
+    # ---- updates ---------------------------------------------------------------------------
+
+    def _on_update(self, peer: bytes, msg: Update) -> None:
+        """An update, to its round (``Lifecycle.take``); counted and logged once taken."""
+        if self._model.state is None:
+            # A member may send anything; before θ0 exists no round is open to take it.
+            detail = "no global model yet: the initial parameters come first"
+            self._post.reject(peer, ErrorCode.UNEXPECTED, detail, msg.site_id)
+            return
+        taken = check_reported(msg) or self._book.take(self._clock(), msg)
+        if isinstance(taken, UpdateRefusal):
+            self._post.reject(peer, taken.code, taken.detail, msg.site_id)
+            return
+        # The site's figures are finite and in range (coordinator.reported): the planner may
+        # divide by them.
+        self._planner.observe(
+            SiteView(msg.site_id, msg.step_seconds, msg.link_rtt_s, msg.link_goodput_bps)
+        )
+        m, nbytes = self._metrics, taken.update.nbytes
+        m.updates_accepted.labels(site=msg.site_id).inc()
+        m.update_size.observe(nbytes)
+        m.payload_bytes.labels(direction="in").inc(nbytes)
+        m.payload_raw_bytes.labels(direction="in").inc(
+            sum(4 * int(np.prod(enc.shape)) for enc in msg.payload)
+        )
+        if taken.late:
+            m.late_updates.inc()
+            log.info(
+                "[coordinator site=%s round=%d] late update kept for the next sync of fragment %d",
+                msg.site_id,
+                msg.round_id,
+                msg.fragment,
+            )
+            return
+        log.info(
+            "[coordinator site=%s round=%d] update accepted weight=%.0f loss=%.4f %s",
+            msg.site_id,
+            msg.round_id,
+            msg.weight,
+            msg.train_loss,
+            taken.note,
+        )
 
     # ---- evaluations -----------------------------------------------------------------------
 

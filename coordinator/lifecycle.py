@@ -1,11 +1,13 @@
-"""The coordinator's round lifecycle as a pure state machine.
+"""The coordinator's round lifecycle: the decisions, when to open, close, retry or abort.
 
-:class:`Lifecycle` owns who is a member, which rounds are open, what was received, which closed
-rounds can still take late updates, and the round counter. Events go in (``join``, ``touch``,
-``leave``, ``accept``, ``tick``, ``rerun``, restart through ``Lifecycle.resume``); decisions come
-out (:class:`Open`, :class:`Close`, :class:`Abort`, :class:`Finish`, :class:`Remove`), each with a
-reason. It holds no sockets, reads no clock (``now`` is an argument) and never sees a tensor: the
-service decodes payloads, does the math and carries the decisions out, in the order given.
+:class:`Lifecycle` keeps who is a member, the round counter, and which rounds are live: those
+open, oldest first, and the closed ones that can still take late updates. What a round gathered
+is the :class:`~coordinator.round.Round`'s own; the lifecycle routes each update to its round
+(``take``) and reads the rounds to decide. Events go in (``join``, ``touch``, ``leave``, ``take``,
+``tick``, ``retry``, restart through ``Lifecycle.resume``); decisions come out (:class:`Open`,
+:class:`Close`, :class:`Retry`, :class:`Abort`, :class:`Finish`, :class:`Remove`), each with a
+reason. It holds no socket and reads no clock (``now`` is an argument); the service carries the
+decisions out, in the order given.
 
 A decision's transition is applied when it is returned: the service must carry it out before it
 handles the next event (the round counter of an :class:`Open` is persisted before any site hears
@@ -15,28 +17,17 @@ of the round; the state of a :class:`Close` is persisted before its result is an
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from comm.wire.schema import ErrorCode
+from comm.wire.schema import ErrorCode, Update
+from coordinator.aggregate import Aggregator, Fold, WeightedMean
 from coordinator.config import CoordinatorConfig
-from coordinator.decisions import (
-    Abort,
-    Admission,
-    Close,
-    ClosedRound,
-    Decision,
-    Finish,
-    LateUpdate,
-    Open,
-    Remove,
-    Rerun,
-    UpdateRefusal,
-)
+from coordinator.decisions import Abort, Close, Decision, Finish, Open, Remove, Retry
 from coordinator.membership import Member, expired, ready_sites, touch
+from coordinator.round import Round, Taken, UpdateRefusal
 from coordinator.rounds import (
     Action,
-    OpenRound,
     RoundPolicy,
     RoundSnapshot,
     decide,
@@ -59,8 +50,6 @@ class LifecycleConfig:
     site_timeout_s: float
     grace_floor_s: float
     grace_ceiling_s: float
-    secure_aggregation: bool = False
-    """Masked rounds cannot close with part of their set: they re-run (:class:`Rerun`)."""
 
 
 @dataclass
@@ -68,6 +57,8 @@ class Lifecycle:
     """Rounds and membership of one coordinator; see the module docstring."""
 
     cfg: LifecycleConfig
+    aggregator: Aggregator = field(default_factory=WeightedMean)
+    """How every round aggregates (its folds; whether rounds are whole)."""
     global_version: int = -1
     """-1 until the initial parameters exist."""
     round_counter: int = 0
@@ -75,9 +66,12 @@ class Lifecycle:
     next_fragment: int = 0
     fragment_version: dict[int, int] = field(default_factory=dict)
     members: dict[str, Member] = field(default_factory=dict)
-    open_rounds: list[OpenRound] = field(default_factory=list)
-    closed: dict[int, ClosedRound] = field(default_factory=dict)
-    late: list[LateUpdate] = field(default_factory=list)
+    open_rounds: list[Round] = field(default_factory=list)
+    closed: dict[int, Round] = field(default_factory=dict)
+    """Closed and aborted rounds within the staleness horizon: they judge late updates."""
+    late: dict[int, Round] = field(default_factory=dict)
+    """Closed rounds with late updates waiting for their fragment's next sync (maybe beyond
+    the horizon by then)."""
     lags: deque[float] = field(default_factory=lambda: deque(maxlen=64))
     finishing: bool = False
 
@@ -88,13 +82,14 @@ class Lifecycle:
         cls,
         cfg: LifecycleConfig,
         *,
+        aggregator: Aggregator | None = None,
         global_version: int,
         round_counter: int,
         completed_rounds: int,
         next_fragment: int,
     ) -> Lifecycle:
         """The lifecycle of a coordinator restarted from durable state (see ``restore``)."""
-        book = cls(cfg)
+        book = cls(cfg, aggregator or WeightedMean())
         book.restore(
             global_version=global_version,
             round_counter=round_counter,
@@ -135,8 +130,7 @@ class Lifecycle:
         dropped what a coordinator that forgot it had planned): the open rounds it has not sent
         its update for will never get one."""
         for r in self.open_rounds:
-            if site_id in r.participants and site_id not in r.received:
-                self._replace(replace(r, dropped=r.dropped | {site_id}))
+            r.drop(site_id)
         self.members[site_id] = Member(
             site_id=site_id,
             peer=peer,
@@ -166,61 +160,28 @@ class Lifecycle:
 
     # ---- updates -------------------------------------------------------------------------------
 
-    def check_update(
-        self, site_id: str, round_id: int, fragment: int, trained_from: int
-    ) -> Admission | UpdateRefusal:
-        """Whether an update may be accepted; changes nothing."""
-        r = self.open_round(round_id)
-        done = self.closed.get(round_id)
-        if r is not None:
-            participants, expected = frozenset(r.participants), r.fragment
-        elif done is not None:
-            participants, expected = done.participants, done.fragment
-        else:
-            return UpdateRefusal(ErrorCode.STALE_ROUND, f"round {round_id} is not open")
-        if site_id not in participants:
-            return UpdateRefusal(ErrorCode.UNEXPECTED, f"not in round {round_id}")
-        seen = (r is not None and site_id in r.received) or (
-            done is not None and site_id in done.merged
+    def take(self, now: float, msg: Update) -> UpdateRefusal | Taken:
+        """An update, to the round it names: refused (nothing changes), or checked, folded and
+        recorded there (``Round.take``)."""
+        r = self.open_round(msg.round_id) or self.closed.get(msg.round_id)
+        if r is None:
+            return UpdateRefusal(ErrorCode.STALE_ROUND, f"round {msg.round_id} is not open")
+        verdict = r.take(
+            now,
+            msg,
+            staleness=self.round_counter - msg.round_id,
+            horizon=self.cfg.max_staleness_rounds,
         )
-        if seen or any(u.site_id == site_id and u.round_id == round_id for u in self.late):
-            return UpdateRefusal(ErrorCode.DUPLICATE, f"round {round_id}")
-        if fragment != expected:
-            return UpdateRefusal(
-                ErrorCode.BAD_PAYLOAD, f"fragment {fragment}, round has {expected}"
-            )
-        if r is not None and trained_from < r.base_version:
-            detail = f"trained from v{trained_from}, round needs v{r.base_version}"
-            return UpdateRefusal(ErrorCode.STALE_ROUND, detail)
-        staleness = self.round_counter - round_id
-        if r is None and (
-            staleness > self.cfg.max_staleness_rounds or done is None or not done.merged
-        ):
-            detail = f"round {round_id} closed {staleness} rounds ago or was aborted"
-            return UpdateRefusal(ErrorCode.STALE_ROUND, detail)
-        if r is None and self.cfg.secure_aggregation:
-            detail = f"round {round_id} is closed; masked updates cannot be merged late"
-            return UpdateRefusal(ErrorCode.STALE_ROUND, detail)
-        return Admission(late=r is None, fragment=expected)
-
-    def accept(self, now: float, site_id: str, round_id: int) -> Admission:
-        """Record an update that ``check_update`` admitted and the service validated."""
-        verdict = self.check_update(site_id, round_id, self._fragment_of(round_id), 1 << 62)
-        assert isinstance(verdict, Admission), verdict
-        if verdict.late:
-            self.late.append(LateUpdate(site_id, round_id, verdict.fragment))
-            return verdict
-        r = self.open_round(round_id)
-        assert r is not None
-        received = r.received | {site_id}
-        quorum_at = r.quorum_at
-        if quorum_at is None:
-            if len(received) >= quorum_size(len(r.participants), self.cfg.quorum_fraction):
-                quorum_at = now
-        else:
-            self.lags.append(now - quorum_at)
-        self._replace(replace(r, received=frozenset(received), quorum_at=quorum_at))
+        if isinstance(verdict, Taken):
+            if verdict.late:
+                self.late[r.round_id] = r
+            elif verdict.lag_s is not None:
+                self.lags.append(verdict.lag_s)
         return verdict
+
+    def pending_late(self) -> list[tuple[str, int]]:
+        """(site, round) of each late update waiting for its fragment's next sync."""
+        return [(u.site_id, r.round_id) for r in self.late.values() for u in r.late_waiting]
 
     # ---- the tick ------------------------------------------------------------------------------
 
@@ -237,7 +198,7 @@ class Lifecycle:
             list(self.lags), floor_s=self.cfg.grace_floor_s, ceiling_s=self.cfg.grace_ceiling_s
         )
         snap = RoundSnapshot(
-            open_rounds=tuple(self.open_rounds),
+            open_rounds=tuple(r.view() for r in self.open_rounds),
             ready=tuple(
                 s for s in ready_sites(self.members, self.global_version) if s not in unconfirmed
             ),
@@ -253,13 +214,13 @@ class Lifecycle:
             return self._do_open(now, call.participants, why)
         if call.action is Action.CLOSE:
             r = self.open_rounds[0]
-            if self.cfg.secure_aggregation and set(call.participants) != set(r.participants):
-                return Rerun(r, call.participants, why)
+            if self.aggregator.whole_rounds and set(call.participants) != set(r.participants):
+                return Retry(r, call.participants, why)
             return self._do_close(r, call.participants, why)
         if call.action is Action.ABORT:
-            if self.cfg.secure_aggregation:
+            if self.aggregator.whole_rounds:
                 r = self.open_rounds[0]
-                return Rerun(r, tuple(sorted(r.received)), why)
+                return Retry(r, tuple(sorted(r.received)), why)
             return self.abort(why)
         if call.action is Action.FINISH:
             self.finishing = True
@@ -273,28 +234,17 @@ class Lifecycle:
             return None
         return Remove(tuple(self.members.pop(s) for s in gone), why)
 
-    def rerun(self, now: float, round_id: int, survivors: Sequence[str]) -> OpenRound:
-        """Secure aggregation: round ``round_id`` starts over with ``survivors`` only."""
-        r = self.open_round(round_id)
-        assert r is not None
-        again = replace(
-            r,
-            participants=tuple(sorted(survivors)),
-            received=frozenset(),
-            dropped=frozenset(),
-            quorum_at=None,
-            deadline_at=now + self.cfg.round_deadline_s,
-        )
-        self._replace(again)
-        return again
+    def retry(self, now: float, r: Round, survivors: tuple[str, ...], fold: Fold) -> None:
+        """A whole round starts over with ``survivors`` only, gathering into ``fold``."""
+        need = quorum_size(len(survivors), self.cfg.quorum_fraction)
+        r.retry(survivors, fold, now + self.cfg.round_deadline_s, need)
 
     def abort(self, why: str) -> Abort:
         """Cancel every open round (later ones build on the oldest, which cannot complete)."""
         ids = tuple(r.round_id for r in self.open_rounds)
         for r in self.open_rounds:
-            self.closed[r.round_id] = ClosedRound(
-                frozenset(r.participants), frozenset(), r.fragment
-            )
+            r.abort()
+            self.closed[r.round_id] = r
         self.open_rounds = []
         self._prune_closed()
         return Abort(ids, why)
@@ -311,26 +261,28 @@ class Lifecycle:
             [self.fragment_version[fragment]]
             + [r.round_id for r in self.open_rounds if r.fragment == fragment]
         )
-        self.open_rounds.append(
-            OpenRound(
-                round_id=round_id,
-                base_version=base,
-                participants=participants,
-                opened_at=now,
-                deadline_at=now + self.cfg.round_deadline_s,
-                received=frozenset(),
-                fragment=fragment,
-            )
+        r = Round(
+            round_id=round_id,
+            fragment=fragment,
+            num_fragments=self.cfg.num_fragments,
+            base_version=base,
+            participants=participants,
+            opened_at=now,
+            deadline_at=now + self.cfg.round_deadline_s,
+            quorum=quorum_size(len(participants), self.cfg.quorum_fraction),
+            aggregator=self.aggregator,
+            fold=self.aggregator.fold(round_id, participants),
         )
-        return Open(round_id, participants, fragment, base, why)
+        self.open_rounds.append(r)
+        return Open(r, why)
 
-    def _do_close(self, r: OpenRound, merged: tuple[str, ...], why: str) -> Close:
-        late = tuple(u for u in self.late if u.fragment == r.fragment)
-        self.late = [u for u in self.late if u.fragment != r.fragment]
-        self.open_rounds = [o for o in self.open_rounds if o.round_id != r.round_id]
-        self.closed[r.round_id] = ClosedRound(
-            frozenset(r.participants), frozenset(merged), r.fragment
+    def _do_close(self, r: Round, merged: tuple[str, ...], why: str) -> Close:
+        late = tuple(
+            self.late.pop(k) for k in sorted(self.late) if self.late[k].fragment == r.fragment
         )
+        self.open_rounds = [o for o in self.open_rounds if o is not r]
+        r.close(merged)
+        self.closed[r.round_id] = r
         self._prune_closed()
         self.fragment_version[r.fragment] = r.round_id
         self.global_version = r.round_id
@@ -344,28 +296,13 @@ class Lifecycle:
         for old in [k for k in self.closed if k < horizon]:
             del self.closed[old]
 
-    def open_round(self, round_id: int) -> OpenRound | None:
+    def open_round(self, round_id: int) -> Round | None:
         return next((o for o in self.open_rounds if o.round_id == round_id), None)
 
     def awaiting(self, site_id: str) -> tuple[int, ...]:
         """The open rounds (oldest first) that wait on ``site_id``'s update: it takes part, has
         not sent it, and was not dropped."""
-        return tuple(
-            r.round_id
-            for r in self.open_rounds
-            if site_id in r.participants and site_id not in r.received | r.dropped
-        )
-
-    def _fragment_of(self, round_id: int) -> int:
-        r = self.open_round(round_id)
-        if r is not None:
-            return r.fragment
-        return self.closed[round_id].fragment
-
-    def _replace(self, updated: OpenRound) -> None:
-        self.open_rounds = [
-            updated if o.round_id == updated.round_id else o for o in self.open_rounds
-        ]
+        return tuple(r.round_id for r in self.open_rounds if r.awaits(site_id))
 
     # ---- views ---------------------------------------------------------------------------------
 
@@ -392,5 +329,4 @@ def lifecycle_config(cfg: CoordinatorConfig) -> LifecycleConfig:
         site_timeout_s=cfg.site_timeout_s,
         grace_floor_s=cfg.grace_floor_s,
         grace_ceiling_s=cfg.grace_ceiling_s,
-        secure_aggregation=cfg.secure_aggregation is not None,
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from comm.wire.schema import ErrorCode, Update
-from coordinator.decisions import UpdateRefusal
+from coordinator.round import UpdateRefusal
 
 MAX_WEIGHT = 1e15
 """Tokens (or samples) one update may stand for."""

@@ -1,15 +1,18 @@
 """The coordinator service: the composition root and its loop.
 
 :class:`Coordinator` builds the components, each owning its state and given only what it needs:
-the pure round :class:`~coordinator.lifecycle.Lifecycle` (membership, open rounds), the
+the :class:`~coordinator.aggregate.Aggregator` every round folds its updates through (chosen
+here, once: the weighted mean, the sparse forward, or secure aggregation's masked sum), the
+round :class:`~coordinator.lifecycle.Lifecycle` (membership, the live
+:class:`~coordinator.round.Round` objects, the decisions), the
 :class:`~coordinator.global_model.GlobalModel`, the :class:`~coordinator.post.PostOffice`
-(socket, authentication, durability barrier), the :class:`~coordinator.ledger.RoundLedger`, the
+(socket, authentication, durability barrier), the
 :class:`~coordinator.planner.Planner`, :class:`~coordinator.intake.Intake` for messages (with
 :class:`~coordinator.conflicts.IdentityConflicts`, claims on a live member's site id),
 :class:`~coordinator.opening.Opening` and :class:`~coordinator.closing.Closing` for rounds,
 :class:`~coordinator.delivery.Delivery` for models owed to one site (a message lost on the way
 is the channel's to send again: ``comm.transport.reliable``). Its loop receives one message at a time, then ``tick``s: the lifecycle
-decides (remove a silent site, open, close, abort, re-run, finish) and the loop routes each
+decides (remove a silent site, open, close, abort, retry, finish) and the loop routes each
 decision to the component that carries it out. All math is in ``strategy``. Nothing that
 reveals a state is sent before that state is durable:
 
@@ -33,29 +36,28 @@ from comm.security.registry import CertificateRegistry
 from comm.security.rolekits import load_coordinator_kit
 from comm.transport.router import CutOff, RouterChannel
 from coordinator import strategies
+from coordinator.aggregate import Aggregator, SparseForward, WeightedMean
 from coordinator.allowance import PeerAllowance
 from coordinator.closing import Closing
 from coordinator.config import CoordinatorConfig
 from coordinator.conflicts import IdentityConflicts
-from coordinator.decisions import Abort, Close, Decision, Open, Remove, Rerun
+from coordinator.decisions import Abort, Close, Decision, Open, Remove, Retry
 from coordinator.delivery import Delivery
 from coordinator.file_store import FileStateStore
 from coordinator.global_model import GlobalModel
 from coordinator.intake import Intake
-from coordinator.ledger import RoundLedger
 from coordinator.lifecycle import Lifecycle, lifecycle_config
-from coordinator.masking_keys import MaskingKeys
 from coordinator.membership import Member
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.opening import Opening
 from coordinator.planner import Planner
 from coordinator.post import PostOffice
 from coordinator.rounds import OpenRound, next_fragment
+from coordinator.secure_aggregation import MaskedSumAggregator
 from coordinator.state import GlobalState, StateStore
 from coordinator.status import CoordinatorStatus
 from coordinator.status_board import write_endpoint
 from coordinator.strategy import Strategy
-from coordinator.updates import UpdateIntake
 
 log = logging.getLogger("crossdc.coordinator")
 
@@ -93,8 +95,9 @@ class Coordinator:
         store = store or FileStateStore(
             cfg.state_dir, keep=cfg.keep_checkpoints, signing_key=signing_key
         )
-        self.book = Lifecycle(lifecycle_config(cfg))
         self.post = PostOffice(cfg, store, self.metrics, kit, clock=clock)
+        self.aggregator = _configured_aggregator(cfg, self.post)
+        self.book = Lifecycle(lifecycle_config(cfg), self.aggregator)
         self.model = GlobalModel(
             num_fragments=cfg.num_fragments,
             deltas_dir=cfg.state_path / "deltas" if cfg.state_dir else None,
@@ -114,13 +117,9 @@ class Coordinator:
     def _assemble(self, strategy: Strategy) -> None:
         """The components that handle messages and carry decisions out."""
         cfg, book, model, post, metrics = self.cfg, self.book, self.model, self.post, self.metrics
-        ledger = RoundLedger(cfg.secure_aggregation)
+        aggregator = self.aggregator
         planner = self.planner = Planner(cfg)
-        keys = MaskingKeys(enabled=cfg.secure_aggregation is not None, post=post)
         delivery = Delivery(book, model, post, metrics)
-        updates = UpdateIntake(
-            cfg, book=book, model=model, ledger=ledger, planner=planner, post=post, metrics=metrics
-        )
         self.intake = Intake(
             cfg,
             session_id=self.session_id,
@@ -128,10 +127,9 @@ class Coordinator:
             book=book,
             model=model,
             post=post,
-            updates=updates,
             delivery=delivery,
             planner=planner,
-            keys=keys,
+            aggregator=aggregator,
             conflicts=IdentityConflicts(
                 heartbeat_timeout_s=cfg.channel.heartbeat_timeout_s,
                 metrics=metrics,
@@ -145,9 +143,8 @@ class Coordinator:
             cfg,
             book=book,
             model=model,
-            ledger=ledger,
             planner=planner,
-            keys=keys,
+            aggregator=aggregator,
             post=post,
             metrics=metrics,
         )
@@ -155,7 +152,6 @@ class Coordinator:
             cfg,
             book=book,
             model=model,
-            ledger=ledger,
             planner=planner,
             strategy=strategy,
             post=post,
@@ -175,12 +171,13 @@ class Coordinator:
 
     @property
     def open_rounds(self) -> list[OpenRound]:
-        return self.book.open_rounds
+        """The rounds in flight, oldest first, as they stand now."""
+        return [r.view() for r in self.book.open_rounds]
 
     @property
     def open_round(self) -> OpenRound | None:
-        """The oldest round in flight."""
-        return self.book.open_rounds[0] if self.book.open_rounds else None
+        """The oldest round in flight, as it stands now."""
+        return self.book.open_rounds[0].view() if self.book.open_rounds else None
 
     @property
     def chan(self) -> RouterChannel | None:
@@ -320,8 +317,8 @@ class Coordinator:
             self.opening.open(now, decision)
         elif isinstance(decision, Close):
             self.closing.close(now, decision)
-        elif isinstance(decision, Rerun):
-            self.opening.rerun_or_abandon(now, decision)
+        elif isinstance(decision, Retry):
+            self.opening.retry_or_abandon(now, decision)
         elif isinstance(decision, Abort):
             self.opening.abort(decision)
         else:
@@ -376,6 +373,16 @@ class Coordinator:
 
     def _publish_status(self) -> None:
         self.status_report.publish(finished=self.finished)
+
+
+def _configured_aggregator(cfg: CoordinatorConfig, post: PostOffice) -> Aggregator:
+    """How rounds aggregate: secure aggregation's masked sum, the sparse broadcast's forward,
+    or the plain weighted mean."""
+    if cfg.secure_aggregation is not None:
+        return MaskedSumAggregator(cfg.secure_aggregation, post)
+    if cfg.broadcast == "sparse":
+        return SparseForward(cfg.max_update_norm)
+    return WeightedMean(cfg.max_update_norm)
 
 
 def _configured_strategy(cfg: CoordinatorConfig) -> Strategy:

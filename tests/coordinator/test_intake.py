@@ -283,9 +283,9 @@ def test_mean_train_loss_weighs_the_sites_that_reported_one(
     losses: tuple[float, float], expected: float | None
 ) -> None:
     from coordinator.closing import mean_train_loss
-    from coordinator.ledger import Accepted
+    from coordinator.round import Accepted
 
     updates = [
-        Accepted(s, 1, w, x, 1.0, 0, ()) for s, w, x in zip("ab", (1.0, 3.0), losses, strict=True)
+        Accepted(s, 1, w, x, 1.0, 0) for s, w, x in zip("ab", (1.0, 3.0), losses, strict=True)
     ]
     assert mean_train_loss(updates) == expected

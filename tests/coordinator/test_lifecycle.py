@@ -9,17 +9,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from coordinator.decisions import (
-    Abort,
-    Admission,
-    Close,
-    Finish,
-    Open,
-    Remove,
-    Rerun,
-    UpdateRefusal,
-)
+from comm.wire.schema import Update
+from coordinator.decisions import Abort, Close, Finish, Open, Remove, Retry
 from coordinator.lifecycle import Lifecycle, LifecycleConfig
+from coordinator.round import Taken, UpdateRefusal
 from coordinator.rounds import next_fragment
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,6 +32,23 @@ def config(*, overlap: bool, fragments: int, staleness: int, quorum: float) -> L
         site_timeout_s=5.0,
         grace_floor_s=1.0,
         grace_ceiling_s=3.0,
+    )
+
+
+def update(site: str, round_id: int, fragment: int, trained_from: int) -> Update:
+    """An update with no tensors (the rounds here cover none)."""
+    return Update(
+        site_id=site,
+        round_id=round_id,
+        global_version=trained_from,
+        fragment=fragment,
+        weight=1.0,
+        train_loss=1.0,
+        compute_seconds=1.0,
+        step_seconds=1.0,
+        link_rtt_s=0.0,
+        link_goodput_bps=0.0,
+        payload=(),
     )
 
 
@@ -112,15 +122,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         trained_from = (r.base_version if r is not None else 0) - (1 if behind else 0)
         if self.book.touch(self.now, site, site.encode()) is None:
             return  # the service refuses a non-member before asking the lifecycle
-        verdict = self.book.check_update(site, round_id, fragment, trained_from)
-        if isinstance(verdict, UpdateRefusal):
+        taken = self.book.take(self.now, update(site, round_id, fragment, trained_from))
+        if isinstance(taken, UpdateRefusal):
             return
-        assert isinstance(verdict, Admission)
-        assert verdict.fragment == fragment
+        assert isinstance(taken, Taken)
+        assert fragment == (r.fragment if r is not None else done.fragment if done else -1)
         key = (site, round_id)
         assert key not in self.accepted_late and site not in self.accepted_on_time.get(round_id, ())
-        self.book.accept(self.now, site, round_id)
-        if verdict.late:
+        if taken.late:
             assert r is None and done is not None and done.merged
             self.accepted_late.add(key)
         else:
@@ -151,7 +160,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         """The coordinator dies; a new one resumes from the durable record."""
         for r in self.book.open_rounds:
             self.lost.update((s, r.round_id) for s in self.accepted_on_time.get(r.round_id, ()))
-        self.lost.update((u.site_id, u.round_id) for u in self.book.late)
+        self.lost.update(self.book.pending_late())
         self.book = Lifecycle.resume(
             self.cfg,
             global_version=self.version,
@@ -174,8 +183,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             assert set(decision.merged) == self.accepted_on_time.get(r.round_id, set())
             for site in decision.merged:
                 self.merge((site, r.round_id))
-            for u in decision.late:
-                assert u.fragment == r.fragment
+            assert all(earlier.fragment == r.fragment for earlier in decision.late)
+            for u in r.result(decision.late)[1]:
                 self.merge((u.site_id, u.round_id))
             self.version = r.round_id
             self.history.append(
@@ -195,7 +204,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         elif isinstance(decision, Remove):
             assert not set(decision.site_ids) & set(self.book.members)
         else:
-            assert isinstance(decision, Finish | Rerun)
+            assert isinstance(decision, Finish | Retry)
             raise AssertionError(f"unexpected {decision}")
 
     def merge(self, key: tuple[str, int]) -> None:
@@ -222,7 +231,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         for round_id in self.closed_ids:
             for site in self.accepted_on_time.get(round_id, ()):
                 assert (site, round_id) in self.merged
-        pending = {(u.site_id, u.round_id) for u in self.book.late}
+        pending = set(self.book.pending_late())
         for key in self.accepted_late:
             assert (key in self.merged) + (key in pending) + (key in self.lost) >= 1
             assert not (key in self.merged and key in pending)
@@ -266,14 +275,13 @@ def test_late_update_merges_after_its_closed_round_is_forgotten() -> None:
         book.join(0.0, site, site.encode(), in_sync_version=0)
     opened = book.tick(0.0)
     assert isinstance(opened, Open) and opened.fragment == 0
-    book.accept(0.0, "a", opened.round_id)
+    assert isinstance(book.take(0.0, update("a", opened.round_id, 0, 0)), Taken)
     closed = book.tick(5.0)  # quorum 1 of 2 and the grace floor passed
     assert isinstance(closed, Close) and closed.merged == ("a",)
     for site in ("a", "b"):
         book.holds(site, closed.round.round_id, in_sync=True)
-    verdict = book.check_update("b", opened.round_id, 0, 0)
-    assert isinstance(verdict, Admission) and verdict.late
-    book.accept(5.0, "b", opened.round_id)
+    taken = book.take(5.0, update("b", opened.round_id, 0, 0))
+    assert isinstance(taken, Taken) and taken.late
     now = 5.0
     for fragment in (1, 2, 0):
         for site in ("a", "b"):
@@ -281,17 +289,20 @@ def test_late_update_merges_after_its_closed_round_is_forgotten() -> None:
         o = book.tick(now)
         assert isinstance(o, Open) and o.fragment == fragment
         for site in ("a", "b"):
-            book.accept(now, site, o.round_id)
+            assert isinstance(
+                book.take(now, update(site, o.round_id, fragment, o.base_version)), Taken
+            )
         c = book.tick(now)
         assert isinstance(c, Close)
         for site in ("a", "b"):
             book.holds(site, c.round.round_id, in_sync=True)
         if fragment == 0:
             assert opened.round_id not in book.closed
-            assert [(u.site_id, u.round_id) for u in c.late] == [("b", opened.round_id)]
+            late = [(u.site_id, r.round_id) for r in c.late for u in r.late_waiting]
+            assert late == [("b", opened.round_id)]
         else:
             assert c.late == ()
-    assert book.late == []
+    assert book.pending_late() == []
 
 
 @pytest.mark.parametrize(("quorum", "expected"), [(0.5, Close), (1.0, Abort)])
@@ -307,7 +318,7 @@ def test_a_participant_that_joins_again_no_longer_holds_its_round(
     opened = book.tick(0.0)
     assert isinstance(opened, Open)
     assert book.awaiting("a") == book.awaiting("b") == (opened.round_id,)
-    book.accept(0.1, "a", opened.round_id)
+    assert isinstance(book.take(0.1, update("a", opened.round_id, 0, 0)), Taken)
     assert book.tick(0.2) is None  # b is still expected
     assert (book.awaiting("a"), book.awaiting("b")) == ((), (opened.round_id,))
     book.join(0.3, "b", b"b-restarted", in_sync_version=0)

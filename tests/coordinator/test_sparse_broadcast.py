@@ -14,7 +14,7 @@ from comm.codecs.registry import get_codec
 from comm.wire.frames import WireError, from_wire, to_wire
 from comm.wire.schema import ErrorCode, Global
 from comm.wire.tensors import decode_parts, encode_tensors, split_parts, state_hash
-from coordinator.closing import sparse_outer_step
+from coordinator.aggregate import sparse_outer_step
 from coordinator.config import CoordinatorConfig
 from coordinator.state import GlobalState
 from coordinator.strategy import SparseLoCo

@@ -36,9 +36,7 @@ from comm.security.secagg import (
     unmask_sum,
     unmask_sum_fixed,
 )
-from coordinator.aggregate import MaskedSum
-from coordinator.ledger import RoundLedger
-from coordinator.scheduler import RoundPlan
+from coordinator.secure_aggregation import MaskedFold, MaskedSum
 
 CFG = SecAggConfig(clip_bound=8.0)
 CFG32 = SecAggConfig(clip_bound=4.0, frac_bits=16, word_bits=32, max_sites=8)
@@ -432,25 +430,19 @@ def test_the_coordinators_running_masked_sum_is_the_unmasked_mean_bit_for_bit(
     plan = _plan(sessions)
     masked = _mask_all(sessions, plan, updates, weights)
     want, want_total = unmask_mean(masked, plan, cfg)
-    ledger = RoundLedger(cfg)
-    record = ledger.open(1, _round_plan(), plan)
-    assert record.masked is not None
+    fold = MaskedFold(cfg, plan)
     sizes = []
     for site in reversed(sites):
-        record.masked.add(site, masked[site])
-        sizes.append(ledger.nbytes)
+        fold.sum.add(site, masked[site])
+        sizes.append(fold.nbytes)
     assert len(set(sizes)) == 1  # one sum, however many sites sent
-    got, total = record.masked.mean(plan.participants)
+    got, total = fold.sum.mean(plan.participants)
     assert total == want_total and got.keys() == want.keys()
     for name in want:
         np.testing.assert_array_equal(got[name], want[name])
     with pytest.raises(ValueError, match="already sent"):
-        record.masked.add("eu", masked["eu"])
+        fold.sum.add("eu", masked["eu"])
     partial = MaskedSum(cfg)
     partial.add("eu", masked["eu"])
     with pytest.raises(ValueError, match="do not match the masking set"):
         partial.mean(plan.participants)
-
-
-def _round_plan() -> RoundPlan:
-    return RoundPlan(num_inner_steps=10, num_fragments=1, overlap=False, uplink={}, downlink="fp32")
