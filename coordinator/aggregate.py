@@ -36,7 +36,8 @@ from comm.wire.frames import WireError
 from comm.wire.schema import ErrorCode, Join
 from comm.wire.tensors import decode_parts, decode_tensors, encode_tensors
 from coordinator.state import GlobalState
-from coordinator.strategy import OuterResult, SparseLoCo, Strategy, global_norm
+from coordinator.strategies.base import OuterResult, Strategy, global_norm
+from coordinator.strategies.sparseloco import SparseLoCo
 
 Arrays = dict[str, npt.NDArray[np.float32]]
 Shapes = Mapping[str, tuple[int, ...]]

@@ -22,7 +22,7 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.planner import Planner
 from coordinator.post import PostOffice
 from coordinator.round import Accepted
-from coordinator.strategy import Strategy
+from coordinator.strategies.base import Strategy
 
 log = logging.getLogger("crossdc.coordinator")
 

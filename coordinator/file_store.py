@@ -35,7 +35,7 @@ from coordinator.history_log import (
     split_history,
 )
 from coordinator.state import GlobalState
-from coordinator.strategy import Arrays
+from coordinator.strategies.base import Arrays
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ from coordinator.secure_aggregation import MaskedSumAggregator
 from coordinator.state import GlobalState, StateStore
 from coordinator.status import CoordinatorStatus
 from coordinator.status_board import write_endpoint
-from coordinator.strategy import Strategy
+from coordinator.strategies.base import Strategy
 
 log = logging.getLogger("crossdc.coordinator")
 

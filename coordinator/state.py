@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from coordinator.strategy import Arrays
+from coordinator.strategies.base import Arrays
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ measure crossdc against: one gradient all-reduce over the WAN per inner step.
 This package owns the baseline's coordinator and site. Every inner step each participating site
 sends the gradient of its own batch (:class:`~comm.wire.schema.StepGrad`, fp32, weighted by its
 tokens); once all of them are in, the coordinator computes the token-weighted mean
-(``coordinator.strategy.weighted_mean``, sites in id order, so the mean is a pure function of the
+(``coordinator.strategies.base.weighted_mean``, sites in id order, so the mean is a pure function of the
 inputs) and broadcasts it (:class:`~comm.wire.schema.StepMean`). Every site applies the same mean with
 the same AdamW step, so the sites stay bit-identical and the coordinator holds no parameters.
 

@@ -21,7 +21,7 @@ import numpy as np
 from comm.ops.configio import load_section
 from comm.transport.profile import ChannelConfig
 from comm.wire.schema import ErrorCode, Join, RoundStart, StepGrad
-from coordinator.strategy import Arrays, weighted_mean
+from coordinator.strategies.base import Arrays, weighted_mean
 
 
 @dataclass(frozen=True, kw_only=True)

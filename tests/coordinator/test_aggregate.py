@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.aggregate import RunningSum
-from coordinator.strategy import weighted_mean
+from coordinator.strategies.base import weighted_mean
 
 pytestmark = pytest.mark.timeout(60)
 

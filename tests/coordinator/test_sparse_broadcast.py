@@ -17,7 +17,7 @@ from comm.wire.tensors import decode_parts, encode_tensors, split_parts, state_h
 from coordinator.aggregate import sparse_outer_step
 from coordinator.config import CoordinatorConfig
 from coordinator.state import GlobalState
-from coordinator.strategy import SparseLoCo
+from coordinator.strategies.sparseloco import SparseLoCo
 from tests.conftest import (
     Procs,
     read_status,

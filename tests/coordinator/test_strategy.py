@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.strategy import DiLoCo, nesterov_step, weighted_mean
+from coordinator.strategies.base import nesterov_step, weighted_mean
+from coordinator.strategies.diloco import DiLoCo
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -120,7 +121,7 @@ def test_statistics_tensors_are_averaged_never_extrapolated() -> None:
 
 @pytest.mark.timeout(60)
 def test_sparseloco_is_plain_sgd_on_the_mean_without_momentum() -> None:
-    from coordinator.strategy import SparseLoCo
+    from coordinator.strategies.sparseloco import SparseLoCo
 
     params = {"w": np.array([1.0, 2.0], dtype=np.float32)}
     buf = {"w": np.array([5.0, 5.0], dtype=np.float32)}
@@ -142,7 +143,7 @@ def test_outer_strategy_config_names_the_field() -> None:
     from comm.security.rolekits import SecurityConfig
     from coordinator.config import CoordinatorConfig
     from coordinator.service import _configured_strategy
-    from coordinator.strategy import SparseLoCo
+    from coordinator.strategies.sparseloco import SparseLoCo
 
     insecure = SecurityConfig(insecure=True)
     with pytest.raises(ValueError, match="coordinator.outer_strategy"):

@@ -11,7 +11,7 @@ from comm.codecs.chunktopk import ChunkTopKCodec, _rice_decode, _rice_encode
 from comm.codecs.feedback import ErrorFeedback
 from comm.codecs.registry import codec_from_id, decode_tensor, get_codec
 from comm.wire.tensors import state_hash
-from coordinator.strategy import SparseLoCo
+from coordinator.strategies.sparseloco import SparseLoCo
 
 
 def _expected_positions(x: np.ndarray, chunk: int, k: int) -> set[int]:

@@ -26,7 +26,7 @@ from comm.security.rolekits import SecurityConfig
 from comm.transport.profile import ChannelConfig
 from comm.wire.schema import Message, StepGrad
 from comm.wire.tensors import state_hash
-from coordinator.strategy import weighted_mean
+from coordinator.strategies.base import weighted_mean
 from crossdc.bench.local_trainer import LocalTrainer
 from crossdc.ddp.coordinator import DDPCoordinator
 from crossdc.ddp.decision import Action, DDPConfig, Snapshot, decide
