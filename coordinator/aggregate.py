@@ -11,9 +11,10 @@ updates through a :class:`Fold` the aggregator gives it, and at its close
   weighted mean and the step's delta goes down through the downlink codec, the difference to
   the exact result kept as the downlink residual (:func:`outer_step`).
 - :class:`SparseForward`: the same checks, but the updates are kept as they arrived and the
-  broadcast forwards them with their weights; the strategy runs on them decoded as a site
-  decodes that broadcast, so every site lands on the coordinator's parameters bit for bit
-  (:func:`sparse_outer_step`).
+  broadcast forwards them with their weights; the strategy's ordered step (a strategy declaring
+  the sparse broadcast provides one, :class:`~coordinator.strategies.base.OrderedStep`) runs on
+  them decoded as a site decodes that broadcast, so every site lands on the coordinator's
+  parameters bit for bit (:func:`sparse_outer_step`).
 
 Late updates (their round closed) fold into a second fold of their round, merged at their
 fragment's next sync, down-weighted by the syncs they missed. Sums are accumulated in float64:
@@ -36,8 +37,7 @@ from comm.wire.frames import WireError
 from comm.wire.schema import ErrorCode, Join
 from comm.wire.tensors import decode_parts, decode_tensors, encode_tensors
 from coordinator.state import GlobalState
-from coordinator.strategies.base import OuterResult, Strategy, global_norm
-from coordinator.strategies.sparseloco import SparseLoCo
+from coordinator.strategies.base import OrderedStep, OuterResult, Strategy, as_ordered, global_norm
 
 Arrays = dict[str, npt.NDArray[np.float32]]
 Shapes = Mapping[str, tuple[int, ...]]
@@ -378,8 +378,7 @@ class ForwardResult:
         final: bool,
         averaged: Collection[str],
     ) -> OuterStep:
-        assert isinstance(strategy, SparseLoCo)  # the config allows no other
-        return sparse_outer_step(strategy, st, names, self.parts, averaged=averaged)
+        return sparse_outer_step(as_ordered(strategy), st, names, self.parts, averaged=averaged)
 
 
 class ForwardFold:
@@ -429,20 +428,20 @@ class SparseForward(WeightedMean):
 
 
 def sparse_outer_step(
-    strategy: SparseLoCo,
+    strategy: OrderedStep,
     st: GlobalState,
     names: Sequence[str],
     parts: Sequence[tuple[float, tuple[EncodedTensor, ...]]],
     *,
     averaged: Collection[str],
 ) -> OuterStep:
-    """SparseLoCo's step over the round's encoded updates ``parts`` (weight, tensors), in their
-    order, decoded as a site decodes the broadcast that forwards them: the sites compute the
+    """The strategy's ordered step over the round's encoded updates ``parts`` (weight, tensors),
+    in their order, decoded as a site decodes the broadcast that forwards them: the sites compute the
     same parameters bit for bit, so there is no downlink residual to keep."""
     payload = tuple(enc for _, part in parts for enc in part)
     weights = tuple(w for w, _ in parts)
     decoded = decode_parts(payload, weights, {k: tuple(st.params[k].shape) for k in names})
-    result = strategy.step(
+    result = strategy.ordered_step(
         {k: st.params[k] for k in names},
         {k: st.momentum[k] for k in names},
         decoded,

@@ -54,6 +54,8 @@ def register(cls: _S) -> _S:
     for broadcast in cls.broadcasts:
         if broadcast not in BROADCASTS:
             raise ValueError(f"{name}: unknown broadcast {broadcast!r} (known: {BROADCASTS})")
+    if "sparse" in cls.broadcasts and not callable(getattr(cls, "ordered_step", None)):
+        raise ValueError(f"{name} declares the sparse broadcast but has no ordered_step")
     _registry[name] = cls
     return cls
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, Self
+from typing import ClassVar, Protocol, Self, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -73,6 +73,36 @@ class OuterResult:
     """How the step was taken, for logs and round history."""
 
 
+class OrderedStep(Protocol):
+    """What the sparse broadcast needs of its strategy, provided by every strategy whose
+    ``broadcasts`` include ``"sparse"`` (the registry refuses one that declares it without):
+    the step over the updates in the order given, the broadcast's, which each site re-runs on
+    the forwarded updates to land on the coordinator's parameters bit for bit, and the learning
+    rate the broadcast carries for that step."""
+
+    @property
+    def lr(self) -> float: ...
+
+    def ordered_step(
+        self,
+        params: Mapping[str, np.ndarray],
+        momentum: Mapping[str, np.ndarray],
+        weighted: Sequence[tuple[float, Mapping[str, np.ndarray]]],
+        *,
+        averaged: Collection[str] = (),
+    ) -> OuterResult:
+        """The step over ``weighted`` (weight, update), in the order given."""
+        ...
+
+
+def as_ordered(strategy: object) -> OrderedStep:
+    """``strategy`` as the sparse broadcast runs it: one declaring the ``sparse`` broadcast
+    provides :class:`OrderedStep`; ``TypeError`` for any other."""
+    if "sparse" not in getattr(strategy, "broadcasts", ()):
+        raise TypeError(f"{type(strategy).__name__} does not declare the sparse broadcast")
+    return cast(OrderedStep, strategy)
+
+
 class Strategy(Protocol):
     """Turns accepted updates into the next exact global parameters."""
 
@@ -118,7 +148,8 @@ class OuterStrategy:
     broadcasts: ClassVar[frozenset[str]] = frozenset({"dense"})
     """Broadcasts (``coordinator.broadcast``) the strategy's result can be sent by: ``dense``
     (the outer delta through the downlink codec) and/or ``sparse`` (the round's encoded updates
-    forwarded, each site re-running the step on them)."""
+    forwarded, each site re-running the step on them: a strategy declaring it provides
+    :class:`OrderedStep`)."""
     why_not_other_broadcasts: ClassVar[str] = ""
     """Why a broadcast outside ``broadcasts`` is refused, for the message naming it."""
     secure_aggregation: ClassVar[bool] = True

@@ -64,9 +64,10 @@ class SparseLoCo(OuterStrategy):
         averaged: Collection[str] = (),
     ) -> OuterResult:
         ordered = sorted(updates, key=lambda u: u[0])  # site order fixes float summation order
-        return self.step(params, momentum, [(w, t) for _, w, t in ordered], averaged=averaged)
+        weighted = [(w, t) for _, w, t in ordered]
+        return self.ordered_step(params, momentum, weighted, averaged=averaged)
 
-    def step(
+    def ordered_step(
         self,
         params: Mapping[str, np.ndarray],
         momentum: Mapping[str, np.ndarray],

@@ -275,3 +275,27 @@ def test_a_strategy_name_is_registered_once(toy_strategy: type) -> None:
         ValueError, match="unknown outer strategy 'nope'; known: diloco, sparseloco"
     ):
         strategies.get("nope")
+
+
+def test_the_sparse_broadcast_runs_the_ordered_step_a_strategy_declares() -> None:
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from coordinator import strategies
+    from coordinator.strategies.base import OuterStrategy, as_ordered
+    from coordinator.strategies.sparseloco import SparseLoCo
+
+    sparse = SparseLoCo(lr=0.5)
+    assert as_ordered(sparse) is sparse
+    with pytest.raises(TypeError, match="DiLoCo does not declare the sparse broadcast"):
+        as_ordered(DiLoCo())
+
+    @dataclass(frozen=True)
+    class Unordered(OuterStrategy):
+        name: ClassVar[str] = "unordered"
+        summary: ClassVar[str] = "declares the sparse broadcast, has no ordered step"
+        broadcasts: ClassVar[frozenset[str]] = frozenset({"dense", "sparse"})
+
+    with pytest.raises(ValueError, match="unordered declares the sparse broadcast but has no"):
+        strategies.register(Unordered)
+    assert "unordered" not in strategies.names()
