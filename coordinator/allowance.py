@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from coordinator.lifecycle import Lifecycle
+from coordinator.membership import Membership
 
 PRE_JOIN_BYTES = 64 << 10
 """What a site that has not joined may make the coordinator hold."""
@@ -31,11 +31,11 @@ class PeerAllowance:
     """The coordinator's rule for ``RouterChannel(allowance=...)``."""
 
     def __init__(
-        self, *, book: Lifecycle, numel: Callable[[], int | None], unknown_model_bytes: int
+        self, *, members: Membership, numel: Callable[[], int | None], unknown_model_bytes: int
     ) -> None:
         """``numel``: the parameters of the federation's model (None: no model yet);
         ``unknown_model_bytes``: a member's allowance before there is a model."""
-        self._book = book
+        self._members = members
         self._numel = numel
         self._unknown_model_bytes = unknown_model_bytes
         self._model_bytes: int | None = None  # a federation's model never changes its shape
@@ -50,6 +50,6 @@ class PeerAllowance:
         return self._model_bytes
 
     def __call__(self, peer: bytes) -> int:
-        if any(m.peer == peer for m in self._book.members.values()):
+        if self._members.holder(peer):
             return self.member_bytes()
         return PRE_JOIN_BYTES

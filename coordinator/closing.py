@@ -17,7 +17,7 @@ from coordinator.aggregate import OuterStep
 from coordinator.config import CoordinatorConfig
 from coordinator.decisions import Close
 from coordinator.global_model import GlobalModel
-from coordinator.lifecycle import Lifecycle
+from coordinator.membership import Membership
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.planner import Planner
 from coordinator.post import PostOffice
@@ -45,7 +45,7 @@ class Closing:
         self,
         cfg: CoordinatorConfig,
         *,
-        book: Lifecycle,
+        members: Membership,
         model: GlobalModel,
         planner: Planner,
         strategy: Strategy,
@@ -54,7 +54,7 @@ class Closing:
         on_changed: Callable[[], None],
     ) -> None:
         self._cfg = cfg
-        self._book = book
+        self._members = members
         self._model = model
         self._planner = planner
         self._strategy = strategy
@@ -183,10 +183,10 @@ class Closing:
         that held the base (they got the delta)."""
         r, merged, state = a.decision.round, a.decision.merged, a.step.state
         digest = self._model.hash(state)
-        in_sync = self._book.in_sync(a.base_version)
+        in_sync = self._members.in_sync(a.base_version)
         wants_eval = r.round_id % self._cfg.eval_every_rounds == 0 or a.decision.final
         # Ask a site that can and was on time: evaluating costs the evaluator some compute.
-        able = [s for s in in_sync if self._book.members[s].evaluates]
+        able = [s for s in in_sync if self._members[s].evaluates]
         candidates = [s for s in able if s in merged] or able
         evaluator = candidates[0] if candidates and wants_eval else None
         merged_all = tuple(merged) + tuple(f"{u.site_id}@{u.round_id}" for u in a.late)
@@ -205,7 +205,7 @@ class Closing:
             outer_lr=a.step.outer_lr,
         )
         self._model.deltas.record(delta)  # for sites that rejoin behind
-        for site_id, m in sorted(self._book.members.items()):
+        for site_id, m in sorted(self._members.items()):
             if site_id in in_sync:
                 msg = replace(delta, evaluate=site_id == evaluator)
             else:
@@ -216,7 +216,7 @@ class Closing:
             # it is lost or the site was away (comm.transport.reliable): sent is delivered. A
             # send the channel refused leaves the site out of sync, to be brought up to date
             # when it asks (SyncRequest) or rejoins.
-            self._book.holds(site_id, r.round_id if ok else m.global_version, in_sync=ok)
+            self._members.holds(site_id, r.round_id if ok else m.global_version, in_sync=ok)
         return in_sync
 
     def maybe_finish(self, now: float, started_at: float) -> bool:
@@ -225,10 +225,10 @@ class Closing:
         st = self._model.state
         assert st is not None
         have_final = st.global_version in st.val_losses
-        can_evaluate = any(m.evaluates for m in self._book.members.values())
+        can_evaluate = any(m.evaluates for m in self._members.values())
         if not have_final and can_evaluate and now - started_at < self._cfg.final_eval_wait_s:
             return False
-        for m in self._book.members.values():
+        for m in self._members.values():
             self._post.send(m.peer, Shutdown(reason=f"completed {len(st.history)} rounds"))
         log.info("[coordinator] finished at v%d", st.global_version)
         return True

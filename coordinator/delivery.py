@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 from coordinator.global_model import GlobalModel
-from coordinator.lifecycle import Lifecycle
+from coordinator.membership import Membership
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.post import PostOffice
 from coordinator.state import GlobalState
@@ -17,12 +17,16 @@ log = logging.getLogger("crossdc.coordinator")
 
 
 class Delivery:
-    """Brings one site to the current model; what it holds is told to the lifecycle."""
+    """Brings one site to the current model; what it holds is told to the membership."""
 
     def __init__(
-        self, book: Lifecycle, model: GlobalModel, post: PostOffice, metrics: CoordinatorMetrics
+        self,
+        members: Membership,
+        model: GlobalModel,
+        post: PostOffice,
+        metrics: CoordinatorMetrics,
     ) -> None:
-        self._book = book
+        self._members = members
         self._model = model
         self._post = post
         self._metrics = metrics
@@ -42,7 +46,7 @@ class Delivery:
         self._post.later(lambda: self._catch_up_now(site_id, version, digest, state))
 
     def _catch_up_now(self, site_id: str, version: int, digest: str, state: GlobalState) -> None:
-        m = self._book.members.get(site_id)
+        m = self._members.get(site_id)
         if m is None or m.in_sync:
             return  # left, or a broadcast in between brought it up to date
         chain = self._model.deltas.chain(version, digest, state.global_version)
@@ -50,7 +54,7 @@ class Delivery:
             self._full_now(site_id, state)
             return
         if all(self._post.send_now(m.peer, msg) for msg in chain):
-            self._book.holds(site_id, state.global_version, in_sync=True)
+            self._members.holds(site_id, state.global_version, in_sync=True)
             self._metrics.catch_up_deltas.inc(len(chain))
             log.info(
                 "[coordinator site=%s] caught up v%d -> v%d with %d deltas (%d bytes)",
@@ -62,10 +66,10 @@ class Delivery:
             )
 
     def _full_now(self, site_id: str, state: GlobalState) -> None:
-        m = self._book.members.get(site_id)
+        m = self._members.get(site_id)
         if m is None:
             return  # left while its model waited for a save
         version = state.global_version
         if self._post.send_now(m.peer, self._model.full_global(state, round_id=version)):
-            self._book.holds(site_id, version, in_sync=True)
+            self._members.holds(site_id, version, in_sync=True)
             log.info("[coordinator site=%s] sent full model v%d", site_id, version)

@@ -2,12 +2,12 @@
 sync requests and leaves.
 
 :class:`Intake` authenticates each message (CURVE mode: the connection's certificate must name
-the site), refreshes the member in the lifecycle, and handles it. A join from a second
-connection for a member whose connection is alive is refused and the member kept
-(:mod:`coordinator.conflicts` counts and logs the conflict); a join the federation's aggregator
-cannot take (``Aggregator.check_join``) is refused with ``BAD_KEY``. It owns what sites said at
-their join (the version and hash they hold) and who was asked for the initial model. An update's
-reported figures are checked (:mod:`coordinator.reported`), then its round takes it
+the site), refreshes the member in the :class:`~coordinator.membership.Membership`, and handles
+it. A join from a second connection for a member whose connection is alive is refused and the
+member kept (:mod:`coordinator.conflicts` counts and logs the conflict); a join the federation's
+aggregator cannot take (``Aggregator.check_join``) is refused with ``BAD_KEY``. It owns what
+sites said at their join (the version and hash they hold) and who was asked for the initial
+model. An update's reported figures are checked (:mod:`coordinator.reported`), then its round takes it
 (``Lifecycle.take`` -> ``Round.take``: round, fragment, duplicate, then the aggregator's checks of
 the payload, then the fold); the planner learns a site's step time and link only from an update
 its round accepted. A refusal is an Error to the sender and a counter, never a change of state.
@@ -46,7 +46,7 @@ from coordinator.conflicts import ClaimVerdict, IdentityConflicts
 from coordinator.delivery import Delivery
 from coordinator.global_model import GlobalModel
 from coordinator.lifecycle import Lifecycle
-from coordinator.membership import Member
+from coordinator.membership import Member, Membership
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.model_spec import (
     averaged_difference,
@@ -75,7 +75,8 @@ class Intake:
         *,
         session_id: str,
         clock: Callable[[], float],
-        book: Lifecycle,
+        members: Membership,
+        rounds: Lifecycle,
         model: GlobalModel,
         post: PostOffice,
         delivery: Delivery,
@@ -89,7 +90,8 @@ class Intake:
         self._cfg = cfg
         self._session_id = session_id
         self._clock = clock
-        self._book = book
+        self._members = members
+        self._rounds = rounds
         self._model = model
         self._post = post
         self._delivery = delivery
@@ -116,7 +118,7 @@ class Intake:
 
     def initiator_gone(self) -> None:
         """Before θ0 exists: the site asked for it left, so the next one to join is asked."""
-        if self._init_site is not None and self._init_site not in self._book.members:
+        if self._init_site is not None and self._init_site not in self._members:
             self._init_site = self._init_fingerprint = None
             self._model.spec = None
 
@@ -148,7 +150,7 @@ class Intake:
             self._on_eval(msg)
         elif isinstance(msg, SyncRequest):
             if self._model.state is not None:
-                self._book.holds(msg.site_id, -1, in_sync=False)
+                self._members.holds(msg.site_id, -1, in_sync=False)
                 self._delivery.send_full(msg.site_id)
         else:
             log.info("[coordinator site=%s] left: %s", msg.site_id, msg.reason)
@@ -180,8 +182,8 @@ class Intake:
     def _member_for(self, peer: bytes, site_id: str) -> Member | None:
         if not self._authentic(peer, site_id):
             return None
-        now, before = self._clock(), self._book.members.get(site_id)
-        m = self._book.touch(now, site_id, peer)
+        now, before = self._clock(), self._members.get(site_id)
+        m = self._members.touch(now, site_id, peer)
         if m is None:
             self._post.reject(peer, ErrorCode.NOT_JOINED, f"site {site_id!r} must join", site_id)
         elif before is not None:
@@ -262,7 +264,7 @@ class Intake:
         except ValueError as exc:
             self._post.reject(peer, ErrorCode.BAD_KEY, str(exc), msg.site_id)
             return
-        old = self._book.members.get(msg.site_id)
+        old = self._members.get(msg.site_id)
         if not self._admit(peer, msg.site_id, old) or self._refuse_other_model(peer, msg):
             return
         if old is not None and old.peer != peer:
@@ -275,7 +277,8 @@ class Intake:
         )
         self._aggregator.joined(peer, msg)
         self._left.pop(msg.site_id, None)
-        self._book.join(
+        self._rounds.rejoined(msg.site_id)
+        self._members.join(
             self._clock(),
             msg.site_id,
             peer,
@@ -284,9 +287,9 @@ class Intake:
         )
         self.claims[msg.site_id] = (msg.global_version, msg.state_hash)
         self._metrics.joins.inc()
-        self._metrics.members.set(len(self._book.members))
+        self._metrics.members.set(len(self._members))
         need_init = False
-        if st is None and (self._init_site is None or self._init_site not in self._book.members):
+        if st is None and (self._init_site is None or self._init_site not in self._members):
             self._init_site, self._init_fingerprint = msg.site_id, msg.model_fingerprint
             need_init = True
         log.info(
@@ -321,16 +324,16 @@ class Intake:
             self._post.reject(peer, exc.code, exc.detail, msg.site_id)
             return
         self._model.install(params, msg.model_fingerprint)
-        self._book.set_model(0)
-        self._book.holds(msg.site_id, 0, in_sync=True)
+        self._rounds.set_model(0)
+        self._members.holds(msg.site_id, 0, in_sync=True)
         digest = self._model.hash()
-        for site_id, other in sorted(self._book.members.items()):
+        for site_id, other in sorted(self._members.items()):
             if other.in_sync:
                 continue
             if self.claims.get(site_id) == (0, digest):
                 # It built the same θ0 from the federation's seed and proved it by hash at its
                 # join: nothing to download.
-                self._book.holds(site_id, 0, in_sync=True)
+                self._members.holds(site_id, 0, in_sync=True)
             else:
                 self._delivery.send_full(site_id)
         self._on_changed()
@@ -344,7 +347,7 @@ class Intake:
             detail = "no global model yet: the initial parameters come first"
             self._post.reject(peer, ErrorCode.UNEXPECTED, detail, msg.site_id)
             return
-        taken = check_reported(msg) or self._book.take(self._clock(), msg)
+        taken = check_reported(msg) or self._rounds.take(self._clock(), msg)
         if isinstance(taken, UpdateRefusal):
             self._post.reject(peer, taken.code, taken.detail, msg.site_id)
             return

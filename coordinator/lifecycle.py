@@ -1,10 +1,11 @@
 """The coordinator's round lifecycle: the decisions, when to open, close, retry or abort.
 
-:class:`Lifecycle` keeps who is a member, the round counter, and which rounds are live: those
-open, oldest first, and the closed ones that can still take late updates. What a round gathered
-is the :class:`~coordinator.round.Round`'s own; the lifecycle routes each update to its round
-(``take``) and reads the rounds to decide. Events go in (``join``, ``touch``, ``leave``, ``take``,
-``tick``, ``retry``, restart through ``Lifecycle.resume``); decisions come out (:class:`Open`,
+:class:`Lifecycle` keeps the round counter and which rounds are live: those open, oldest
+first, and the closed ones that can still take late updates. What a round gathered is the
+:class:`~coordinator.round.Round`'s own; the lifecycle routes each update to its round (``take``)
+and reads the rounds, and the :class:`~coordinator.membership.Membership` it is given (who is
+ready, who fell silent), to decide. Events go in (``take``, ``rejoined``, ``tick``, ``retry``,
+restart through ``Lifecycle.resume``); decisions come out (:class:`Open`,
 :class:`Close`, :class:`Retry`, :class:`Abort`, :class:`Finish`, :class:`Remove`), each with a
 reason. It holds no socket and reads no clock (``now`` is an argument); the service carries the
 decisions out, in the order given.
@@ -17,14 +18,13 @@ of the round; the state of a :class:`Close` is persisted before its result is an
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from comm.wire.schema import ErrorCode, Update
 from coordinator.aggregate import Aggregator, Fold, WeightedMean
 from coordinator.config import CoordinatorConfig
 from coordinator.decisions import Abort, Close, Decision, Finish, Open, Remove, Retry
-from coordinator.membership import Member, expired, ready_sites, touch
+from coordinator.membership import Membership
 from coordinator.round import Round, Taken, UpdateRefusal
 from coordinator.rounds import (
     Action,
@@ -47,16 +47,17 @@ class LifecycleConfig:
     num_fragments: int
     max_staleness_rounds: int
     round_deadline_s: float
-    site_timeout_s: float
     grace_floor_s: float
     grace_ceiling_s: float
 
 
 @dataclass
 class Lifecycle:
-    """Rounds and membership of one coordinator; see the module docstring."""
+    """The rounds of one coordinator; see the module docstring."""
 
     cfg: LifecycleConfig
+    members: Membership
+    """Read to decide (who is ready, who is alive); silent members are removed by ``tick``."""
     aggregator: Aggregator = field(default_factory=WeightedMean)
     """How every round aggregates (its folds; whether rounds are whole)."""
     global_version: int = -1
@@ -65,7 +66,6 @@ class Lifecycle:
     completed_rounds: int = 0
     next_fragment: int = 0
     fragment_version: dict[int, int] = field(default_factory=dict)
-    members: dict[str, Member] = field(default_factory=dict)
     open_rounds: list[Round] = field(default_factory=list)
     closed: dict[int, Round] = field(default_factory=dict)
     """Closed and aborted rounds within the staleness horizon: they judge late updates."""
@@ -81,6 +81,7 @@ class Lifecycle:
     def resume(
         cls,
         cfg: LifecycleConfig,
+        members: Membership,
         *,
         aggregator: Aggregator | None = None,
         global_version: int,
@@ -89,7 +90,7 @@ class Lifecycle:
         next_fragment: int,
     ) -> Lifecycle:
         """The lifecycle of a coordinator restarted from durable state (see ``restore``)."""
-        book = cls(cfg, aggregator or WeightedMean())
+        book = cls(cfg, members, aggregator or WeightedMean())
         book.restore(
             global_version=global_version,
             round_counter=round_counter,
@@ -114,49 +115,14 @@ class Lifecycle:
         self.global_version = global_version
         self.fragment_version = dict.fromkeys(range(self.cfg.num_fragments), global_version)
 
-    # ---- membership ----------------------------------------------------------------------------
+    # ---- members joining again ---------------------------------------------------------------
 
-    def join(
-        self,
-        now: float,
-        site_id: str,
-        peer: bytes,
-        *,
-        in_sync_version: int | None,
-        evaluates: bool = True,
-    ) -> None:
-        """A site joined (or rejoined); ``in_sync_version`` is the version it holds when that is
-        exactly the coordinator's, else None. A site joins holding no plan (it started, or it
-        dropped what a coordinator that forgot it had planned): the open rounds it has not sent
-        its update for will never get one."""
+    def rejoined(self, site_id: str) -> None:
+        """A site joined (or rejoined) holding no plan (it started, or it dropped what a
+        coordinator that forgot it had planned): the open rounds it has not sent its update for
+        will never get one."""
         for r in self.open_rounds:
             r.drop(site_id)
-        self.members[site_id] = Member(
-            site_id=site_id,
-            peer=peer,
-            joined_at=now,
-            last_seen=now,
-            global_version=-1 if in_sync_version is None else in_sync_version,
-            in_sync=in_sync_version is not None,
-            evaluates=evaluates,
-        )
-
-    def touch(self, now: float, site_id: str, peer: bytes) -> Member | None:
-        """A message from ``peer`` naming ``site_id``: the member, refreshed (None if unknown)."""
-        m = self.members.get(site_id)
-        if m is None or m.peer != peer:
-            return None
-        self.members[site_id] = touch(m, now, peer)
-        return self.members[site_id]
-
-    def leave(self, site_id: str) -> Member | None:
-        return self.members.pop(site_id, None)
-
-    def holds(self, site_id: str, version: int, *, in_sync: bool) -> None:
-        """What a member holds after a Global was (or failed to be) sent to it."""
-        m = self.members.get(site_id)
-        if m is not None:
-            self.members[site_id] = replace(m, global_version=version, in_sync=in_sync)
 
     # ---- updates -------------------------------------------------------------------------------
 
@@ -199,9 +165,7 @@ class Lifecycle:
         )
         snap = RoundSnapshot(
             open_rounds=tuple(r.view() for r in self.open_rounds),
-            ready=tuple(
-                s for s in ready_sites(self.members, self.global_version) if s not in unconfirmed
-            ),
+            ready=tuple(self.members.ready(self.global_version, unconfirmed)),
             alive=frozenset(self.members),
             completed_rounds=self.completed_rounds,
             grace_s=grace,
@@ -229,10 +193,8 @@ class Lifecycle:
 
     def expire(self, now: float) -> Remove | None:
         """Remove the members silent for longer than the site timeout."""
-        gone, why = expired(now, self.members, self.cfg.site_timeout_s)
-        if not gone:
-            return None
-        return Remove(tuple(self.members.pop(s) for s in gone), why)
+        gone, why = self.members.expire(now)
+        return Remove(gone, why) if gone else None
 
     def retry(self, now: float, r: Round, survivors: tuple[str, ...], fold: Fold) -> None:
         """A whole round starts over with ``survivors`` only, gathering into ``fold``."""
@@ -304,17 +266,6 @@ class Lifecycle:
         not sent it, and was not dropped."""
         return tuple(r.round_id for r in self.open_rounds if r.awaits(site_id))
 
-    # ---- views ---------------------------------------------------------------------------------
-
-    def in_sync(self, version: int) -> list[str]:
-        """Members holding exactly ``version``."""
-        return sorted(
-            s for s, m in self.members.items() if m.in_sync and m.global_version == version
-        )
-
-    def peers(self) -> Mapping[str, bytes]:
-        return {s: m.peer for s, m in sorted(self.members.items())}
-
 
 def lifecycle_config(cfg: CoordinatorConfig) -> LifecycleConfig:
     """What the round lifecycle needs of the coordinator's configuration."""
@@ -326,7 +277,6 @@ def lifecycle_config(cfg: CoordinatorConfig) -> LifecycleConfig:
         num_fragments=cfg.num_fragments,
         max_staleness_rounds=cfg.max_staleness_rounds,
         round_deadline_s=cfg.round_deadline_s,
-        site_timeout_s=cfg.site_timeout_s,
         grace_floor_s=cfg.grace_floor_s,
         grace_ceiling_s=cfg.grace_ceiling_s,
     )

@@ -11,11 +11,11 @@ import logging
 from typing import Any
 
 from comm.wire.schema import RoundCancel, RoundStart
-from coordinator.aggregate import Aggregator
 from coordinator.config import CoordinatorConfig
 from coordinator.decisions import Abort, Open, Retry
 from coordinator.global_model import GlobalModel
 from coordinator.lifecycle import Lifecycle
+from coordinator.membership import Membership
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.planner import Planner
 from coordinator.post import PostOffice
@@ -31,17 +31,17 @@ class Opening:
         cfg: CoordinatorConfig,
         *,
         book: Lifecycle,
+        members: Membership,
         model: GlobalModel,
         planner: Planner,
-        aggregator: Aggregator,
         post: PostOffice,
         metrics: CoordinatorMetrics,
     ) -> None:
         self._cfg = cfg
         self._book = book
+        self._members = members
         self._model = model
         self._planner = planner
-        self._aggregator = aggregator
         self._post = post
         self._metrics = metrics
 
@@ -89,7 +89,7 @@ class Opening:
                 reason=plan_why,
                 **extra,
             )
-            self._post.send(self._book.members[site_id].peer, r.starts[site_id])
+            self._post.send(self._members[site_id].peer, r.starts[site_id])
         self._post.later(lambda: self._cfg.faults.point("open", round_id))
 
     def retry_or_abandon(self, now: float, decision: Retry) -> None:
@@ -98,8 +98,8 @@ class Opening:
         assert st is not None
         r = decision.round
         assert r.fold is not None and r.plan is not None
-        name = self._aggregator.name
-        attempt, why = self._aggregator.retry(r.round_id, r.fold, decision.received)
+        name = r.aggregator.name
+        attempt, why = r.aggregator.retry(r.round_id, r.fold, decision.received)
         if attempt is None:
             self.abort(self._book.abort(f"{name}: {why}"))
             return
@@ -113,7 +113,7 @@ class Opening:
                 r.round_id,
                 survivors[0],
             )
-            self._post.lose_next(self._book.members[survivors[0]].peer, RoundStart)
+            self._post.lose_next(self._members[survivors[0]].peer, RoundStart)
         fields: dict[str, Any] = {
             "round_id": r.round_id,
             "global_version": st.global_version,
@@ -130,12 +130,12 @@ class Opening:
         for site_id in survivors:
             # The site's codec, unless the aggregator's retry asks for another.
             msg = {"codec": r.plan.uplink[site_id], **fields, **fold.start_fields}
-            self._post.send(self._book.members[site_id].peer, RoundStart(**msg))
+            self._post.send(self._members[site_id].peer, RoundStart(**msg))
 
     def abort(self, decision: Abort) -> None:
         """Every open round was cancelled: drop what they gathered and tell every member."""
         ids = decision.round_ids
         log.warning("[coordinator round=%d] aborted: %s; cancelling %s", ids[0], decision.why, ids)
         self._metrics.rounds_aborted.inc()
-        for m in self._book.members.values():
+        for m in self._members.values():
             self._post.send(m.peer, RoundCancel(round_ids=ids, reason=decision.why))

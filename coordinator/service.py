@@ -3,8 +3,9 @@
 :class:`Coordinator` builds the components, each owning its state and given only what it needs:
 the :class:`~coordinator.aggregate.Aggregator` every round folds its updates through (chosen
 here, once: the weighted mean, the sparse forward, or secure aggregation's masked sum), the
-round :class:`~coordinator.lifecycle.Lifecycle` (membership, the live
-:class:`~coordinator.round.Round` objects, the decisions), the
+:class:`~coordinator.membership.Membership` (who is a member, what each holds), the round
+:class:`~coordinator.lifecycle.Lifecycle` (the live :class:`~coordinator.round.Round` objects,
+the decisions), the
 :class:`~coordinator.global_model.GlobalModel`, the :class:`~coordinator.post.PostOffice`
 (socket, authentication, durability barrier), the
 :class:`~coordinator.planner.Planner`, :class:`~coordinator.intake.Intake` for messages (with
@@ -47,7 +48,7 @@ from coordinator.file_store import FileStateStore
 from coordinator.global_model import GlobalModel
 from coordinator.intake import Intake
 from coordinator.lifecycle import Lifecycle, lifecycle_config
-from coordinator.membership import Member
+from coordinator.membership import Member, Membership
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.opening import Opening
 from coordinator.planner import Planner
@@ -97,7 +98,8 @@ class Coordinator:
         )
         self.post = PostOffice(cfg, store, self.metrics, kit, clock=clock)
         self.aggregator = _configured_aggregator(cfg, self.post)
-        self.book = Lifecycle(lifecycle_config(cfg), self.aggregator)
+        self.membership = Membership(cfg.site_timeout_s)
+        self.book = Lifecycle(lifecycle_config(cfg), self.membership, self.aggregator)
         self.model = GlobalModel(
             num_fragments=cfg.num_fragments,
             deltas_dir=cfg.state_path / "deltas" if cfg.state_dir else None,
@@ -108,6 +110,7 @@ class Coordinator:
             session_id=os.urandom(8).hex(),
             state_dir=cfg.state_path if cfg.state_dir else None,
             clock=clock,
+            members=self.membership,
             book=self.book,
             model=self.model,
             post=self.post,
@@ -117,14 +120,15 @@ class Coordinator:
     def _assemble(self, strategy: Strategy) -> None:
         """The components that handle messages and carry decisions out."""
         cfg, book, model, post, metrics = self.cfg, self.book, self.model, self.post, self.metrics
-        aggregator = self.aggregator
+        members, aggregator = self.membership, self.aggregator
         planner = self.planner = Planner(cfg)
-        delivery = Delivery(book, model, post, metrics)
+        delivery = Delivery(members, model, post, metrics)
         self.intake = Intake(
             cfg,
             session_id=self.session_id,
             clock=self.clock,
-            book=book,
+            members=members,
+            rounds=book,
             model=model,
             post=post,
             delivery=delivery,
@@ -142,15 +146,15 @@ class Coordinator:
         self.opening = Opening(
             cfg,
             book=book,
+            members=members,
             model=model,
             planner=planner,
-            aggregator=aggregator,
             post=post,
             metrics=metrics,
         )
         self.closing = Closing(
             cfg,
-            book=book,
+            members=members,
             model=model,
             planner=planner,
             strategy=strategy,
@@ -166,8 +170,8 @@ class Coordinator:
         return self.model.state
 
     @property
-    def members(self) -> dict[str, Member]:
-        return self.book.members
+    def members(self) -> Mapping[str, Member]:
+        return self.membership
 
     @property
     def open_rounds(self) -> list[OpenRound]:
@@ -217,7 +221,7 @@ class Coordinator:
                 )
             self._resume(state)
         allowance = PeerAllowance(
-            book=self.book,
+            members=self.membership,
             numel=lambda: None if self.model.state is None else self.model.numel,
             unknown_model_bytes=self.cfg.channel.max_transfer_bytes,
         )
@@ -299,15 +303,15 @@ class Coordinator:
         """A member whose model the channel gave up (it held more for it than it may) does not
         hold it: out of sync, it gets the whole model with the next result."""
         peers = set(self.post.models_given_up())
-        for site_id, m in list(self.book.members.items()):
+        for site_id, m in list(self.membership.items()):
             if m.peer in peers and m.in_sync:
                 log.warning("[coordinator site=%s] its model was given up: out of sync", site_id)
-                self.book.holds(site_id, m.global_version, in_sync=False)
+                self.membership.holds(site_id, m.global_version, in_sync=False)
 
     def _unconfirmed(self) -> frozenset[str]:
         """Members a model was sent to in chunks that have not acknowledged it: a site that
         cannot or will not take the model is not planned into rounds it would only hold up."""
-        members = self.book.members
+        members = self.membership
         return frozenset(s for s, m in members.items() if self.post.awaits_model(m.peer))
 
     def _route(self, now: float, decision: Decision) -> None:
@@ -342,15 +346,15 @@ class Coordinator:
 
     def _remove(self, site_id: str) -> None:
         """A member that left."""
-        m = self.book.leave(site_id)
+        m = self.membership.leave(site_id)
         self._forget(site_id, m.peer if m is not None else None)
-        self.metrics.members.set(len(self.book.members))
+        self.metrics.members.set(len(self.membership))
 
     def _on_cut_off(self, cut: CutOff) -> None:
         """A connection the channel cut off (a revoked or expired certificate): the member it
         carries leaves, as by a Leave."""
         site_id = cut.identity.site_id
-        m = self.book.members.get(site_id)
+        m = self.membership.get(site_id)
         if m is None or m.peer != cut.peer:
             return
         log.warning("[coordinator site=%s] removed: certificate %s", site_id, cut.reason)
@@ -362,7 +366,7 @@ class Coordinator:
             log.warning("[coordinator site=%s] removed: %s", m.site_id, decision.why)
             self.metrics.site_timeouts.inc()
             self._forget(m.site_id, m.peer)
-        self.metrics.members.set(len(self.book.members))
+        self.metrics.members.set(len(self.membership))
 
     def _forget(self, site_id: str, peer: bytes | None) -> None:
         """Everything kept about a member, dropped when it leaves or is timed out (both removal

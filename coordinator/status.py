@@ -9,6 +9,7 @@ from typing import Any
 
 from coordinator.global_model import GlobalModel
 from coordinator.lifecycle import Lifecycle
+from coordinator.membership import Membership
 from coordinator.post import PostOffice
 from coordinator.status_board import STATUS_HISTORY_TAIL, StatusBoard
 
@@ -22,12 +23,14 @@ class CoordinatorStatus:
         session_id: str,
         state_dir: Path | None,
         clock: Callable[[], float],
+        members: Membership,
         book: Lifecycle,
         model: GlobalModel,
         post: PostOffice,
     ) -> None:
         self.session_id = session_id
         self.endpoint = ""
+        self._members = members
         self._book = book
         self._model = model
         self._post = post
@@ -50,7 +53,7 @@ class CoordinatorStatus:
             "state_hash": self._model.hash() if st else None,
             "round_counter": st.round_counter if st else 0,
             "rounds_completed": len(st.history) if st else 0,
-            "members": sorted(book.members),
+            "members": sorted(self._members),
             "open_round": book.open_rounds[0].round_id if book.open_rounds else None,
             "open_rounds": [r.round_id for r in book.open_rounds],
             "val_losses": {str(k): v for k, v in sorted(st.val_losses.items())} if st else {},

@@ -98,7 +98,7 @@ def test_a_site_that_rejoins_behind_gets_the_deltas_since_its_version() -> None:
             assert a.codec == b.codec == "int8" and a.meta == b.meta
             assert all(np.array_equal(x, y) for x, y in zip(a.buffers, b.buffers, strict=True))
         assert h.coord.metrics.registry.get_sample_value("crossdc_catch_up_deltas_total") == 1.0
-        assert h.coord.book.members["us"].in_sync
+        assert h.coord.members["us"].in_sync
         # A site whose v1 is not the federation's gets the whole model instead.
         ap = h.site("ap")
         join(h, ap, version=g1.global_version, digest="not-v1")

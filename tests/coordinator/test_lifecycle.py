@@ -12,12 +12,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from comm.wire.schema import Update
 from coordinator.decisions import Abort, Close, Finish, Open, Remove, Retry
 from coordinator.lifecycle import Lifecycle, LifecycleConfig
+from coordinator.membership import Membership
 from coordinator.round import Taken, UpdateRefusal
 from coordinator.rounds import next_fragment
 
 pytestmark = pytest.mark.timeout(120)
 
 SITES = ("a", "b", "c", "d")
+SITE_TIMEOUT_S = 5.0
 
 
 def config(*, overlap: bool, fragments: int, staleness: int, quorum: float) -> LifecycleConfig:
@@ -29,10 +31,15 @@ def config(*, overlap: bool, fragments: int, staleness: int, quorum: float) -> L
         num_fragments=fragments,
         max_staleness_rounds=staleness,
         round_deadline_s=10.0,
-        site_timeout_s=5.0,
         grace_floor_s=1.0,
         grace_ceiling_s=3.0,
     )
+
+
+def join(book: Lifecycle, now: float, site: str, peer: bytes, *, version: int | None) -> None:
+    """A join as the intake records it: the member, and no plan owed to the site any more."""
+    book.rejoined(site)
+    book.members.join(now, site, peer, in_sync_version=version)
 
 
 def update(site: str, round_id: int, fragment: int, trained_from: int) -> Update:
@@ -65,7 +72,8 @@ class LifecycleMachine(RuleBasedStateMachine):
     def setup(self, overlap: bool, fragments: int, staleness: int, quorum: float) -> None:
         self.cfg = config(overlap=overlap, fragments=fragments, staleness=staleness, quorum=quorum)
         self.now = 0.0
-        self.book = Lifecycle(self.cfg)
+        self.members = Membership(SITE_TIMEOUT_S)
+        self.book = Lifecycle(self.cfg, self.members)
         self.book.set_model(0)
         # The durable record.
         self.counter = 0
@@ -83,22 +91,18 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     @rule(site=st.sampled_from(SITES), in_sync=st.booleans())
     def join(self, site: str, in_sync: bool) -> None:
-        self.book.join(
-            self.now,
-            site,
-            site.encode(),
-            in_sync_version=self.book.global_version if in_sync else None,
-        )
+        version = self.book.global_version if in_sync else None
+        join(self.book, self.now, site, site.encode(), version=version)
         if not in_sync:  # the service sends the full model at once
-            self.book.holds(site, self.book.global_version, in_sync=True)
+            self.members.holds(site, self.book.global_version, in_sync=True)
 
     @rule(site=st.sampled_from(SITES))
     def leave(self, site: str) -> None:
-        self.book.leave(site)
+        self.members.leave(site)
 
     @rule(site=st.sampled_from(SITES))
     def heartbeat(self, site: str) -> None:
-        self.book.touch(self.now, site, site.encode())
+        self.members.touch(self.now, site, site.encode())
 
     @rule(dt=st.floats(min_value=0.1, max_value=8.0))
     def advance(self, dt: float) -> None:
@@ -120,7 +124,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         if wrong_fragment and self.cfg.num_fragments > 1:
             fragment = (fragment + 1) % self.cfg.num_fragments
         trained_from = (r.base_version if r is not None else 0) - (1 if behind else 0)
-        if self.book.touch(self.now, site, site.encode()) is None:
+        if self.members.touch(self.now, site, site.encode()) is None:
             return  # the service refuses a non-member before asking the lifecycle
         taken = self.book.take(self.now, update(site, round_id, fragment, trained_from))
         if isinstance(taken, UpdateRefusal):
@@ -147,13 +151,13 @@ class LifecycleMachine(RuleBasedStateMachine):
             raise AssertionError("the lifecycle kept deciding without an event in between")
         # Once the tick has run, no open round outlives its participants or its deadline, and
         # no member outlives its timeout.
-        for m in self.book.members.values():
-            assert self.now - m.last_seen <= self.cfg.site_timeout_s
+        for m in self.members.values():
+            assert self.now - m.last_seen <= SITE_TIMEOUT_S
         if self.book.open_rounds:
             oldest = self.book.open_rounds[0]
             assert self.now < oldest.deadline_at
             outstanding = set(oldest.participants) - oldest.received
-            assert outstanding & (set(self.book.members) - oldest.dropped)
+            assert outstanding & (set(self.members) - oldest.dropped)
 
     @rule()
     def restart(self) -> None:
@@ -161,8 +165,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         for r in self.book.open_rounds:
             self.lost.update((s, r.round_id) for s in self.accepted_on_time.get(r.round_id, ()))
         self.lost.update(self.book.pending_late())
+        self.members = Membership(SITE_TIMEOUT_S)
         self.book = Lifecycle.resume(
             self.cfg,
+            self.members,
             global_version=self.version,
             round_counter=self.counter,
             completed_rounds=len(self.history),
@@ -176,7 +182,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             assert decision.round_id == self.counter + 1
             self.counter = decision.round_id  # persisted before the round is announced
             self.issued.append(decision.round_id)
-            assert set(decision.participants) <= set(self.book.members)
+            assert set(decision.participants) <= set(self.members)
             assert decision.base_version < decision.round_id
         elif isinstance(decision, Close):
             r = decision.round
@@ -196,13 +202,13 @@ class LifecycleMachine(RuleBasedStateMachine):
             )
             self.closed_ids.append(r.round_id)
             # The service sends the result to every member (a delta or the full model).
-            for site in list(self.book.members):
-                self.book.holds(site, r.round_id, in_sync=True)
+            for site in list(self.members):
+                self.members.holds(site, r.round_id, in_sync=True)
         elif isinstance(decision, Abort):
             for round_id in decision.round_ids:
                 self.lost.update((s, round_id) for s in self.accepted_on_time.get(round_id, ()))
         elif isinstance(decision, Remove):
-            assert not set(decision.site_ids) & set(self.book.members)
+            assert not set(decision.site_ids) & set(self.members)
         else:
             assert isinstance(decision, Finish | Retry)
             raise AssertionError(f"unexpected {decision}")
@@ -269,23 +275,25 @@ TestLifecycle.settings = settings(
 def test_late_update_merges_after_its_closed_round_is_forgotten() -> None:
     # Three fragments and no staleness slack: the late update's round leaves the closed-round
     # memory before its fragment syncs again; the update still merges there, once.
-    book = Lifecycle(config(overlap=False, fragments=3, staleness=0, quorum=0.5))
+    book = Lifecycle(
+        config(overlap=False, fragments=3, staleness=0, quorum=0.5), Membership(SITE_TIMEOUT_S)
+    )
     book.set_model(0)
     for site in ("a", "b"):
-        book.join(0.0, site, site.encode(), in_sync_version=0)
+        join(book, 0.0, site, site.encode(), version=0)
     opened = book.tick(0.0)
     assert isinstance(opened, Open) and opened.fragment == 0
     assert isinstance(book.take(0.0, update("a", opened.round_id, 0, 0)), Taken)
     closed = book.tick(5.0)  # quorum 1 of 2 and the grace floor passed
     assert isinstance(closed, Close) and closed.merged == ("a",)
     for site in ("a", "b"):
-        book.holds(site, closed.round.round_id, in_sync=True)
+        book.members.holds(site, closed.round.round_id, in_sync=True)
     taken = book.take(5.0, update("b", opened.round_id, 0, 0))
     assert isinstance(taken, Taken) and taken.late
     now = 5.0
     for fragment in (1, 2, 0):
         for site in ("a", "b"):
-            book.touch(now, site, site.encode())
+            book.members.touch(now, site, site.encode())
         o = book.tick(now)
         assert isinstance(o, Open) and o.fragment == fragment
         for site in ("a", "b"):
@@ -295,7 +303,7 @@ def test_late_update_merges_after_its_closed_round_is_forgotten() -> None:
         c = book.tick(now)
         assert isinstance(c, Close)
         for site in ("a", "b"):
-            book.holds(site, c.round.round_id, in_sync=True)
+            book.members.holds(site, c.round.round_id, in_sync=True)
         if fragment == 0:
             assert opened.round_id not in book.closed
             late = [(u.site_id, r.round_id) for r in c.late for u in r.late_waiting]
@@ -311,17 +319,19 @@ def test_a_participant_that_joins_again_no_longer_holds_its_round(
 ) -> None:
     # A site restarted mid-round joins again at once (its silence never reaches the timeout);
     # it holds no plan now, so the round must not wait for it until the deadline.
-    book = Lifecycle(config(overlap=False, fragments=1, staleness=2, quorum=quorum))
+    book = Lifecycle(
+        config(overlap=False, fragments=1, staleness=2, quorum=quorum), Membership(SITE_TIMEOUT_S)
+    )
     book.set_model(0)
     for site in ("a", "b"):
-        book.join(0.0, site, site.encode(), in_sync_version=0)
+        join(book, 0.0, site, site.encode(), version=0)
     opened = book.tick(0.0)
     assert isinstance(opened, Open)
     assert book.awaiting("a") == book.awaiting("b") == (opened.round_id,)
     assert isinstance(book.take(0.1, update("a", opened.round_id, 0, 0)), Taken)
     assert book.tick(0.2) is None  # b is still expected
     assert (book.awaiting("a"), book.awaiting("b")) == ((), (opened.round_id,))
-    book.join(0.3, "b", b"b-restarted", in_sync_version=0)
+    join(book, 0.3, "b", b"b-restarted", version=0)
     assert book.awaiting("b") == ()  # dropped: no plan is owed to it any more
     decision = book.tick(0.3)
     assert isinstance(decision, expected), decision
