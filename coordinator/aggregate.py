@@ -37,7 +37,14 @@ from comm.wire.frames import WireError
 from comm.wire.schema import ErrorCode, Join
 from comm.wire.tensors import decode_parts, decode_tensors, encode_tensors
 from coordinator.state import GlobalState
-from coordinator.strategies.base import OrderedStep, OuterResult, Strategy, as_ordered, global_norm
+from coordinator.strategies.base import (
+    OrderedStep,
+    OuterResult,
+    Revealed,
+    Strategy,
+    as_ordered,
+    global_norm,
+)
 
 Arrays = dict[str, npt.NDArray[np.float32]]
 Shapes = Mapping[str, tuple[int, ...]]
@@ -130,6 +137,9 @@ class Aggregator(Protocol):
 
     name: str
     """For the log: what aggregates."""
+    reveals: Revealed
+    """What the outer step sees of a round's updates (a strategy that needs more cannot run on
+    this aggregation: ``coordinator.strategies.problem``)."""
     whole_rounds: bool
     """A round merges all of its participants' updates or is retried with those that remain
     (:meth:`retry`); False: it may close with a quorum."""
@@ -214,6 +224,7 @@ class _NoKeys:
     """Joins need nothing, rounds are never retried, closed rounds take late updates."""
 
     name = "aggregation"
+    reveals = Revealed.EACH_UPDATE
     whole_rounds = False
     late_refusal = ""
 
@@ -436,8 +447,8 @@ def sparse_outer_step(
     averaged: Collection[str],
 ) -> OuterStep:
     """The strategy's ordered step over the round's encoded updates ``parts`` (weight, tensors),
-    in their order, decoded as a site decodes the broadcast that forwards them: the sites compute the
-    same parameters bit for bit, so there is no downlink residual to keep."""
+    in their order, decoded as a site decodes the broadcast that forwards them: the sites compute
+    the same parameters bit for bit, so there is no downlink residual to keep."""
     payload = tuple(enc for _, part in parts for enc in part)
     weights = tuple(w for w, _ in parts)
     decoded = decode_parts(payload, weights, {k: tuple(st.params[k].shape) for k in names})

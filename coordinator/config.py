@@ -201,10 +201,16 @@ class CoordinatorConfig:
             raise ValueError(
                 f"coordinator.outer_warmup_steps must be >= 0, got {self.outer_warmup_steps}"
             )
+        # Secure aggregation's masked sum reveals only the sum of a round's updates (its
+        # aggregator declares so); every other aggregation sees each update.
+        sum_only = self.secure_aggregation is not None
         problem = strategies.problem(
             self.outer_strategy,
             broadcast=self.broadcast,
-            secure_aggregation=self.secure_aggregation is not None,
+            reveals=strategies.Revealed.SUM if sum_only else strategies.Revealed.EACH_UPDATE,
+            spelling=strategies.Spelling(
+                sum_only="coordinator.secure_aggregation", sum_only_words="secure aggregation"
+            ),
         )
         if problem is not None:
             raise ValueError(problem)

@@ -29,6 +29,7 @@ from comm.security.secagg import MaskingPlan, decide_attempt, plan_message
 from comm.wire.schema import ErrorCode, Join
 from coordinator.aggregate import Arrays, Fold, Late, MeanResult, Refused, RoundResult, Shapes
 from coordinator.post import PostOffice
+from coordinator.strategies.base import Revealed
 
 log = logging.getLogger("crossdc.coordinator")
 
@@ -174,6 +175,7 @@ class MaskedSumAggregator:
     whole_rounds = True
     late_refusal = "masked updates cannot be merged late"
     name = "secure aggregation"
+    reveals = Revealed.SUM
 
     def __init__(self, config: SecAggConfig, post: PostOffice) -> None:
         self.config = config

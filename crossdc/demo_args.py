@@ -78,7 +78,12 @@ def argument_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-COMMAND_LINE_SPELLING = ("--outer-strategy", "--broadcast", "--secure-aggregation")
+COMMAND_LINE_SPELLING = (
+    "--outer-strategy",
+    "--broadcast",
+    "--secure-aggregation",
+    "secure aggregation",
+)
 """How the demo's (and ``crossdc bench wan``'s) messages name the strategy's settings."""
 
 
@@ -87,10 +92,12 @@ def outer_strategy_problem(args: argparse.Namespace) -> str | None:
     ``--secure-aggregation``; None: they go together."""
     from coordinator import strategies
 
+    # Secure aggregation's masked sum reveals only the sum of a round's updates.
+    sum_only = bool(getattr(args, "secure_aggregation", False))
     return strategies.problem(
         args.outer_strategy,
         broadcast=args.broadcast,
-        secure_aggregation=bool(getattr(args, "secure_aggregation", False)),
+        reveals=strategies.Revealed.SUM if sum_only else strategies.Revealed.EACH_UPDATE,
         spelling=strategies.Spelling(*COMMAND_LINE_SPELLING, command_line=True),
     )
 

@@ -42,9 +42,6 @@ PLACES: dict[str, str] = {
     "coordinator/config.py": "the coordinator's config field, coordinator.secure_aggregation",
     "coordinator/secure_aggregation.py": "the masked-sum aggregator, its key relay and plans",
     "coordinator/service.py": "choosing the aggregator when the coordinator is assembled",
-    "coordinator/strategies/__init__.py": "which outer strategies run on masked sums",
-    "coordinator/strategies/base.py": "a strategy declares whether it runs on masked sums",
-    "coordinator/strategies/sparseloco.py": "SparseLoCo does not (its update must stay sparse)",
 }
 
 
@@ -151,10 +148,5 @@ def test_every_listed_place_still_names_it() -> None:
     assert not stale, f"listed in PLACES but naming secure aggregation no more: {stale}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the outer strategies' compatibility flag names secure aggregation in three modules "
-    "of coordinator/strategies/; remove this mark once PLACES holds at most MOST_PLACES files",
-)
 def test_secure_aggregation_lives_in_at_most_ten_files() -> None:
     assert len(PLACES) <= MOST_PLACES, sorted(PLACES)

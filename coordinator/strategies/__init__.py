@@ -2,8 +2,9 @@
 
 A strategy is a class deriving from :class:`~coordinator.strategies.base.OuterStrategy`,
 decorated with :func:`register`, in a module of this package (found by listing the package, so
-adding one is adding its file). It declares what it is compatible with (``broadcasts``,
-``secure_aggregation``) and builds itself from
+adding one is adding its file). It declares what it is compatible with (``broadcasts``, and
+what it ``needs`` to see of a round's updates, :class:`~coordinator.strategies.base.Revealed`)
+and builds itself from
 :class:`~coordinator.strategies.base.OuterSettings`. Everything that needs a strategy's name or
 what it allows asks here: the coordinator's config validation and service, the demo's and the
 benches' arguments and simulations.
@@ -16,13 +17,14 @@ import pkgutil
 from dataclasses import dataclass
 from typing import TypeVar
 
-from coordinator.strategies.base import OuterSettings, OuterStrategy
+from coordinator.strategies.base import OuterSettings, OuterStrategy, Revealed
 
 __all__ = [
     "BROADCASTS",
     "CONFIG",
     "OuterSettings",
     "OuterStrategy",
+    "Revealed",
     "Spelling",
     "build",
     "get",
@@ -96,14 +98,16 @@ def build(name: str, settings: OuterSettings) -> OuterStrategy:
     return get(name).from_settings(settings)
 
 
-def supporting(*, broadcast: str | None = None, secure_aggregation: bool = False) -> list[str]:
-    """Names of the strategies that can send by ``broadcast`` (None: any) and, with
-    ``secure_aggregation``, run on masked updates."""
+def supporting(
+    *, broadcast: str | None = None, reveals: Revealed = Revealed.EACH_UPDATE
+) -> list[str]:
+    """Names of the strategies that can send by ``broadcast`` (None: any) and see enough of a
+    round whose aggregation ``reveals`` this much."""
     return [
         n
         for n in names()
         if (broadcast is None or broadcast in _registry[n].broadcasts)
-        and (not secure_aggregation or _registry[n].secure_aggregation)
+        and reveals.covers(_registry[n].needs)
     ]
 
 
@@ -119,7 +123,11 @@ class Spelling:
 
     strategy: str = "coordinator.outer_strategy"
     broadcast: str = "coordinator.broadcast"
-    secure_aggregation: str = "coordinator.secure_aggregation"
+    sum_only: str = "the aggregation"
+    """The setting under which rounds reveal only the sum of their updates
+    (:attr:`Revealed.SUM`), named when a strategy needs more."""
+    sum_only_words: str = ""
+    """The same in words, for "turn ... off" (empty: ``sum_only``)."""
     command_line: bool = False
 
     def setting(self, key: str, value: str) -> str:
@@ -127,18 +135,20 @@ class Spelling:
 
 
 CONFIG = Spelling()
-"""The coordinator's TOML keys."""
+"""The coordinator's TOML keys for the strategy and the broadcast (the config adds the key under
+which rounds reveal only sums)."""
 
 
 def problem(
     name: str,
     *,
     broadcast: str = "dense",
-    secure_aggregation: bool = False,
+    reveals: Revealed = Revealed.EACH_UPDATE,
     spelling: Spelling = CONFIG,
 ) -> str | None:
-    """What is wrong with running strategy ``name`` with ``broadcast`` and (or without) secure
-    aggregation, in ``spelling``'s words; None: nothing. The one place these are checked."""
+    """What is wrong with running strategy ``name`` with ``broadcast`` on rounds whose
+    aggregation ``reveals`` this much of their updates, in ``spelling``'s words; None: nothing.
+    The one place these are checked."""
     _discover()
     cls = _registry.get(name)
     if cls is None:
@@ -146,12 +156,13 @@ def problem(
     if broadcast not in BROADCASTS:
         choices = " or ".join(repr(b) for b in BROADCASTS)
         return f"{spelling.broadcast} must be {choices}, got {broadcast!r}"
-    if secure_aggregation and not cls.secure_aggregation:
-        alternatives = " or ".join(repr(n) for n in supporting(secure_aggregation=True))
+    if not reveals.covers(cls.needs):
+        alternatives = " or ".join(repr(n) for n in supporting(reveals=reveals))
         return (
-            f"{spelling.setting(spelling.strategy, name)} cannot run with "
-            f"{spelling.secure_aggregation}: {cls.why_not_secure_aggregation}; use "
-            f"{alternatives} or turn secure aggregation off"
+            f"{spelling.setting(spelling.strategy, name)} cannot run with {spelling.sum_only}: "
+            f"it needs {cls.needs.value} ({cls.why_each_update}), and {spelling.sum_only} "
+            f"reveals {reveals.value}; use {alternatives} or turn "
+            f"{spelling.sum_only_words or spelling.sum_only} off"
         )
     if broadcast not in cls.broadcasts:
         able = " or ".join(

@@ -5,15 +5,16 @@ pseudo-gradients Δ_s = θ_t − θ_s, then an outer optimizer step. Every strat
 iterates sites in a fixed order, so the same inputs give bit-identical outputs.
 
 A strategy is a class deriving from :class:`OuterStrategy`: it declares its ``name`` (the value
-of ``coordinator.outer_strategy``), which broadcasts it can be paired with and whether it can run
-under secure aggregation, and builds itself from :class:`OuterSettings`. The registry
-(:mod:`coordinator.strategies`) finds it by name.
+of ``coordinator.outer_strategy``), which broadcasts it can be paired with and what it needs to
+see of a round's updates (:class:`Revealed`), and builds itself from :class:`OuterSettings`. The
+registry (:mod:`coordinator.strategies`) finds it by name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import ClassVar, Protocol, Self, cast
 
 import numpy as np
@@ -62,6 +63,22 @@ def nesterov_step(
 
 def global_norm(tensors: Mapping[str, np.ndarray]) -> float:
     return float(np.sqrt(sum(float(np.dot(t.ravel(), t.ravel())) for t in tensors.values())))
+
+
+class Revealed(Enum):
+    """What a round's aggregation lets the outer step see of the round's updates. A strategy
+    declares what it ``needs``, an aggregator what it ``reveals``; the registry's ``problem``
+    compares the two for a configuration."""
+
+    SUM = "only the sum of the updates"
+    """Their weighted sum, nothing of each one."""
+    EACH_UPDATE = "each update as its site encoded it"
+    """Every update, as it came off the wire (and so their sum too)."""
+
+    def covers(self, needed: Revealed) -> bool:
+        """Whether an aggregation revealing this gives a strategy that needs ``needed``
+        enough."""
+        return self is Revealed.EACH_UPDATE or needed is Revealed.SUM
 
 
 @dataclass(frozen=True)
@@ -152,10 +169,12 @@ class OuterStrategy:
     :class:`OrderedStep`)."""
     why_not_other_broadcasts: ClassVar[str] = ""
     """Why a broadcast outside ``broadcasts`` is refused, for the message naming it."""
-    secure_aggregation: ClassVar[bool] = True
-    """Whether the strategy can run on pairwise-masked updates (only their sum is known)."""
-    why_not_secure_aggregation: ClassVar[str] = ""
-    """Why it cannot, for the message naming it."""
+    needs: ClassVar[Revealed] = Revealed.SUM
+    """What the strategy needs to see of a round's updates: their weighted sum is enough for a
+    step on their mean; ``EACH_UPDATE``: the updates must reach the coordinator as their sites
+    encoded them, so the strategy cannot run where rounds reveal only their sum."""
+    why_each_update: ClassVar[str] = ""
+    """Why it needs each update, for the message refusing an aggregation that reveals less."""
 
     @classmethod
     def from_settings(cls, settings: OuterSettings) -> Self:

@@ -18,6 +18,7 @@ from coordinator.strategies.base import (
     OuterResult,
     OuterSettings,
     OuterStrategy,
+    Revealed,
     global_norm,
     weighted_mean,
 )
@@ -38,9 +39,9 @@ class SparseLoCo(OuterStrategy):
     name: ClassVar[str] = "sparseloco"
     summary: ClassVar[str] = "outer SGD, the sites' decayed error feedback as the only memory"
     broadcasts: ClassVar[frozenset[str]] = frozenset({"dense", "sparse"})
-    secure_aggregation: ClassVar[bool] = False
-    why_not_secure_aggregation: ClassVar[str] = (
-        "the pairwise masks are dense, so a masked update cannot stay sparse"
+    needs: ClassVar[Revealed] = Revealed.EACH_UPDATE
+    why_each_update: ClassVar[str] = (
+        "its sites send the chunk top-k of their error feedback, which must arrive sparse"
     )
 
     lr: float = 1.0

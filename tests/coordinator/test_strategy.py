@@ -299,3 +299,52 @@ def test_the_sparse_broadcast_runs_the_ordered_step_a_strategy_declares() -> Non
     with pytest.raises(ValueError, match="unordered declares the sparse broadcast but has no"):
         strategies.register(Unordered)
     assert "unordered" not in strategies.names()
+
+
+def test_what_a_strategy_needs_is_checked_against_what_the_aggregation_reveals() -> None:
+    from comm.security.masking import SecAggConfig
+    from comm.security.rolekits import SecurityConfig
+    from coordinator import strategies
+    from coordinator.aggregate import SparseForward, WeightedMean
+    from coordinator.config import CoordinatorConfig
+    from coordinator.secure_aggregation import MaskedSumAggregator
+    from coordinator.strategies.base import Revealed
+    from crossdc.demo_args import add_demo_arguments, outer_strategy_problem
+
+    # The aggregators declare what they reveal, the strategies what they need.
+    assert WeightedMean.reveals is SparseForward.reveals is Revealed.EACH_UPDATE
+    assert MaskedSumAggregator.reveals is Revealed.SUM
+    assert strategies.get("diloco").needs is Revealed.SUM
+    assert strategies.get("sparseloco").needs is Revealed.EACH_UPDATE
+    assert strategies.supporting(reveals=Revealed.SUM) == ["diloco"]
+    assert strategies.supporting() == ["diloco", "sparseloco"]
+    assert strategies.problem("diloco", reveals=Revealed.SUM) is None
+    assert strategies.problem("sparseloco", broadcast="sparse") is None
+    why = (
+        "it needs each update as its site encoded it (its sites send the chunk top-k of their "
+        "error feedback, which must arrive sparse), and {0} reveals only the sum of the "
+        "updates; use 'diloco' or turn {1} off"
+    )
+    assert strategies.problem("sparseloco", reveals=Revealed.SUM) == (
+        "coordinator.outer_strategy = 'sparseloco' cannot run with the aggregation: "
+        + why.format("the aggregation", "the aggregation")
+    )
+    # The config's and the demo's messages name their own keys.
+    with pytest.raises(ValueError) as refused:
+        CoordinatorConfig(
+            security=SecurityConfig(insecure=True),
+            outer_strategy="sparseloco",
+            secure_aggregation=SecAggConfig(clip_bound=8.0),
+        )
+    assert str(refused.value) == (
+        "coordinator.outer_strategy = 'sparseloco' cannot run with "
+        "coordinator.secure_aggregation: "
+        + why.format("coordinator.secure_aggregation", "secure aggregation")
+    )
+    demo = argparse.ArgumentParser()
+    add_demo_arguments(demo)
+    args = demo.parse_args(["--outer-strategy", "sparseloco", "--secure-aggregation"])
+    assert outer_strategy_problem(args) == (
+        "--outer-strategy sparseloco cannot run with --secure-aggregation: "
+        + why.format("--secure-aggregation", "secure aggregation")
+    )
