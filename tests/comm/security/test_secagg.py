@@ -4,7 +4,6 @@ the overflow guard, and the refusals that keep masks from ever being reused."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -36,42 +35,15 @@ from comm.security.secagg import (
     unmask_sum,
     unmask_sum_fixed,
 )
-from coordinator.secure_aggregation import MaskedFold, MaskedSum
-
-CFG = SecAggConfig(clip_bound=8.0)
-CFG32 = SecAggConfig(clip_bound=4.0, frac_bits=16, word_bits=32, max_sites=8)
-
-Arrays = dict[str, npt.NDArray[np.float32]]
-
-
-def _sessions(site_ids: list[str], cfg: SecAggConfig) -> dict[str, SecAggSession]:
-    return {s: SecAggSession(site_id=s, session_id="sess-1", config=cfg) for s in site_ids}
-
-
-def _plan(sessions: Mapping[str, SecAggSession], round_id: int = 1) -> MaskingPlan:
-    return MaskingPlan(
-        round_id=round_id,
-        attempt=0,
-        participants={s: x.peer() for s, x in sessions.items()},
-    )
-
-
-def _mask_all(
-    sessions: Mapping[str, SecAggSession],
-    plan: MaskingPlan,
-    updates: Mapping[str, Arrays],
-    weights: Mapping[str, float] | None = None,
-) -> dict[str, dict[str, Any]]:
-    return {
-        s: sessions[s].mask(
-            updates[s],
-            round_id=plan.round_id,
-            attempt=plan.attempt,
-            participants=plan.participants,
-            weight=1.0 if weights is None else weights[s],
-        )
-        for s in plan.participants
-    }
+from tests.support.secagg import (
+    CFG,
+    CFG32,
+    Arrays,
+    make_plan,
+    make_sessions,
+    mask_all,
+    random_updates,
+)
 
 
 def _plain_fixed_sum(
@@ -88,21 +60,6 @@ def _plain_fixed_sum(
         for name, enc in encoded.items():
             out[name] = out.get(name, 0) + to_signed(enc, cfg)
     return out
-
-
-def _random_updates(
-    rng: np.random.Generator, sites: list[str], shapes: list[tuple[int, ...]], bound: float
-) -> dict[str, Arrays]:
-    updates: dict[str, Arrays] = {}
-    for s in sites:
-        arrays: Arrays = {}
-        for i, shape in enumerate(shapes):
-            a = rng.uniform(-bound, bound, size=shape).astype(np.float32)
-            if a.size:  # the boundary itself is allowed
-                a.flat[0] = bound * rng.choice([-1.0, 1.0])
-            arrays[f"layers.{i}.weight"] = a
-        updates[s] = arrays
-    return updates
 
 
 @pytest.mark.timeout(60)
@@ -122,11 +79,11 @@ def test_secure_agg_masked_sum_equals_plain_fixed_point_sum(
 ) -> None:
     rng = np.random.default_rng(seed)
     sites = [f"site{i}" for i in range(num_sites)]
-    updates = _random_updates(rng, sites, shapes, cfg.clip_bound)
+    updates = random_updates(rng, sites, shapes, cfg.clip_bound)
     weights = {s: float(rng.choice([1.0, rng.uniform(0, 1)])) for s in sites}
-    sessions = _sessions(sites, cfg)
-    plan = _plan(sessions)
-    masked = _mask_all(sessions, plan, updates, weights)
+    sessions = make_sessions(sites, cfg)
+    plan = make_plan(sessions)
+    masked = mask_all(sessions, plan, updates, weights)
     got = unmask_sum_fixed(masked, plan, cfg)
     want = _plain_fixed_sum(updates, weights, cfg)
     assert got.keys() == want.keys()
@@ -145,20 +102,20 @@ def test_secure_agg_masked_sum_equals_plain_fixed_point_sum(
 def test_secure_agg_weighted_mean() -> None:
     rng = np.random.default_rng(7)
     sites = ["eu", "us", "ap"]
-    updates = _random_updates(rng, sites, [(4, 8), (3,)], 1.0)
+    updates = random_updates(rng, sites, [(4, 8), (3,)], 1.0)
     weights = {"eu": 0.25, "us": 1.0, "ap": 0.5}
-    sessions = _sessions(sites, CFG)
-    plan = _plan(sessions)
-    mean, total = unmask_mean(_mask_all(sessions, plan, updates, weights), plan, CFG)
+    sessions = make_sessions(sites, CFG)
+    plan = make_plan(sessions)
+    mean, total = unmask_mean(mask_all(sessions, plan, updates, weights), plan, CFG)
     assert total == pytest.approx(1.75, abs=1e-9)
     for name in updates["eu"]:
         want = np.average([updates[s][name] for s in sites], axis=0, weights=list(weights.values()))
         np.testing.assert_allclose(mean[name], want, atol=1e-6)
     zero = {s: 0.0 for s in sites}
-    sessions = _sessions(sites, CFG)
-    plan = _plan(sessions, round_id=2)
+    sessions = make_sessions(sites, CFG)
+    plan = make_plan(sessions, round_id=2)
     with pytest.raises(ValueError, match="total weight"):
-        unmask_mean(_mask_all(sessions, plan, updates, zero), plan, CFG)
+        unmask_mean(mask_all(sessions, plan, updates, zero), plan, CFG)
 
 
 def _bit_frequencies(words: npt.NDArray[np.uint64]) -> npt.NDArray[np.float64]:
@@ -176,9 +133,9 @@ def test_secure_agg_single_masked_vector_looks_uniform() -> None:
     sites = ["a", "b", "c"]
     updates = {s: {"w": np.zeros(n, np.float32)} for s in sites}
     updates["b"]["w"][:] = 0.5
-    sessions = _sessions(sites, CFG)
-    plan = _plan(sessions)
-    masked = _mask_all(sessions, plan, updates)
+    sessions = make_sessions(sites, CFG)
+    plan = make_plan(sessions)
+    masked = mask_all(sessions, plan, updates)
     plain_b = encode_fixed("w", updates["b"]["w"], CFG)
     subset = masked["a"]["w"] + masked["b"]["w"]  # two of three: still masked by c's pairs
     for words in (masked["a"]["w"], masked["b"]["w"], subset):
@@ -196,10 +153,10 @@ def test_secure_agg_single_masked_vector_looks_uniform() -> None:
 def test_secure_agg_dropout_rerun_yields_survivors_exact_sum() -> None:
     rng = np.random.default_rng(3)
     sites = ["a", "b", "c", "d"]
-    updates = _random_updates(rng, sites, [(16,), (2, 3)], 2.0)
-    sessions = _sessions(sites, CFG)
-    plan = _plan(sessions, round_id=5)
-    first = _mask_all(sessions, plan, updates)
+    updates = random_updates(rng, sites, [(16,), (2, 3)], 2.0)
+    sessions = make_sessions(sites, CFG)
+    plan = make_plan(sessions, round_id=5)
+    first = mask_all(sessions, plan, updates)
     late_d = first.pop("d")  # d masked, then dropped before delivering
     # Unmasking without d is refused, and forcing it would give garbage (d's masks remain).
     with pytest.raises(ValueError, match="do not match the masking set"):
@@ -217,7 +174,7 @@ def test_secure_agg_dropout_rerun_yields_survivors_exact_sum() -> None:
     assert decision.plan is not None
     rerun = decision.plan
     assert rerun.attempt == 1 and set(rerun.participants) == {"a", "b", "c"}
-    second = _mask_all(sessions, rerun, updates)
+    second = mask_all(sessions, rerun, updates)
     assert decide_attempt(rerun, received=set(second), config=CFG)[0].action == "unmask"
     got = unmask_sum_fixed(second, rerun, CFG)
     for name in want:
@@ -231,8 +188,8 @@ def test_secure_agg_dropout_rerun_yields_survivors_exact_sum() -> None:
 
 @pytest.mark.timeout(30)
 def test_secure_agg_dropout_rule_terminates() -> None:
-    sessions = _sessions(["a", "b", "c"], CFG)
-    plan = _plan(sessions)
+    sessions = make_sessions(["a", "b", "c"], CFG)
+    plan = make_plan(sessions)
     decision, reason = decide_attempt(plan, received={"a"}, config=CFG)
     assert decision.action == "abandon" and decision.plan is None and "min_sites" in reason
     last = MaskingPlan(round_id=1, attempt=CFG.max_attempts - 1, participants=plan.participants)
@@ -250,8 +207,8 @@ def test_secure_agg_dropout_rule_terminates() -> None:
 
 @pytest.mark.timeout(30)
 def test_secure_agg_overflow_guard_raises() -> None:
-    sessions = _sessions(["a", "b"], CFG)
-    plan = _plan(sessions)
+    sessions = make_sessions(["a", "b"], CFG)
+    plan = make_plan(sessions)
     a = sessions["a"]
     too_big = {"w": np.array([0.0, CFG.clip_bound * 1.001], np.float32)}
     with pytest.raises(ValueError, match="clip_bound"):
@@ -280,8 +237,8 @@ def test_secure_agg_overflow_guard_raises() -> None:
 
 @pytest.mark.timeout(30)
 def test_secure_agg_site_refuses_unsafe_plans() -> None:
-    sessions = _sessions(["a", "b", "c"], CFG)
-    plan = _plan(sessions)
+    sessions = make_sessions(["a", "b", "c"], CFG)
+    plan = make_plan(sessions)
     a = sessions["a"]
     x = {"w": np.zeros(3)}
     with pytest.raises(ValueError, match="not in the masking set"):
@@ -348,11 +305,11 @@ def test_secure_agg_certified_plan_on_the_wire_gives_the_exact_sum() -> None:
     sessions = {
         s: SecAggSession(site_id=s, session_id="sess-1", config=CFG, trust=trusts[s]) for s in sites
     }
-    attempt, relayed = plan_from_message(plan_message(_plan(sessions)))
+    attempt, relayed = plan_from_message(plan_message(make_plan(sessions)))
     plan = MaskingPlan(round_id=1, attempt=attempt, participants=relayed)
     rng = np.random.default_rng(3)
-    updates = _random_updates(rng, sites, [(3, 4)], 1.0)
-    masked = _mask_all(sessions, plan, updates)
+    updates = random_updates(rng, sites, [(3, 4)], 1.0)
+    masked = mask_all(sessions, plan, updates)
     ones = dict.fromkeys(sites, 1.0)
     got = unmask_sum_fixed(masked, plan, CFG)
     for name, want in _plain_fixed_sum(updates, ones, CFG).items():
@@ -405,44 +362,10 @@ def test_secure_agg_static_keys_defeat_key_substitution(certified: bool) -> None
 def test_a_peer_with_an_unusable_session_key_is_refused_by_name(session_public: bytes) -> None:
     """A relayed session key no pair can mask with is refused naming the peer, before any
     exchange, and nothing is recorded: the site can still mask that round with a good plan."""
-    sessions = _sessions(["a", "b", "c"], CFG)
-    good = _plan(sessions).participants
+    sessions = make_sessions(["a", "b", "c"], CFG)
+    good = make_plan(sessions).participants
     bad = {**good, "c": Peer(session_public=session_public)}
     with pytest.raises(PeerRefused, match="peer 'c'") as refused:
         sessions["a"].mask({"w": np.zeros(3)}, round_id=1, participants=bad)
     assert refused.value.site_id == "c"
     sessions["a"].mask({"w": np.zeros(3)}, round_id=1, participants=good)
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("cfg", [CFG, CFG32])
-def test_the_coordinators_running_masked_sum_is_the_unmasked_mean_bit_for_bit(
-    cfg: SecAggConfig,
-) -> None:
-    """The coordinator folds each masked update into one modular sum as it lands (memory
-    O(model) whatever the number of sites) and unmasks only that sum: the same result, in any
-    arrival order, as unmasking all the kept vectors; anything but the masking set is refused."""
-    rng = np.random.default_rng(11)
-    sites = ["eu", "us", "ap", "sa", "af"]
-    updates = _random_updates(rng, sites, [(4, 8), (3,)], 0.5 * cfg.clip_bound)
-    weights = {s: float(rng.uniform(0.1, 1.0)) for s in sites}
-    sessions = _sessions(sites, cfg)
-    plan = _plan(sessions)
-    masked = _mask_all(sessions, plan, updates, weights)
-    want, want_total = unmask_mean(masked, plan, cfg)
-    fold = MaskedFold(cfg, plan)
-    sizes = []
-    for site in reversed(sites):
-        fold.sum.add(site, masked[site])
-        sizes.append(fold.nbytes)
-    assert len(set(sizes)) == 1  # one sum, however many sites sent
-    got, total = fold.sum.mean(plan.participants)
-    assert total == want_total and got.keys() == want.keys()
-    for name in want:
-        np.testing.assert_array_equal(got[name], want[name])
-    with pytest.raises(ValueError, match="already sent"):
-        fold.sum.add("eu", masked["eu"])
-    partial = MaskedSum(cfg)
-    partial.add("eu", masked["eu"])
-    with pytest.raises(ValueError, match="do not match the masking set"):
-        partial.mean(plan.participants)
