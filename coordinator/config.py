@@ -27,8 +27,9 @@ class InitialModelConfig:
     seed: int
     """The sites' ``site.seed``."""
     model: dict[str, Any] = field(default_factory=dict)
-    """The sites' ``[site.model]`` table (the embedded default model); its keys are checked
-    against the model's config when the coordinator starts."""
+    """The byte GPT's model options as the sites give them, ``[site.job.options.model]`` (the
+    default job, ``site_agent/jobs/bytegpt``); its keys are checked against that model's config
+    when the coordinator starts."""
 
 
 @dataclass(frozen=True, kw_only=True)
