@@ -14,11 +14,12 @@ from typing import Any
 
 from comm.codecs.base import EncodedTensor
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """3: ``Eval`` carries the job's metrics (``metrics``) in place of ``num_tokens``. 4: the header
 may carry acknowledged delivery (``"r"``, ``"a"``; see ``comm.wire.frames``). 5: ``Global`` may
 be a sparse broadcast (``part_weights``, ``outer_lr``). 6: ``RoundStart.secagg`` relays each
-peer's certificate in place of its bare CURVE key; ``BAD_KEY``."""
+peer's certificate in place of its bare CURVE key; ``BAD_KEY``. 7: the state hash is blockwise, so
+ranks holding shards of the model compute it (``comm.wire.tensors.state_hash``)."""
 
 
 class MessageType(enum.IntEnum):

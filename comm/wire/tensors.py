@@ -1,15 +1,21 @@
 """Named float32 tensors as payloads: encode a parameter set with a codec, decode and check it.
 
 Both roles use these so their view of "the same parameters" is computed one way: the state hash
-that sites and the coordinator compare after every round is :func:`state_hash`.
+that sites and the coordinator compare after every round is :func:`state_hash`, and the ranks of
+a site that holds its model in shards compute the same hash from their shards
+(:func:`boundary_piece`, :func:`partial_digests`, :func:`combine`, :func:`model_hash`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Mapping, Sequence
+import math
+import struct
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from comm.codecs.base import EncodedTensor, FloatArray, NonFiniteError, PayloadCodec
 from comm.codecs.registry import get_codec
@@ -19,15 +25,187 @@ from comm.wire.schema import ErrorCode
 TensorSpec = Mapping[str, tuple[int, ...]]
 
 
-def state_hash(params: Mapping[str, np.ndarray]) -> str:
-    """BLAKE2b over names, shapes and float32 bytes, in name order."""
-    h = hashlib.blake2b(digest_size=16)
-    for name in sorted(params):
-        arr = np.ascontiguousarray(params[name], dtype=np.float32)
-        h.update(name.encode())
-        h.update(repr(tuple(arr.shape)).encode())
-        h.update(arr.tobytes())
+# ---- the state hash ------------------------------------------------------------------------
+#
+# A tensor's flat float32 values (little-endian) are cut into blocks of HASH_BLOCK elements, the
+# last one shorter. Each block has a digest; a tensor's digest binds its name, its shape and its
+# block digests in order; the model's hash binds its tensors' digests in name order. Every level
+# is BLAKE2b with its own personalisation, so a digest of one level is never taken for another.
+# Who cuts the model how does not matter: a process holding the whole model and the ranks of a
+# sharded site, each holding a flat range of each tensor, compute the same hash.
+#
+# A sharded site, per tensor (its ranks' ranges [s_r, e_r) tile [0, numel) in rank order; under
+# FSDP2's dim-0 sharding s_r = first row x elements per row):
+#   1. each rank whose s_r is not a multiple of HASH_BLOCK sends boundary_piece(...) (its values
+#      up to the next block boundary, less than a block) to the rank holding that block's first
+#      element: a boundary cuts at most one block, so at most one piece per rank and tensor
+#      crosses (an all-gather of the pieces does as well);
+#   2. each rank calls partial_digests(name, shape, s_r, its values, the pieces received): the
+#      digests of the blocks that begin in its range, 32 bytes per 256 KiB of values;
+#   3. one rank gathers the digests and calls combine(name, shape, [each rank's]) per tensor and
+#      model_hash over the tensors' digests.
+
+HASH_BLOCK = 1 << 16
+"""Elements per hashed block (256 KiB of float32)."""
+_F32LE = np.dtype("<f4")
+_BLOCK_PERSON, _TENSOR_PERSON, _MODEL_PERSON = b"crossdc:block", b"crossdc:tensor", b"crossdc:model"
+_U64 = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class BoundaryPiece:
+    """Values of one tensor's block that begins in another rank's range: ``values`` are the
+    flat elements ``[start, start + len(values))``, all within one block."""
+
+    name: str
+    start: int
+    values: FloatArray
+
+
+def _flat(values: np.ndarray) -> npt.NDArray[np.float32]:
+    """``values`` flattened as little-endian float32 (no copy when they already are)."""
+    return np.ascontiguousarray(values, dtype=_F32LE).reshape(-1)
+
+
+def _numel(name: str, shape: Sequence[int]) -> int:
+    if any(int(d) < 0 for d in shape):
+        raise ValueError(f"tensor {name!r}: negative dimension in {tuple(shape)}")
+    return math.prod(int(d) for d in shape)
+
+
+def _span(name: str, shape: Sequence[int], flat_start: int, count: int) -> tuple[int, int]:
+    """(numel, end) of ``count`` values at ``flat_start``; ValueError when they lie outside."""
+    numel = _numel(name, shape)
+    if flat_start < 0 or flat_start + count > numel:
+        raise ValueError(
+            f"tensor {name!r}: values [{flat_start}, {flat_start + count}) lie outside its "
+            f"{numel} elements"
+        )
+    return numel, flat_start + count
+
+
+def _block_digest(values: npt.NDArray[np.float32]) -> bytes:
+    return hashlib.blake2b(values.data, digest_size=32, person=_BLOCK_PERSON).digest()
+
+
+def boundary_piece(
+    name: str, full_shape: Sequence[int], flat_start: int, values: np.ndarray
+) -> BoundaryPiece | None:
+    """What a rank holding the flat range ``[flat_start, flat_start + values.size)`` of tensor
+    ``name`` sends for the hash: its values of the block its range begins inside of (up to the
+    block's end or its own), which the rank holding that block's first element completes
+    (:func:`partial_digests`). None when its range begins a block (or is empty). A view of
+    ``values``, less than one block."""
+    flat = _flat(values)
+    _span(name, full_shape, flat_start, flat.size)
+    if not flat.size or flat_start % HASH_BLOCK == 0:
+        return None
+    stop = min(flat.size, HASH_BLOCK - flat_start % HASH_BLOCK)
+    return BoundaryPiece(name, flat_start, flat[:stop])
+
+
+def partial_digests(
+    name: str,
+    full_shape: Sequence[int],
+    flat_start: int,
+    values: np.ndarray,
+    received: Iterable[BoundaryPiece] = (),
+) -> dict[int, bytes]:
+    """The digests of the blocks of tensor ``name`` that begin in the flat range ``values``
+    hold (``[flat_start, flat_start + values.size)``), by block index.
+
+    Every block lying wholly in the range is hashed from ``values``. The last one may run past
+    the range's end ``e``: its rest, ``[e, block end)``, comes from the pieces ``received``
+    (:func:`boundary_piece` of the ranks after), which must cover it exactly; pieces of other
+    tensors or other places are ignored, so a rank may be handed every rank's pieces. ValueError
+    names the tensor when the values lie outside it or the pieces do not complete the block."""
+    flat = _flat(values)
+    numel, end = _span(name, full_shape, flat_start, flat.size)
+    first, stop = -(-flat_start // HASH_BLOCK), -(-end // HASH_BLOCK)
+    out: dict[int, bytes] = {}
+    for i in range(first, stop):
+        lo, hi = i * HASH_BLOCK, min((i + 1) * HASH_BLOCK, numel)
+        if hi <= end:
+            out[i] = _block_digest(flat[lo - flat_start : hi - flat_start])
+        else:
+            out[i] = _block_digest(_completed(name, flat[lo - flat_start :], end, hi, received))
+    return out
+
+
+def _completed(
+    name: str,
+    head: npt.NDArray[np.float32],
+    end: int,
+    hi: int,
+    received: Iterable[BoundaryPiece],
+) -> npt.NDArray[np.float32]:
+    """A block's values: ``head`` (ending at ``end``) and the pieces covering ``[end, hi)``."""
+    parts = [head]
+    at = end
+    for piece in sorted(
+        (p for p in received if p.name == name and end <= p.start < hi), key=lambda p: p.start
+    ):
+        flat = _flat(piece.values)
+        if piece.start != at or piece.start + flat.size > hi:
+            raise ValueError(
+                f"tensor {name!r}: a piece of values [{piece.start}, {piece.start + flat.size}) "
+                f"where the block ending at {hi} continues at {at}"
+            )
+        parts.append(flat)
+        at += flat.size
+    if at != hi:
+        raise ValueError(
+            f"tensor {name!r}: the block ending at {hi} needs values [{end}, {hi}) from the next "
+            f"ranks; the pieces received end at {at}"
+        )
+    return np.concatenate(parts)
+
+
+def combine(name: str, full_shape: Sequence[int], parts: Iterable[Mapping[int, bytes]]) -> bytes:
+    """Tensor ``name``'s digest from its block digests, as ranks computed them
+    (:func:`partial_digests`): every block exactly once. ValueError names the tensor and the
+    blocks missing, repeated or beyond its end."""
+    numel = _numel(name, full_shape)
+    count = -(-numel // HASH_BLOCK)
+    blocks: dict[int, bytes] = {}
+    for part in parts:
+        for i, digest in part.items():
+            if not 0 <= i < count:
+                raise ValueError(f"tensor {name!r}: block {i} beyond its {count} blocks")
+            if i in blocks:
+                raise ValueError(f"tensor {name!r}: block {i} digested twice")
+            blocks[i] = digest
+    if len(blocks) != count:
+        missing = sorted(set(range(count)) - set(blocks))
+        raise ValueError(f"tensor {name!r}: {len(missing)} blocks missing, from {missing[:3]}")
+    h = hashlib.blake2b(digest_size=32, person=_TENSOR_PERSON)
+    encoded = name.encode()
+    h.update(_U64.pack(len(encoded)) + encoded + _U64.pack(len(full_shape)))
+    h.update(b"".join(_U64.pack(int(d)) for d in full_shape))
+    h.update(b"".join(blocks[i] for i in range(count)))
+    return h.digest()
+
+
+def tensor_digest(name: str, value: np.ndarray) -> bytes:
+    """The digest of one whole tensor (what :func:`combine` gives from any split of it)."""
+    shape = tuple(np.shape(value))
+    return combine(name, shape, [partial_digests(name, shape, 0, value)])
+
+
+def model_hash(digests: Mapping[str, bytes]) -> str:
+    """The state hash of a model from its tensors' digests (:func:`combine`)."""
+    h = hashlib.blake2b(digest_size=16, person=_MODEL_PERSON)
+    h.update(_U64.pack(len(digests)))
+    for name in sorted(digests):
+        h.update(digests[name])
     return h.hexdigest()
+
+
+def state_hash(params: Mapping[str, np.ndarray]) -> str:
+    """The state hash of a model held whole: BLAKE2b over its tensors' digests in name order,
+    each over the tensor's name, shape and the digests of its blocks of :data:`HASH_BLOCK`
+    float32 values (see :func:`partial_digests` for a model held in shards)."""
+    return model_hash({name: tensor_digest(name, value) for name, value in params.items()})
 
 
 def spec_of(params: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
