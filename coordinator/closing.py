@@ -14,8 +14,9 @@ from typing import Any
 
 from comm.wire.schema import Global, Shutdown
 from coordinator.aggregate import OuterStep
-from coordinator.config import CoordinatorConfig
+from coordinator.config import EvaluationConfig
 from coordinator.decisions import Close
+from coordinator.faults import FaultPlan
 from coordinator.global_model import GlobalModel
 from coordinator.membership import Membership
 from coordinator.metrics import CoordinatorMetrics
@@ -43,8 +44,10 @@ class Closing:
 
     def __init__(
         self,
-        cfg: CoordinatorConfig,
+        evaluation: EvaluationConfig,
+        faults: FaultPlan,
         *,
+        final_mean: bool,
         members: Membership,
         model: GlobalModel,
         planner: Planner,
@@ -53,7 +56,9 @@ class Closing:
         metrics: CoordinatorMetrics,
         on_changed: Callable[[], None],
     ) -> None:
-        self._cfg = cfg
+        self._evaluation = evaluation
+        self._faults = faults
+        self._final_mean = final_mean
         self._members = members
         self._model = model
         self._planner = planner
@@ -78,7 +83,7 @@ class Closing:
         inner_steps += r.plan.num_inner_steps
         # The run's last round: no round will start from what it produces. Only with one
         # fragment: with several, aborts shift which round is a fragment's last.
-        final = self._cfg.outer_final_mean and self._cfg.num_fragments == 1 and decision.final
+        final = self._final_mean and r.num_fragments == 1 and decision.final
         spec = self._model.spec
         step = result.step(
             self._strategy,
@@ -116,7 +121,7 @@ class Closing:
             "global_version": r.round_id,
             "base_version": st.global_version,
             "fragment": r.fragment,
-            "num_fragments": self._cfg.num_fragments,
+            "num_fragments": r.num_fragments,
             "num_inner_steps": plan.num_inner_steps,
             "extra_steps": {s: n for s, n in plan.extra_steps.items() if s in merged},
             "inner_steps_total": inner_steps,
@@ -141,7 +146,7 @@ class Closing:
         chan = self._post.chan
         assert chan is not None
         r, entry, m = a.decision.round, a.entry, self._metrics
-        self._cfg.faults.point("close", r.round_id)
+        self._faults.point("close", r.round_id)
         out_before = chan.stats.bytes_sent
         in_sync = self._broadcast(a)
         # Everything on the socket since the previous round's result went out (the first round:
@@ -184,7 +189,7 @@ class Closing:
         r, merged, state = a.decision.round, a.decision.merged, a.step.state
         digest = self._model.hash(state)
         in_sync = self._members.in_sync(a.base_version)
-        wants_eval = r.round_id % self._cfg.eval_every_rounds == 0 or a.decision.final
+        wants_eval = r.round_id % self._evaluation.every_rounds == 0 or a.decision.final
         # Ask a site that can and was on time: evaluating costs the evaluator some compute.
         able = [s for s in in_sync if self._members[s].evaluates]
         candidates = [s for s in able if s in merged] or able
@@ -226,7 +231,7 @@ class Closing:
         assert st is not None
         have_final = st.global_version in st.val_losses
         can_evaluate = any(m.evaluates for m in self._members.values())
-        if not have_final and can_evaluate and now - started_at < self._cfg.final_eval_wait_s:
+        if not have_final and can_evaluate and now - started_at < self._evaluation.final_wait_s:
             return False
         for m in self._members.values():
             self._post.send(m.peer, Shutdown(reason=f"completed {len(st.history)} rounds"))

@@ -1,4 +1,15 @@
-"""The coordinator's configuration: one frozen dataclass, read from ``[coordinator]`` in TOML."""
+"""The coordinator's configuration: one frozen dataclass, read from ``[coordinator]`` in TOML,
+and the sections each component takes.
+
+Users write one ``[coordinator]`` table (:class:`CoordinatorConfig`, every key and every check
+there). :func:`sections` cuts it into small frozen sections, one per concern, and the service
+hands each component only the sections it uses: the rounds' shape (:class:`RoundsConfig`, the
+lifecycle and the opening), the outer step (:class:`OuterConfig`: the strategy; the closing's
+last plain mean), how updates are aggregated (:class:`AggregationConfig`), the scheduler's
+policy (a :class:`~coordinator.scheduler.SchedulePolicy`: the planner), validation requests
+(:class:`EvaluationConfig`: the closing), the socket (:class:`PostConfig`: the post office), the
+durable state (:class:`StateConfig`) and the membership's site timeout.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +25,7 @@ from comm.security.rolekits import SecurityConfig
 from comm.transport.profile import ChannelConfig
 from coordinator import strategies
 from coordinator.faults import FaultPlan
-from coordinator.scheduler import directions
+from coordinator.scheduler import SchedulePolicy, directions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -297,3 +308,144 @@ class CoordinatorConfig:
 
 def load_coordinator_config(path: str | Path, **explicit: object) -> CoordinatorConfig:
     return load_section(CoordinatorConfig, path, "coordinator", **explicit)
+
+
+# ---- the sections components take ----------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundsConfig:
+    """When rounds open, close and give up: what the lifecycle decides with and the opening
+    announces."""
+
+    min_sites: int
+    quorum_fraction: float
+    max_rounds: int
+    max_open: int
+    """Rounds open at once: 2 when sync overlaps compute, else 1."""
+    num_fragments: int
+    max_staleness_rounds: int
+    round_deadline_s: float
+    grace_floor_s: float
+    grace_ceiling_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterConfig:
+    """The outer step: the strategy by name, its settings, and the last round's plain mean."""
+
+    strategy: str
+    lr: float
+    momentum: float
+    warmup_steps: int
+    final_mean: bool
+    """The run's last round merges by the plain mean (with ``max_rounds`` and one fragment)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AggregationConfig:
+    """How every round aggregates its updates (the aggregator is chosen from this, once)."""
+
+    broadcast: str
+    max_update_norm: float
+    secure_aggregation: SecAggConfig | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluationConfig:
+    """Which results a site is asked to validate, and how long the end waits for the last."""
+
+    every_rounds: int
+    final_wait_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class PostConfig:
+    """The coordinator's socket: where it binds, its WAN profile, and how long a finished
+    federation's last messages may take to go out."""
+
+    bind: str
+    channel: ChannelConfig
+    finish_flush_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateConfig:
+    """Where the durable state lives and how many checkpoints are kept."""
+
+    dir: str
+    keep_checkpoints: int
+
+    @property
+    def path(self) -> Path | None:
+        """The state directory (None: no directory, ``dir`` is empty)."""
+        return Path(self.dir) if self.dir else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sections:
+    """The ``[coordinator]`` table, cut into the sections the components take."""
+
+    rounds: RoundsConfig
+    outer: OuterConfig
+    aggregation: AggregationConfig
+    schedule: SchedulePolicy
+    """The scheduler's policy, less the model's size (the planner adds it per round)."""
+    evaluation: EvaluationConfig
+    post: PostConfig
+    state: StateConfig
+    site_timeout_s: float
+    """The membership's: a member silent for this long is removed."""
+    faults: FaultPlan
+
+
+def sections(cfg: CoordinatorConfig) -> Sections:
+    """The sections of ``cfg`` (checked already: every check is the table's)."""
+    return Sections(
+        rounds=RoundsConfig(
+            min_sites=cfg.min_sites,
+            quorum_fraction=cfg.quorum_fraction,
+            max_rounds=cfg.max_rounds,
+            max_open=2 if cfg.overlap else 1,
+            num_fragments=cfg.num_fragments,
+            max_staleness_rounds=cfg.max_staleness_rounds,
+            round_deadline_s=cfg.round_deadline_s,
+            grace_floor_s=cfg.grace_floor_s,
+            grace_ceiling_s=cfg.grace_ceiling_s,
+        ),
+        outer=OuterConfig(
+            strategy=cfg.outer_strategy,
+            lr=cfg.outer_lr,
+            momentum=cfg.outer_momentum,
+            warmup_steps=cfg.outer_warmup_steps,
+            final_mean=cfg.outer_final_mean,
+        ),
+        aggregation=AggregationConfig(
+            broadcast=cfg.broadcast,
+            max_update_norm=cfg.max_update_norm,
+            secure_aggregation=cfg.secure_aggregation,
+        ),
+        schedule=SchedulePolicy(
+            num_inner_steps=cfg.num_inner_steps,
+            num_fragments=cfg.num_fragments,
+            overlap=cfg.overlap,
+            target_utilization=cfg.target_utilization,
+            sync_fraction=cfg.sync_fraction,
+            ladder=cfg.codec_ladder,
+            loss_costs=cfg.codec_loss_costs,
+            loss_budget=cfg.codec_loss_budget,
+            fixed_uplink=cfg.site_uplink_codecs,
+            default_uplink=None if cfg.uplink_codec == "auto" else cfg.uplink_codec,
+            fixed_downlink=None if cfg.downlink_codec == "auto" else cfg.downlink_codec,
+            unmeasured_codec=cfg.unmeasured_codec,
+            max_inner_steps=cfg.max_inner_steps,
+            align_arrivals=cfg.align_arrivals,
+        ),
+        evaluation=EvaluationConfig(
+            every_rounds=cfg.eval_every_rounds, final_wait_s=cfg.final_eval_wait_s
+        ),
+        post=PostConfig(bind=cfg.bind, channel=cfg.channel, finish_flush_s=cfg.round_deadline_s),
+        state=StateConfig(dir=cfg.state_dir, keep_checkpoints=cfg.keep_checkpoints),
+        site_timeout_s=cfg.site_timeout_s,
+        faults=cfg.faults,
+    )

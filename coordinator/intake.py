@@ -41,7 +41,6 @@ from comm.wire.schema import (
 )
 from comm.wire.tensors import decode_tensors
 from coordinator.aggregate import Aggregator
-from coordinator.config import CoordinatorConfig
 from coordinator.conflicts import ClaimVerdict, IdentityConflicts
 from coordinator.delivery import Delivery
 from coordinator.global_model import GlobalModel
@@ -71,9 +70,9 @@ class Intake:
 
     def __init__(
         self,
-        cfg: CoordinatorConfig,
         *,
         session_id: str,
+        heartbeat_interval_s: float,
         clock: Callable[[], float],
         members: Membership,
         rounds: Lifecycle,
@@ -87,8 +86,8 @@ class Intake:
         on_leave: Callable[[str], None],
         on_changed: Callable[[], None],
     ) -> None:
-        self._cfg = cfg
         self._session_id = session_id
+        self._heartbeat_interval_s = heartbeat_interval_s  # told to each site at its join
         self._clock = clock
         self._members = members
         self._rounds = rounds
@@ -303,7 +302,7 @@ class Intake:
             site_id=msg.site_id,
             session_id=self._session_id,
             global_version=st.global_version if st else -1,
-            heartbeat_interval_s=self._cfg.channel.heartbeat_interval_s,
+            heartbeat_interval_s=self._heartbeat_interval_s,
             need_init=need_init,
         )
         self._post.send(peer, welcome)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from comm.wire.schema import ErrorCode, Update
 from coordinator.aggregate import Aggregator, Fold, WeightedMean
-from coordinator.config import CoordinatorConfig
+from coordinator.config import RoundsConfig
 from coordinator.decisions import Abort, Close, Decision, Finish, Open, Remove, Retry
 from coordinator.membership import Membership
 from coordinator.round import Round, Taken, UpdateRefusal
@@ -36,26 +36,11 @@ from coordinator.rounds import (
 )
 
 
-@dataclass(frozen=True, kw_only=True)
-class LifecycleConfig:
-    """The parts of the coordinator's configuration the lifecycle decides with."""
-
-    min_sites: int
-    quorum_fraction: float
-    max_rounds: int
-    max_open: int
-    num_fragments: int
-    max_staleness_rounds: int
-    round_deadline_s: float
-    grace_floor_s: float
-    grace_ceiling_s: float
-
-
 @dataclass
 class Lifecycle:
     """The rounds of one coordinator; see the module docstring."""
 
-    cfg: LifecycleConfig
+    cfg: RoundsConfig
     members: Membership
     """Read to decide (who is ready, who is alive); silent members are removed by ``tick``."""
     aggregator: Aggregator = field(default_factory=WeightedMean)
@@ -80,7 +65,7 @@ class Lifecycle:
     @classmethod
     def resume(
         cls,
-        cfg: LifecycleConfig,
+        cfg: RoundsConfig,
         members: Membership,
         *,
         aggregator: Aggregator | None = None,
@@ -265,18 +250,3 @@ class Lifecycle:
         """The open rounds (oldest first) that wait on ``site_id``'s update: it takes part, has
         not sent it, and was not dropped."""
         return tuple(r.round_id for r in self.open_rounds if r.awaits(site_id))
-
-
-def lifecycle_config(cfg: CoordinatorConfig) -> LifecycleConfig:
-    """What the round lifecycle needs of the coordinator's configuration."""
-    return LifecycleConfig(
-        min_sites=cfg.min_sites,
-        quorum_fraction=cfg.quorum_fraction,
-        max_rounds=cfg.max_rounds,
-        max_open=2 if cfg.overlap else 1,
-        num_fragments=cfg.num_fragments,
-        max_staleness_rounds=cfg.max_staleness_rounds,
-        round_deadline_s=cfg.round_deadline_s,
-        grace_floor_s=cfg.grace_floor_s,
-        grace_ceiling_s=cfg.grace_ceiling_s,
-    )

@@ -11,8 +11,9 @@ import logging
 from typing import Any
 
 from comm.wire.schema import RoundCancel, RoundStart
-from coordinator.config import CoordinatorConfig
+from coordinator.config import RoundsConfig
 from coordinator.decisions import Abort, Open, Retry
+from coordinator.faults import FaultPlan
 from coordinator.global_model import GlobalModel
 from coordinator.lifecycle import Lifecycle
 from coordinator.membership import Membership
@@ -28,7 +29,8 @@ class Opening:
 
     def __init__(
         self,
-        cfg: CoordinatorConfig,
+        rounds: RoundsConfig,
+        faults: FaultPlan,
         *,
         book: Lifecycle,
         members: Membership,
@@ -37,7 +39,8 @@ class Opening:
         post: PostOffice,
         metrics: CoordinatorMetrics,
     ) -> None:
-        self._cfg = cfg
+        self._rounds = rounds
+        self._faults = faults
         self._book = book
         self._members = members
         self._model = model
@@ -68,7 +71,7 @@ class Opening:
                 round_id,
                 decision.why,
                 decision.fragment,
-                self._cfg.num_fragments,
+                self._rounds.num_fragments,
                 decision.base_version,
                 plan_why,
             )
@@ -79,18 +82,18 @@ class Opening:
                 global_version=st.global_version,
                 fragment_base_version=decision.base_version,
                 fragment=decision.fragment,
-                num_fragments=self._cfg.num_fragments,
+                num_fragments=self._rounds.num_fragments,
                 num_inner_steps=plan.site_steps(site_id),
                 overlap=plan.overlap,
                 codec=plan.uplink[site_id],
-                deadline_s=self._cfg.round_deadline_s,
+                deadline_s=self._rounds.round_deadline_s,
                 participants=participants,
                 evaluate=evaluate_base and i == 0 and len(self._book.open_rounds) == 1,
                 reason=plan_why,
                 **extra,
             )
             self._post.send(self._members[site_id].peer, r.starts[site_id])
-        self._post.later(lambda: self._cfg.faults.point("open", round_id))
+        self._post.later(lambda: self._faults.point("open", round_id))
 
     def retry_or_abandon(self, now: float, decision: Retry) -> None:
         """A whole round lacking updates: retried with those that remain, or abandoned."""
@@ -106,7 +109,7 @@ class Opening:
         survivors, fold = attempt
         self._book.retry(now, r, survivors, fold)
         log.warning("[coordinator round=%d] %s: %s", r.round_id, name, why)
-        if self._cfg.faults.lose_rerun_plan == r.round_id:
+        if self._faults.lose_rerun_plan == r.round_id:
             log.error(
                 "[coordinator round=%d] fault injection: the re-run plan to %s is lost after "
                 "the socket accepts it",
@@ -119,10 +122,10 @@ class Opening:
             "global_version": st.global_version,
             "fragment_base_version": r.base_version,
             "fragment": r.fragment,
-            "num_fragments": self._cfg.num_fragments,
+            "num_fragments": self._rounds.num_fragments,
             "num_inner_steps": 0,  # the update already trained is sent again
             "overlap": r.plan.overlap,
-            "deadline_s": self._cfg.round_deadline_s,
+            "deadline_s": self._rounds.round_deadline_s,
             "participants": survivors,
             "evaluate": False,
             "reason": why,

@@ -10,15 +10,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
-from coordinator.config import CoordinatorConfig
 from coordinator.scheduler import RoundPlan, SchedulePolicy, SiteView, plan_round
 
 
 class Planner:
     """Site views and arrival alignment; ``plan`` for a new round."""
 
-    def __init__(self, cfg: CoordinatorConfig) -> None:
-        self._cfg = cfg
+    def __init__(self, policy: SchedulePolicy) -> None:
+        """``policy``: the scheduler's, less the model's size (given with each plan)."""
+        self._policy = policy
         self.views: dict[str, SiteView] = {}
         # How early each site's update landed in the latest closed round (``_early_round``)
         # before its last one, and the extra steps it had there.
@@ -51,24 +51,7 @@ class Planner:
         model_numel: int,
         open_plans: Iterable[tuple[int, RoundPlan]],
     ) -> tuple[RoundPlan, str]:
-        cfg = self._cfg
-        policy = SchedulePolicy(
-            num_inner_steps=cfg.num_inner_steps,
-            num_fragments=cfg.num_fragments,
-            overlap=cfg.overlap,
-            target_utilization=cfg.target_utilization,
-            sync_fraction=cfg.sync_fraction,
-            ladder=cfg.codec_ladder,
-            loss_costs=cfg.codec_loss_costs,
-            loss_budget=cfg.codec_loss_budget,
-            fixed_uplink=cfg.site_uplink_codecs,
-            default_uplink=None if cfg.uplink_codec == "auto" else cfg.uplink_codec,
-            fixed_downlink=None if cfg.downlink_codec == "auto" else cfg.downlink_codec,
-            unmeasured_codec=cfg.unmeasured_codec,
-            max_inner_steps=cfg.max_inner_steps,
-            model_numel=model_numel,
-            align_arrivals=cfg.align_arrivals,
-        )
+        policy = replace(self._policy, model_numel=model_numel)
         plans = list(open_plans)
         views = [self._aligned(s, plans) for s in participants]
         return plan_round(now, views, policy)
@@ -85,7 +68,7 @@ class Planner:
         if site_id not in self._early_s or view.step_seconds <= 0:
             return view
         early = self._early_s[site_id]
-        if not self._cfg.overlap:
+        if not self._policy.overlap:
             early += self._early_extra.get(site_id, 0) * view.step_seconds
             return replace(view, early_s=max(0.0, early))
         planned = sum(

@@ -29,7 +29,7 @@ from comm.transport.charges import Allowance
 from comm.transport.faults import WireFaults
 from comm.transport.router import CutOff, RouterChannel
 from comm.wire.schema import ERROR_MEANINGS, Error, ErrorCode, Global, Message
-from coordinator.config import CoordinatorConfig
+from coordinator.config import PostConfig
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.outbox import Outbox
 from coordinator.state import GlobalState, StateStore
@@ -42,7 +42,7 @@ class PostOffice:
 
     def __init__(
         self,
-        cfg: CoordinatorConfig,
+        cfg: PostConfig,
         store: StateStore,
         metrics: CoordinatorMetrics,
         kit: CoordinatorKit | None,
@@ -68,7 +68,7 @@ class PostOffice:
         return self._store.load()
 
     def start_writer(self) -> None:
-        self.outbox = Outbox(self._cfg.faults.wrap(self._store))
+        self.outbox = Outbox(self._store)
 
     def bind(self, allowance: Allowance | None = None) -> str:
         """Bind the socket (after the ZAP handler, so no handshake races it); the endpoint.
@@ -114,7 +114,7 @@ class PostOffice:
             # Finished: the last results, and the Shutdown queued behind each, go out in full
             # (a site that stops acknowledging is dropped after channel.send_timeout_s without
             # progress), within a round's deadline; otherwise the usual linger.
-            self.chan.close(flush_timeout_s=self._cfg.round_deadline_s if finished else None)
+            self.chan.close(flush_timeout_s=self._cfg.finish_flush_s if finished else None)
             self.chan = None
         if self._zap is not None:
             self._zap.close()

@@ -1,20 +1,22 @@
 """The coordinator service: the composition root and its loop.
 
 :class:`Coordinator` builds the components, each owning its state and given only what it needs:
-the :class:`~coordinator.aggregate.Aggregator` every round folds its updates through (chosen
-here, once: the weighted mean, the sparse forward, or secure aggregation's masked sum), the
+its own sections of the configuration (:func:`coordinator.config.sections` cuts the one
+``[coordinator]`` table into them) and the collaborators it uses. They are the
+:class:`~coordinator.aggregate.Aggregator` every round folds its updates through (chosen here,
+once: the weighted mean, the sparse forward, or secure aggregation's masked sum), the
 :class:`~coordinator.membership.Membership` (who is a member, what each holds), the round
 :class:`~coordinator.lifecycle.Lifecycle` (the live :class:`~coordinator.round.Round` objects,
-the decisions), the
-:class:`~coordinator.global_model.GlobalModel`, the :class:`~coordinator.post.PostOffice`
-(socket, authentication, durability barrier), the
+the decisions), the :class:`~coordinator.global_model.GlobalModel`, the
+:class:`~coordinator.post.PostOffice` (socket, authentication, durability barrier), the
 :class:`~coordinator.planner.Planner`, :class:`~coordinator.intake.Intake` for messages (with
 :class:`~coordinator.conflicts.IdentityConflicts`, claims on a live member's site id),
 :class:`~coordinator.opening.Opening` and :class:`~coordinator.closing.Closing` for rounds,
 :class:`~coordinator.delivery.Delivery` for models owed to one site (a message lost on the way
-is the channel's to send again: ``comm.transport.reliable``). Its loop receives one message at a time, then ``tick``s: the lifecycle
-decides (remove a silent site, open, close, abort, retry, finish) and the loop routes each
-decision to the component that carries it out. All math is in ``strategy``. Nothing that
+is the channel's to send again: ``comm.transport.reliable``). Its loop receives one message at a
+time, then ``tick``s: the lifecycle decides (remove a silent site, open, close, abort, retry,
+finish) and the loop routes each decision to the component that carries it out. All math is in
+the outer strategy (``coordinator.strategies``). Nothing that
 reveals a state is sent before that state is durable:
 
 - opening a round persists the round counter first (round ids are never reused);
@@ -40,14 +42,14 @@ from coordinator import strategies
 from coordinator.aggregate import Aggregator, SparseForward, WeightedMean
 from coordinator.allowance import PeerAllowance
 from coordinator.closing import Closing
-from coordinator.config import CoordinatorConfig
+from coordinator.config import AggregationConfig, CoordinatorConfig, OuterConfig, sections
 from coordinator.conflicts import IdentityConflicts
 from coordinator.decisions import Abort, Close, Decision, Open, Remove, Retry
 from coordinator.delivery import Delivery
 from coordinator.file_store import FileStateStore
 from coordinator.global_model import GlobalModel
 from coordinator.intake import Intake
-from coordinator.lifecycle import Lifecycle, lifecycle_config
+from coordinator.lifecycle import Lifecycle
 from coordinator.membership import Member, Membership
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.opening import Opening
@@ -86,6 +88,7 @@ class Coordinator:
         initial: InitialModel | None = None,
     ) -> None:
         self.cfg = cfg
+        self.sections = s = sections(cfg)
         self.clock = clock
         self.metrics = metrics or CoordinatorMetrics()
         self.finished = False
@@ -93,39 +96,41 @@ class Coordinator:
         self._initial = initial
         kit = load_coordinator_kit(cfg.security.kit_dir) if cfg.security.kit_dir else None
         signing_key = kit.signing_key if kit else None
+        state_path = s.state.path
         store = store or FileStateStore(
-            cfg.state_dir, keep=cfg.keep_checkpoints, signing_key=signing_key
+            s.state.dir, keep=s.state.keep_checkpoints, signing_key=signing_key
         )
-        self.post = PostOffice(cfg, store, self.metrics, kit, clock=clock)
-        self.aggregator = _configured_aggregator(cfg, self.post)
-        self.membership = Membership(cfg.site_timeout_s)
-        self.book = Lifecycle(lifecycle_config(cfg), self.membership, self.aggregator)
+        self.post = PostOffice(s.post, s.faults.wrap(store), self.metrics, kit, clock=clock)
+        self.aggregator = _configured_aggregator(s.aggregation, self.post)
+        self.membership = Membership(s.site_timeout_s)
+        self.book = Lifecycle(s.rounds, self.membership, self.aggregator)
         self.model = GlobalModel(
-            num_fragments=cfg.num_fragments,
-            deltas_dir=cfg.state_path / "deltas" if cfg.state_dir else None,
+            num_fragments=s.rounds.num_fragments,
+            deltas_dir=state_path / "deltas" if state_path else None,
             signing_key=signing_key,
             persist=self.post.persist,
         )
         self.status_report = CoordinatorStatus(
             session_id=os.urandom(8).hex(),
-            state_dir=cfg.state_path if cfg.state_dir else None,
+            state_dir=state_path,
             clock=clock,
             members=self.membership,
             book=self.book,
             model=self.model,
             post=self.post,
         )
-        self._assemble(strategy or _configured_strategy(cfg))
+        self._assemble(strategy or _outer_strategy(s.outer))
 
     def _assemble(self, strategy: Strategy) -> None:
         """The components that handle messages and carry decisions out."""
-        cfg, book, model, post, metrics = self.cfg, self.book, self.model, self.post, self.metrics
+        s, book, model, post = self.sections, self.book, self.model, self.post
+        metrics = self.metrics
         members, aggregator = self.membership, self.aggregator
-        planner = self.planner = Planner(cfg)
+        planner = self.planner = Planner(s.schedule)
         delivery = Delivery(members, model, post, metrics)
         self.intake = Intake(
-            cfg,
             session_id=self.session_id,
+            heartbeat_interval_s=s.post.channel.heartbeat_interval_s,
             clock=self.clock,
             members=members,
             rounds=book,
@@ -135,7 +140,7 @@ class Coordinator:
             planner=planner,
             aggregator=aggregator,
             conflicts=IdentityConflicts(
-                heartbeat_timeout_s=cfg.channel.heartbeat_timeout_s,
+                heartbeat_timeout_s=s.post.channel.heartbeat_timeout_s,
                 metrics=metrics,
                 describe=post.describe,
             ),
@@ -144,7 +149,8 @@ class Coordinator:
             on_changed=self._publish_status,
         )
         self.opening = Opening(
-            cfg,
+            s.rounds,
+            s.faults,
             book=book,
             members=members,
             model=model,
@@ -153,7 +159,9 @@ class Coordinator:
             metrics=metrics,
         )
         self.closing = Closing(
-            cfg,
+            s.evaluation,
+            s.faults,
+            final_mean=s.outer.final_mean,
             members=members,
             model=model,
             planner=planner,
@@ -216,18 +224,18 @@ class Coordinator:
             if self._initial is not None and self._initial.fingerprint != state.model_fingerprint:
                 raise ValueError(
                     f"coordinator.initial_model describes model {self._initial.fingerprint}, "
-                    f"but {self.cfg.state_dir or 'the state store'} holds model "
+                    f"but {self.sections.state.dir or 'the state store'} holds model "
                     f"{state.model_fingerprint}"
                 )
             self._resume(state)
         allowance = PeerAllowance(
             members=self.membership,
             numel=lambda: None if self.model.state is None else self.model.numel,
-            unknown_model_bytes=self.cfg.channel.max_transfer_bytes,
+            unknown_model_bytes=self.sections.post.channel.max_transfer_bytes,
         )
         endpoint = self.status_report.endpoint = self.post.bind(allowance)
-        if self.cfg.state_dir:
-            write_endpoint(self.cfg.state_path, endpoint, self.session_id)
+        if self.sections.state.path is not None:
+            write_endpoint(self.sections.state.path, endpoint, self.session_id)
         log.info("[coordinator] listening on %s session=%s", endpoint, self.session_id)
         self._publish_status()
         return endpoint
@@ -238,7 +246,7 @@ class Coordinator:
             global_version=state.global_version,
             round_counter=state.round_counter,
             completed_rounds=len(state.history),
-            next_fragment=next_fragment(state.history, self.cfg.num_fragments),
+            next_fragment=next_fragment(state.history, self.sections.rounds.num_fragments),
         )
         self.metrics.global_version.set(state.global_version)
         log.info(
@@ -379,19 +387,24 @@ class Coordinator:
         self.status_report.publish(finished=self.finished)
 
 
-def _configured_aggregator(cfg: CoordinatorConfig, post: PostOffice) -> Aggregator:
+def _configured_aggregator(aggregation: AggregationConfig, post: PostOffice) -> Aggregator:
     """How rounds aggregate: secure aggregation's masked sum, the sparse broadcast's forward,
     or the plain weighted mean."""
-    if cfg.secure_aggregation is not None:
-        return MaskedSumAggregator(cfg.secure_aggregation, post)
-    if cfg.broadcast == "sparse":
-        return SparseForward(cfg.max_update_norm)
-    return WeightedMean(cfg.max_update_norm)
+    if aggregation.secure_aggregation is not None:
+        return MaskedSumAggregator(aggregation.secure_aggregation, post)
+    if aggregation.broadcast == "sparse":
+        return SparseForward(aggregation.max_update_norm)
+    return WeightedMean(aggregation.max_update_norm)
 
 
 def _configured_strategy(cfg: CoordinatorConfig) -> Strategy:
     """The outer optimizer ``coordinator.outer_strategy`` names, from the registry."""
+    return _outer_strategy(sections(cfg).outer)
+
+
+def _outer_strategy(outer: OuterConfig) -> Strategy:
+    """The outer optimizer the outer step section names, from the registry."""
     settings = strategies.OuterSettings(
-        lr=cfg.outer_lr, momentum=cfg.outer_momentum, warmup_steps=cfg.outer_warmup_steps
+        lr=outer.lr, momentum=outer.momentum, warmup_steps=outer.warmup_steps
     )
-    return strategies.build(cfg.outer_strategy, settings)
+    return strategies.build(outer.strategy, settings)

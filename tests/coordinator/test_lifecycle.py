@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from comm.wire.schema import Update
+from coordinator.config import RoundsConfig
 from coordinator.decisions import Abort, Close, Finish, Open, Remove, Retry
-from coordinator.lifecycle import Lifecycle, LifecycleConfig
+from coordinator.lifecycle import Lifecycle
 from coordinator.membership import Membership
 from coordinator.round import Taken, UpdateRefusal
 from coordinator.rounds import next_fragment
@@ -22,8 +23,8 @@ SITES = ("a", "b", "c", "d")
 SITE_TIMEOUT_S = 5.0
 
 
-def config(*, overlap: bool, fragments: int, staleness: int, quorum: float) -> LifecycleConfig:
-    return LifecycleConfig(
+def config(*, overlap: bool, fragments: int, staleness: int, quorum: float) -> RoundsConfig:
+    return RoundsConfig(
         min_sites=2,
         quorum_fraction=quorum,
         max_rounds=0,
