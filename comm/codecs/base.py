@@ -97,6 +97,10 @@ class EncodedTensor:
     codec: str
     meta: dict[str, Any] = field(default_factory=dict)
     buffers: tuple[npt.NDArray[Any], ...] = ()
+    rows: tuple[int, int] | None = None
+    """None: the whole tensor ``name``. Otherwise a slice of it, rows ``[start, stop)`` of its
+    dim 0 (a shard of a model held by several ranks), and ``shape`` is the slice's:
+    ``(stop - start, *the tensor's shape[1:])``. Codecs neither read nor set it."""
 
     @property
     def nbytes(self) -> int:

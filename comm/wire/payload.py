@@ -1,7 +1,8 @@
 """A message's encoded tensors as frames, and back: the payload index and its buffers.
 
 Each tensor's entry in the index (``{"n": name, "s": shape, "c": codec, "m": meta, "b":
-buffers}``) lists its buffers as ``[dtype, nbytes]`` (the buffer is a frame of its own, sent
+buffers}``, and ``"r": [start, stop]`` for a slice of rows of a tensor, see
+:attr:`~comm.codecs.base.EncodedTensor.rows`; a whole tensor's entry has no ``"r"``) lists its buffers as ``[dtype, nbytes]`` (the buffer is a frame of its own, sent
 without a copy) or ``[dtype, nbytes, offset]`` (the buffer lies at ``offset`` in the *pack*, one
 frame before the others holding every buffer smaller than :data:`PACK_BELOW` back to back, each
 at the next multiple of 8). A sparse update is hundreds of buffers of a few hundred bytes: as
@@ -36,7 +37,7 @@ MAX_TENSORS = 1 << 16
 """The most tensors one message carries."""
 MAX_OBJECTS_PER_TENSOR = 48
 """The most msgpack objects one tensor's index entry holds (every key, value and container;
-a chunked top-k entry of a matrix holds 35)."""
+a chunked top-k entry of a matrix holds 35, and the rows of a slice 4 more)."""
 INDEX_LIMITS = UnpackLimits(
     max_objects=1 + MAX_TENSORS * MAX_OBJECTS_PER_TENSOR,
     per_item_objects=MAX_OBJECTS_PER_TENSOR,
@@ -52,6 +53,7 @@ ALLOWED_DTYPES = frozenset(
     {"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "float16", "float32"}
 )
 _ALIGN = 8
+_ENTRY_KEYS = frozenset({"n", "s", "c", "m", "b"})
 
 
 def _aligned(n: int) -> int:
@@ -74,9 +76,16 @@ def encode_payload(payload: Sequence[EncodedTensor]) -> tuple[list[Any] | bytes,
             else:
                 specs.append([str(b.dtype), int(b.nbytes)])
                 own.append(b)
-        index.append(
-            {"n": enc.name, "s": list(enc.shape), "c": enc.codec, "m": enc.meta, "b": specs}
-        )
+        entry: dict[str, Any] = {
+            "n": enc.name,
+            "s": list(enc.shape),
+            "c": enc.codec,
+            "m": enc.meta,
+            "b": specs,
+        }
+        if enc.rows is not None:
+            entry["r"] = [int(enc.rows[0]), int(enc.rows[1])]
+        index.append(entry)
     frames: list[Frame] = [bytes(pack), *own] if pack else list(own)
     packed = msgpack.packb(index, use_bin_type=True)
     if len(packed) >= COMPRESS_INDEX_FROM:
@@ -110,6 +119,22 @@ def _shape(value: Any, where: str) -> tuple[int, ...]:
     if any(d < 0 for d in value):
         raise WireError(ErrorCode.MALFORMED, f"{where} has a negative dimension")
     return tuple(value)
+
+
+def _rows(value: Any, shape: tuple[int, ...], where: str) -> tuple[int, int]:
+    """A slice's rows ``[start, stop)``: ints with 0 <= start < stop, as many as its shape's."""
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        raise WireError(ErrorCode.MALFORMED, f"{where} rows must be [start, stop]")
+    start, stop = value
+    if not 0 <= start < stop or not shape or shape[0] != stop - start:
+        raise WireError(
+            ErrorCode.MALFORMED, f"{where} rows {start}:{stop} do not fit its shape {shape}"
+        )
+    return start, stop
 
 
 class _Buffers:
@@ -176,7 +201,7 @@ def decode_payload(index: Any, frames: Sequence[Frame]) -> tuple[EncodedTensor, 
     if not isinstance(index, list) or len(index) > MAX_TENSORS:
         raise WireError(ErrorCode.MALFORMED, "payload index must be a bounded list")
     for i, item in enumerate(index):
-        if not isinstance(item, dict) or set(item) != {"n", "s", "c", "m", "b"}:
+        if not isinstance(item, dict) or set(item) - {"r"} != _ENTRY_KEYS:
             raise WireError(ErrorCode.MALFORMED, f"payload entry {i} has the wrong keys")
         if not isinstance(item["b"], list):
             raise WireError(ErrorCode.MALFORMED, f"payload[{i}] buffer list is not a list")
@@ -191,7 +216,10 @@ def decode_payload(index: Any, frames: Sequence[Frame]) -> tuple[EncodedTensor, 
             raise WireError(
                 ErrorCode.MALFORMED, f"payload[{i}].meta must be a map with string keys"
             )
+        rows = _rows(item["r"], shape, f"payload[{i}] {name!r}") if "r" in item else None
         bufs = tuple(buffers.take(spec, f"payload[{i}] {name!r}") for spec in item["b"])
-        out.append(EncodedTensor(name=name, shape=shape, codec=codec, meta=meta, buffers=bufs))
+        out.append(
+            EncodedTensor(name=name, shape=shape, codec=codec, meta=meta, buffers=bufs, rows=rows)
+        )
     buffers.finish()
     return tuple(out)

@@ -19,7 +19,8 @@ PROTOCOL_VERSION = 7
 may carry acknowledged delivery (``"r"``, ``"a"``; see ``comm.wire.frames``). 5: ``Global`` may
 be a sparse broadcast (``part_weights``, ``outer_lr``). 6: ``RoundStart.secagg`` relays each
 peer's certificate in place of its bare CURVE key; ``BAD_KEY``. 7: the state hash is blockwise, so
-ranks holding shards of the model compute it (``comm.wire.tensors.state_hash``)."""
+ranks holding shards of the model compute it (``comm.wire.tensors.state_hash``); a payload entry
+may be a slice of a tensor's rows (``"r"``, see ``comm.wire.payload``), which ``Update`` uses."""
 
 
 class MessageType(enum.IntEnum):
@@ -205,6 +206,9 @@ class Update:
     link_goodput_bps: float
     """The site's measured goodput from the coordinator, bits/s (0 when unknown)."""
     payload: tuple[EncodedTensor, ...]
+    """The encoded tensors: each whole, or (a site holding its model in shards) as slices of
+    its rows (``EncodedTensor.rows``), which together cover the tensor exactly once
+    (``comm.wire.tensors.check_slices``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

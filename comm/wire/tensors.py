@@ -12,7 +12,7 @@ import hashlib
 import math
 import struct
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -220,11 +220,21 @@ def encode_tensors(
     )
 
 
+def encode_slice(name: str, rows: np.ndarray, start: int, codec: PayloadCodec) -> EncodedTensor:
+    """Rows ``[start, start + len(rows))`` of tensor ``name`` (a shard of it), encoded with
+    ``codec`` and named as that slice (:attr:`EncodedTensor.rows`)."""
+    arr = np.asarray(rows, dtype=np.float32)
+    if arr.ndim < 1 or not arr.shape[0] or start < 0:
+        raise ValueError(f"tensor {name!r}: a slice is one row or more at a row >= 0")
+    return replace(codec.encode(name, arr), rows=(start, start + int(arr.shape[0])))
+
+
 def decode_tensors(
     payload: Sequence[EncodedTensor],
     expected: TensorSpec | None = None,
     *,
     codecs: Collection[str] | None = None,
+    slices: bool = False,
 ) -> dict[str, FloatArray]:
     """Decode a payload, checking names and shapes against ``expected``, the codecs against
     ``codecs`` (None: any), and finiteness.
@@ -233,44 +243,116 @@ def decode_tensors(
     can claim billions of elements. A receiver that has no shapes to expect (the initial
     model) names the dense codecs it takes, whose decoded size is what arrived.
 
+    ``slices``: a tensor may come as slices of its rows (a sharded site's update), which must
+    cover it exactly once (:func:`check_slices`); each is decoded on its own and they are put
+    together into the whole tensor. Otherwise (and always without ``expected``) a slice is
+    refused.
+
     Raises :class:`WireError` (BAD_PAYLOAD, UNKNOWN_CODEC or NON_FINITE) naming the tensor.
     """
-    names = [enc.name for enc in payload]
-    if len(set(names)) != len(names):
-        raise WireError(ErrorCode.BAD_PAYLOAD, "a tensor name appears twice")
-    if expected is not None and set(names) != set(expected):
-        missing = sorted(set(expected) - set(names))[:3]
-        extra = sorted(set(names) - set(expected))[:3]
+    if not slices or expected is None:
+        sliced = next((enc for enc in payload if enc.rows is not None), None)
+        if sliced is not None:
+            raise WireError(
+                ErrorCode.BAD_PAYLOAD,
+                f"tensor {sliced.name!r} comes as rows {sliced.rows}: whole tensors expected",
+            )
+    groups = check_slices(payload, expected)
+    out: dict[str, FloatArray] = {}
+    for name, pieces in groups.items():
+        if pieces[0].rows is None:
+            out[name] = _decode_one(pieces[0], codecs)
+            continue
+        assert expected is not None  # slices are refused without shapes to expect
+        whole = np.empty(expected[name], dtype=np.float32)
+        for enc in pieces:
+            start, stop = enc.rows or (0, 0)
+            whole[start:stop] = _decode_one(enc, codecs)
+        out[name] = whole
+    return out
+
+
+def check_slices(
+    payload: Sequence[EncodedTensor], expected: TensorSpec | None
+) -> dict[str, list[EncodedTensor]]:
+    """The payload's pieces by tensor name, checked without decoding anything: the names are
+    ``expected``'s; a tensor comes whole, once, in the shape expected, or as slices of its
+    rows that cover them exactly once (no gap, no overlap, none beyond its rows, no whole
+    tensor besides). Raises :class:`WireError` (BAD_PAYLOAD) naming the tensor."""
+    groups: dict[str, list[EncodedTensor]] = {}
+    for enc in payload:
+        groups.setdefault(enc.name, []).append(enc)
+    if expected is not None and set(groups) != set(expected):
+        missing = sorted(set(expected) - set(groups))[:3]
+        extra = sorted(set(groups) - set(expected))[:3]
         raise WireError(
             ErrorCode.BAD_PAYLOAD, f"tensor names differ: missing {missing} extra {extra}"
         )
-    out: dict[str, FloatArray] = {}
-    for enc in payload:
-        if codecs is not None and enc.codec not in codecs:
-            raise WireError(
-                ErrorCode.BAD_PAYLOAD, f"{enc.name!r} is {enc.codec!r}, expected {sorted(codecs)}"
-            )
-        if expected is not None and tuple(enc.shape) != tuple(expected[enc.name]):
-            raise WireError(
-                ErrorCode.BAD_PAYLOAD,
-                f"{enc.name!r} has shape {enc.shape}, expected {expected[enc.name]}",
-            )
-        try:
-            codec = get_codec(enc.codec)
-        except ValueError as exc:
-            raise WireError(ErrorCode.UNKNOWN_CODEC, f"{enc.name!r}: {exc}") from None
-        try:
-            arr = codec.decode(enc)
-        except NonFiniteError as exc:
-            raise WireError(ErrorCode.NON_FINITE, str(exc)) from None
-        except (ValueError, TypeError) as exc:
-            raise WireError(ErrorCode.BAD_PAYLOAD, f"{enc.name!r}: {exc}") from None
-        if arr.shape != tuple(enc.shape):
-            raise WireError(ErrorCode.BAD_PAYLOAD, f"{enc.name!r} decoded to shape {arr.shape}")
-        if not np.isfinite(arr).all():
-            raise WireError(ErrorCode.NON_FINITE, f"{enc.name!r} holds NaN or Inf")
-        out[enc.name] = arr
-    return out
+    for name, pieces in groups.items():
+        whole = [enc for enc in pieces if enc.rows is None]
+        if len(whole) > 1:
+            raise WireError(ErrorCode.BAD_PAYLOAD, f"tensor {name!r} appears twice")
+        if whole and len(pieces) > 1:
+            raise WireError(ErrorCode.BAD_PAYLOAD, f"tensor {name!r} comes whole and in slices")
+        if expected is None:
+            continue
+        shape = tuple(expected[name])
+        if whole:
+            if tuple(whole[0].shape) != shape:
+                raise WireError(
+                    ErrorCode.BAD_PAYLOAD,
+                    f"tensor {name!r} has shape {whole[0].shape}, expected {shape}",
+                )
+            continue
+        _check_rows(name, shape, pieces)
+    return groups
+
+
+def _check_rows(name: str, shape: tuple[int, ...], pieces: Sequence[EncodedTensor]) -> None:
+    """Slices of tensor ``name`` (of ``shape``) cover its rows exactly once."""
+    if not shape:
+        raise WireError(ErrorCode.BAD_PAYLOAD, f"tensor {name!r} has no rows to slice")
+    at = 0
+    for enc in sorted(pieces, key=lambda e: e.rows or (0, 0)):
+        start, stop = enc.rows or (0, 0)
+        want = (stop - start, *shape[1:])
+        if stop > shape[0]:
+            detail = f"rows {start}:{stop} beyond its {shape[0]} rows"
+        elif tuple(enc.shape) != want:
+            detail = f"rows {start}:{stop} have shape {tuple(enc.shape)}, expected {want}"
+        elif start > at:
+            detail = f"rows {at}:{start} missing"
+        elif start < at:
+            detail = f"rows {start}:{stop} overlap rows before {at}"
+        else:
+            at = stop
+            continue
+        raise WireError(ErrorCode.BAD_PAYLOAD, f"tensor {name!r}: {detail}")
+    if at != shape[0]:
+        raise WireError(ErrorCode.BAD_PAYLOAD, f"tensor {name!r}: rows {at}:{shape[0]} missing")
+
+
+def _decode_one(enc: EncodedTensor, codecs: Collection[str] | None) -> FloatArray:
+    """One piece decoded (its shape already checked), finite; WireError naming it."""
+    if codecs is not None and enc.codec not in codecs:
+        raise WireError(
+            ErrorCode.BAD_PAYLOAD, f"{enc.name!r} is {enc.codec!r}, expected {sorted(codecs)}"
+        )
+    try:
+        codec = get_codec(enc.codec)
+    except ValueError as exc:
+        raise WireError(ErrorCode.UNKNOWN_CODEC, f"{enc.name!r}: {exc}") from None
+    try:
+        arr = codec.decode(enc)
+    except NonFiniteError as exc:
+        raise WireError(ErrorCode.NON_FINITE, str(exc)) from None
+    except (ValueError, TypeError) as exc:
+        raise WireError(ErrorCode.BAD_PAYLOAD, f"{enc.name!r}: {exc}") from None
+    if arr.shape != tuple(enc.shape):
+        raise WireError(ErrorCode.BAD_PAYLOAD, f"{enc.name!r} decoded to shape {arr.shape}")
+    if not np.isfinite(arr).all():
+        raise WireError(ErrorCode.NON_FINITE, f"{enc.name!r} holds NaN or Inf")
+    return arr
 
 
 def split_parts(
