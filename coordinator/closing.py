@@ -37,6 +37,10 @@ class Announcement:
     base_version: int
     entry: dict[str, Any]
     late: list[Accepted]
+    digest: str
+    """The new state's hash."""
+    signature: bytes
+    """The coordinator's signature of the result (empty without a signing key)."""
 
 
 class Closing:
@@ -97,10 +101,15 @@ class Closing:
         entry = self._history_entry(now, decision, step, fresh, late, inner_steps)
         new_state = replace(step.state, global_version=r.round_id, history=(*st.history, entry))
         step = replace(step, state=new_state)
-        self._model.advance(new_state)  # durable before announced
         self._planner.measured(r.round_id, r.arrived, decision.merged, r.plan)
-        done = Announcement(decision, step, st.global_version, entry, late)
-        self._post.later(lambda: self._announce(done))
+
+        def announce(digest: str, signature: bytes) -> None:
+            self._announce(
+                Announcement(decision, step, st.global_version, entry, late, digest, signature)
+            )
+
+        # Durable before announced: the announcement runs once the new state's save is.
+        self._model.advance(new_state, base=st.global_version, fragment=r.fragment, then=announce)
 
     def _history_entry(
         self,
@@ -187,7 +196,7 @@ class Closing:
         the whole model to the others; one site on time is asked to evaluate. Returns the sites
         that held the base (they got the delta)."""
         r, merged, state = a.decision.round, a.decision.merged, a.step.state
-        digest = self._model.hash(state)
+        digest = a.digest
         in_sync = self._members.in_sync(a.base_version)
         wants_eval = r.round_id % self._evaluation.every_rounds == 0 or a.decision.final
         # Ask a site that can and was on time: evaluating costs the evaluator some compute.
@@ -203,7 +212,7 @@ class Closing:
             merged=merged_all,
             is_full=False,
             state_hash=digest,
-            signature=self._model.sign(r.round_id, a.base_version, r.fragment, digest),
+            signature=a.signature,
             evaluate=False,
             payload=a.step.encoded,
             part_weights=a.step.part_weights,

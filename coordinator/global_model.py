@@ -30,6 +30,9 @@ log = logging.getLogger("crossdc.coordinator")
 Persist = Callable[[GlobalState, bool], None]
 """``persist(state, counter_only)``: queue a durable save of ``state``."""
 
+Later = Callable[[Callable[[], None]], None]
+"""``later(action)``: run ``action`` once every save queued so far is durable."""
+
 
 class GlobalModel:
     """The federation's model; ``state`` is None until θ0 exists."""
@@ -41,11 +44,13 @@ class GlobalModel:
         deltas_dir: Path | None,
         signing_key: Ed25519PrivateKey | None,
         persist: Persist,
+        later: Later,
     ) -> None:
         self._num_fragments = num_fragments
         self._deltas_dir = deltas_dir
         self._signing_key = signing_key
         self._persist = persist
+        self._later = later
         self.state: GlobalState | None = None
         self.fragment_names: list[list[str]] = []
         self.deltas = DeltaLog(0)  # sized and started with the model (``_laid_out``)
@@ -101,10 +106,17 @@ class GlobalModel:
         self._persist(self.state, True)
         return True
 
-    def advance(self, state: GlobalState) -> None:
-        """A round's result: the new state, saved durably before anyone is told."""
+    def advance(
+        self, state: GlobalState, *, base: int, fragment: int, then: Callable[[str, bytes], None]
+    ) -> None:
+        """A round's result: the new state, saved durably before anyone is told. Once the save
+        is durable, ``then(digest, signature)`` runs with the new state's hash, signed for the
+        result of ``fragment`` on ``base``."""
         self.state = state
         self._persist(state, False)
+        digest = self.hash(state)
+        signature = self.sign(state.global_version, base, fragment, digest)
+        self._later(lambda: then(digest, signature))
 
     def _current(self) -> GlobalState:
         assert self.state is not None, "no global model yet"

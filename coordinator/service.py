@@ -109,6 +109,7 @@ class Coordinator:
             deltas_dir=state_path / "deltas" if state_path else None,
             signing_key=signing_key,
             persist=self.post.persist,
+            later=self.post.later,
         )
         self.status_report = CoordinatorStatus(
             session_id=os.urandom(8).hex(),
