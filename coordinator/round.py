@@ -81,7 +81,8 @@ class Round:
     """The RoundStart each participant was sent; emptied by a retry (its plans go out once)."""
     accepted: dict[str, Accepted] = field(default_factory=dict)
     arrived: dict[str, float] = field(default_factory=dict)
-    """When each on-time update landed (for arrival alignment)."""
+    """When each on-time update landed (for arrival alignment), where the aggregator says
+    that times its site's training (``Aggregator.arrivals_time_training``)."""
     quorum_at: float | None = None
     """When the quorum's last needed update arrived (None: not yet)."""
     dropped: frozenset[str] = frozenset()
@@ -189,7 +190,8 @@ class Round:
             self.late_waiting.append(acc)
             return Taken(acc, True, None, folded)
         self.accepted[msg.site_id] = acc
-        self.arrived[msg.site_id] = now
+        if self.aggregator.arrivals_time_training:
+            self.arrived[msg.site_id] = now
         lag = None
         if self.quorum_at is None:
             if len(self.accepted) >= self.quorum:

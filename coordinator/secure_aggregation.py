@@ -11,7 +11,9 @@ the coordinator learns only the sum. :class:`MaskedSumAggregator` is the
   added to the attempt's modular sum (:class:`MaskedSum`): only the sum is kept, and only the
   sum is ever unmasked;
 - rounds are whole: the masks cancel only over the attempt's full set, so a round lacking some
-  vectors is re-run with the survivors (``retry``) or abandoned, and no update is merged late.
+  vectors is re-run with the survivors (``retry``) or abandoned, and no update is merged late;
+  a re-run's survivors mask the update they already trained, so when a masked update lands
+  times no training and arrival alignment plans nothing from it.
 """
 
 from __future__ import annotations
@@ -186,6 +188,7 @@ class MaskedSumAggregator:
     # ---- keys ----------------------------------------------------------------------------------
 
     def check_join(self, msg: Join) -> None:
+    arrivals_time_training = False
         """Refuse (ValueError naming the site) a join whose session key no site could mask
         with."""
         announced_session_key(msg)

@@ -4,20 +4,28 @@ steps), and announcements held behind a slow save."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
+from comm.codecs.floats import Fp32Codec
+from comm.security.masking import SecAggConfig, x25519_public_bytes
+from comm.security.secagg import SecAggSession, plan_from_message
 from comm.wire.schema import (
     Global,
     Heartbeat,
+    InitParams,
     RoundStart,
     Shutdown,
+    Update,
 )
-from comm.wire.tensors import fragments, state_hash
+from comm.wire.tensors import encode_tensors, fragments, state_hash
 from coordinator.rounds import next_fragment
 from coordinator.state import MemoryStateStore
+from site_agent.payload import masked_payload
 from tests.support.coordinator import (
     D_EU,
     D_US,
@@ -185,6 +193,59 @@ def test_extra_steps_already_planned_count_against_the_earliness() -> None:
         assert all(e["wire_bytes_in"] > 0 and e["wire_bytes_out"] > 0 for e in history)
         assert sum(e["wire_bytes_in"] for e in history) == stats.bytes_received
         assert sum(e["wire_bytes_out"] for e in history) <= stats.bytes_sent
+
+
+@pytest.mark.timeout(60)
+def test_masked_rounds_plan_no_extra_steps_from_arrivals() -> None:
+    # Secure aggregation: when a masked update lands does not time its site's training (a
+    # re-run's survivors mask the update they already trained, with no new steps), so arrival
+    # alignment plans nothing from it, however staggered the arrivals.
+    clock = ManualClock()
+    cfg = SecAggConfig(clip_bound=8.0)
+    with running(clock=clock, secure_aggregation=cfg) as h:
+        eu, us = h.site("eu"), h.site("us")
+        keys = {s: X25519PrivateKey.generate() for s in ("eu", "us")}
+        sessions = {}
+        for site in (eu, us):
+            public = x25519_public_bytes(keys[site.site_id]).hex()
+            welcome = join(h, site, capabilities={"secagg_session_public": public})
+            sessions[site.site_id] = SecAggSession(
+                site_id=site.site_id,
+                session_id=welcome.session_id,
+                config=cfg,
+                session_key=keys[site.site_id],
+            )
+            if welcome.need_init:
+                site.send(
+                    InitParams(
+                        site_id=site.site_id,
+                        model_fingerprint="fp",
+                        payload=encode_tensors(PARAMS, Fp32Codec()),
+                    )
+                )
+
+        def masked(site: str, rs: RoundStart, delta: dict[str, np.ndarray]) -> Update:
+            attempt, peers = plan_from_message(rs.secagg)
+            vectors = sessions[site].mask(
+                delta, round_id=rs.round_id, participants=peers, attempt=attempt
+            )
+            return replace(on_base(site, rs, delta), payload=masked_payload(vectors, attempt))
+
+        rs_eu: RoundStart = h.expect(eu, RoundStart)
+        rs_us: RoundStart = h.expect(us, RoundStart)
+        plans = []
+        for _ in range(2):
+            eu.send(masked("eu", rs_eu, D_EU))
+            h.until(lambda: any("eu" in r.received for r in h.coord.open_rounds))
+            clock.now += 1.0  # us lands a second after eu (step_seconds 0.3 in both updates)
+            us.send(masked("us", rs_us, D_US))
+            h.expect(eu, Global)
+            rs_eu, rs_us = h.expect(eu, RoundStart), h.expect(us, RoundStart)
+            plans.append((rs_eu.num_inner_steps, rs_us.num_inner_steps))
+        assert plans == [(3, 3), (3, 3)], "a plain round gives eu 2 extra steps here"
+        assert h.coord.state is not None
+        assert [e["extra_steps"] for e in h.coord.state.history] == [{}, {}]
+        assert [e["merged"] for e in h.coord.state.history] == [["eu", "us"]] * 2
 
 
 def test_a_slow_save_leaves_the_loop_serving_and_holds_announcements() -> None:
