@@ -4,12 +4,15 @@ state, with the invariants checked after every step."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from comm.wire.schema import Update
+from coordinator.aggregate import MeanResult
 from coordinator.config import RoundsConfig
 from coordinator.decisions import Abort, Close, Finish, Open, Remove, Retry
 from coordinator.lifecycle import Lifecycle
@@ -289,7 +292,7 @@ def test_late_update_merges_after_its_closed_round_is_forgotten() -> None:
     assert isinstance(closed, Close) and closed.merged == ("a",)
     for site in ("a", "b"):
         book.members.holds(site, closed.round.round_id, in_sync=True)
-    taken = book.take(5.0, update("b", opened.round_id, 0, 0))
+    taken = book.take(5.0, replace(update("b", opened.round_id, 0, 0), weight=3.0))
     assert isinstance(taken, Taken) and taken.late
     now = 5.0
     for fragment in (1, 2, 0):
@@ -309,9 +312,18 @@ def test_late_update_merges_after_its_closed_round_is_forgotten() -> None:
             assert opened.round_id not in book.closed
             late = [(u.site_id, r.round_id) for r in c.late for u in r.late_waiting]
             assert late == [("b", opened.round_id)]
+            # The close merges it, once: 1 + one sync of its fragment missed halves its weight.
+            result, merged = c.round.result(c.late)
+            assert merged == [taken.update]
+            assert isinstance(result, MeanResult)
+            assert [(label, weight) for label, weight, _ in result.updates] == [
+                (f"round {c.round.round_id}", 2.0),
+                (f"late@{opened.round_id}", 3.0 / 2),
+            ]
+            assert c.late[0].late_waiting == [] and c.late[0].late_fold is None
         else:
             assert c.late == ()
-    assert book.pending_late() == []
+    assert book.pending_late() == [] and book.late == {}
 
 
 @pytest.mark.parametrize(("quorum", "expected"), [(0.5, Close), (1.0, Abort)])
