@@ -131,8 +131,12 @@ class Lifecycle:
         return verdict
 
     def pending_late(self) -> list[tuple[str, int]]:
-        """(site, round) of each late update waiting for its fragment's next sync."""
-        return [(u.site_id, r.round_id) for r in self.late.values() for u in r.late_waiting]
+        """(site, round) of each late update waiting for its fragment's next sync, in the order
+        they were accepted."""
+        waiting = sorted(
+            (u for r in self.late.values() for u in r.late_waiting), key=lambda u: u.order
+        )
+        return [(u.site_id, u.round_id) for u in waiting]
 
     # ---- the tick ------------------------------------------------------------------------------
 

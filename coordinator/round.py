@@ -10,10 +10,13 @@ A round is open until :meth:`Round.close` (it merged ``merged``) or :meth:`Round
 merged nothing). A closed round that merged takes late updates from its participants that
 missed it, within the staleness horizon, unless its aggregator refuses them; they wait in a fold
 of their own until a later close of the same fragment takes them (:meth:`Round.take_late`).
+A close lists the late updates it merges in the order they were accepted, across rounds
+(:attr:`Accepted.order`); their sums go by round whatever that order.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +24,9 @@ from comm.wire.schema import ErrorCode, RoundStart, Update
 from coordinator.aggregate import Aggregator, Fold, Late, Refused, RoundResult
 from coordinator.rounds import OpenRound
 from coordinator.scheduler import RoundPlan
+
+_acceptance = itertools.count()
+"""The order in which this process accepts updates, across every round."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,9 @@ class Accepted:
     train_loss: float
     compute_seconds: float
     nbytes: int
+    order: int = 0
+    """Its place in the order this process accepted updates in, across rounds: a close lists
+    the late updates it merges by it."""
 
 
 @dataclass(frozen=True)
@@ -184,6 +193,7 @@ class Round:
             msg.train_loss,
             msg.compute_seconds,
             sum(enc.nbytes for enc in msg.payload),
+            next(_acceptance),
         )
         if late:
             self.late[msg.site_id] = acc
@@ -240,8 +250,8 @@ class Round:
 
     def result(self, earlier: Sequence[Round] = ()) -> tuple[RoundResult, list[Accepted]]:
         """What the strategy merges: this round's on-time updates and the late updates waiting
-        in ``earlier`` rounds of its fragment (which let go of them), and those late updates.
-        The round lets go of its fold."""
+        in ``earlier`` rounds of its fragment (which let go of them), and those late updates in
+        the order they were accepted. The round lets go of its fold."""
         fold, self.fold = self.fold, None
         assert fold is not None and not self.is_open, "a closed round's result, once"
         late: list[Accepted] = []
@@ -250,4 +260,5 @@ class Round:
             taken, lf = r.take_late(self.round_id)
             late += taken
             folds.append(lf)
+        late.sort(key=lambda u: u.order)
         return fold.result(str(self.round_id), folds), late

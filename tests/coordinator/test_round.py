@@ -151,3 +151,26 @@ def test_the_sparse_forward_keeps_late_updates_by_round_then_site_down_weighted(
     ]
     for r in (r1, r2):
         assert r.late_waiting == [] and r.late_fold is None
+
+
+@pytest.mark.parametrize("aggregator", [WeightedMean(), SparseForward()], ids=lambda a: a.name)
+def test_a_close_lists_late_updates_in_the_order_they_were_taken(aggregator: Aggregator) -> None:
+    # The round's history (late_merged) and its broadcast (Global.merged) list the late updates
+    # it merges in the order they were accepted, across rounds; the sums go by round (then site)
+    # whatever that order, so the step's arithmetic does not depend on it.
+    r1, r2 = closed(1, aggregator), closed(2, aggregator)
+    accepted = [("d", 2, 3.0), ("c", 1, 2.0), ("b", 2, 5.0), ("b", 1, 6.0)]
+    for site, round_id, weight in accepted:
+        take(r1 if round_id == 1 else r2, update(site, round_id, weight, weight), late=True)
+    r3 = closed(3, aggregator)
+    result, late = r3.result([r1, r2])
+    assert [(u.site_id, u.round_id) for u in late] == [(s, r) for s, r, _ in accepted]
+    if isinstance(result, MeanResult):
+        assert [(label, w) for label, w, _ in result.updates] == [
+            ("round 3", 1.0),
+            ("late@1", 8.0 / 3),
+            ("late@2", 8.0 / 2),
+        ]
+    else:
+        assert isinstance(result, ForwardResult)
+        assert [w for w, _ in result.parts] == [1.0, 6.0 / 3, 2.0 / 3, 5.0 / 2, 3.0 / 2]
