@@ -5,16 +5,18 @@ One :class:`Aggregator` is chosen when the federation is assembled; each round f
 updates through a :class:`Fold` the aggregator gives it, and at its close
 :meth:`Fold.result` hands the strategy what it merges (:class:`RoundResult`). Two live here:
 
-- :class:`WeightedMean`: each update decoded, bounded by its norm and folded into a
-  :class:`RunningSum` the moment it arrives (the sites' updates themselves are never kept:
-  memory is O(model) per open round whatever the number of sites); the strategy steps on the
-  weighted mean and the step's delta goes down through the downlink codec, the difference to
-  the exact result kept as the downlink residual (:func:`outer_step`).
-- :class:`SparseForward`: the same checks, but the updates are kept as they arrived and the
-  broadcast forwards them with their weights; the strategy's ordered step (a strategy declaring
-  the sparse broadcast provides one, :class:`~coordinator.strategies.base.OrderedStep`) runs on
-  them decoded as a site decodes that broadcast, so every site lands on the coordinator's
-  parameters bit for bit (:func:`sparse_outer_step`).
+- :class:`WeightedMean`: each update decoded (a sharded site's slices of a tensor put together
+  into the whole tensor), bounded by its norm and folded into a :class:`RunningSum` the moment
+  it arrives (the sites' updates themselves are never kept: memory is O(model) per open round
+  whatever the number of sites); the strategy steps on the weighted mean and the step's delta
+  goes down through the downlink codec, the difference to the exact result kept as the
+  downlink residual (:func:`outer_step`).
+- :class:`SparseForward`: the same checks (whole tensors only), but the updates are kept as they
+  arrived and the broadcast forwards them with their weights; the strategy's ordered step (a
+  strategy declaring the sparse broadcast provides one,
+  :class:`~coordinator.strategies.base.OrderedStep`) runs on them decoded as a site decodes that
+  broadcast, so every site lands on the coordinator's parameters bit for bit
+  (:func:`sparse_outer_step`).
 
 Late updates (their round closed) fold into a second fold of their round, merged at their
 fragment's next sync, down-weighted by the syncs they missed. Sums are accumulated in float64:
@@ -211,18 +213,29 @@ class RunningSum:
 
 
 def decode_bounded(
-    payload: Sequence[EncodedTensor], shapes: Shapes, max_norm: float
+    payload: Sequence[EncodedTensor], shapes: Shapes, max_norm: float, *, slices: bool = False
 ) -> tuple[Arrays, float] | Refused:
     """An update's tensors and their norm, or why not: they do not decode into the round's
-    shapes, or they exceed the norm bound."""
+    shapes, or they exceed the norm bound. ``slices``: a tensor may come as slices of its rows
+    (a sharded site's), put together into the whole tensor before the norm is taken, so the
+    bound and the finiteness checks cover the whole update."""
     try:
-        delta = decode_tensors(payload, dict(shapes))
+        delta = decode_tensors(payload, dict(shapes), slices=slices)
     except WireError as exc:
         return Refused(exc.code, exc.detail)
     norm = global_norm(delta)
     if norm > max_norm:
         return Refused(ErrorCode.BAD_PAYLOAD, f"update norm {norm:.3g} > bound {max_norm:.3g}")
     return delta, norm
+
+
+def refuse_slices(payload: Sequence[EncodedTensor], why: str) -> Refused | None:
+    """A refusal naming the first tensor that comes in slices, to an aggregator that takes
+    whole tensors only (``why``); None when every tensor comes whole."""
+    for enc in payload:
+        if enc.rows is not None:
+            return Refused(ErrorCode.BAD_PAYLOAD, f"tensor {enc.name!r} comes in slices: {why}")
+    return None
 
 
 class _NoKeys:
@@ -297,7 +310,7 @@ class MeanFold:
     def add(
         self, site_id: str, weight: float, payload: Sequence[EncodedTensor], shapes: Shapes
     ) -> Refused | str:
-        decoded = decode_bounded(payload, shapes, self._max_norm)
+        decoded = decode_bounded(payload, shapes, self._max_norm, slices=True)
         if isinstance(decoded, Refused):
             return decoded
         self.sum.add(weight, decoded[0])
@@ -410,7 +423,8 @@ class ForwardFold:
     def add(
         self, site_id: str, weight: float, payload: Sequence[EncodedTensor], shapes: Shapes
     ) -> Refused | str:
-        decoded = decode_bounded(payload, shapes, self._max_norm)
+        refused = refuse_slices(payload, "the sparse broadcast forwards whole tensors")
+        decoded = refused or decode_bounded(payload, shapes, self._max_norm)
         if isinstance(decoded, Refused):
             return decoded
         self.kept[site_id] = (weight, tuple(payload))

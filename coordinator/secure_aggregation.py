@@ -29,7 +29,16 @@ from comm.codecs.base import EncodedTensor
 from comm.security.masking import WEIGHT_KEY, Peer, SecAggConfig, check_x25519_public, to_signed
 from comm.security.secagg import MaskingPlan, decide_attempt, plan_message
 from comm.wire.schema import ErrorCode, Join
-from coordinator.aggregate import Arrays, Fold, Late, MeanResult, Refused, RoundResult, Shapes
+from coordinator.aggregate import (
+    Arrays,
+    Fold,
+    Late,
+    MeanResult,
+    Refused,
+    RoundResult,
+    Shapes,
+    refuse_slices,
+)
 from coordinator.post import PostOffice
 from coordinator.strategies.base import Revealed
 
@@ -129,6 +138,9 @@ class MaskedFold:
         self, site_id: str, weight: float, payload: Sequence[EncodedTensor], shapes: Shapes
     ) -> Refused | str:
         """Checked for shape and attempt only (the values are hidden), then folded."""
+        refused = refuse_slices(payload, "masked updates are of whole tensors")
+        if refused is not None:
+            return refused
         plan, dtype = self.plan, self._config.dtype
         expected = {n: tuple(s) for n, s in shapes.items()}
         expected[WEIGHT_KEY] = (1,)
