@@ -77,7 +77,7 @@ class Opening:
             )
         )
         for i, site_id in enumerate(participants):
-            r.starts[site_id] = RoundStart(
+            start = RoundStart(
                 round_id=round_id,
                 global_version=st.global_version,
                 fragment_base_version=decision.base_version,
@@ -92,7 +92,8 @@ class Opening:
                 reason=plan_why,
                 **extra,
             )
-            self._post.send(self._members[site_id].peer, r.starts[site_id])
+            # Sent and not kept: under some aggregations it carries every peer's keys.
+            self._post.send(self._members[site_id].peer, start)
         self._post.later(lambda: self._faults.point("open", round_id))
 
     def retry_or_abandon(self, now: float, decision: Retry) -> None:

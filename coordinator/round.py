@@ -20,7 +20,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from comm.wire.schema import ErrorCode, RoundStart, Update
+from comm.wire.schema import ErrorCode, Update
 from coordinator.aggregate import Aggregator, Fold, Late, Refused, RoundResult
 from coordinator.rounds import OpenRound
 from coordinator.scheduler import RoundPlan
@@ -86,8 +86,6 @@ class Round:
     plan: RoundPlan | None = None
     tensors: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """The tensors the round covers, by name and shape (set with the plan)."""
-    starts: dict[str, RoundStart] = field(default_factory=dict)
-    """The RoundStart each participant was sent; emptied by a retry (its plans go out once)."""
     accepted: dict[str, Accepted] = field(default_factory=dict)
     arrived: dict[str, float] = field(default_factory=dict)
     """When each on-time update landed (for arrival alignment), where the aggregator says
@@ -224,7 +222,7 @@ class Round:
         gathered, no plan to send again (the retry's go out once)."""
         self.participants = survivors
         self.fold = fold
-        self.accepted, self.arrived, self.starts = {}, {}, {}
+        self.accepted, self.arrived = {}, {}
         self.dropped = frozenset()
         self.quorum_at = None
         self.deadline_at = deadline_at

@@ -195,6 +195,21 @@ def test_extra_steps_already_planned_count_against_the_earliness() -> None:
         assert sum(e["wire_bytes_out"] for e in history) <= stats.bytes_sent
 
 
+def test_a_round_keeps_no_round_start_once_sent(harness: Harness) -> None:
+    # A RoundStart is sent and not kept: under secure aggregation each carries every peer's
+    # session key and certificate (O(n^2) a round), which closed rounds would otherwise hold up
+    # to the staleness horizon.
+    h = harness
+    eu, us, rs = start_round(h)
+    merge_round(h, eu, us, rs)
+    h.expect(eu, RoundStart)
+    rounds = [*h.coord.book.open_rounds, *h.coord.book.closed.values()]
+    assert {r.round_id for r in rounds} == {rs.round_id, rs.round_id + 1}
+    for r in rounds:
+        held = [v for v in vars(r).values() for v in (v.values() if isinstance(v, dict) else [v])]
+        assert not any(isinstance(v, RoundStart) for v in held), r.round_id
+
+
 @pytest.mark.timeout(60)
 def test_masked_rounds_plan_no_extra_steps_from_arrivals() -> None:
     # Secure aggregation: when a masked update lands does not time its site's training (a
