@@ -177,13 +177,18 @@ class Round:
         if refusal is not None:
             return refusal
         late = not self.is_open
-        if late and self.late_fold is None:
-            self.late_fold = self.aggregator.late_fold()
-        fold = self.late_fold if late else self.fold
+        if not late:
+            fold = self.fold
+        elif self.late_fold is not None:
+            fold = self.late_fold
+        else:
+            fold = self.aggregator.late_fold()  # kept only once it takes an update
         assert fold is not None, "an open round has a fold"
         folded = fold.add(msg.site_id, msg.weight, msg.payload, self.tensors)
         if isinstance(folded, Refused):
             return UpdateRefusal(folded.code, folded.detail)
+        if late:
+            self.late_fold = fold
         acc = Accepted(
             msg.site_id,
             msg.round_id,

@@ -10,7 +10,7 @@ from comm.codecs.floats import Fp32Codec
 from comm.wire.schema import Update
 from comm.wire.tensors import encode_tensors
 from coordinator.aggregate import Aggregator, ForwardResult, MeanResult, SparseForward, WeightedMean
-from coordinator.round import Round, Taken
+from coordinator.round import Round, Taken, UpdateRefusal
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -174,3 +174,13 @@ def test_a_close_lists_late_updates_in_the_order_they_were_taken(aggregator: Agg
     else:
         assert isinstance(result, ForwardResult)
         assert [w for w, _ in result.parts] == [1.0, 6.0 / 3, 2.0 / 3, 5.0 / 2, 3.0 / 2]
+
+
+def test_a_refused_late_update_leaves_no_late_fold() -> None:
+    r = closed(1, WeightedMean(max_update_norm=10.0))
+    huge = update("b", 1, 100.0, 1.0)  # norm 141 > 10: the fold refuses it
+    refused = r.take(0.0, huge, staleness=0, horizon=8)
+    assert isinstance(refused, UpdateRefusal) and "norm" in refused.detail
+    assert r.late_fold is None and r.late == {} and r.late_waiting == []
+    take(r, update("b", 1, 2.0, 1.0), late=True)  # the site may still send a good one
+    assert r.late_fold is not None and list(r.late) == ["b"]
