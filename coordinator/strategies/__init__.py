@@ -17,7 +17,12 @@ import pkgutil
 from dataclasses import dataclass
 from typing import TypeVar
 
-from coordinator.strategies.base import OuterSettings, OuterStrategy, Revealed
+from coordinator.strategies.base import (
+    OuterSettings,
+    OuterStrategy,
+    Revealed,
+    runs_sites_sparse_step,
+)
 
 __all__ = [
     "BROADCASTS",
@@ -56,8 +61,15 @@ def register(cls: _S) -> _S:
     for broadcast in cls.broadcasts:
         if broadcast not in BROADCASTS:
             raise ValueError(f"{name}: unknown broadcast {broadcast!r} (known: {BROADCASTS})")
-    if "sparse" in cls.broadcasts and not callable(getattr(cls, "ordered_step", None)):
-        raise ValueError(f"{name} declares the sparse broadcast but has no ordered_step")
+    if "sparse" in cls.broadcasts and not runs_sites_sparse_step(cls):
+        if not callable(getattr(cls, "ordered_step", None)):
+            raise ValueError(f"{name} declares the sparse broadcast but has no ordered_step")
+        raise ValueError(
+            f"{name} declares the sparse broadcast with an ordered_step of its own: every site "
+            "applies a sparse broadcast with comm.codecs.broadcast.sparse_step, so its state "
+            "hash would differ from the coordinator's; derive from "
+            "coordinator.strategies.base.SparseBroadcastStep and keep its ordered_step"
+        )
     _registry[name] = cls
     return cls
 

@@ -20,6 +20,8 @@ from typing import ClassVar, Protocol, Self, cast
 import numpy as np
 import numpy.typing as npt
 
+from comm.codecs.broadcast import sparse_step
+
 Arrays = dict[str, npt.NDArray[np.float32]]
 
 
@@ -91,11 +93,11 @@ class OuterResult:
 
 
 class OrderedStep(Protocol):
-    """What the sparse broadcast needs of its strategy, provided by every strategy whose
-    ``broadcasts`` include ``"sparse"`` (the registry refuses one that declares it without):
-    the step over the updates in the order given, the broadcast's, which each site re-runs on
-    the forwarded updates to land on the coordinator's parameters bit for bit, and the learning
-    rate the broadcast carries for that step."""
+    """What the sparse broadcast needs of its strategy: the step over the updates in the order
+    given, the broadcast's, which each site re-runs on the forwarded updates to land on the
+    coordinator's parameters bit for bit, and the learning rate the broadcast carries for that
+    step. The sites run one step only (``comm.codecs.broadcast.sparse_step``), so the one
+    implementation is :class:`SparseBroadcastStep`'s."""
 
     @property
     def lr(self) -> float: ...
@@ -112,11 +114,51 @@ class OrderedStep(Protocol):
         ...
 
 
+class SparseBroadcastStep:
+    """The sparse broadcast's step, as every site runs it on the forwarded updates:
+    θ ← θ − lr · (their weighted mean), :func:`comm.codecs.broadcast.sparse_step` itself, no
+    momentum (the buffer passes through unchanged), statistics tensors at lr 1.
+
+    A strategy declaring the ``sparse`` broadcast derives from this and keeps its
+    ``ordered_step``: the sites know no other step, so any other would leave every site's
+    state hash differing from the coordinator's (the registry refuses such a strategy,
+    :func:`runs_sites_sparse_step`). The strategy provides ``lr``."""
+
+    lr: float
+
+    def ordered_step(
+        self,
+        params: Mapping[str, np.ndarray],
+        momentum: Mapping[str, np.ndarray],
+        weighted: Sequence[tuple[float, Mapping[str, np.ndarray]]],
+        *,
+        averaged: Collection[str] = (),
+    ) -> OuterResult:
+        """The step over ``weighted`` (weight, update) in the order given: the arithmetic a site
+        runs on a sparse broadcast, whose order is the broadcast's."""
+        new_params = sparse_step(params, weighted, lr=self.lr, averaged=averaged)
+        grad = weighted_mean(weighted)
+        rule = f"sparse sgd lr={self.lr:g} (no momentum)"
+        if any(k in averaged for k in params):
+            rule += "; statistics tensors: mean"
+        buf: Arrays = {k: np.asarray(v, dtype=np.float32) for k, v in momentum.items()}
+        return OuterResult(new_params, buf, global_norm(grad), rule)
+
+
+def runs_sites_sparse_step(cls: type) -> bool:
+    """Whether ``cls``'s ordered step is the one the sites run on a sparse broadcast
+    (:class:`SparseBroadcastStep`'s, not overridden)."""
+    return getattr(cls, "ordered_step", None) is SparseBroadcastStep.ordered_step
+
+
 def as_ordered(strategy: object) -> OrderedStep:
     """``strategy`` as the sparse broadcast runs it: one declaring the ``sparse`` broadcast
-    provides :class:`OrderedStep`; ``TypeError`` for any other."""
+    and running the sites' step (:class:`SparseBroadcastStep`); ``TypeError`` for any other."""
+    name = type(strategy).__name__
     if "sparse" not in getattr(strategy, "broadcasts", ()):
-        raise TypeError(f"{type(strategy).__name__} does not declare the sparse broadcast")
+        raise TypeError(f"{name} does not declare the sparse broadcast")
+    if not runs_sites_sparse_step(type(strategy)):
+        raise TypeError(f"{name} does not run the step the sites run on a sparse broadcast")
     return cast(OrderedStep, strategy)
 
 
@@ -165,8 +207,8 @@ class OuterStrategy:
     broadcasts: ClassVar[frozenset[str]] = frozenset({"dense"})
     """Broadcasts (``coordinator.broadcast``) the strategy's result can be sent by: ``dense``
     (the outer delta through the downlink codec) and/or ``sparse`` (the round's encoded updates
-    forwarded, each site re-running the step on them: a strategy declaring it provides
-    :class:`OrderedStep`)."""
+    forwarded, each site re-running the step on them: a strategy declaring it derives from
+    :class:`SparseBroadcastStep` and keeps its ``ordered_step``)."""
     why_not_other_broadcasts: ClassVar[str] = ""
     """Why a broadcast outside ``broadcasts`` is refused, for the message naming it."""
     needs: ClassVar[Revealed] = Revealed.SUM

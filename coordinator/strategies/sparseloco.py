@@ -11,29 +11,27 @@ from typing import ClassVar
 
 import numpy as np
 
-from comm.codecs.broadcast import sparse_step
 from coordinator.strategies import register
 from coordinator.strategies.base import (
-    Arrays,
     OuterResult,
     OuterSettings,
     OuterStrategy,
     Revealed,
-    global_norm,
-    weighted_mean,
+    SparseBroadcastStep,
 )
 
 
 @register
 @dataclass(frozen=True)
-class SparseLoCo(OuterStrategy):
+class SparseLoCo(SparseBroadcastStep, OuterStrategy):
     """Outer SGD without momentum: θ ← θ − lr · (token-weighted mean of the sparse updates).
 
     The momentum of DiLoCo is replaced by each site's decayed error-feedback accumulator
     (e ← βe + Δ, send the chunk top-k of e, keep the rest), so the coordinator keeps no buffer:
-    ``momentum`` passes through unchanged. The step is :func:`sparse_step`, which the sites also
-    run on the broadcast (the sites' sparse updates forwarded), so they land on the coordinator's
-    exact parameters. Statistics tensors take the plain mean.
+    ``momentum`` passes through unchanged. The step is ``comm.codecs.broadcast.sparse_step``,
+    which the sites also run on the broadcast (the sites' sparse updates forwarded), so they land
+    on the coordinator's exact parameters: its ``ordered_step`` is
+    :class:`SparseBroadcastStep`'s. Statistics tensors take the plain mean.
     """
 
     name: ClassVar[str] = "sparseloco"
@@ -67,21 +65,3 @@ class SparseLoCo(OuterStrategy):
         ordered = sorted(updates, key=lambda u: u[0])  # site order fixes float summation order
         weighted = [(w, t) for _, w, t in ordered]
         return self.ordered_step(params, momentum, weighted, averaged=averaged)
-
-    def ordered_step(
-        self,
-        params: Mapping[str, np.ndarray],
-        momentum: Mapping[str, np.ndarray],
-        weighted: Sequence[tuple[float, Mapping[str, np.ndarray]]],
-        *,
-        averaged: Collection[str] = (),
-    ) -> OuterResult:
-        """The step over ``weighted`` (weight, update) in the order given: the arithmetic a site
-        runs on a sparse broadcast, whose order is the broadcast's."""
-        new_params = sparse_step(params, weighted, lr=self.lr, averaged=averaged)
-        grad = weighted_mean(weighted)
-        rule = f"sparse sgd lr={self.lr:g} (no momentum)"
-        if any(k in averaged for k in params):
-            rule += "; statistics tensors: mean"
-        buf: Arrays = {k: np.asarray(v, dtype=np.float32) for k, v in momentum.items()}
-        return OuterResult(new_params, buf, global_norm(grad), rule)

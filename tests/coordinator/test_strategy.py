@@ -301,6 +301,63 @@ def test_the_sparse_broadcast_runs_the_ordered_step_a_strategy_declares() -> Non
     assert "unordered" not in strategies.names()
 
 
+def test_a_strategy_declaring_the_sparse_broadcast_with_a_step_of_its_own_is_refused() -> None:
+    # Every site applies a sparse broadcast with comm.codecs.broadcast.sparse_step, whatever the
+    # strategy: a strategy stepping otherwise would be accepted and then fail every site's state
+    # hash. Registration refuses it.
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from comm.codecs.broadcast import sparse_step
+    from coordinator import strategies
+    from coordinator.strategies.base import (
+        OuterResult,
+        OuterStrategy,
+        SparseBroadcastStep,
+        as_ordered,
+    )
+    from coordinator.strategies.sparseloco import SparseLoCo
+
+    @dataclass(frozen=True)
+    class Doubled(OuterStrategy):
+        name: ClassVar[str] = "doubled"
+        summary: ClassVar[str] = "declares the sparse broadcast, steps twice as far"
+        broadcasts: ClassVar[frozenset[str]] = frozenset({"dense", "sparse"})
+        lr: float = 1.0
+
+        def ordered_step(self, params, momentum, weighted, *, averaged=()) -> OuterResult:  # type: ignore[no-untyped-def]
+            new = sparse_step(params, weighted, lr=2 * self.lr, averaged=averaged)
+            return OuterResult(new, dict(momentum), 0.0, "doubled")
+
+    @dataclass(frozen=True)
+    class Overridden(SparseBroadcastStep, OuterStrategy):
+        name: ClassVar[str] = "overridden"
+        summary: ClassVar[str] = "derives the sites' step, then overrides it"
+        broadcasts: ClassVar[frozenset[str]] = frozenset({"sparse"})
+        lr: float = 1.0
+
+        def ordered_step(self, params, momentum, weighted, *, averaged=()) -> OuterResult:  # type: ignore[no-untyped-def]
+            return Doubled(self.lr).ordered_step(params, momentum, weighted, averaged=averaged)
+
+    for cls in (Doubled, Overridden):
+        with pytest.raises(
+            ValueError,
+            match=rf"^{cls.name} declares the sparse broadcast with an ordered_step of its own: "
+            r"every site applies a sparse broadcast with comm.codecs.broadcast.sparse_step",
+        ):
+            strategies.register(cls)
+        assert cls.name not in strategies.names()
+        with pytest.raises(TypeError, match=f"{cls.__name__} does not run the step"):
+            as_ordered(cls())
+    # The one that runs the sites' step is taken, and its step is theirs.
+    assert issubclass(SparseLoCo, SparseBroadcastStep)
+    assert SparseLoCo.ordered_step is SparseBroadcastStep.ordered_step
+    params = {"w": np.array([1.0, 2.0], np.float32)}
+    weighted = [(1.0, {"w": np.array([0.5, 0.25], np.float32)})]
+    got = SparseLoCo(lr=0.5).ordered_step(params, {"w": np.zeros(2, np.float32)}, weighted)
+    np.testing.assert_array_equal(got.params["w"], sparse_step(params, weighted, lr=0.5)["w"])
+
+
 def test_what_a_strategy_needs_is_checked_against_what_the_aggregation_reveals() -> None:
     from comm.security.masking import SecAggConfig
     from comm.security.rolekits import SecurityConfig
