@@ -147,13 +147,13 @@ class Aggregator(Protocol):
     (:meth:`retry`); False: it may close with a quorum."""
     late_refusal: str
     """Why a closed round takes no late update ("" when it does)."""
-
-    def check_join(self, msg: Join) -> None:
     arrivals_time_training: bool
     """Whether an on-time update's arrival times its site's training, so that arrival
     alignment may plan extra steps from it; False where an update may come from no training
     (a retry's survivors send again the update they already trained): rounds record no
     arrival then."""
+
+    def check_join(self, msg: Join) -> None:
         """Refuse (ValueError naming the site) a join that could not take part."""
 
     def joined(self, peer: bytes, msg: Join) -> None:
@@ -245,6 +245,7 @@ class _NoKeys:
     reveals = Revealed.EACH_UPDATE
     whole_rounds = False
     late_refusal = ""
+    arrivals_time_training = True
 
     def check_join(self, msg: Join) -> None:
         return None
@@ -258,7 +259,6 @@ class _NoKeys:
     def retry(
         self, round_id: int, fold: Fold, received: Sequence[str]
     ) -> tuple[tuple[tuple[str, ...], Fold] | None, str]:
-    arrivals_time_training = True
         raise AssertionError("only whole rounds are retried")
 
 

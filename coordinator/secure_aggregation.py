@@ -188,6 +188,7 @@ class MaskedSumAggregator:
 
     whole_rounds = True
     late_refusal = "masked updates cannot be merged late"
+    arrivals_time_training = False
     name = "secure aggregation"
     reveals = Revealed.SUM
 
@@ -200,7 +201,6 @@ class MaskedSumAggregator:
     # ---- keys ----------------------------------------------------------------------------------
 
     def check_join(self, msg: Join) -> None:
-    arrivals_time_training = False
         """Refuse (ValueError naming the site) a join whose session key no site could mask
         with."""
         announced_session_key(msg)
