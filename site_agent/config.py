@@ -15,7 +15,7 @@ from comm.ops.httpsec import HttpSecurityConfig
 from comm.security.masking import SecAggConfig
 from comm.security.rolekits import SecurityConfig
 from comm.transport.profile import ChannelConfig
-from site_agent.jobs.contract import BYTEGPT_FACTORY
+from site_agent.jobs.contract import BYTEGPT_FACTORY, check_job_options
 from site_agent.pipeline.layout import TORCH_SCHEDULES, check_data_parallel
 from site_agent.privacy import DPConfig
 
@@ -135,6 +135,12 @@ class SiteConfig:
             raise ValueError("site.steps_per_poll must be >= 1")
         if self.stages < 1 or self.replicas < 1:
             raise ValueError("site.stages and site.replicas must be >= 1")
+        # The job's own check of its options, where it offers one (the byte GPT does).
+        checked = check_job_options(self.job.factory, self.job.options, self.job.python_path)
+        if checked is not None and checked.layers is not None and self.stages > checked.layers:
+            raise ValueError(
+                f"site.stages={self.stages} exceeds the model's {checked.layers} layers"
+            )
         if self.schedule not in TORCH_SCHEDULES:
             raise ValueError(
                 f"site.schedule must be one of {', '.join(TORCH_SCHEDULES)}, got {self.schedule!r}"
@@ -189,6 +195,8 @@ def bytegpt_sections_as_options(table: Mapping[str, Any], prefix: str = "site") 
             f"takes its settings from [{where}job.options]"
         )
     if legacy:
+        # Checked as written, so that a bad one is named as the user wrote it (site.model...).
+        check_job_options(BYTEGPT_FACTORY, legacy, where=prefix)
         options = job.get("options", {})
         job["options"] = merge(legacy, options) if isinstance(options, Mapping) else options
     out["job"] = job

@@ -108,15 +108,84 @@ class Job(Protocol):
 JobFactory = Callable[[JobContext], Job]
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+OPTIONS_TABLE = "site.job.options"
+"""Where a site's config holds its job's options."""
 
 
-def parse_options(cls: type[T], options: Mapping[str, Any]) -> T:
+def parse_options(cls: type[T], options: Mapping[str, Any], where: str = OPTIONS_TABLE) -> T:
     """A job's options table read into its frozen dataclass ``cls`` (nested tables into nested
-    dataclasses); an unknown key or a bad value is a ``ValueError`` naming it."""
+    dataclasses); an unknown key or a bad value is a ``ValueError`` naming it as a key of
+    ``where``, the table the options were written in."""
     try:
-        return build(cls, options, prefix="site.job.options.")
+        return build(cls, options, prefix=where)
     except ConfigError as exc:
         raise ValueError(str(exc)) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckedOptions:
+    """What a job's options check (:func:`checks_options`) learns from the options alone."""
+
+    layers: int | None = None
+    """How many layers the model's chain has, where a pipeline may cut it (a stage holds at least
+    one): ``site.stages`` may not exceed it. None: not known before the model is built."""
+    unchanged: bool = False
+    """The options set nothing the job would not have without them (every value its default)."""
+
+
+OptionsCheck = Callable[[Mapping[str, Any], str], CheckedOptions]
+"""``check(options, where)``: a job's options read as its factory reads them, without building
+anything; a bad one is a ``ValueError`` naming it as a key of ``where`` (the table they were
+written in, ``site.job.options``)."""
+
+_OPTIONS_CHECK = "check_options"
+
+
+def checks_options(check: OptionsCheck) -> Callable[[F], F]:
+    """Decorates a factory whose options can be checked before the job is made: the site then
+    checks them, and its stage count against ``layers``, when its config is read, so that a bad
+    option stops it before it starts anything (``site_agent.jobs.bytegpt:make_job`` does)."""
+
+    def attach(factory: F) -> F:
+        setattr(factory, _OPTIONS_CHECK, check)
+        return factory
+
+    return attach
+
+
+def check_job_options(
+    factory_path: str,
+    options: Mapping[str, Any],
+    python_path: Sequence[str] = (),
+    where: str = OPTIONS_TABLE,
+) -> CheckedOptions | None:
+    """The check the factory offers (:func:`checks_options`) run on ``options``: None when the
+    factory offers none, or does not resolve (building the job reports that). A bad option is a
+    :class:`ConfigError` with the check's message."""
+    try:
+        factory = load_factory(factory_path, python_path)
+    except JobError:
+        return None
+    check = getattr(factory, _OPTIONS_CHECK, None)
+    if check is None:
+        return None
+    try:
+        checked = check(options, where)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    except Exception as exc:  # the job's own code
+        raise ConfigError(
+            f"site.job.factory {factory_path!r}: checking its options raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(checked, CheckedOptions):
+        raise ConfigError(
+            f"site.job.factory {factory_path!r}: its options check must return CheckedOptions, "
+            f"got {type(checked).__name__}"
+        )
+    return checked
 
 
 def load_factory(path: str, python_path: Sequence[str] = ()) -> JobFactory:

@@ -11,9 +11,16 @@ It is one built-in job among others: the site's core knows it only through the j
 - ``optim``: ``InnerOptimConfig``, AdamW and its warm-up schedule;
 - ``job``: ``ByteGPTOptions`` (its ``[site.job.options]``: the tables ``model``, ``data`` and
   ``optim``, and ``eval_batches`` / ``eval_batch_size``), ``ByteGPTJob`` and ``make_job``, the
-  factory (``site_agent.jobs.bytegpt:make_job``).
+  factory (``site_agent.jobs.bytegpt:make_job``), with ``check_options``, the check of its
+  options the site runs when its config is read.
 """
 
-from site_agent.jobs.bytegpt.job import ByteGPTJob, ByteGPTOptions, make_job, mean_loss
+from site_agent.jobs.bytegpt.job import (
+    ByteGPTJob,
+    ByteGPTOptions,
+    check_options,
+    make_job,
+    mean_loss,
+)
 
-__all__ = ["ByteGPTJob", "ByteGPTOptions", "make_job", "mean_loss"]
+__all__ = ["ByteGPTJob", "ByteGPTOptions", "check_options", "make_job", "mean_loss"]

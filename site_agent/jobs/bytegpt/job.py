@@ -18,7 +18,13 @@ from site_agent.jobs.bytegpt.data import (
 )
 from site_agent.jobs.bytegpt.model import ModelConfig, build_model, lm_loss
 from site_agent.jobs.bytegpt.optim import InnerOptimConfig, WarmupSchedule, adamw
-from site_agent.jobs.contract import JobContext, parse_options
+from site_agent.jobs.contract import (
+    OPTIONS_TABLE,
+    CheckedOptions,
+    JobContext,
+    checks_options,
+    parse_options,
+)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -109,8 +115,17 @@ class ByteGPTOptions:
             raise ValueError("eval_batches and eval_batch_size must be >= 1")
 
 
+def check_options(options: Mapping[str, Any], where: str = OPTIONS_TABLE) -> CheckedOptions:
+    """The byte GPT's options read as :func:`make_job` reads them, without loading its data or
+    building its model; the model's chain is its embedding, its blocks and its head."""
+    opts = parse_options(ByteGPTOptions, options, where)
+    return CheckedOptions(layers=opts.model.num_layers + 2, unchanged=opts == ByteGPTOptions())
+
+
+@checks_options(check_options)
 def make_job(ctx: JobContext) -> ByteGPTJob:
-    """The factory of the embedded default job."""
+    """The factory of the embedded default job (its options checked by :func:`check_options`
+    when the site's config is read)."""
     opts = parse_options(ByteGPTOptions, ctx.options)
     data = load_corpora(opts.data)
     model = build_model(opts.model, ctx.seed, device=ctx.device)

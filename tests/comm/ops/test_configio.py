@@ -79,6 +79,29 @@ def test_site_config_errors() -> None:
             },
             prefix="site",
         )
+    # The default job's options are checked when the config is read, by the job's own check.
+    with pytest.raises(ConfigError, match="model.d_model"):
+        build(
+            SiteConfig,
+            {
+                "site_id": "eu",
+                "coordinator": "tcp://h:1",
+                "job": {"options": {"model": {"d_model": 30, "num_heads": 4}}},
+                "security": {"insecure": True},
+            },
+            prefix="site",
+        )
+    with pytest.raises(ConfigError, match="site.stages=20 exceeds the model's 6 layers"):
+        build(
+            SiteConfig,
+            {
+                "site_id": "eu",
+                "coordinator": "tcp://h:1",
+                "stages": 20,
+                "security": {"insecure": True},
+            },
+            prefix="site",
+        )
 
 
 def test_env_overrides_parse_toml_values() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from comm.ops.configio import build, dump_toml
+from comm.ops.configio import ConfigError, build, dump_toml
 from comm.security.rolekits import SecurityConfig
 from site_agent.config import JobConfig, SiteConfig, site_config_from_table
 from site_agent.jobs.bytegpt.model import ModelConfig, model_fingerprint
@@ -41,6 +42,8 @@ USER_JOB = '''
 """A user's regression job, outside crossdc."""
 import torch
 from torch import nn
+
+from site_agent.jobs.contract import CheckedOptions, checks_options
 
 W_TRUE = torch.linspace(-1.0, 1.0, 8)
 
@@ -96,6 +99,18 @@ def no_optimizer(ctx):
 
 
 NOT_CALLABLE = 3
+
+
+def _check(options, where):
+    """The regression job's options, checked before it is made: a model of three layers."""
+    if int(options.get("hidden", 16)) < 1:
+        raise ValueError(f"{where}.hidden must be >= 1")
+    return CheckedOptions(layers=3)
+
+
+@checks_options(_check)
+def checked(ctx):
+    return RegressionJob(ctx)
 '''
 
 
@@ -267,6 +282,85 @@ def test_the_byte_gpt_sections_are_read_as_its_options() -> None:
     )
     assert canonical.job.options["model"] == legacy.job.options["model"]
     assert site_config_from_table(base).job == JobConfig()
+
+
+_BASE = {"site_id": "eu", "coordinator": "tcp://h:1", "security": {"insecure": True}}
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        # Written as the job's options: named there.
+        (
+            {"job": {"options": {"model": {"num_layer": 3}}}},
+            "unknown key site.job.options.model.num_layer",
+        ),
+        ({"job": {"options": {"colour": 1}}}, "unknown key site.job.options.colour"),
+        ({"job": {"options": {"model": {"d_model": 30}}}}, "model.d_model must be divisible"),
+        (
+            {"job": {"options": {"eval_batches": 0}}},
+            "eval_batches and eval_batch_size must be >= 1",
+        ),
+        ({"job": {"options": {"optim": {"lr": -1.0}}}}, "inner_optim.lr must be > 0"),
+        ({"job": {"options": {"data": {"num_shards": 0}}}}, "data.num_shards must be >= 1"),
+        # Written the old way ([site.model] ...): named as written.
+        ({"model": {"num_layer": 3}}, "unknown key site.model.num_layer"),
+        ({"model": {"d_model": 30}}, "model.d_model must be divisible"),
+        ({"eval_batches": 0}, "eval_batches and eval_batch_size must be >= 1"),
+        ({"optim": {"lr": -1.0}}, "inner_optim.lr must be > 0"),
+        # The model's 4 blocks, its embedding and its head: at most 6 stages.
+        ({"stages": 20}, "site.stages=20 exceeds the model's 6 layers"),
+        ({"stages": 7}, "site.stages=7 exceeds the model's 6 layers"),
+        ({"stages": 4, "model": {"num_layers": 1}}, "site.stages=4 exceeds the model's 3 layers"),
+    ],
+)
+def test_the_byte_gpt_options_are_checked_when_the_config_is_read(
+    table: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        site_config_from_table({**_BASE, **table})
+
+
+def test_the_stage_bound_follows_the_byte_gpt_model() -> None:
+    assert site_config_from_table({**_BASE, "stages": 6}).stages == 6
+    deeper = {"job": {"options": {"model": {"num_layers": 18}}}}
+    assert site_config_from_table({**_BASE, "stages": 20, **deeper}).stages == 20
+    assert site_config_from_table({**_BASE, "stages": 20, "model": {"num_layers": 18}}).stages == 20
+
+
+def test_a_job_may_check_its_options_when_the_config_is_read(
+    tmp_path: Path, user_jobs: Path
+) -> None:
+    table = _site(tmp_path, user_jobs, "eu", coordinator="tcp://127.0.0.1:1")
+    del table["coordinator_endpoint_file"]
+    checked = {**table, "job": {**table["job"], "factory": "regression_job:checked"}}
+    assert site_config_from_table(checked).job.factory == "regression_job:checked"
+    with pytest.raises(ConfigError, match=r"site\.job\.options\.hidden must be >= 1"):
+        site_config_from_table({**checked, "job": {**checked["job"], "options": {"hidden": 0}}})
+    with pytest.raises(ConfigError, match="site.stages=4 exceeds the model's 3 layers"):
+        site_config_from_table({**checked, "stages": 4})
+    # A job without a check is checked when it is built; one that does not import, too.
+    assert site_config_from_table({**table, "stages": 4}).stages == 4
+    missing = {**table, "job": {**table["job"], "factory": "no_such_module:make_job"}}
+    assert site_config_from_table(missing).job.factory == "no_such_module:make_job"
+
+
+@pytest.mark.timeout(60)
+def test_a_site_with_more_stages_than_layers_exits_2_before_torchrun(tmp_path: Path) -> None:
+    path = tmp_path / "site.toml"
+    path.write_text(
+        dump_toml({"site": {**_BASE, "state_dir": str(tmp_path / "state"), "stages": 20}})
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "crossdc", "agent", "--config", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "bad config: site.stages=20 exceeds the model's 6 layers" in result.stderr
+    assert "torchrun" not in result.stderr
 
 
 class _NanAfter:
