@@ -169,7 +169,8 @@ def bytegpt_sections_as_options(table: Mapping[str, Any], prefix: str = "site") 
     ``site.eval_batch_size`` become the same keys of ``[site.job.options]``, a key given there
     winning; ``site.optim.grad_clip`` (clipping applies to every job) becomes
     ``site.job.grad_clip`` unless that is given. The byte GPT's settings with another job are
-    refused, not ignored: that job takes its settings from ``[site.job.options]``."""
+    refused, not ignored, unless they are the byte GPT's defaults (which change nothing): that
+    job takes its settings from ``[site.job.options]``."""
     where = f"{prefix}." if prefix else ""
     legacy = {k: table[k] for k in BYTEGPT_SECTIONS if k in table}
     if not legacy:
@@ -189,11 +190,16 @@ def bytegpt_sections_as_options(table: Mapping[str, Any], prefix: str = "site") 
             del legacy["optim"]
     factory = job.get("factory", BYTEGPT_FACTORY)
     if legacy and factory != BYTEGPT_FACTORY:
-        name = next(iter(legacy))
-        raise ConfigError(
-            f"{where}{name} configures the built-in byte GPT job only; the job {factory!r} "
-            f"takes its settings from [{where}job.options]"
-        )
+        for name, value in legacy.items():
+            # At the byte GPT's defaults a section changes nothing (and is dropped); a bad one is
+            # named as written.
+            checked = check_job_options(BYTEGPT_FACTORY, {name: value}, where=prefix)
+            if checked is None or not checked.unchanged:
+                raise ConfigError(
+                    f"{where}{name} configures the built-in byte GPT job only; the job "
+                    f"{factory!r} takes its settings from [{where}job.options]"
+                )
+        legacy = {}
     if legacy:
         # Checked as written, so that a bad one is named as the user wrote it (site.model...).
         check_job_options(BYTEGPT_FACTORY, legacy, where=prefix)

@@ -255,6 +255,29 @@ def test_the_byte_gpt_sections_are_refused_for_another_job(tmp_path: Path, user_
     assert site_config_from_table({**table, "optim": {"grad_clip": 0.5}}).job.grad_clip == 0.5
 
 
+def test_the_byte_gpt_sections_at_their_defaults_are_accepted_for_another_job(
+    tmp_path: Path, user_jobs: Path
+) -> None:
+    """Another job's [site] may hold the byte GPT's sections at their defaults: they change
+    nothing, and are dropped. A value that differs is refused, a bad one named as written."""
+    table = _site(tmp_path, user_jobs, "eu", coordinator="tcp://127.0.0.1:1")
+    del table["coordinator_endpoint_file"]
+    defaults = {
+        "model": {"num_layers": 4, "d_model": 128},
+        "data": {"source": "stdlib"},
+        "optim": {"lr": 3e-3, "grad_clip": 0.5},
+        "eval_batches": 8,
+        "eval_batch_size": 16,
+    }
+    cfg = site_config_from_table({**table, **defaults})
+    assert cfg.job.factory == "regression_job:make_job"
+    assert cfg.job.options == {} and cfg.job.grad_clip == 0.5
+    with pytest.raises(ConfigError, match="site.optim configures the built-in byte GPT job only"):
+        site_config_from_table({**table, **defaults, "optim": {"lr": 3e-3, "batch_size": 8}})
+    with pytest.raises(ConfigError, match="unknown key site.model.num_layer"):
+        site_config_from_table({**table, "model": {"num_layer": 4}})
+
+
 def test_the_byte_gpt_sections_are_read_as_its_options() -> None:
     """[site.model], [site.data], [site.optim] and site.eval_* of a byte GPT site are its job's
     options (a key given in [site.job.options] wins); site.optim.grad_clip is site.job.grad_clip."""
