@@ -96,3 +96,18 @@ def test_containers_doc_commands_use_the_real_cli() -> None:
                 build_parser().parse_args(words[1:])
                 checked += 1
     assert checked >= 2
+
+
+@FAST
+def test_deploy_files_name_the_byte_gpt_options_as_a_site_config_spells_them() -> None:
+    """Comments of the example configs, units and manifests name the byte GPT's settings where
+    a site's config holds them ([site.job.options.model]), not the site tables of before."""
+    before = re.compile(r"\[site\.(model|data|optim)\]|\bsite\.(model|data|optim)\.")
+    stale = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in sorted(DEPLOY.rglob("*"))
+        if path.is_file()
+        for number, line in enumerate(path.read_bytes().decode(errors="replace").splitlines(), 1)
+        if before.search(line)
+    ]
+    assert not stale, stale
