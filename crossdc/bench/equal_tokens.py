@@ -56,7 +56,7 @@ from crossdc.bench.equal_tokens_sim import (
 from crossdc.bench.local_trainer import LocalTrainer
 from crossdc.demo_args import resolve_outer_rule_defaults
 from crossdc.demo_roles import DEMO_MODEL
-from crossdc.plot import frontier_point, plot_frontier
+from crossdc.plot import PlotUnavailable, frontier_point, plot_frontier
 from crossdc.progress import (
     SILENT,
     Progress,
@@ -257,7 +257,8 @@ def _setting_args(args: argparse.Namespace, seed: int, h: int, k: int, bits: int
 def sweep(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]:
     """Every (H, k, bits) for every seed, ``--jobs`` processes at a time, each seed's baseline
     once (from the cache when there). ``frontier.json`` in ``--out`` is rewritten as each run completes (a sweep stopped
-    early leaves what it measured); ``frontier.png`` is drawn at the end."""
+    early leaves what it measured); ``frontier.png`` is drawn at the end (without matplotlib, the
+    optional ``plot`` extra, it is not: ``png`` is None and stderr says why)."""
     check_arguments(args)
     seeds = int_list("--seeds", args.seeds)
     grid = [
@@ -291,8 +292,12 @@ def sweep(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, An
             points.append(frontier_point(r))
             json_path.write_text(json.dumps(frontier, indent=1))
             progress.count(i, total, "settings")
-    png = plot_frontier(json_path, out_dir / "frontier.png")
-    return {**frontier, "json": str(json_path), "png": str(png)}
+    try:
+        png: str | None = str(plot_frontier(json_path, out_dir / "frontier.png"))
+    except PlotUnavailable as exc:  # no matplotlib: the figures are the optional 'plot' extra
+        print(f"crossdc bench equal_tokens: no figure: {exc}", file=sys.stderr)
+        png = None
+    return {**frontier, "json": str(json_path), "png": png}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ and its byte count is the codecs' encoded sizes."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -188,6 +189,26 @@ def test_sweep_writes_the_frontier_json_and_picture(
     (tmp_path / "bad.json").write_text(json.dumps({"config": {}}))
     assert plot.main(["--frontier", str(tmp_path / "bad.json")]) == 1
     assert "neither a sweep's frontier.json" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_a_sweep_without_matplotlib_reports_its_frontier_without_the_picture(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the 'plot' extra were absent
+    argv = [
+        *("--sites", "2", "--steps", "2", "--eval-every", "2", "--seeds", "0", "--jobs", "1"),
+        *("--strategy", "sparseloco", "--outer-lr", "1", "--broadcast", "sparse"),
+        *("--sweep", "--sweep-inner-steps", "1", "--sweep-k", "64", "--sweep-bits", "1"),
+        *("--out", str(tmp_path / "sweep"), "--json", "--batch-size", "2"),
+    ]
+    assert equal_tokens.main(argv) == 0
+    printed = capsys.readouterr()
+    out = json.loads(printed.out)
+    assert len(out["points"]) == 1 and out["png"] is None
+    assert len(json.loads((tmp_path / "sweep" / "frontier.json").read_text())["points"]) == 1
+    assert not (tmp_path / "sweep" / "frontier.png").exists()
+    assert "no figure: figures need matplotlib" in printed.err
 
 
 @pytest.mark.timeout(300)
