@@ -68,7 +68,9 @@ def test_a_shard_off_the_block_grid_has_other_scales_and_one_more() -> None:
         assert np.all(np.abs(codec.decode(p).reshape(-1) - flat) <= scales / 2 + 1e-7)
 
 
-@pytest.mark.parametrize("spec", ["chunktopk:chunk=64,k=4", "int8:block=64+zstd", "int4:block=32+zstd"])
+@pytest.mark.parametrize(
+    "spec", ["chunktopk:chunk=64,k=4", "int8:block=64+zstd", "int4:block=32+zstd"]
+)
 def test_aligned_shards_decode_to_the_values_of_the_whole(spec: str) -> None:
     """chunktopk on the chunk grid, and +zstd over an aligned block codec: the bytes are the
     shard's own (positions and zstd frames are coded per encoded tensor), the decoded values
