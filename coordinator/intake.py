@@ -346,10 +346,13 @@ class Intake:
             detail = "no global model yet: the initial parameters come first"
             self._post.reject(peer, ErrorCode.UNEXPECTED, detail, msg.site_id)
             return
+        cpu = time.thread_time()
         taken = check_reported(msg) or self._rounds.take(self._clock(), msg)
         if isinstance(taken, UpdateRefusal):
             self._post.reject(peer, taken.code, taken.detail, msg.site_id)
             return
+        self._metrics.fold_cpu_seconds.inc(time.thread_time() - cpu)
+        self._metrics.fold_parameter_updates.inc(sum(enc.numel for enc in msg.payload))
         # The site's figures are finite and in range (coordinator.reported): the planner may
         # divide by them.
         self._planner.observe(

@@ -119,6 +119,7 @@ class Coordinator:
             book=self.book,
             model=self.model,
             post=self.post,
+            metrics=self.metrics,
         )
         self._assemble(strategy or _outer_strategy(s.outer))
 

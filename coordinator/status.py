@@ -10,6 +10,7 @@ from typing import Any
 from coordinator.global_model import GlobalModel
 from coordinator.lifecycle import Lifecycle
 from coordinator.membership import Membership
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.post import PostOffice
 from coordinator.status_board import STATUS_HISTORY_TAIL, StatusBoard
 
@@ -27,6 +28,7 @@ class CoordinatorStatus:
         book: Lifecycle,
         model: GlobalModel,
         post: PostOffice,
+        metrics: CoordinatorMetrics,
     ) -> None:
         self.session_id = session_id
         self.endpoint = ""
@@ -34,6 +36,7 @@ class CoordinatorStatus:
         self._book = book
         self._model = model
         self._post = post
+        self._metrics = metrics
         self._board = StatusBoard(state_dir / "status.json" if state_dir else None, clock)
 
     @property
@@ -66,8 +69,14 @@ class CoordinatorStatus:
             "transfers_waited": chan.stats.transfers_waited if chan else 0,
             "reassembly_peak_bytes": chan.stats.reassembly_peak_bytes if chan else 0,
             "num_parameters": int(sum(v.size for v in st.params.values())) if st else 0,
+            # The fold's speed: values folded and the CPU seconds of the thread that folded them.
+            "fold_parameter_updates": int(self._sample("crossdc_fold_parameter_updates_total")),
+            "fold_cpu_seconds": self._sample("crossdc_fold_cpu_seconds_total"),
         }
         self._board.publish(status)
+
+    def _sample(self, name: str) -> float:
+        return self._metrics.registry.get_sample_value(name) or 0.0
 
     def get(self) -> dict[str, Any]:
         """The latest published status (safe to call from another thread)."""

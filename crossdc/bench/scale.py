@@ -7,7 +7,24 @@ each sends an int4 update of the whole model and takes the result, without train
 measures the coordinator, not the sites). Per case it reports the coordinator's peak resident
 memory (``VmHWM``), how long each round took from its RoundStart to the last site's result,
 messages the coordinator refused, and WAN bytes per round (everything on its socket, divided by
-the rounds). ``docs/scaling.md`` has the figures and what they mean.
+the rounds).
+
+Per coordinator process (the list ``shards``; one process today, so one entry) it reports:
+
+- ``peak_rss_bytes``: its peak resident memory (``VmHWM``);
+- ``base_rss_bytes``: its resident memory (``VmRSS``) once it is up and has welcomed the first
+  site, before that site sends θ0: the process without the model;
+- ``bytes_per_param``: ``(peak_rss_bytes - base_rss_bytes) / params``, what the model costs the
+  process per parameter it owns;
+- ``fold_rate``: parameter values of accepted updates decoded, checked and folded per CPU second
+  of the thread that did it, from the coordinator's counters
+  ``crossdc_fold_parameter_updates_total`` and ``crossdc_fold_cpu_seconds_total`` (also in its
+  ``status.json``); the transport's and the state writer's threads are not in that time;
+- ``cpu_seconds``: the whole process's CPU time (user + system, ``/proc/PID/stat``) as last seen
+  before it exited, for the fold's share of it;
+- ``round_close_seconds``: as above.
+
+``docs/scaling.md`` has the figures and what they mean.
 """
 
 from __future__ import annotations
@@ -20,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +52,7 @@ from comm.transport.profile import ChannelConfig
 from comm.wire.schema import (
     Eval,
     Global,
+    Heartbeat,
     InitParams,
     Join,
     Message,
@@ -65,15 +84,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _peak_rss(pid: int) -> int:
-    """The process's peak resident set (VmHWM) in bytes; 0 once it is gone."""
+def _rss(pid: int, field: str = "VmHWM") -> int:
+    """The process's peak (``VmHWM``) or current (``VmRSS``) resident set in bytes; 0 once it
+    is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def _cpu_seconds(pid: int) -> float:
+    """The process's CPU time so far (user + system, all its threads); 0 once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def write_config(workdir: Path, *, sites: int, rounds: int, port: int) -> Path:
@@ -106,6 +136,17 @@ class _Site:
     chan: DealerChannel
     done: bool = False
     version: int = 0
+    next_beat: float = 0.0
+
+    def beat(self) -> None:
+        """A heartbeat each interval, as a real site sends: the coordinator cuts a connection
+        that stays silent past its heartbeat timeout (a site waiting for a long close would)."""
+        now = time.monotonic()
+        if now >= self.next_beat:
+            self.chan.send(
+                Heartbeat(site_id=self.site_id, global_version=self.version, sent_at=now)
+            )
+            self.next_beat = now + self.chan.cfg.heartbeat_interval_s
 
 
 @dataclass
@@ -118,6 +159,8 @@ class _Run:
     opened: dict[int, float] = field(default_factory=dict)
     closed: dict[int, float] = field(default_factory=dict)
     peak_rss: int = 0
+    base_rss: int = 0
+    cpu_seconds: float = 0.0
 
 
 def _answer(run: _Run, site: _Site, msg: Message) -> None:
@@ -175,18 +218,26 @@ def _drain(run: _Run, site: _Site) -> bool:
         msg = site.chan.recv(0.0)
         if msg is not None:
             _answer(run, site, msg)
+            if not isinstance(msg, Heartbeat):
+                site.next_beat = 0.0  # its acknowledgement rides on the next heartbeat
         elif site.chan.stats.bytes_received == before:
             return busy  # nothing came in
         busy = True
     return busy
 
 
-def _await_welcome(run: _Run, site: _Site, timeout_s: float) -> None:
-    """Wait for the coordinator's Welcome to ``site`` and answer it (InitParams when asked)."""
+def _await_welcome(
+    run: _Run, site: _Site, timeout_s: float, before: Callable[[], None] = lambda: None
+) -> None:
+    """Wait for the coordinator's Welcome to ``site``, run ``before``, and answer it (InitParams
+    when asked)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        site.beat()
         msg = site.chan.recv(0.1)
         if msg is not None:
+            if isinstance(msg, Welcome):
+                before()
             _answer(run, site, msg)
             if isinstance(msg, Welcome):
                 return
@@ -204,9 +255,11 @@ def _serve(run: _Run, coord: subprocess.Popen[bytes], timeout_s: float) -> None:
             raise RuntimeError(f"the coordinator exited with {coord.returncode}")
         busy = False
         for site in run.sites:
+            site.beat()
             busy = _drain(run, site) or busy
         if time.monotonic() - last_rss > 0.2:
-            run.peak_rss, last_rss = max(run.peak_rss, _peak_rss(coord.pid)), time.monotonic()
+            run.peak_rss, last_rss = max(run.peak_rss, _rss(coord.pid)), time.monotonic()
+            run.cpu_seconds = max(run.cpu_seconds, _cpu_seconds(coord.pid))
         if not busy:
             time.sleep(0.002)
 
@@ -252,7 +305,12 @@ def run_case(
                 )
             )
             if i == 0:
-                _await_welcome(run, site, timeout_s)  # so the first join is the one asked for θ0
+                # So the first join is the one asked for θ0; the coordinator is up and holds no
+                # model yet: its resident memory now is its base.
+                def base(pid: int = coord.pid) -> None:
+                    run.base_rss = _rss(pid, "VmRSS")
+
+                _await_welcome(run, site, timeout_s, before=base)
         started = time.monotonic()
         _serve(run, coord, timeout_s)
         wall = time.monotonic() - started
@@ -273,6 +331,19 @@ def _figures(run: _Run, workdir: Path, sites: int, numel: int, wall: float) -> d
     wan = int(status.get("wire_bytes_in", 0)) + int(status.get("wire_bytes_out", 0))
     rounds = int(status.get("rounds_completed", 0))
     closes = [run.closed[r] - run.opened[r] for r in sorted(run.closed) if r in run.opened]
+    folded = int(status.get("fold_parameter_updates", 0))
+    fold_cpu = round(float(status.get("fold_cpu_seconds", 0.0)), 6)
+    shard = {
+        "params": numel,
+        "peak_rss_bytes": run.peak_rss,
+        "base_rss_bytes": run.base_rss,
+        "bytes_per_param": round((run.peak_rss - run.base_rss) / numel, 2),
+        "fold_parameter_updates": folded,
+        "fold_cpu_seconds": fold_cpu,
+        "fold_rate": round(folded / fold_cpu) if fold_cpu > 0 else 0,
+        "cpu_seconds": round(run.cpu_seconds, 2),
+        "round_close_seconds": [round(s, 3) for s in closes],
+    }
     return {
         "sites": sites,
         "params": numel,
@@ -287,6 +358,7 @@ def _figures(run: _Run, workdir: Path, sites: int, numel: int, wall: float) -> d
         "uploads_waited": sum(s.chan.stats.credit_waits for s in run.sites),
         "chunks_resent": sum(s.chan.stats.chunks_resent for s in run.sites),
         "wall_seconds": round(wall, 2),
+        "shards": [shard],
     }
 
 

@@ -20,6 +20,16 @@ def test_a_small_case_runs_every_round_and_refuses_nothing(tmp_path: Path) -> No
     # updates up and three int4 results down (about half a byte per value each).
     assert out["wan_bytes_total"] >= 4 * 100_000 + 2 * 6 * 100_000 // 2
     assert out["wan_bytes_per_round"] == out["wan_bytes_total"] / 2
+    (shard,) = out["shards"]  # one coordinator process
+    assert 0 < shard["base_rss_bytes"] < shard["peak_rss_bytes"]
+    assert shard["peak_rss_bytes"] == out["coordinator_peak_rss_bytes"]
+    per_param = (shard["peak_rss_bytes"] - shard["base_rss_bytes"]) / 100_000
+    assert shard["bytes_per_param"] == round(per_param, 2)
+    # Three sites' updates in each of two rounds, every value folded once, in measured CPU time.
+    assert shard["fold_parameter_updates"] == 3 * 2 * 100_000
+    assert 0 < shard["fold_cpu_seconds"] <= shard["cpu_seconds"]
+    assert shard["fold_rate"] == round(3 * 2 * 100_000 / shard["fold_cpu_seconds"])
+    assert shard["round_close_seconds"] == out["round_close_seconds"]
     log = (tmp_path / "case" / "coordinator.log").read_text()
     assert "sent full model" not in log  # the other sites proved θ0 by hash
 
