@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import numpy.typing as npt
 
-from comm.codecs.base import EncodedTensor, FloatArray, NonFiniteError, PayloadCodec
+from comm.codecs.base import EncodedTensor, FloatArray, NonFiniteError, PayloadCodec, TensorLike
 from comm.codecs.registry import get_codec
 from comm.wire.frames import WireError
 from comm.wire.schema import ErrorCode
@@ -220,10 +220,11 @@ def encode_tensors(
     )
 
 
-def encode_slice(name: str, rows: np.ndarray, start: int, codec: PayloadCodec) -> EncodedTensor:
+def encode_slice(name: str, rows: TensorLike, start: int, codec: PayloadCodec) -> EncodedTensor:
     """Rows ``[start, start + len(rows))`` of tensor ``name`` (a shard of it), encoded with
-    ``codec`` and named as that slice (:attr:`EncodedTensor.rows`)."""
-    arr = np.asarray(rows, dtype=np.float32)
+    ``codec`` and named as that slice (:attr:`EncodedTensor.rows`). A torch tensor is encoded
+    where it lies (a shard on its device)."""
+    arr = rows if hasattr(rows, "detach") else np.asarray(rows, dtype=np.float32)
     if arr.ndim < 1 or not arr.shape[0] or start < 0:
         raise ValueError(f"tensor {name!r}: a slice is one row or more at a row >= 0")
     return replace(codec.encode(name, arr), rows=(start, start + int(arr.shape[0])))

@@ -1,0 +1,279 @@
+"""One rank's part of a site whose model is held in row shards (FSDP2's ``fully_shard``).
+
+Under ``fully_shard`` every parameter is a DTensor placed ``Shard(0)`` on a 1-D mesh: rank r
+holds rows ``[start, stop)`` of dim 0 (torch.chunk's split, so the last ranks may hold fewer
+rows, or none). :class:`RankShards` is what one rank keeps for the federation, for its rows
+only and on the shard's device: θ (the global model as last synced) and the error-feedback
+residual, both float32. No rank builds a tensor it does not own.
+
+- :meth:`RankShards.shard_update` computes the rank's pseudo-gradient Δ = θ − θ_local, adds its
+  residual, encodes it as a row slice (``comm.wire.tensors.encode_slice``) and keeps what the
+  encoding lost, by error feedback's rule (``comm.codecs.feedback``):
+  ``y = Δ + decay · residual; enc = C(y); residual = y − D(enc)``.
+  :func:`gather_slices` gathers every rank's encoded slices to one rank over the site's process
+  group: the encoded bytes are all that cross. The coordinator puts the slices together
+  (``decode_tensors(..., slices=True)``) and folds them as it folds whole tensors.
+- :func:`shard_hash` is ``state_hash`` of the whole θ, computed from the shards: each rank hashes
+  the blocks that begin in its rows, the blocks cut by a shard boundary completed from the next
+  ranks' boundary pieces (less than a hash block each); the digests are gathered and combined on
+  one rank.
+- :meth:`RankShards.load_global` / :meth:`RankShards.apply_delta` take a decoded result of whole
+  tensors (a ``Global`` carries whole tensors) and keep only the rank's rows of it. Each rank
+  still decodes the whole tensor to cut its rows from it; cutting the encoded result by rows
+  (the leader scattering each rank its slices' bytes) is the next step.
+
+A parameter that is not a DTensor, or is replicated, is held whole by every rank: rank 0 sends
+and hashes it, the others skip it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from comm.codecs.base import EncodedTensor, FloatArray, PayloadCodec
+from comm.codecs.feedback import ErrorFeedback
+from comm.wire.tensors import (
+    BoundaryPiece,
+    boundary_piece,
+    combine,
+    encode_slice,
+    model_hash,
+    partial_digests,
+)
+
+
+@dataclass(frozen=True)
+class RowRange:
+    """The rows ``[start, stop)`` of dim 0 of tensor ``name`` (of ``shape``, the whole
+    tensor's) that a rank holds; ``whole``: every rank holds the whole tensor (not sharded), and
+    only rank 0 sends and hashes it."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+    whole: bool = False
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:])
+
+    @property
+    def flat_start(self) -> int:
+        """The flat index of the range's first element in the whole tensor."""
+        return self.start * self.row_numel
+
+
+def row_range(name: str, param: torch.Tensor) -> RowRange:
+    """The rows of ``param`` this rank holds: a DTensor's ``Shard(0)`` on a 1-D mesh (its local
+    shard and global row offset, as torch computes them), or the whole tensor when it is not a
+    DTensor or is replicated. ValueError names the tensor for any other placement."""
+    shape = tuple(int(d) for d in param.shape)
+    if not isinstance(param, DTensor):
+        return RowRange(name, shape, 0, shape[0] if shape else 1, whole=True)
+    placements = tuple(param.placements)
+    if all(isinstance(p, Replicate) for p in placements):
+        return RowRange(name, shape, 0, shape[0] if shape else 1, whole=True)
+    if param.device_mesh.ndim != 1 or placements != (Shard(0),) or not shape:
+        raise ValueError(
+            f"tensor {name!r}: placements {placements} on a {param.device_mesh.ndim}-D mesh; "
+            "row shards need Shard(0) on a 1-D mesh (FSDP2's fully_shard)"
+        )
+    local_shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, placements
+    )
+    start = min(int(offset[0]), shape[0])
+    return RowRange(name, shape, start, start + int(local_shape[0]))
+
+
+def local_part(param: torch.Tensor) -> torch.Tensor:
+    """The values this rank holds of ``param`` (a DTensor's local shard), detached."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return local.detach()
+
+
+class RankShards:
+    """What one rank of a sharded site keeps for the federation: for each parameter, its rows
+    of θ and of the error-feedback residual, float32 on the shard's device.
+
+    ``rank`` is the rank in the site's process group; a tensor held whole is owned by rank 0.
+    Not thread-safe: one caller per instance.
+    """
+
+    def __init__(
+        self, named_params: Iterable[tuple[str, torch.Tensor]], *, rank: int, decay: float = 1.0
+    ) -> None:
+        """θ is the parameters as they are now (the global model the site last synced)."""
+        ErrorFeedback(decay=decay)  # the same check of the decay
+        self.rank = rank
+        self.decay = decay
+        self.ranges: dict[str, RowRange] = {}
+        self._theta: dict[str, torch.Tensor] = {}
+        self._residuals: dict[str, torch.Tensor] = {}
+        for name, param in named_params:
+            rows = row_range(name, param)
+            self.ranges[name] = rows
+            self._theta[name] = local_part(param).to(torch.float32, copy=True)
+
+    @classmethod
+    def of_module(
+        cls, module: torch.nn.Module, *, group: dist.ProcessGroup | None = None, decay: float = 1.0
+    ) -> RankShards:
+        """A rank's shards of ``module``'s parameters (``named_parameters``) as they are now."""
+        return cls(module.named_parameters(), rank=dist.get_rank(group), decay=decay)
+
+    def owns(self, name: str) -> bool:
+        """Whether this rank sends and hashes rows of ``name`` (none when its shard is empty)."""
+        rows = self.ranges[name]
+        return rows.stop > rows.start and (not rows.whole or self.rank == 0)
+
+    def theta(self, name: str) -> torch.Tensor:
+        """This rank's rows of θ for ``name`` (the tensor kept: do not change it)."""
+        return self._theta[name]
+
+    def residual(self, name: str) -> torch.Tensor | None:
+        """A copy of this rank's rows of the residual carried for ``name``, or None."""
+        r = self._residuals.get(name)
+        return None if r is None else r.clone()
+
+    # ---- the update ------------------------------------------------------------------------
+
+    def shard_update(
+        self,
+        params: Mapping[str, torch.Tensor],
+        codec: PayloadCodec,
+        names: Iterable[str] | None = None,
+    ) -> list[EncodedTensor]:
+        """This rank's slices of the pseudo-gradient θ − ``params`` (the current local
+        parameters, DTensors or their local shards) over ``names`` (default: all), each with the
+        residual added and encoded with ``codec``; the residuals keep what the encodings lost.
+        When one cannot be encoded (NonFiniteError, ValueError), every residual owes what it
+        owed before and the error propagates."""
+        before = dict(self._residuals)
+        out: list[EncodedTensor] = []
+        try:
+            for name in self.ranges if names is None else names:
+                if not self.owns(name):
+                    continue
+                local = local_part(params[name]).to(torch.float32)
+                delta = self._theta[name] - local  # a fresh tensor on the shard's device
+                out.append(self._compress(name, delta, codec))
+        except BaseException:
+            self._residuals = before
+            raise
+        return out
+
+    def _compress(self, name: str, y: torch.Tensor, codec: PayloadCodec) -> EncodedTensor:
+        """Error feedback's rule (``ErrorFeedback.compress``) on the shard's device: ``y`` (ours,
+        fresh) plus decay · residual, encoded as a slice; residual = y − D(enc)."""
+        residual = self._residuals.get(name)
+        if residual is not None:
+            if self.decay == 1.0:
+                y += residual
+            elif self.decay:
+                y += residual * self.decay
+        rows = self.ranges[name]
+        enc = codec.encode(name, y) if rows.whole else encode_slice(name, y, rows.start, codec)
+        decoded = torch.from_numpy(np.asarray(codec.decode(enc))).reshape(y.shape)
+        y -= decoded.to(y.device)
+        self._residuals[name] = y
+        return enc
+
+    # ---- a result --------------------------------------------------------------------------
+
+    def rows_of(self, name: str, whole: np.ndarray) -> torch.Tensor:
+        """This rank's rows of the whole tensor ``whole`` (decoded from a result), float32 on
+        the shard's device."""
+        rows = self.ranges[name]
+        if tuple(np.shape(whole)) != rows.shape:
+            raise ValueError(f"tensor {name!r}: shape {np.shape(whole)}, expected {rows.shape}")
+        part = whole if rows.whole else whole[rows.start : rows.stop]
+        host = torch.from_numpy(np.ascontiguousarray(part, dtype=np.float32))
+        return host.to(self._theta[name].device)
+
+    def load_global(self, new: Mapping[str, np.ndarray]) -> None:
+        """θ ← the rows of ``new`` (whole tensors of a full result) for every tensor it names."""
+        for name, whole in new.items():
+            self._theta[name] = self.rows_of(name, whole)
+
+    def apply_delta(self, delta: Mapping[str, np.ndarray]) -> None:
+        """θ ← θ + the rows of ``delta`` (whole tensors of a delta result), as a site holding
+        the whole model adds it (float32, elementwise: the same values)."""
+        for name, whole in delta.items():
+            self._theta[name] = self._theta[name] + self.rows_of(name, whole)
+
+    def load_into(self, params: Mapping[str, torch.Tensor]) -> None:
+        """The local parameters ``params`` ← θ, each rank writing its own shard."""
+        with torch.no_grad():
+            for name, param in params.items():
+                local = param.to_local() if isinstance(param, DTensor) else param
+                local.copy_(self._theta[name])
+
+    def reset_residuals(self) -> None:
+        """Drop every residual (a full download replaced the model)."""
+        self._residuals.clear()
+
+
+def gather_slices(
+    slices: list[EncodedTensor], *, group: dist.ProcessGroup | None = None, dst: int = 0
+) -> list[EncodedTensor] | None:
+    """Every rank's encoded slices, on rank ``dst`` of ``group`` in rank order (None on the
+    others): the encoded tensors are all that cross."""
+    rank = dist.get_rank(group)
+    gathered: list[list[EncodedTensor]] | None = (
+        [[] for _ in range(dist.get_world_size(group))] if rank == dst else None
+    )
+    dist.gather_object(slices, gathered, group=group, group_dst=dst)
+    if gathered is None:
+        return None
+    return [enc for part in gathered for enc in part]
+
+
+def shard_hash(
+    shards: RankShards, *, group: dist.ProcessGroup | None = None, dst: int = 0
+) -> str | None:
+    """``state_hash`` of the whole θ that ``shards`` of every rank of ``group`` hold, on rank
+    ``dst`` (None on the others), without gathering it: boundary pieces (less than a hash block
+    per rank and tensor) are exchanged, each rank's block digests gathered to ``dst``."""
+    owned = [name for name in sorted(shards.ranges) if shards.owns(name)]
+    pieces: list[BoundaryPiece] = []
+    for name in owned:
+        rows = shards.ranges[name]
+        piece = boundary_piece(name, rows.shape, rows.flat_start, _host(shards.theta(name)))
+        if piece is not None:
+            pieces.append(BoundaryPiece(piece.name, piece.start, piece.values.copy()))
+    everyone: list[list[BoundaryPiece]] = [[] for _ in range(dist.get_world_size(group))]
+    dist.all_gather_object(everyone, pieces, group=group)
+    received = [p for part in everyone for p in part]
+    digests: dict[str, dict[int, bytes]] = {}
+    for name in owned:
+        rows = shards.ranges[name]
+        mine = [p for p in received if p.name == name]
+        values = _host(shards.theta(name))
+        digests[name] = partial_digests(name, rows.shape, rows.flat_start, values, mine)
+    rank = dist.get_rank(group)
+    gathered: list[dict[str, dict[int, bytes]]] | None = (
+        [{} for _ in range(dist.get_world_size(group))] if rank == dst else None
+    )
+    dist.gather_object(digests, gathered, group=group, group_dst=dst)
+    if gathered is None:
+        return None
+    return model_hash(
+        {
+            name: combine(name, rows.shape, [part.get(name, {}) for part in gathered])
+            for name, rows in shards.ranges.items()
+        }
+    )
+
+
+def _host(t: torch.Tensor) -> FloatArray:
+    """A shard's values on the host, float32 (no copy for a CPU float32 tensor)."""
+    return np.asarray(t.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy())
