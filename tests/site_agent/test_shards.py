@@ -27,6 +27,7 @@ from torch import nn
 from comm.codecs.feedback import ErrorFeedback
 from comm.codecs.registry import get_codec
 from comm.wire.tensors import decode_tensors, spec_of, state_hash
+from coordinator.aggregate import MeanFold
 from tests.support.procgroup import LocalProcessGroup
 
 pytestmark = pytest.mark.timeout(180)
@@ -188,6 +189,29 @@ def test_a_sharded_update_is_the_one_process_update(group: LocalProcessGroup, sp
         theirs = sum(w["decoded"][name] for w in rounds) + rounds[last]["residuals"][name]
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6, err_msg=name)
     assert aligned_seen and (spec == "fp32" or misaligned_seen)
+
+
+def test_the_coordinator_folds_a_sharded_site_with_a_site_of_one_process(
+    group: LocalProcessGroup,
+) -> None:
+    """One round's mean of a sharded site's slices and a one-process site's whole tensors is
+    the mean of the two sites sending whole tensors, bit for bit (fp32)."""
+    results = group.run(_rank, "fp32")
+    theta, _ = _one_process("fp32")
+    model = _model()
+    local = {
+        n: p.detach() - _noise(n, tuple(p.shape), ROUNDS[0]) for n, p in model.named_parameters()
+    }
+    codec = get_codec("fp32")
+    whole = [codec.encode(n, theta[n] - local[n].numpy()) for n in theta]
+    mixed, alike = MeanFold(1e6), MeanFold(1e6)
+    for fold, payload in ((mixed, results[0]["rounds"][0]["slices"]), (alike, whole)):
+        assert isinstance(fold.add("fsdp", 3.0, payload, spec_of(theta)), str)
+        assert isinstance(fold.add("one", 1.0, whole, spec_of(theta)), str)
+    got, want = mixed.sum.mean(), alike.sum.mean()
+    assert set(got) == set(theta)
+    for name in theta:
+        assert np.array_equal(got[name], want[name]), name
 
 
 def test_shard_hash_is_the_state_hash_of_the_whole_model(group: LocalProcessGroup) -> None:
