@@ -39,8 +39,8 @@ class Delivery:
 
     def send_catch_up(self, site_id: str, version: int, digest: str) -> None:
         """Bring a site that holds ``version`` (state hash ``digest``) to the current model:
-        the broadcast deltas since, when the log proves its hash and bridges the gap, else the
-        model."""
+        the broadcast deltas since (read back from the delta log's files when it has a
+        directory), when the log proves its hash and bridges the gap, else the model."""
         state = self._model.state
         assert state is not None
         self._post.later(lambda: self._catch_up_now(site_id, version, digest, state))

@@ -7,12 +7,16 @@ to; such a site gets the chain of deltas from v, which is smaller than the model
 log holds at most a model's worth of bytes: the log drops its oldest deltas past that bound, and
 a site further behind gets the whole model.
 
-With a directory the log is durable: each delta is one file (``d-<base>.msg``, its wire frames,
-written atomically), and ``start.json`` names the version and hash the chain starts from. A
-restarted coordinator :meth:`DeltaLog.resume`\ s the chain that ends at the version it resumed,
-so sites that missed the last broadcasts still catch up by deltas; deltas past that version (a
-crash between the broadcast and the checkpoint) are dropped, and a log that does not end at it,
-or does not parse, is started again (a warning; those sites get the model once).
+With a directory the log is durable and lives on disk only: each delta is one file
+(``d-<base>.msg``, its wire frames, written atomically), ``start.json`` names the version and
+hash the chain starts from, and the log keeps in memory only each delta's versions, state hash
+and size; a catch-up reads its chain back from the files (a file gone, unreadable or not the
+delta recorded: no chain, the site gets the model). Without a directory (tests, a coordinator
+with no state dir) the deltas are kept in memory. A restarted coordinator
+:meth:`DeltaLog.resume`\ s the chain that ends at the version it resumed, so sites that missed
+the last broadcasts still catch up by deltas; deltas past that version (a crash between the
+broadcast and the checkpoint) are dropped, and a log that does not end at it, or does not
+parse, is started again (a warning; those sites get the model once).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import msgpack
@@ -34,13 +38,22 @@ log = logging.getLogger(__name__)
 _START = "start.json"
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """One delta as the log indexes it; ``msg`` only in a log without a directory."""
+
+    global_version: int
+    nbytes: int
+    msg: Global | None = None
+
+
 class DeltaLog:
     """Broadcast deltas keyed by the version they apply to, at most ``max_bytes`` of payload."""
 
     def __init__(self, max_bytes: int, directory: str | Path | None = None) -> None:
         self.max_bytes = max_bytes
         self.dir = Path(directory) if directory is not None else None
-        self._by_base: dict[int, Global] = {}
+        self._by_base: dict[int, _Entry] = {}
         self._order: deque[int] = deque()
         self._hashes: dict[int, str] = {}
         self.nbytes = 0
@@ -77,7 +90,8 @@ class DeltaLog:
             start = json.loads((self.dir / _START).read_bytes())
             if not isinstance(start, dict):
                 raise ValueError(f"{_START} is not a JSON object")
-            stored = {path: self._read(path) for path in self.dir.glob("d-*.msg")}
+            # Each file is read and checked, and only its index entry is kept.
+            stored = {path: _Indexed.of(self._read(path)) for path in self.dir.glob("d-*.msg")}
         except FileNotFoundError:
             self.start(version, digest)
             return
@@ -114,10 +128,10 @@ class DeltaLog:
         self._hashes = {first: start["digest"]} if start.get("version") == first else {}
         self.nbytes = 0
         for msg in msgs:
-            self._by_base[msg.base_version] = msg
+            self._by_base[msg.base_version] = _Entry(msg.global_version, msg.nbytes)
             self._order.append(msg.base_version)
             self._hashes[msg.global_version] = msg.state_hash
-            self.nbytes += self._size(msg)
+            self.nbytes += msg.nbytes
         log.info(
             "[coordinator] resumed the delta log: %d deltas from version %d to %d",
             len(msgs),
@@ -147,18 +161,22 @@ class DeltaLog:
             # the chain starts again here; the base's hash is not known, so none starts at it.
             self.start(msg.base_version, "")
         kept = replace(msg, evaluate=False)
+        size = self._size(msg)
         if self.dir is not None:
             body = msgpack.packb([bytes(memoryview(f).cast("B")) for f in to_wire(kept)])
             atomic_write(self._file(msg.base_version), body)
-        self._by_base[msg.base_version] = kept
+            entry = _Entry(msg.global_version, size)  # on disk only
+        else:
+            entry = _Entry(msg.global_version, size, kept)
+        self._by_base[msg.base_version] = entry
         self._order.append(msg.base_version)
         self._hashes[msg.global_version] = msg.state_hash
-        self.nbytes += self._size(msg)
+        self.nbytes += size
         while self.nbytes > self.max_bytes and self._order:
             oldest = self._order.popleft()
             dropped = self._by_base.pop(oldest)
             self._hashes.pop(oldest, None)
-            self.nbytes -= self._size(dropped)
+            self.nbytes -= dropped.nbytes
             if self.dir is not None:
                 self._file(oldest).unlink(missing_ok=True)
 
@@ -167,12 +185,47 @@ class DeltaLog:
         order; None when the log cannot prove or bridge that gap (then send the model)."""
         if not digest or self._hashes.get(version) != digest or version >= target:
             return None
-        out: list[Global] = []
+        bases: list[int] = []
         at = version
         while at != target:
-            msg = self._by_base.get(at)
-            if msg is None or msg.global_version > target:
+            entry = self._by_base.get(at)
+            if entry is None or entry.global_version > target:
+                return None
+            bases.append(at)
+            at = entry.global_version
+        return self._load(bases)
+
+    def _load(self, bases: list[int]) -> list[Global] | None:
+        """The deltas from each of ``bases``: kept ones, or read back from their files (None
+        when one cannot be read, or is not the delta the log recorded)."""
+        out: list[Global] = []
+        for base in bases:
+            entry = self._by_base[base]
+            if entry.msg is not None:
+                out.append(entry.msg)
+                continue
+            try:
+                msg = self._read(self._file(base))
+            except (OSError, ValueError, WireError) as exc:
+                log.warning("[coordinator] delta from v%d unreadable, no chain: %s", base, exc)
+                return None
+            recorded = (entry.global_version, entry.nbytes, self._hashes.get(entry.global_version))
+            if (msg.global_version, self._size(msg), msg.state_hash) != recorded:
+                log.warning("[coordinator] delta from v%d on disk is not the one recorded", base)
                 return None
             out.append(msg)
-            at = msg.global_version
         return out
+
+
+@dataclass(frozen=True)
+class _Indexed:
+    """What :meth:`DeltaLog.resume` keeps of a stored delta while it checks the chain."""
+
+    base_version: int
+    global_version: int
+    state_hash: str
+    nbytes: int
+
+    @staticmethod
+    def of(msg: Global) -> _Indexed:
+        return _Indexed(msg.base_version, msg.global_version, msg.state_hash, DeltaLog._size(msg))

@@ -157,3 +157,31 @@ def test_dropping_the_oldest_delta_removes_its_file(tmp_path: Path) -> None:
         "d-00000002.msg",
         "d-00000003.msg",
     ]
+
+
+def test_a_durable_log_keeps_its_deltas_on_disk_and_a_catch_up_reads_them_back(
+    tmp_path: Path,
+) -> None:
+    log = durable(tmp_path, range(1, 4))
+    d = tmp_path / "deltas"
+    # What a catch-up gets is what the files hold: rewrite one file with the same delta but
+    # other values (its versions, hash and size as recorded) and the chain carries those.
+    other = DeltaLog(max_bytes=1000, directory=tmp_path / "other")
+    other.start(0, "h0")
+    other.record(delta(0, 1))
+    changed = delta(1, 2)
+    changed.payload[0].buffers[0][:] = 42.0
+    other.record(changed)
+    (d / "d-00000001.msg").write_bytes((tmp_path / "other" / "d-00000001.msg").read_bytes())
+    chain = log.chain(0, "h0", 3)
+    assert chain is not None and [m.global_version for m in chain] == [1, 2, 3]
+    assert chain[1].payload[0].buffers[0].tobytes() == changed.payload[0].buffers[0].tobytes()
+    assert chain[1].payload[0].buffers[0].tobytes() != delta(1, 2).payload[0].buffers[0].tobytes()
+    assert not any(m.evaluate for m in chain)
+    # A file gone (or not the delta recorded) bridges nothing: the site gets the model.
+    (d / "d-00000002.msg").unlink()
+    assert log.chain(0, "h0", 3) is None and log.chain(2, "h2", 3) is None
+    chain = log.chain(0, "h0", 2)
+    assert chain is not None and [m.global_version for m in chain] == [1, 2]
+    (d / "d-00000000.msg").write_bytes((d / "d-00000001.msg").read_bytes())
+    assert log.chain(0, "h0", 1) is None
