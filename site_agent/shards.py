@@ -22,6 +22,10 @@ residual, both float32. No rank builds a tensor it does not own.
   still decodes the whole tensor to cut its rows from it; cutting the encoded result by rows
   (the leader scattering each rank its slices' bytes) is the next step.
 
+- :meth:`RankShards.state_dict` gives θ and the residuals as DTensors placed as the parameters
+  are, for ``torch.distributed.checkpoint``: each rank writes its rows, and a site of another
+  layout loads them by resharding (:meth:`RankShards.load_state_dict`).
+
 A parameter that is not a DTensor, or is replicated, is held whole by every rank: rank 0 sends
 and hashes it, the others skip it.
 """
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -118,9 +123,12 @@ class RankShards:
         self.ranges: dict[str, RowRange] = {}
         self._theta: dict[str, torch.Tensor] = {}
         self._residuals: dict[str, torch.Tensor] = {}
+        self._meshes: dict[str, DeviceMesh] = {}
         for name, param in named_params:
             rows = row_range(name, param)
             self.ranges[name] = rows
+            if isinstance(param, DTensor) and not rows.whole:
+                self._meshes[name] = param.device_mesh
             self._theta[name] = local_part(param).to(torch.float32, copy=True)
 
     @classmethod
@@ -220,6 +228,50 @@ class RankShards:
     def reset_residuals(self) -> None:
         """Drop every residual (a full download replaced the model)."""
         self._residuals.clear()
+
+    # ---- checkpoint ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """θ and the residuals as ``torch.distributed.checkpoint`` saves and loads them:
+        ``theta/<name>`` and ``residual/<name>``, each a DTensor placed as its parameter is
+        (each rank writes its rows; a site of another layout loads them by resharding), a tensor
+        held whole as itself. A residual not carried yet is zeros. To load: ``dcp.load`` into
+        this dict (it is filled in place), then :meth:`load_state_dict`."""
+        out: dict[str, torch.Tensor] = {}
+        for name in self.ranges:
+            theta = self._theta[name]
+            residual = self._residuals.get(name)
+            if residual is None:
+                residual = torch.zeros_like(theta)
+            out[f"theta/{name}"] = self._placed(name, theta)
+            out[f"residual/{name}"] = self._placed(name, residual)
+        return out
+
+    def _placed(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        mesh = self._meshes.get(name)
+        if mesh is None:
+            return local
+        shape = self.ranges[name].shape
+        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        return DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride
+        )
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """θ and the residuals from ``state`` (:meth:`state_dict`'s keys, as ``dcp.load``
+        filled them): each rank takes its rows. ValueError names a tensor missing or of
+        another shape, before anything changes."""
+        theta: dict[str, torch.Tensor] = {}
+        residuals: dict[str, torch.Tensor] = {}
+        for name, rows in self.ranges.items():
+            for kind, into in (("theta", theta), ("residual", residuals)):
+                value = state.get(f"{kind}/{name}")
+                if value is None or tuple(value.shape) != rows.shape:
+                    got = None if value is None else tuple(value.shape)
+                    raise ValueError(f"{kind} of tensor {name!r}: {got}, expected {rows.shape}")
+                local = local_part(value).to(device=self._theta[name].device, dtype=torch.float32)
+                into[name] = local.clone()
+        self._theta, self._residuals = theta, residuals
 
 
 def gather_slices(

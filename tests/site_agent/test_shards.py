@@ -11,7 +11,11 @@ same local parameters (the test moves them by the same noise; each rank writes o
 - each rank's residual is what error feedback's rule leaves for its rows (bit for bit), and the
   one-process residual's rows where the blocks align; over two rounds what was sent plus what
   is owed is what the one process sent plus owes;
-- ``shard_hash`` is ``state_hash`` of the whole model, before and after a result is applied.
+- the coordinator's mean of the sharded site's slices and a one-process site's whole tensors is
+  the mean of both sent whole;
+- ``shard_hash`` is ``state_hash`` of the whole model, before and after a result is applied;
+- θ and the residuals saved with ``torch.distributed.checkpoint`` (each rank its rows) load back
+  in the same layout, and into one rank by resharding.
 """
 
 from __future__ import annotations
@@ -226,3 +230,81 @@ def test_shard_hash_is_the_state_hash_of_the_whole_model(group: LocalProcessGrou
         for name, value in new.items():
             start, stop = res["ranges"][name]
             assert np.array_equal(res["local_after"][name], value[start:stop]), name
+
+
+def _fsdp_shards(world: int) -> tuple[Any, dict[str, Any]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from site_agent.shards import RankShards
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return RankShards.of_module(model), dict(model.named_parameters())
+
+
+def _save(rank: int, world: int, path: str) -> dict[str, Any]:
+    """One int8 round (residuals carried), then θ + 1 as a result; saved with dcp."""
+    import torch.distributed.checkpoint as dcp
+
+    shards, params = _fsdp_shards(world)
+    with torch.no_grad():
+        for name, p in params.items():
+            rows = shards.ranges[name]
+            p.to_local().sub_(_noise(name, tuple(p.shape), 1)[rows.start : rows.stop])
+    shards.shard_update(params, get_codec("int8"))
+    shards.apply_delta({n: np.ones(r.shape, dtype=np.float32) for n, r in shards.ranges.items()})
+    dcp.save(shards.state_dict(), checkpoint_id=path)
+    return _held(shards)
+
+
+def _load(rank: int, world: int, path: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    from site_agent.shards import shard_hash
+
+    shards, _ = _fsdp_shards(world)
+    state = shards.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    shards.load_state_dict(state)
+    return {**_held(shards), "hash": shard_hash(shards)}
+
+
+def _held(shards: Any) -> dict[str, Any]:
+    return {
+        "ranges": {n: (r.start, r.stop) for n, r in shards.ranges.items()},
+        "theta": {n: _np(shards.theta(n)) for n in shards.ranges},
+        "residual": {  # none carried (a shard of no rows): zeros, as saved
+            n: _np(shards.residual(n))
+            if shards.residual(n) is not None
+            else np.zeros_like(_np(shards.theta(n)))
+            for n in shards.ranges
+        },
+    }
+
+
+def test_a_checkpoint_resumes_in_its_layout_and_reshards_to_another(
+    group: LocalProcessGroup, tmp_path: Any
+) -> None:
+    """Each rank writes its rows with torch.distributed.checkpoint; two ranks load them back
+    as they were, one rank (the whole model) by resharding."""
+    path = str(tmp_path / "ckpt")
+    saved = group.run(_save, path)
+    theta = {n: np.concatenate([r["theta"][n] for r in saved]) for n in saved[0]["theta"]}
+    residual = {n: np.concatenate([r["residual"][n] for r in saved]) for n in saved[0]["theta"]}
+    same = group.run(_load, path)
+    for before, after in zip(saved, same, strict=True):
+        for name in theta:
+            assert np.array_equal(after["theta"][name], before["theta"][name]), name
+            assert np.array_equal(after["residual"][name], before["residual"][name]), name
+    assert same[0]["hash"] == state_hash(theta)
+    (one,) = group.run(_load, path, world_size=1)
+    for name in theta:
+        assert one["ranges"][name] == (0, len(theta[name]))
+        assert np.array_equal(one["theta"][name], theta[name]), name
+        assert np.array_equal(one["residual"][name], residual[name]), name
+    assert one["hash"] == state_hash(theta)
+    assert any(np.abs(r).max() > 0 for r in residual.values())
