@@ -152,6 +152,15 @@ class RankShards:
         r = self._residuals.get(name)
         return None if r is None else r.clone()
 
+    def residual_sq_norm(self) -> float:
+        """The squared L2 norm of this rank's residual rows (summed over the ranks, the square
+        of ``ErrorFeedback.residual_norm()`` of the whole model: the error still owed)."""
+        total = 0.0
+        for r in self._residuals.values():
+            flat = r.reshape(-1).to(torch.float64)
+            total += float(flat @ flat)
+        return total
+
     # ---- the update ------------------------------------------------------------------------
 
     def shard_update(

@@ -83,7 +83,13 @@ def _rank(rank: int, world: int, spec: str) -> dict[str, Any]:
                 p.to_local().sub_(_noise(name, tuple(p.shape), seed)[start:stop])
         slices = shards.shard_update(params, codec)
         residuals = {n: _np(shards.residual(n)) for n in params}
-        out["rounds"].append({"slices": gather_slices(slices), "residuals": residuals})
+        out["rounds"].append(
+            {
+                "slices": gather_slices(slices),
+                "residuals": residuals,
+                "sq_norm": shards.residual_sq_norm(),
+            }
+        )
     # A result of whole tensors (θ0 + 1, as the test's one process has it): θ moves to it, each
     # rank keeping its rows, and the local parameters are set to it.
     new = {n: _np(p) + 1.0 for n, p in _model().named_parameters()}
@@ -122,6 +128,7 @@ def _one_process(spec: str) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]
                 "delta": delta,
                 "decoded": decode_tensors(encoded, spec_of(theta)),
                 "residuals": feedback.state_dict(),
+                "norm": feedback.residual_norm(),
             }
         )
     return theta, rounds
@@ -186,6 +193,16 @@ def test_a_sharded_update_is_the_one_process_update(group: LocalProcessGroup, sp
                 bound = float(np.abs(y).max()) / 127 * 0.5 * (1 + 2**-9)
                 assert float(np.abs(residual).max()) <= bound, name
                 assert not np.array_equal(got[name], want["decoded"][name]), name
+        sq = sum(res["rounds"][r]["sq_norm"] for res in results)
+        owed = sum(
+            float(np.sum(_assembled(results, r, n, shape).astype(np.float64) ** 2))
+            for n, shape in spec_shapes.items()
+        )
+        assert np.isclose(sq, owed, rtol=1e-9, atol=0)
+        if spec == "fp32":
+            assert sq == 0.0 == want["norm"]
+        else:  # the error still owed, of the same size as the one process's
+            assert 0.5 < np.sqrt(sq) / want["norm"] < 2.0
     # Over the rounds, what was sent plus what is owed is what the one process sent plus owes.
     last = len(rounds) - 1
     for name, shape in spec_shapes.items():
