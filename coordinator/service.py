@@ -399,11 +399,6 @@ def _configured_aggregator(aggregation: AggregationConfig, post: PostOffice) -> 
     return WeightedMean(aggregation.max_update_norm)
 
 
-def _configured_strategy(cfg: CoordinatorConfig) -> Strategy:
-    """The outer optimizer ``coordinator.outer_strategy`` names, from the registry."""
-    return _outer_strategy(sections(cfg).outer)
-
-
 def _outer_strategy(outer: OuterConfig) -> Strategy:
     """The outer optimizer the outer step section names, from the registry."""
     settings = strategies.OuterSettings(

@@ -141,8 +141,8 @@ def test_sparseloco_is_plain_sgd_on_the_mean_without_momentum() -> None:
 def test_outer_strategy_config_names_the_field() -> None:
     from comm.security.masking import SecAggConfig
     from comm.security.rolekits import SecurityConfig
-    from coordinator.config import CoordinatorConfig
-    from coordinator.service import _configured_strategy
+    from coordinator.config import CoordinatorConfig, sections
+    from coordinator.service import _outer_strategy
     from coordinator.strategies.sparseloco import SparseLoCo
 
     insecure = SecurityConfig(insecure=True)
@@ -155,8 +155,8 @@ def test_outer_strategy_config_names_the_field() -> None:
             secure_aggregation=SecAggConfig(clip_bound=8.0),
         )
     cfg = CoordinatorConfig(security=insecure, outer_strategy="sparseloco", outer_lr=0.65)
-    assert _configured_strategy(cfg) == SparseLoCo(lr=0.65)
-    assert isinstance(_configured_strategy(CoordinatorConfig(security=insecure)), DiLoCo)
+    assert _outer_strategy(sections(cfg).outer) == SparseLoCo(lr=0.65)
+    assert isinstance(_outer_strategy(sections(CoordinatorConfig(security=insecure)).outer), DiLoCo)
 
 
 @pytest.mark.timeout(60)
@@ -216,13 +216,13 @@ def test_a_registered_strategy_is_configured_built_and_stepped(toy_strategy: typ
     from comm.security.masking import SecAggConfig
     from comm.security.rolekits import SecurityConfig
     from coordinator import strategies
-    from coordinator.config import CoordinatorConfig
-    from coordinator.service import _configured_strategy
+    from coordinator.config import CoordinatorConfig, sections
+    from coordinator.service import _outer_strategy
 
     insecure = SecurityConfig(insecure=True)
     assert strategies.names() == ("diloco", "sparseloco", "toymean")
     cfg = CoordinatorConfig(security=insecure, outer_strategy="toymean", outer_lr=0.5)
-    toy = _configured_strategy(cfg)
+    toy = _outer_strategy(sections(cfg).outer)
     assert toy == toy_strategy(lr=0.5)
     params = {"w": np.array([1.0, 2.0], np.float32)}
     updates = [
