@@ -8,8 +8,8 @@ residual, both float32. No rank builds a tensor it does not own.
 
 - :meth:`RankShards.shard_update` computes the rank's pseudo-gradient Δ = θ − θ_local, adds its
   residual, encodes it as a row slice (``comm.wire.tensors.encode_slice``) and keeps what the
-  encoding lost, by error feedback's rule (``comm.codecs.feedback``):
-  ``y = Δ + decay · residual; enc = C(y); residual = y − D(enc)``.
+  encoding lost: the rank's ``comm.codecs.feedback.ErrorFeedback`` holds its rows' residuals
+  on the shard's device.
   :func:`gather_slices` gathers every rank's encoded slices to one rank over the site's process
   group: the encoded bytes are all that cross. The coordinator puts the slices together
   (``decode_tensors(..., slices=True)``) and folds them as it folds whole tensors.
@@ -33,7 +33,7 @@ and hashes it, the others skip it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from comm.codecs.base import EncodedTensor, FloatArray, PayloadCodec
+from comm.codecs.base import EncodedTensor, FloatArray, PayloadCodec, TensorLike
 from comm.codecs.feedback import ErrorFeedback
 from comm.wire.tensors import (
     BoundaryPiece,
@@ -117,12 +117,11 @@ class RankShards:
         self, named_params: Iterable[tuple[str, torch.Tensor]], *, rank: int, decay: float = 1.0
     ) -> None:
         """θ is the parameters as they are now (the global model the site last synced)."""
-        ErrorFeedback(decay=decay)  # the same check of the decay
+        self.feedback = ErrorFeedback(decay=decay)  # its residuals: this rank's rows, on device
         self.rank = rank
         self.decay = decay
         self.ranges: dict[str, RowRange] = {}
         self._theta: dict[str, torch.Tensor] = {}
-        self._residuals: dict[str, torch.Tensor] = {}
         self._meshes: dict[str, DeviceMesh] = {}
         for name, param in named_params:
             rows = row_range(name, param)
@@ -149,17 +148,14 @@ class RankShards:
 
     def residual(self, name: str) -> torch.Tensor | None:
         """A copy of this rank's rows of the residual carried for ``name``, or None."""
-        r = self._residuals.get(name)
-        return None if r is None else r.clone()
+        r = self.feedback.residual(name)
+        assert r is None or isinstance(r, torch.Tensor)
+        return r
 
     def residual_sq_norm(self) -> float:
         """The squared L2 norm of this rank's residual rows (summed over the ranks, the square
         of ``ErrorFeedback.residual_norm()`` of the whole model: the error still owed)."""
-        total = 0.0
-        for r in self._residuals.values():
-            flat = r.reshape(-1).to(torch.float64)
-            total += float(flat @ flat)
-        return total
+        return self.feedback.residual_sq_norm()
 
     # ---- the update ------------------------------------------------------------------------
 
@@ -174,35 +170,21 @@ class RankShards:
         residual added and encoded with ``codec``; the residuals keep what the encodings lost.
         When one cannot be encoded (NonFiniteError, ValueError), every residual owes what it
         owed before and the error propagates."""
-        before = dict(self._residuals)
+        before = self.feedback.snapshot()
         out: list[EncodedTensor] = []
         try:
             for name in self.ranges if names is None else names:
                 if not self.owns(name):
                     continue
                 local = local_part(params[name]).to(torch.float32)
-                delta = self._theta[name] - local  # a fresh tensor on the shard's device
-                out.append(self._compress(name, delta, codec))
+                delta = self._theta[name] - local  # on the shard's device
+                rows = self.ranges[name]
+                encode = None if rows.whole else _slice_encoder(rows.start, codec)
+                out.append(self.feedback.compress(name, delta, codec, encode=encode))
         except BaseException:
-            self._residuals = before
+            self.feedback.restore(before)
             raise
         return out
-
-    def _compress(self, name: str, y: torch.Tensor, codec: PayloadCodec) -> EncodedTensor:
-        """Error feedback's rule (``ErrorFeedback.compress``) on the shard's device: ``y`` (ours,
-        fresh) plus decay · residual, encoded as a slice; residual = y − D(enc)."""
-        residual = self._residuals.get(name)
-        if residual is not None:
-            if self.decay == 1.0:
-                y += residual
-            elif self.decay:
-                y += residual * self.decay
-        rows = self.ranges[name]
-        enc = codec.encode(name, y) if rows.whole else encode_slice(name, y, rows.start, codec)
-        decoded = torch.from_numpy(np.asarray(codec.decode(enc))).reshape(y.shape)
-        y -= decoded.to(y.device)
-        self._residuals[name] = y
-        return enc
 
     # ---- a result --------------------------------------------------------------------------
 
@@ -236,7 +218,7 @@ class RankShards:
 
     def reset_residuals(self) -> None:
         """Drop every residual (a full download replaced the model)."""
-        self._residuals.clear()
+        self.feedback.reset()
 
     # ---- checkpoint ------------------------------------------------------------------------
 
@@ -249,7 +231,7 @@ class RankShards:
         out: dict[str, torch.Tensor] = {}
         for name in self.ranges:
             theta = self._theta[name]
-            residual = self._residuals.get(name)
+            residual = self.residual(name)
             if residual is None:
                 residual = torch.zeros_like(theta)
             out[f"theta/{name}"] = self._placed(name, theta)
@@ -280,7 +262,13 @@ class RankShards:
                     raise ValueError(f"{kind} of tensor {name!r}: {got}, expected {rows.shape}")
                 local = local_part(value).to(device=self._theta[name].device, dtype=torch.float32)
                 into[name] = local.clone()
-        self._theta, self._residuals = theta, residuals
+        self._theta = theta
+        self.feedback.load_state_dict(residuals)
+
+
+def _slice_encoder(start: int, codec: PayloadCodec) -> Callable[[str, TensorLike], EncodedTensor]:
+    """``codec``'s encoding of a shard as the slice of its tensor's rows from ``start``."""
+    return lambda name, rows: encode_slice(name, rows, start, codec)
 
 
 def gather_slices(

@@ -8,21 +8,34 @@ residual per tensor name. ``compress`` sends C(x + residual) and keeps the part 
 With ``decay == 1`` no mass is lost: after any number of rounds, the sum of everything decoded
 plus the final residual equals the sum of the raw inputs, to float rounding. A decay below 1
 (SparseLoCo uses 0.95) forgets old error geometrically instead.
+
+A residual lives where its input does: a numpy array's on the host (float32 numpy), a torch
+tensor's as a float32 tensor on the tensor's device (a rank of a sharded site keeps the residual
+of its rows beside them, ``site_agent.shards``); only the decoded values of an encoding cross to
+that device. ``compress``'s ``encode`` replaces ``codec.encode`` (a shard encodes its rows as a
+slice of the whole tensor) while the rule stays this one.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
 from comm.codecs.base import EncodedTensor, FloatArray, PayloadCodec, TensorLike, check_finite
 
+Residual: TypeAlias = "FloatArray | torch.Tensor"
+"""A residual: float32 numpy on the host, or a float32 torch tensor on its input's device."""
+
+Encode: TypeAlias = Callable[[str, TensorLike], EncodedTensor]
+
 if TYPE_CHECKING:
-    pass
+    import torch
+    from typing_extensions import TypeIs
 
 
 class ErrorFeedback:
@@ -32,10 +45,15 @@ class ErrorFeedback:
         if not (math.isfinite(decay) and 0.0 <= decay <= 1.0):
             raise ValueError(f"decay must be in [0, 1], got {decay!r}")
         self.decay = decay
-        self._residuals: dict[str, FloatArray] = {}
+        self._residuals: dict[str, Residual] = {}
 
-    def compress(self, name: str, x: TensorLike, codec: PayloadCodec) -> EncodedTensor:
-        """Encode ``x`` plus the residual carried for ``name``; keep what the codec lost."""
+    def compress(
+        self, name: str, x: TensorLike, codec: PayloadCodec, *, encode: Encode | None = None
+    ) -> EncodedTensor:
+        """Encode ``x`` plus the residual carried for ``name``; keep what the codec lost.
+        ``encode`` (default ``codec.encode``) makes the encoding that ``codec`` decodes."""
+        if _is_tensor(x):
+            return self._compress_tensor(name, x, codec, encode)
         y = _as_f32(name, x)
         residual = self._residuals.get(name)
         if residual is not None:
@@ -44,14 +62,43 @@ class ErrorFeedback:
                     f"tensor {name!r}: shape {y.shape} differs from its residual's "
                     f"{residual.shape}; reset() it first"
                 )
+            residual = _host_residual(residual)
             if self.decay == 1.0:
                 y += residual
             elif self.decay:
                 y += np.float32(self.decay) * residual
-        enc = codec.encode(name, y)
+        enc = codec.encode(name, y) if encode is None else encode(name, y)
         decoded = codec.decode(enc)
         # y is ours (a fresh copy) and the encoding never aliases it, so reuse it in place.
         np.subtract(y, decoded.reshape(y.shape), out=y)
+        self._residuals[name] = y
+        return enc
+
+    def _compress_tensor(
+        self, name: str, x: torch.Tensor, codec: PayloadCodec, encode: Encode | None
+    ) -> EncodedTensor:
+        """The rule on ``x``'s device: y and the residual stay there, the decoded values go
+        there."""
+        import torch
+
+        if not x.is_floating_point():
+            raise ValueError(f"tensor {name!r}: expected a floating dtype, got {x.dtype}")
+        y = x.detach().to(dtype=torch.float32, copy=True)
+        residual = self._residuals.get(name)
+        if residual is not None:
+            if tuple(residual.shape) != tuple(y.shape):
+                raise ValueError(
+                    f"tensor {name!r}: shape {tuple(y.shape)} differs from its residual's "
+                    f"{tuple(residual.shape)}; reset() it first"
+                )
+            r = _tensor_residual(residual, y.device)
+            if self.decay == 1.0:
+                y += r
+            elif self.decay:
+                y += r * self.decay
+        enc = codec.encode(name, y) if encode is None else encode(name, y)
+        decoded = torch.from_numpy(np.asarray(codec.decode(enc), dtype=np.float32))
+        y -= decoded.reshape(y.shape).to(y.device)
         self._residuals[name] = y
         return enc
 
@@ -67,7 +114,7 @@ class ErrorFeedback:
                     f"tensor {name!r}: shape {y.shape} differs from its residual's "
                     f"{residual.shape}; reset() it first"
                 )
-            y += np.float32(self.decay) * residual
+            y += np.float32(self.decay) * _host_residual(residual)
         self._residuals[name] = y
 
     def accumulated_norm(self, name: str, x: TensorLike) -> float:
@@ -75,24 +122,35 @@ class ErrorFeedback:
         y = _as_f32(name, x)
         residual = self._residuals.get(name)
         if residual is not None and residual.shape == y.shape:
-            y += np.float32(self.decay) * residual
+            y += np.float32(self.decay) * _host_residual(residual)
         flat = y.reshape(-1).astype(np.float64)
         return math.sqrt(float(flat @ flat))
 
-    def residual(self, name: str) -> FloatArray | None:
-        """A copy of the residual carried for ``name``, or None."""
+    def residual(self, name: str) -> Any:
+        """A copy of the residual carried for ``name`` (numpy, or a torch tensor where its
+        input was one), or None."""
         r = self._residuals.get(name)
-        return None if r is None else r.copy()
+        if r is None:
+            return None
+        return r.clone() if _is_tensor(r) else r.copy()
 
     def residual_norm(self, name: str | None = None) -> float:
         """L2 norm of one residual, or of all of them together (a metric: the error still owed)."""
+        return math.sqrt(self.residual_sq_norm(name))
+
+    def residual_sq_norm(self, name: str | None = None) -> float:
+        """The squared L2 norm of one residual or of all (float64 sums; a sharded site adds its
+        ranks' to get the whole model's)."""
         arrays = self._residuals.values() if name is None else [self._residuals.get(name)]
         total = 0.0
         for r in arrays:
-            if r is not None:
+            if _is_tensor(r):
+                flat_t = r.reshape(-1).double()
+                total += float(flat_t @ flat_t)
+            elif r is not None:
                 flat = r.reshape(-1).astype(np.float64)
                 total += float(flat @ flat)
-        return math.sqrt(total)
+        return total
 
     def reset(self, name: str | None = None) -> None:
         """Drop one residual, or all (e.g. after a full download replaced the model)."""
@@ -105,21 +163,60 @@ class ErrorFeedback:
         return iter(sorted(self._residuals))
 
     def state_dict(self) -> dict[str, FloatArray]:
-        """Copies of every residual, for a site checkpoint."""
-        return {name: r.copy() for name, r in self._residuals.items()}
+        """Copies of every residual on the host, for a site checkpoint."""
+        return {name: _host_residual(r).copy() for name, r in self._residuals.items()}
 
-    def load_state_dict(self, state: Mapping[str, npt.ArrayLike]) -> None:
-        """Replace all residuals with ``state`` (validated before anything changes)."""
-        loaded: dict[str, FloatArray] = {}
+    def snapshot(self) -> dict[str, Residual]:
+        """The residuals as they are now, without copying them (a residual is replaced, never
+        changed in place): :meth:`restore` puts them back, e.g. when one tensor of an update
+        cannot be encoded and none of it goes out."""
+        return dict(self._residuals)
+
+    def restore(self, snapshot: Mapping[str, Residual]) -> None:
+        """The residuals as :meth:`snapshot` took them."""
+        self._residuals = dict(snapshot)
+
+    def load_state_dict(self, state: Mapping[str, npt.ArrayLike | torch.Tensor]) -> None:
+        """Replace all residuals with ``state`` (validated before anything changes); a torch
+        tensor's stays on its device."""
+        loaded: dict[str, Residual] = {}
         for name, value in state.items():
             if not isinstance(name, str):
                 raise ValueError(f"residual names must be strings, got {name!r}")
+            if _is_tensor(value):
+                if not value.is_floating_point():
+                    raise ValueError(f"residual {name!r}: expected floats, got {value.dtype}")
+                t = value.detach().float().clone().contiguous()
+                check_finite(name, t)
+                loaded[name] = t
+                continue
             arr = np.asarray(value)
             if arr.dtype.kind != "f":
                 raise ValueError(f"residual {name!r}: expected floats, got {arr.dtype}")
             loaded[name] = np.array(arr, dtype=np.float32, order="C", copy=True)
             check_finite(name, loaded[name])
         self._residuals = loaded
+
+
+def _is_tensor(x: object) -> TypeIs[torch.Tensor]:
+    """Whether ``x`` is a torch tensor (torch not imported: it cannot be one)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _host_residual(r: Residual) -> FloatArray:
+    """A residual on the host as float32 numpy (itself when it is numpy)."""
+    if isinstance(r, np.ndarray):
+        return r
+    return np.asarray(r.detach().cpu().float().numpy())
+
+
+def _tensor_residual(r: Residual, device: torch.device) -> torch.Tensor:
+    """A residual as a float32 tensor on ``device``."""
+    import torch
+
+    t = torch.from_numpy(r) if isinstance(r, np.ndarray) else r
+    return t.to(device=device, dtype=torch.float32)
 
 
 def _as_f32(name: str, x: TensorLike) -> FloatArray:

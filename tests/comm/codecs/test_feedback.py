@@ -184,4 +184,43 @@ def test_inputs_are_not_modified_and_torch_inputs_work() -> None:
         eb = b.compress("w", torch.from_numpy(x).to(torch.bfloat16).to(torch.float32), codec)
         assert ea.shape == eb.shape == (50, 50)
     assert np.array_equal(x, keep)
-    assert b.residual("w") is not None and b.residual("w").shape == (50, 50)  # type: ignore[union-attr]
+    assert b.residual("w") is not None and b.residual("w").shape == (50, 50)
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.95])
+def test_a_torch_input_keeps_its_residual_as_a_tensor_with_the_same_values(decay: float) -> None:
+    """A tensor's residual stays a float32 tensor where the tensor is (a shard's device); the
+    encodings and residuals are those of the same values sent as numpy, bit for bit; a snapshot
+    restores the residuals as they were; the checkpoint form is numpy either way."""
+    codec = get_codec("int8:block=64")
+    rng = np.random.default_rng(4)
+    a, b = ErrorFeedback(decay=decay), ErrorFeedback(decay=decay)
+    for _ in range(3):
+        x = _delta(rng, (20, 33))
+        ea = a.compress("w", x, codec)
+        eb = b.compress("w", torch.from_numpy(x.copy()), codec)
+        assert all(np.array_equal(p, q) for p, q in zip(ea.buffers, eb.buffers, strict=True))
+        rb = b.residual("w")
+        assert isinstance(rb, torch.Tensor) and rb.dtype == torch.float32
+        assert np.array_equal(rb.numpy(), a.residual("w"))
+    assert math.isclose(a.residual_sq_norm(), b.residual_sq_norm())
+    assert np.array_equal(b.state_dict()["w"], a.state_dict()["w"])
+    kept = b.snapshot()
+    before = b.residual("w")
+    b.compress("w", torch.ones(20, 33), codec)
+    b.restore(kept)
+    assert torch.equal(b.residual("w"), before)
+
+
+def test_encode_replaces_the_codecs_encoding_and_the_rule_stays() -> None:
+    """``encode`` makes the encoding (a shard's slice of its tensor's rows); the residual is
+    what the codec's decoding of it lost."""
+    from dataclasses import replace
+
+    codec = get_codec("int4")
+    x = torch.from_numpy(_delta(np.random.default_rng(5), (6, 40)))
+    ef = ErrorFeedback()
+    enc = ef.compress("w", x, codec, encode=lambda n, y: replace(codec.encode(n, y), rows=(4, 10)))
+    assert enc.rows == (4, 10)
+    residual = ef.residual("w")
+    assert torch.equal(residual, x - torch.from_numpy(codec.decode(enc)).reshape(6, 40))
