@@ -173,14 +173,53 @@ class CoordinatorConfig:
     """Deterministic crash points for fault drills; all off by default."""
     initial_model: InitialModelConfig | None = None
     """Build θ0 from a seed instead of taking the first site's upload (see the table's doc)."""
+    shards: int = 1
+    """Coordinator processes, each owning a disjoint, size-balanced set of the model's tensors
+    (``comm/wire/partition.py``), started by torchrun, a StatefulSet or systemd template units
+    (``coordinator/sharding.py``); 1 is one coordinator process for the whole model."""
+    shard_ports: str = "offset"
+    """With several shards: ``offset`` (shards share a host) makes shard i bind ``bind``'s port
+    + i and serve ``metrics_port`` + i; ``same`` (one shard per host or pod) keeps both."""
 
     def __post_init__(self) -> None:
+        self._check_shards()
         self._check_rounds()
         self._check_outer()
         self._check_limits()
         self._check_schedule()
         self._check_codecs()
         self.security.require()
+
+    def _check_shards(self) -> None:
+        """The shard count and how the shards' ports differ."""
+        if isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1:
+            raise ValueError(f"coordinator.shards must be an integer >= 1, got {self.shards!r}")
+        if self.shard_ports not in ("offset", "same"):
+            raise ValueError(
+                f"coordinator.shard_ports must be 'offset' or 'same', got {self.shard_ports!r}"
+            )
+        if self.shards == 1:
+            return
+        if self.shard_ports == "offset":
+            port = self.bind.rpartition(":")[2] if self.bind.startswith("tcp://") else ""
+            for key, first in (
+                ("bind", int(port) if port.isdigit() else 0),
+                ("metrics_port", self.metrics_port),
+            ):
+                if first and first + self.shards - 1 > 65535:
+                    raise ValueError(
+                        f"coordinator.{key}: {self.shards} shards from port {first} run past "
+                        "65535 (shard_ports = 'offset' gives shard i the port + i)"
+                    )
+        for key, value, plain in (
+            ("num_fragments", self.num_fragments, 1),
+            ("secure_aggregation", self.secure_aggregation, None),
+        ):
+            if value != plain:
+                raise ValueError(
+                    f"coordinator.shards = {self.shards} needs coordinator.{key} at its "
+                    f"default ({plain!r})"
+                )
 
     def _check_rounds(self) -> None:
         """The endpoint, the HTTP port, membership and the rounds' shape."""

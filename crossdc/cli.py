@@ -31,7 +31,7 @@ from crossdc.cli_status import add_status_command
 from crossdc.demo_args import add_demo_arguments
 
 if TYPE_CHECKING:
-    from coordinator.config import InitialModelConfig
+    from coordinator.config import CoordinatorConfig, InitialModelConfig
     from coordinator.service import InitialModel
     from site_agent.config import SiteConfig
 
@@ -98,6 +98,21 @@ def _initial_model(cfg: InitialModelConfig | None) -> InitialModel | None:
     return InitialModel(initial_parameters(model_cfg, cfg.seed), model_fingerprint(model_cfg))
 
 
+def _this_shard(cfg: CoordinatorConfig, flag: str | None) -> CoordinatorConfig:
+    """The config of the shard this process is (``coordinator/sharding.py``): ``cfg`` itself
+    with one shard."""
+    from coordinator.sharding import resolve, shard_config
+
+    identity = resolve(cfg.shards, flag, os.environ)
+    if identity.count > 1:
+        raise ValueError(
+            f"coordinator.shards = {identity.count} (this is shard {identity.index}, from "
+            f"{identity.source}): the shards' control plane is not built yet, so a sharded "
+            "coordinator cannot run; set shards = 1"
+        )
+    return shard_config(cfg, identity)
+
+
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from comm.ops.configio import ConfigError
     from comm.ops.observe import ObserveServer
@@ -106,7 +121,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_coordinator_config(args.config, **_insecure_override(args))
-    except ConfigError as exc:
+        cfg = _this_shard(cfg, args.shard)
+    except (ConfigError, ValueError) as exc:
         print(f"crossdc coordinator: bad config: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     try:
@@ -281,6 +297,12 @@ def _add_role_commands(sub: SubParsers) -> None:
     c = add_command(sub, "coordinator", help="run the coordinator service")
     c.add_argument("--config", required=True, help="TOML file with a [coordinator] table")
     c.add_argument("--insecure", action="store_true", help="no CURVE, no certificates (loopback)")
+    c.add_argument(
+        "--shard",
+        default=None,
+        help="with [coordinator] shards > 1: this process's shard, N or 'ordinal' (a "
+        "StatefulSet pod's); default: CROSSDC_SHARD, else torchrun's RANK",
+    )
     c.set_defaults(func=cmd_coordinator)
 
     a = add_command(sub, "agent", help="run a site agent")

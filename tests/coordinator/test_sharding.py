@@ -1,0 +1,155 @@
+"""A sharded coordinator's processes: which shard each is (from --shard, CROSSDC_SHARD,
+torchrun's RANK, a StatefulSet pod's ordinal) and the config each shard runs with."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from comm.security.rolekits import SecurityConfig
+from coordinator.config import CoordinatorConfig
+from coordinator.sharding import ShardIdentity, bind_port, resolve, shard_config
+from crossdc.cli_common import EXIT_BAD_CONFIG
+
+pytestmark = pytest.mark.timeout(60)
+
+_INSECURE = SecurityConfig(insecure=True)
+
+
+def _cfg(**kw: object) -> CoordinatorConfig:
+    return CoordinatorConfig(security=_INSECURE, **kw)  # type: ignore[arg-type]
+
+
+def test_one_shard_is_shard_zero_and_runs_its_config_unchanged() -> None:
+    identity = resolve(1, None, {})
+    assert identity == ShardIdentity(0, 1, "single")
+    assert identity.leader
+    cfg = _cfg()
+    assert shard_config(cfg, identity) is cfg
+
+
+@pytest.mark.parametrize(
+    ("flag", "env", "expected"),
+    [
+        ("2", {}, ShardIdentity(2, 4, "--shard")),
+        ("ordinal", {}, ShardIdentity(3, 4, "--shard ordinal")),
+        (None, {"CROSSDC_SHARD": "1"}, ShardIdentity(1, 4, "CROSSDC_SHARD")),
+        (None, {"CROSSDC_SHARD": "ordinal"}, ShardIdentity(3, 4, "CROSSDC_SHARD ordinal")),
+        (None, {"RANK": "3", "WORLD_SIZE": "4"}, ShardIdentity(3, 4, "torchrun RANK")),
+        ("0", {"RANK": "3", "WORLD_SIZE": "4"}, ShardIdentity(0, 4, "--shard")),
+    ],
+)
+def test_a_shard_is_read_from_the_flag_the_environment_or_torchrun(
+    flag: str | None, env: dict[str, str], expected: ShardIdentity
+) -> None:
+    assert resolve(4, flag, env, hostname=lambda: "crossdc-coordinator-3") == expected
+
+
+@pytest.mark.parametrize(
+    ("shards", "flag", "env", "message"),
+    [
+        (2, None, {}, "say which shard this process is"),
+        (2, "2", {}, r"--shard = 2 is not a shard of coordinator.shards = 2 \(0 to 1\)"),
+        (2, "-1", {}, "is not a shard"),
+        (2, "x", {}, "--shard must be a shard number or 'ordinal', got 'x'"),
+        (2, "ordinal", {}, "does not end in -N"),
+        (2, None, {"RANK": "0", "WORLD_SIZE": "3"}, r"torchrun started 3 processes"),
+        (1, None, {"RANK": "0", "WORLD_SIZE": "2"}, r"torchrun started 2 processes"),
+        (2, None, {"RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE must be an integer"),
+    ],
+)
+def test_a_shard_that_does_not_fit_is_refused_in_words(
+    shards: int, flag: str | None, env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve(shards, flag, env, hostname=lambda: "coordinator")
+
+
+def test_shards_on_one_host_get_their_own_state_endpoint_and_http_port() -> None:
+    cfg = _cfg(
+        shards=3, bind="tcp://0.0.0.0:7710", metrics_port=9710, state_dir="/var/lib/c/coord/"
+    )
+    got = [shard_config(cfg, ShardIdentity(i, 3, "--shard")) for i in range(3)]
+    assert [c.bind for c in got] == [f"tcp://0.0.0.0:{7710 + i}" for i in range(3)]
+    assert [c.metrics_port for c in got] == [9710, 9711, 9712]
+    assert [c.state_dir for c in got] == [f"/var/lib/c/coord/shard-{i}" for i in range(3)]
+    assert [bind_port(c.bind) for c in got] == [7710, 7711, 7712]
+
+
+def test_shards_on_their_own_hosts_keep_the_ports() -> None:
+    cfg = _cfg(shards=2, shard_ports="same", metrics_port=9710, state_dir="/data")
+    one = shard_config(cfg, ShardIdentity(1, 2, "--shard ordinal"))
+    assert (one.bind, one.metrics_port, one.state_dir) == (cfg.bind, 9710, "/data/shard-1")
+
+
+def test_free_ports_ipc_names_and_no_http_stay_distinct_per_shard() -> None:
+    cfg = _cfg(shards=2, bind="tcp://127.0.0.1:0", metrics_port=0)
+    one = shard_config(cfg, ShardIdentity(1, 2, "--shard"))
+    assert (one.bind, one.metrics_port) == ("tcp://127.0.0.1:0", 0)
+    ipc = shard_config(_cfg(shards=2, bind="ipc:///run/c.sock"), ShardIdentity(1, 2, "--shard"))
+    assert ipc.bind == "ipc:///run/c.sock-shard1"
+    assert bind_port(ipc.bind) is None
+
+
+def test_a_shard_of_another_count_is_refused() -> None:
+    with pytest.raises(ValueError, match="shard 0 of 2, but coordinator.shards = 3"):
+        shard_config(_cfg(shards=3), ShardIdentity(0, 2, "--shard"))
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"shards": 0}, "coordinator.shards must be an integer >= 1, got 0"),
+        ({"shards": True}, "coordinator.shards must be an integer >= 1, got True"),
+        ({"shards": 2, "shard_ports": "next"}, "shard_ports must be 'offset' or 'same'"),
+        ({"shards": 8, "bind": "tcp://0.0.0.0:65530"}, "coordinator.bind: 8 shards from port"),
+        ({"shards": 8, "metrics_port": 65535}, "coordinator.metrics_port: 8 shards"),
+        (
+            {"shards": 2, "num_fragments": 2},
+            r"coordinator.shards = 2 needs coordinator.num_fragments at its default \(1\)",
+        ),
+    ],
+)
+def test_the_shard_keys_are_checked(kw: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _cfg(**kw)
+
+
+def test_ports_need_no_room_when_every_shard_has_its_own_host() -> None:
+    cfg = _cfg(shards=8, shard_ports="same", bind="tcp://0.0.0.0:65535")
+    assert cfg.shards == 8
+
+
+def _coordinator(tmp_path: Path, toml: str, *args: str) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / "c.toml"
+    path.write_text(toml)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "crossdc",
+            "coordinator",
+            "--config",
+            str(path),
+            "--insecure",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=45,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+
+
+def test_the_command_refuses_a_shard_it_cannot_place_with_a_bad_config_status(
+    tmp_path: Path,
+) -> None:
+    proc = _coordinator(tmp_path, "[coordinator]\nshards = 2\n")
+    assert proc.returncode == EXIT_BAD_CONFIG, proc.stderr
+    assert "say which shard this process is" in proc.stderr
+    proc = _coordinator(tmp_path, "[coordinator]\nshards = 2\n", "--shard", "5")
+    assert proc.returncode == EXIT_BAD_CONFIG, proc.stderr
+    assert "--shard = 5 is not a shard" in proc.stderr
