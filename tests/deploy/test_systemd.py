@@ -92,7 +92,7 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
         dst = tmp_path / src.name.replace("@.", "@eu.")
         dst.write_text(src.read_text().replace("/opt/crossdc/venv/bin/crossdc", str(crossdc)))
         units.append(dst)
-    assert len(units) == 2
+    assert len(units) == 3
     proc = subprocess.run(
         [SYSTEMD_ANALYZE, "verify", *map(str, units)], capture_output=True, text=True, timeout=45
     )
@@ -103,3 +103,29 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     # Unknown keys and bad values are only warnings (exit 0): any line about our units fails.
     complaints = [ln for ln in output.splitlines() if any(u.name in ln for u in units)]
     assert not complaints, "\n".join(complaints)
+
+
+@pytest.mark.timeout(30)
+def test_the_shard_template_is_the_coordinator_unit_run_as_shard_i() -> None:
+    """``crossdc-coordinator@N`` runs shard N from the same config as the plain unit, with the
+    same service settings, and may write exactly the state dir shard N derives from it."""
+    from coordinator.config import load_coordinator_config
+    from coordinator.sharding import resolve, shard_config
+
+    plain, template = _unit("crossdc-coordinator.service"), _unit("crossdc-coordinator@.service")
+    (exec_start,) = _unit_values(template, "ExecStart")
+    assert exec_start == _unit_values(plain, "ExecStart")[0] + " --shard %i"
+    differ = {"ExecStart", "StateDirectory", "ReadWritePaths", "Description"}
+    settings = lambda text: [  # noqa: E731
+        ln for ln in text.splitlines() if re.match(r"^\w+=", ln) and ln.split("=")[0] not in differ
+    ]
+    assert settings(template) == settings(plain)
+    cfg = dataclasses.replace(
+        load_coordinator_config(CONFIGS / "coordinator.toml"), shards=2, shard_ports="offset"
+    )
+    for shard in range(cfg.shards):
+        own = shard_config(cfg, resolve(cfg.shards, str(shard), {}))
+        (writable,) = _unit_values(template, "ReadWritePaths")
+        (state,) = _unit_values(template, "StateDirectory")
+        assert writable.replace("%i", str(shard)) == own.state_dir
+        assert f"/var/lib/{state}".replace("%i", str(shard)) == own.state_dir
