@@ -27,19 +27,32 @@ Arrays = dict[str, npt.NDArray[np.float32]]
 
 def weighted_mean(updates: Sequence[tuple[float, Mapping[str, np.ndarray]]]) -> Arrays:
     """Σ w_i x_i / Σ w_i per tensor, accumulated in float32 in the given order."""
+    total = _total_weight(updates)
+    return {
+        name: mean_of_tensor([(w, t[name]) for w, t in updates], total) for name in updates[0][1]
+    }
+
+
+def _total_weight(updates: Sequence[tuple[float, object]]) -> float:
     if not updates:
         raise ValueError("weighted_mean of no updates")
     total = float(sum(w for w, _ in updates))
     if not total > 0:
         raise ValueError(f"weights must sum to > 0, got {total}")
-    names = list(updates[0][1])
-    out: Arrays = {}
-    for name in names:
-        acc = np.zeros(np.shape(updates[0][1][name]), dtype=np.float32)
-        for weight, tensors in updates:
-            acc += np.float32(weight / total) * np.asarray(tensors[name], dtype=np.float32)
-        out[name] = acc
-    return out
+    return total
+
+
+def mean_of_tensor(
+    values: Sequence[tuple[float, np.ndarray]], total: float | None = None
+) -> npt.NDArray[np.float32]:
+    """One tensor's Σ w_i x_i / Σ w_i, accumulated in float32 in the given order (``total``:
+    Σ w_i, when the caller has it)."""
+    if total is None:
+        total = _total_weight(values)
+    acc = np.zeros(np.shape(values[0][1]), dtype=np.float32)
+    for weight, value in values:
+        acc += np.float32(weight / total) * np.asarray(value, dtype=np.float32)
+    return acc
 
 
 def nesterov_step(
@@ -51,16 +64,29 @@ def nesterov_step(
     momentum: float,
 ) -> tuple[Arrays, Arrays]:
     """One SGD-Nesterov step: b ← μb + g; θ ← θ − lr (g + μb). Returns (θ', b')."""
-    lr32, mu32 = np.float32(lr), np.float32(momentum)
     new_params: Arrays = {}
     new_buf: Arrays = {}
     for name, p in params.items():
-        g = np.asarray(grad[name], dtype=np.float32)
-        b = (mu32 * np.asarray(momentum_buf[name], dtype=np.float32) + g).astype(np.float32)
-        new_buf[name] = b
-        step = (lr32 * (g + mu32 * b)).astype(np.float32)
-        new_params[name] = np.asarray(p, dtype=np.float32) - step
+        buf = np.array(momentum_buf[name], dtype=np.float32)
+        new_params[name] = nesterov_in_place(p, grad[name], buf, lr=lr, momentum=momentum)
+        new_buf[name] = buf
     return new_params, new_buf
+
+
+def nesterov_in_place(
+    param: np.ndarray, grad: np.ndarray, buf: npt.NDArray[np.float32], *, lr: float, momentum: float
+) -> npt.NDArray[np.float32]:
+    """One tensor's SGD-Nesterov step with its buffer updated in place: b ← μb + g; returns
+    θ − lr (g + μb). The float32 operations of :func:`nesterov_step`, element for element."""
+    lr32, mu32 = np.float32(lr), np.float32(momentum)
+    g = np.asarray(grad, dtype=np.float32)
+    np.multiply(buf, mu32, out=buf)
+    np.add(buf, g, out=buf)
+    step = mu32 * buf
+    np.add(g, step, out=step)
+    np.multiply(step, lr32, out=step)
+    np.subtract(np.asarray(param, dtype=np.float32), step, out=step)
+    return step
 
 
 def global_norm(tensors: Mapping[str, np.ndarray]) -> float:
@@ -90,6 +116,119 @@ class OuterResult:
     outer_grad_norm: float
     rule: str = ""
     """How the step was taken, for logs and round history."""
+
+
+class TensorStep(Protocol):
+    """One close's outer step taken a tensor at a time (the step is elementwise), so that a
+    coordinator never holds a second copy of the model: what a strategy's ``tensor_step``
+    gives, and ``coordinator.aggregate.outer_step`` runs over the round's tensors."""
+
+    def rule(self, statistics: int) -> str:
+        """How the step was taken, for logs and round history (``statistics``: how many of
+        the stepped tensors are statistics, stepped by their plain mean)."""
+        ...
+
+    def step(
+        self,
+        exact: npt.NDArray[np.float32],
+        momentum: npt.NDArray[np.float32],
+        updates: Sequence[tuple[float, np.ndarray]],
+        *,
+        statistics: bool,
+    ) -> tuple[npt.NDArray[np.float32], float]:
+        """One tensor's new exact value from ``exact`` (the parameters plus the downlink
+        residual; the caller's temporary, which the step may overwrite), its outer momentum
+        (updated in place) and the round's ``updates`` of it (weight, value) in the order of
+        their labels (which fixes the float summation order); with the squared norm of its
+        outer gradient.
+        ``statistics``: a statistics tensor, always the plain mean."""
+        ...
+
+
+@dataclass(frozen=True)
+class NesterovTensors:
+    """DiLoCo's step per tensor: the weighted mean, then SGD-Nesterov (statistics tensors:
+    lr 1, no momentum), the arithmetic of :func:`weighted_mean` and :func:`nesterov_step`."""
+
+    lr: float
+    momentum: float
+    base_rule: str
+
+    def rule(self, statistics: int) -> str:
+        if statistics:
+            return f"{self.base_rule}; {statistics} statistics tensors: mean"
+        return self.base_rule
+
+    def step(
+        self,
+        exact: npt.NDArray[np.float32],
+        momentum: npt.NDArray[np.float32],
+        updates: Sequence[tuple[float, np.ndarray]],
+        *,
+        statistics: bool,
+    ) -> tuple[npt.NDArray[np.float32], float]:
+        grad = mean_of_tensor(updates)
+        lr, mu = (1.0, 0.0) if statistics else (self.lr, self.momentum)
+        new = nesterov_in_place(exact, grad, momentum, lr=lr, momentum=mu)
+        return new, _squared_norm(grad)
+
+
+@dataclass(frozen=True)
+class SgdTensors:
+    """The sparse broadcast's step per tensor, θ − lr · (weighted mean), statistics tensors at
+    lr 1, no momentum: the arithmetic of ``comm.codecs.broadcast.sparse_step``."""
+
+    lr: float
+    base_rule: str
+
+    def rule(self, statistics: int) -> str:
+        return f"{self.base_rule}; statistics tensors: mean" if statistics else self.base_rule
+
+    def step(
+        self,
+        exact: npt.NDArray[np.float32],
+        momentum: npt.NDArray[np.float32],
+        updates: Sequence[tuple[float, np.ndarray]],
+        *,
+        statistics: bool,
+    ) -> tuple[npt.NDArray[np.float32], float]:
+        acc = mean_of_tensor(updates)
+        step_lr = np.float32(1.0 if statistics else self.lr)
+        new = (np.asarray(exact, dtype=np.float32) - step_lr * acc).astype(np.float32)
+        return new, _squared_norm(acc)
+
+
+def _squared_norm(t: np.ndarray) -> float:
+    """The term :func:`global_norm` sums for one tensor."""
+    return float(np.dot(t.ravel(), t.ravel()))
+
+
+def tensorwise_outer_step(
+    steps: TensorStep,
+    params: Mapping[str, np.ndarray],
+    momentum: Mapping[str, np.ndarray],
+    weighted: Sequence[tuple[float, Mapping[str, np.ndarray]]],
+    averaged: Collection[str],
+) -> OuterResult:
+    """``steps`` over whole models, changing none of the inputs: the outer step as a function
+    (:meth:`Strategy.outer_step`), the same arithmetic as a close's tensor by tensor."""
+    _total_weight(weighted)
+    new_params: Arrays = {}
+    new_buf: Arrays = {}
+    squared = 0.0
+    for name in weighted[0][1]:  # the gradient's order, as global_norm sums it
+        if name not in params:
+            continue
+        buf = np.array(momentum[name], dtype=np.float32)
+        exact = np.array(params[name], dtype=np.float32)
+        values = [(w, t[name]) for w, t in weighted]
+        new_params[name], sq = steps.step(exact, buf, values, statistics=name in averaged)
+        new_buf[name] = buf
+        squared += sq
+    stats = sum(1 for k in params if k in averaged)
+    ordered = {k: new_params[k] for k in params}
+    buffers = {k: new_buf[k] for k in params}
+    return OuterResult(ordered, buffers, float(np.sqrt(squared)), steps.rule(stats))
 
 
 class OrderedStep(Protocol):
@@ -143,6 +282,10 @@ class SparseBroadcastStep:
             rule += "; statistics tensors: mean"
         buf: Arrays = {k: np.asarray(v, dtype=np.float32) for k, v in momentum.items()}
         return OuterResult(new_params, buf, global_norm(grad), rule)
+
+    def ordered_tensor_step(self) -> TensorStep:
+        """:meth:`ordered_step` a tensor at a time (the same arithmetic)."""
+        return SgdTensors(self.lr, f"sparse sgd lr={self.lr:g} (no momentum)")
 
 
 def runs_sites_sparse_step(cls: type) -> bool:
@@ -235,3 +378,10 @@ class OuterStrategy:
     ) -> OuterResult:
         """See :class:`Strategy`."""
         raise NotImplementedError
+
+    def tensor_step(self, *, inner_steps: int | None, final: bool) -> TensorStep | None:
+        """The step of one close (``inner_steps``, ``final``: as :meth:`outer_step` takes
+        them) taken a tensor at a time, which a coordinator runs in place on its state; None:
+        the strategy steps whole models only (:meth:`outer_step`, which then costs a copy of
+        the model at every close)."""
+        return None

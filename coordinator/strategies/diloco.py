@@ -12,12 +12,11 @@ import numpy as np
 
 from coordinator.strategies import register
 from coordinator.strategies.base import (
+    NesterovTensors,
     OuterResult,
     OuterSettings,
     OuterStrategy,
-    global_norm,
-    nesterov_step,
-    weighted_mean,
+    tensorwise_outer_step,
 )
 
 
@@ -54,6 +53,15 @@ class DiLoCo(OuterStrategy):
         """Whether the step producing a model with ``inner_steps`` behind it is a plain mean."""
         return inner_steps is not None and inner_steps <= self.warmup_steps
 
+    def tensor_step(self, *, inner_steps: int | None, final: bool) -> NesterovTensors:
+        if self.in_warmup(inner_steps):
+            rule = f"mean (outer warm-up: {inner_steps} <= {self.warmup_steps} inner steps)"
+            return NesterovTensors(1.0, 0.0, rule)
+        if final:
+            return NesterovTensors(1.0, 0.0, "mean (final round)")
+        rule = f"nesterov lr={self.lr:g} momentum={self.momentum:g}"
+        return NesterovTensors(self.lr, self.momentum, rule)
+
     def outer_step(
         self,
         params: Mapping[str, np.ndarray],
@@ -65,34 +73,7 @@ class DiLoCo(OuterStrategy):
         averaged: Collection[str] = (),
     ) -> OuterResult:
         ordered = sorted(updates, key=lambda u: u[0])  # site order fixes float summation order
-        grad = weighted_mean([(w, t) for _, w, t in ordered])
-        if self.in_warmup(inner_steps):
-            lr, mu = 1.0, 0.0
-            rule = f"mean (outer warm-up: {inner_steps} <= {self.warmup_steps} inner steps)"
-        elif final:
-            lr, mu = 1.0, 0.0
-            rule = "mean (final round)"
-        else:
-            lr, mu = self.lr, self.momentum
-            rule = f"nesterov lr={lr:g} momentum={mu:g}"
-        stats = [k for k in params if k in averaged]
-        weights = [k for k in params if k not in averaged]
-        new_params, new_buf = nesterov_step(
-            {k: params[k] for k in weights},
-            {k: grad[k] for k in weights},
-            {k: momentum[k] for k in weights},
-            lr=lr,
-            momentum=mu,
+        steps = self.tensor_step(inner_steps=inner_steps, final=final)
+        return tensorwise_outer_step(
+            steps, params, momentum, [(w, t) for _, w, t in ordered], averaged
         )
-        if stats:
-            mean_params, mean_buf = nesterov_step(
-                {k: params[k] for k in stats},
-                {k: grad[k] for k in stats},
-                {k: momentum[k] for k in stats},
-                lr=1.0,
-                momentum=0.0,
-            )
-            new_params = {k: {**new_params, **mean_params}[k] for k in params}
-            new_buf = {k: {**new_buf, **mean_buf}[k] for k in params}
-            rule += f"; {len(stats)} statistics tensors: mean"
-        return OuterResult(new_params, new_buf, global_norm(grad), rule)

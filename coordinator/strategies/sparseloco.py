@@ -18,6 +18,7 @@ from coordinator.strategies.base import (
     OuterStrategy,
     Revealed,
     SparseBroadcastStep,
+    TensorStep,
 )
 
 
@@ -65,3 +66,6 @@ class SparseLoCo(SparseBroadcastStep, OuterStrategy):
         ordered = sorted(updates, key=lambda u: u[0])  # site order fixes float summation order
         weighted = [(w, t) for _, w, t in ordered]
         return self.ordered_step(params, momentum, weighted, averaged=averaged)
+
+    def tensor_step(self, *, inner_steps: int | None, final: bool) -> TensorStep:
+        return self.ordered_tensor_step()
