@@ -147,3 +147,27 @@ class PayloadCodec(Protocol):
     def encode(self, name: str, x: TensorLike) -> EncodedTensor: ...
 
     def decode(self, enc: EncodedTensor) -> FloatArray: ...
+
+    def decode_into(self, enc: EncodedTensor, out: FloatArray, start: int = 0) -> None:
+        """Decode the flat elements ``[start, start + out.size)`` of ``enc`` into ``out`` (a
+        writable C-contiguous float32 array), bit for bit what ``decode`` gives there, reading
+        only the blocks that cover the range. ValueError for a range outside the tensor or a
+        malformed encoding, :class:`NonFiniteError` for a non-finite value in the range."""
+        ...
+
+    def accumulate(
+        self, enc: EncodedTensor, out: FloatArray, weight: float, start: int = 0
+    ) -> None:
+        """``out += float32(weight) * decoded[start:start + out.size]`` in float32, in place,
+        tile by tile (the product rounded to float32, then the sum). Checks the encoding's
+        structure but not that its values are finite: :meth:`sum_squares` first refuses what
+        ``decode`` refuses, so a fold never adds half an update."""
+        ...
+
+    def sum_squares(self, enc: EncodedTensor) -> float:
+        """Σ x² over the decoded tensor (in float64), computed from the encoded values without
+        decoding the tensor; raises what ``decode`` raises for the same encoding
+        (:class:`NonFiniteError` for a non-finite value, ValueError when malformed). For the
+        blockwise quantizers it is Σ_b scale_b² · Σ q², exact where decode rounds each value
+        to float32."""
+        ...

@@ -28,11 +28,16 @@ from comm.codecs.plumbing import (
     _check_buffers,
     _check_decoded,
     _check_family,
+    _check_range,
     _check_shape,
+    _check_weight,
     _flat_f32,
     _meta_int,
+    _out_view,
     _range_checked,
     _read_buffer,
+    _sparse_into,
+    _sum_squares_f32,
 )
 from comm.codecs.registry import SpecParams, register_codec
 
@@ -170,6 +175,29 @@ class ChunkTopKCodec:
         )
 
     def decode(self, enc: EncodedTensor) -> FloatArray:
+        n, pos, vals = self._sparse(enc)
+        out = np.zeros(n, dtype=np.float32)
+        out[pos] = vals
+        return out.reshape(enc.shape)
+
+    def decode_into(self, enc: EncodedTensor, out: FloatArray, start: int = 0) -> None:
+        n, pos, vals = self._sparse(enc)
+        flat = _out_view(enc, out)
+        _sparse_into(flat, _check_range(enc, n, start, flat.size), pos, vals, None)
+
+    def accumulate(
+        self, enc: EncodedTensor, out: FloatArray, weight: float, start: int = 0
+    ) -> None:
+        n, pos, vals = self._sparse(enc)
+        flat = _out_view(enc, out)
+        w = _check_weight(enc, weight)
+        _sparse_into(flat, _check_range(enc, n, start, flat.size), pos, vals, w)
+
+    def sum_squares(self, enc: EncodedTensor) -> float:
+        return _sum_squares_f32(enc.name, self._sparse(enc)[2])
+
+    def _sparse(self, enc: EncodedTensor) -> tuple[int, npt.NDArray[np.int64], FloatArray]:
+        """numel, and the kept positions (ascending) and values, checked and finite."""
         _check_family(enc, self.name)
         n = _check_shape(enc)
         meta = enc.meta
@@ -208,12 +236,11 @@ class ChunkTopKCodec:
         level = (codes & (levels - 1)).astype(np.float32)
         mag = lo + (level + np.float32(0.5)) * step
         sign = np.where(codes >> (bits - 1), np.float32(-1.0), np.float32(1.0))
-        out = np.zeros(n, dtype=np.float32)
-        out[pos] = (sign * mag).astype(np.float32)
+        vals = (sign * mag).astype(np.float32)
         import torch
 
-        _check_decoded(enc, torch.from_numpy(out))
-        return out.reshape(enc.shape)
+        _check_decoded(enc, torch.from_numpy(vals))
+        return n, pos.astype(np.int64, copy=False), vals
 
 
 def _tail_picks(k: int, chunk: int, tail: int) -> int:

@@ -21,8 +21,11 @@ from comm.codecs.base import (
 from comm.codecs.plumbing import (
     _check_buffers,
     _check_family,
+    _check_range,
     _check_shape,
+    _check_weight,
     _Codec,
+    _out_view,
     _read_buffer,
 )
 
@@ -85,6 +88,30 @@ class ZstdCodec:
         )
 
     def decode(self, enc: EncodedTensor) -> FloatArray:
+        n, arrays = self._arrays(enc)
+        return self.inner._decode_arrays(enc, n, arrays).reshape(enc.shape)
+
+    def decode_into(self, enc: EncodedTensor, out: FloatArray, start: int = 0) -> None:
+        """The inner codec's range decode over the decompressed buffers (each zstd frame is
+        decompressed whole: its bytes are the inner codec's encoding, not float32)."""
+        n, arrays = self._arrays(enc)
+        flat = _out_view(enc, out)
+        self.inner._range(enc, n, arrays, flat, _check_range(enc, n, start, flat.size), None)
+
+    def accumulate(
+        self, enc: EncodedTensor, out: FloatArray, weight: float, start: int = 0
+    ) -> None:
+        n, arrays = self._arrays(enc)
+        flat = _out_view(enc, out)
+        w = _check_weight(enc, weight)
+        self.inner._range(enc, n, arrays, flat, _check_range(enc, n, start, flat.size), w)
+
+    def sum_squares(self, enc: EncodedTensor) -> float:
+        n, arrays = self._arrays(enc)
+        return self.inner._sum_squares(enc, n, arrays)
+
+    def _arrays(self, enc: EncodedTensor) -> tuple[int, list[npt.NDArray[Any]]]:
+        """numel and the decompressed buffers as the inner layout's arrays, checked."""
         _check_family(enc, self.name)
         n = _check_shape(enc)
         layout = self.inner._layout(n, enc.meta)
@@ -111,7 +138,7 @@ class ZstdCodec:
                     f"{len(data)} bytes, expected {want}"
                 )
             arrays.append(_unshuffle(np.frombuffer(data, dtype=_U8), dtype))
-        return self.inner._decode_arrays(enc, n, arrays).reshape(enc.shape)
+        return n, arrays
 
 
 def _shuffle(arr: npt.NDArray[Any]) -> npt.NDArray[np.uint8]:

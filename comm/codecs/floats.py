@@ -14,17 +14,20 @@ from comm.codecs.plumbing import (
     Layout,
     _bad_meta,
     _check_decoded,
+    _check_finite_out,
     _Codec,
     _flat_f32,
     _new,
     _range_checked,
+    _sum_squares_tiled,
+    _tiled,
     _to_numpy,
     _torch_view,
 )
 from comm.codecs.registry import SpecParams, register_codec
 
 if TYPE_CHECKING:
-    pass
+    from comm.codecs.base import FloatArray
 
 # --------------------------------------------------------------------------------------------
 # Elementwise codecs
@@ -58,6 +61,34 @@ class _ElementwiseCodec(_Codec):
             _bad_meta(meta, self.name)
         return [(self.wire_dtype, numel)]
 
+    def _tile(self, wire: npt.NDArray[Any], at: int, dst: FloatArray) -> FloatArray:
+        """Elements ``[at, at + dst.size)`` decoded into ``dst`` (or a view holding them)."""
+        np.copyto(dst, wire[at : at + dst.size])  # fp16 -> fp32 is exact: what torch gives
+        return dst
+
+    def _range(
+        self,
+        enc: EncodedTensor,
+        numel: int,
+        arrays: list[npt.NDArray[Any]],
+        out: FloatArray,
+        start: int,
+        weight: np.float32 | None,
+    ) -> None:
+        wire = arrays[0]
+        _tiled(out, start, weight, lambda at, dst: self._fill(wire, at, dst))
+        if weight is None:
+            _check_finite_out(enc, out)
+
+    def _fill(self, wire: npt.NDArray[Any], at: int, dst: FloatArray) -> None:
+        t = self._tile(wire, at, dst)
+        if t is not dst:
+            np.copyto(dst, t)
+
+    def _sum_squares(self, enc: EncodedTensor, numel: int, arrays: list[npt.NDArray[Any]]) -> float:
+        wire = arrays[0]
+        return _sum_squares_tiled(enc.name, numel, lambda at, dst: self._tile(wire, at, dst))
+
 
 @register_codec
 @dataclass(frozen=True)
@@ -68,6 +99,9 @@ class Fp32Codec(_ElementwiseCodec):
     codec_id: ClassVar[int] = 1
     wire_dtype: ClassVar[np.dtype[Any]] = np.dtype(np.float32)
     limit: ClassVar[float] = math.inf
+
+    def _tile(self, wire: npt.NDArray[Any], at: int, dst: FloatArray) -> FloatArray:
+        return wire[at : at + dst.size]  # the values themselves, no copy
 
     def _decode_arrays(
         self, enc: EncodedTensor, numel: int, arrays: list[npt.NDArray[Any]]
@@ -121,6 +155,11 @@ class Bf16Codec(_ElementwiseCodec):
         bits.view(torch.bfloat16).copy_(t)  # torch's float->bf16 cast rounds to nearest even
         out = _to_numpy(bits).view(np.uint16)
         return EncodedTensor(name=name, shape=shape, codec=self.spec, buffers=(out,))
+
+    def _tile(self, wire: npt.NDArray[Any], at: int, dst: FloatArray) -> FloatArray:
+        # A bf16 is the high half of the float32 with the same bits: exact, as torch's cast.
+        np.left_shift(wire[at : at + dst.size], 16, out=dst.view(np.uint32), dtype=np.uint32)
+        return dst
 
     def _decode_arrays(
         self, enc: EncodedTensor, numel: int, arrays: list[npt.NDArray[Any]]

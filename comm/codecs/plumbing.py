@@ -8,12 +8,20 @@ allocated, and :class:`_Codec`, the base of the concrete codecs.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import numpy as np
 import numpy.typing as npt
 
-from comm.codecs.base import EncodedTensor, FloatArray, TensorLike, _raise_non_finite
+from comm.codecs import base
+from comm.codecs.base import (
+    EncodedTensor,
+    FloatArray,
+    NonFiniteError,
+    TensorLike,
+    _raise_non_finite,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -137,6 +145,154 @@ def _range_checked(name: str, t: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
+# Ranges, in place: decode elements [start, stop) into a given array, or add them weighted
+
+_F32 = np.dtype(np.float32)
+
+
+def _out_view(enc: EncodedTensor, out: Any) -> FloatArray:
+    """``out`` as a flat view: a writable C-contiguous float32 array, or ValueError."""
+    if not (
+        isinstance(out, np.ndarray)
+        and out.dtype == _F32
+        and out.flags.c_contiguous
+        and out.flags.writeable
+    ):
+        what = f"{out.dtype} array" if isinstance(out, np.ndarray) else type(out).__name__
+        raise ValueError(
+            f"tensor {enc.name!r}: the output must be a writable C-contiguous float32 array, "
+            f"got a {what}"
+        )
+    return out.reshape(-1)
+
+
+def _check_range(enc: EncodedTensor, numel: int, start: Any, count: int) -> int:
+    """``start`` as an int, when ``[start, start + count)`` lies within ``numel`` elements."""
+    if isinstance(start, bool) or not isinstance(start, int | np.integer):
+        raise ValueError(f"tensor {enc.name!r}: start must be an integer, got {start!r}")
+    at = int(start)
+    if at < 0 or at + count > numel:
+        raise ValueError(
+            f"tensor {enc.name!r}: elements [{at}, {at + count}) lie outside its {numel} elements"
+        )
+    return at
+
+
+def _check_weight(enc: EncodedTensor, weight: Any) -> np.float32:
+    w = float(weight)
+    if not math.isfinite(w) or abs(w) > float(np.finfo(np.float32).max):
+        raise ValueError(f"tensor {enc.name!r}: weight must be a finite float32, got {weight!r}")
+    return np.float32(w)
+
+
+def _put(out: FloatArray, values: FloatArray, weight: np.float32 | None) -> None:
+    """``out = values``, or ``out += weight * values`` in float32 (tile by tile)."""
+    if weight is None:
+        np.copyto(out, values)
+        return
+    step = base._TILE_ELEMS
+    tile = np.empty(min(step, out.size), dtype=_F32)
+    for a in range(0, out.size, step):
+        t = tile[: min(step, out.size - a)]
+        np.multiply(values[a : a + t.size], weight, out=t)
+        out[a : a + t.size] += t
+
+
+def _tiled(
+    out: FloatArray,
+    start: int,
+    weight: np.float32 | None,
+    convert: Callable[[int, FloatArray], None],
+) -> None:
+    """Elementwise range work: ``convert(at, dst)`` writes decoded elements ``[at, at +
+    dst.size)`` into ``dst``; they land in ``out`` (its element 0 is element ``start``), or
+    ``weight`` times them is added to it, one bounded tile at a time."""
+    step = base._TILE_ELEMS  # read at call time: tests shrink it
+    if weight is None:
+        for a in range(0, out.size, step):
+            convert(start + a, out[a : a + step])
+        return
+    tile = np.empty(min(step, out.size), dtype=_F32)
+    for a in range(0, out.size, step):
+        t = tile[: min(step, out.size - a)]
+        convert(start + a, t)
+        t *= weight
+        out[a : a + t.size] += t
+
+
+def _sparse_into(
+    out: FloatArray,
+    start: int,
+    idx: npt.NDArray[np.int64],
+    vals: FloatArray,
+    weight: np.float32 | None,
+) -> None:
+    """A sparse tensor's (ascending unique ``idx``, ``vals``) elements ``[start, start +
+    out.size)`` into ``out``, or ``weight`` times them added to it."""
+    lo, hi = np.searchsorted(idx, [start, start + out.size])
+    at, v = idx[lo:hi] - start, vals[lo:hi]
+    if weight is None:
+        out.fill(0.0)
+        out[at] = v
+    else:
+        out[at] += v * weight
+
+
+def _sum_squares_tiled(
+    name: str,
+    numel: int,
+    tile_of: Callable[[int, FloatArray], FloatArray],
+    stage: str = "after decoding",
+) -> float:
+    """Σ x² in float64 over ``numel`` decoded values that ``tile_of(at, scratch)`` hands out a
+    tile at a time (values ``[at, at + scratch.size)``, in ``scratch`` or a view of its own);
+    NonFiniteError, counting the NaN and Inf of every tile, when one is not finite."""
+    step = base._TILE_ELEMS  # read at call time: tests shrink it
+    scratch = np.empty(min(step, numel), dtype=_F32)
+    total = 0.0
+    for a in range(0, numel, step):
+        t = tile_of(a, scratch[: min(step, numel - a)])
+        with np.errstate(over="ignore"):
+            part = float(np.dot(t, t))
+        if not math.isfinite(part):
+            if not np.isfinite(t).all():
+                nan = inf = 0
+                for b in range(0, numel, step):
+                    u = tile_of(b, scratch[: min(step, numel - b)])
+                    nan += int(np.isnan(u).sum())
+                    inf += int(np.isinf(u).sum())
+                raise NonFiniteError(name, f"has non-finite values {stage} ({nan} NaN, {inf} Inf)")
+            wide = t.astype(np.float64)  # squares beyond float32's range
+            part = float(np.dot(wide, wide))
+        total += part
+    return total
+
+
+def _sum_squares_f32(name: str, values: FloatArray) -> float:
+    """Σ x² of float32 values in float64 (NonFiniteError when one is NaN or Inf)."""
+    flat = values.reshape(-1)
+    return _sum_squares_tiled(name, flat.size, lambda at, t: flat[at : at + t.size])
+
+
+def _check_finite_out(enc: EncodedTensor, out: FloatArray) -> None:
+    """NonFiniteError naming ``enc`` when the decoded values in ``out`` are not all finite."""
+    if out.size and not (math.isfinite(float(out.min())) and math.isfinite(float(out.max()))):
+        _raise_non_finite_np(enc.name, out, "after decoding")
+
+
+def _raise_non_finite_np(name: str, values: npt.NDArray[Any], stage: str) -> NoReturn:
+    """NonFiniteError naming ``name`` and counting the NaN and Inf of ``values``."""
+    flat = values.reshape(-1)
+    nan = inf = 0
+    step = base._TILE_ELEMS
+    for a in range(0, flat.size, step):
+        t = flat[a : a + step]
+        nan += int(np.isnan(t).sum())
+        inf += int(np.isinf(t).sum())
+    raise NonFiniteError(name, f"has non-finite values {stage} ({nan} NaN, {inf} Inf)")
+
+
+# --------------------------------------------------------------------------------------------
 # Codec skeleton
 
 Layout = list[tuple[np.dtype[Any], int]]
@@ -171,16 +327,56 @@ class _Codec:
         """Flat float32 result from buffers already checked against ``_layout``."""
         raise NotImplementedError
 
-    def encoded_size(self, numel: int) -> int:
-        return sum(d.itemsize * c for d, c in self._layout(numel, None))
+    def _range(
+        self,
+        enc: EncodedTensor,
+        numel: int,
+        arrays: list[npt.NDArray[Any]],
+        out: FloatArray,
+        start: int,
+        weight: np.float32 | None,
+    ) -> None:
+        """Decoded elements ``[start, start + out.size)`` into the flat ``out`` (range already
+        checked), or ``weight`` times them added to it. This fallback decodes the whole tensor;
+        the dense codecs decode only the blocks covering the range, tile by tile."""
+        _put(out, self._decode_arrays(enc, numel, arrays)[start : start + out.size], weight)
 
-    def decode(self, enc: EncodedTensor) -> FloatArray:
+    def _sum_squares(self, enc: EncodedTensor, numel: int, arrays: list[npt.NDArray[Any]]) -> float:
+        """Σ x² over the decoded tensor, NonFiniteError when it is not finite. This fallback
+        decodes the whole tensor; the dense codecs read the encoded values instead."""
+        return _sum_squares_f32(enc.name, self._decode_arrays(enc, numel, arrays))
+
+    def _arrays(self, enc: EncodedTensor) -> tuple[int, list[npt.NDArray[Any]]]:
+        """numel and the buffers as the layout's arrays, checked (no value is decoded)."""
         _check_family(enc, self.name)
         n = _check_shape(enc)
         layout = self._layout(n, enc.meta)
         _check_buffers(enc, len(layout))
-        arrays = [_read_buffer(enc, i, d, c) for i, (d, c) in enumerate(layout)]
+        return n, [_read_buffer(enc, i, d, c) for i, (d, c) in enumerate(layout)]
+
+    def encoded_size(self, numel: int) -> int:
+        return sum(d.itemsize * c for d, c in self._layout(numel, None))
+
+    def decode(self, enc: EncodedTensor) -> FloatArray:
+        n, arrays = self._arrays(enc)
         return self._decode_arrays(enc, n, arrays).reshape(enc.shape)
+
+    def decode_into(self, enc: EncodedTensor, out: FloatArray, start: int = 0) -> None:
+        n, arrays = self._arrays(enc)
+        flat = _out_view(enc, out)
+        self._range(enc, n, arrays, flat, _check_range(enc, n, start, flat.size), None)
+
+    def accumulate(
+        self, enc: EncodedTensor, out: FloatArray, weight: float, start: int = 0
+    ) -> None:
+        n, arrays = self._arrays(enc)
+        flat = _out_view(enc, out)
+        w = _check_weight(enc, weight)
+        self._range(enc, n, arrays, flat, _check_range(enc, n, start, flat.size), w)
+
+    def sum_squares(self, enc: EncodedTensor) -> float:
+        n, arrays = self._arrays(enc)
+        return self._sum_squares(enc, n, arrays)
 
 
 def _bad_meta(meta: dict[str, Any], family: str) -> NoReturn:

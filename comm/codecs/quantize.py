@@ -22,6 +22,7 @@ from comm.codecs.base import (
     _raise_non_finite,
 )
 from comm.codecs.plumbing import (
+    _F32,
     Layout,
     _bad_meta,
     _Codec,
@@ -35,6 +36,8 @@ from comm.codecs.registry import SpecParams, register_codec
 
 if TYPE_CHECKING:
     import torch
+
+    from comm.codecs.base import FloatArray
 
 # --------------------------------------------------------------------------------------------
 # Blockwise absmax quantization
@@ -226,6 +229,101 @@ class _BlockCodec(_Codec):
             out[full:] = opad.view(-1)[: numel - full]
         return out.numpy()
 
+    # ---- ranges and norms from the codes, in numpy (one vectorised pass per tile) ----------
+
+    square_lut: ClassVar[npt.NDArray[Any]]
+    """Per value byte, the sum of the squares of the codes it holds."""
+
+    def _codes(
+        self, values: npt.NDArray[Any], e0: int, e1: int, scratch: npt.NDArray[np.int8]
+    ) -> npt.NDArray[np.int8]:
+        """The signed codes of elements ``[e0, e1)`` (``e0`` at a block boundary), in
+        ``scratch`` (room for whole blocks and a byte's worth more) or a view of their own."""
+        raise NotImplementedError
+
+    def _scales(self, enc: EncodedTensor, s16: npt.NDArray[Any]) -> FloatArray:
+        """The blocks' fp16 scales as float32; NonFiniteError (as decode raises it) when one is
+        NaN or Inf, since |q| <= 128 and |scale| <= 65504 make every other value finite."""
+        s32 = s16.astype(np.float32)
+        if s32.size and not np.isfinite(s32).all():
+            import torch
+
+            _raise_non_finite(enc.name, torch.from_numpy(s32), stage=_SCALES_STAGE)
+        return s32
+
+    def _range(
+        self,
+        enc: EncodedTensor,
+        numel: int,
+        arrays: list[npt.NDArray[Any]],
+        out: FloatArray,
+        start: int,
+        weight: np.float32 | None,
+    ) -> None:
+        """Only the blocks covering ``[start, stop)``, a tile of whole blocks at a time: the
+        codes unpacked (int8) and multiplied by their block's scale (exactly decode's float32
+        product), then copied into ``out`` or scaled by ``weight`` and added to it."""
+        block = _meta_int(enc.meta, "block", self.name)
+        stop = start + out.size
+        if start == stop:
+            return
+        b0, b1 = start // block, -(-stop // block)
+        values = arrays[0]
+        s32 = self._scales(enc, arrays[1][b0:b1])
+        rows = max(1, base._TILE_ELEMS // block)  # read at call time: tests shrink it
+        span = min(rows, b1 - b0) * block
+        codes = np.empty(span + 8, dtype=np.int8)
+        tile = np.empty(span, dtype=_F32)
+        for r0 in range(b0, b1, rows):
+            r1 = min(b1, r0 + rows)
+            e0, e1 = r0 * block, min(numel, r1 * block)
+            q = self._codes(values, e0, e1, codes)
+            lo, hi = max(e0, start), min(e1, stop)
+            direct = weight is None and lo == e0 and hi == e1
+            t = out[e0 - start : e1 - start] if direct else tile[: e1 - e0]
+            full = (e1 - e0) // block * block
+            s = s32[r0 - b0 : r1 - b0]
+            if full:
+                np.multiply(
+                    q[:full].reshape(-1, block),
+                    s[: full // block, None],
+                    out=t[:full].reshape(-1, block),
+                )
+            if full < e1 - e0:
+                np.multiply(q[full:], s[full // block], out=t[full:])
+            if direct:
+                continue
+            seg = t[lo - e0 : hi - e0]
+            if weight is None:
+                out[lo - start : hi - start] = seg
+            else:
+                seg *= weight
+                out[lo - start : hi - start] += seg
+
+    def _sum_squares(self, enc: EncodedTensor, numel: int, arrays: list[npt.NDArray[Any]]) -> float:
+        """Σ_b scale_b² · Σ_{i in b} q_i², the per-block sums of squared codes read byte by byte
+        from a table (no value decoded). A block's unused trailing codes hold 0."""
+        block = _meta_int(enc.meta, "block", self.name)
+        values, s32 = arrays[0], self._scales(enc, arrays[1])
+        if not numel:
+            return 0.0
+        per_block = self._value_count(block)
+        rows = max(1, base._TILE_ELEMS // block)
+        qsq = np.empty(s32.size, dtype=np.int64)
+        for r0 in range(0, s32.size, rows):
+            r1 = min(s32.size, r0 + rows)
+            chunk = values[r0 * per_block : r1 * per_block].view(np.uint8)
+            squares = np.take(self.square_lut, chunk)
+            qsq[r0:r1] = np.add.reduceat(
+                squares, np.arange(0, squares.size, per_block), dtype=np.int64
+            )
+        s64 = s32.astype(np.float64)
+        return float(np.dot(s64 * s64, qsq.astype(np.float64)))
+
+
+_SCALES_STAGE = "after decoding (in the block scales)"
+_BYTES = np.arange(256)
+
 
 @register_codec
 @dataclass(frozen=True)
@@ -242,6 +340,15 @@ class Int8Codec(_BlockCodec):
 
     def _value_count(self, numel: int) -> int:
         return numel
+
+    square_lut: ClassVar[npt.NDArray[Any]] = (
+        _BYTES.astype(np.uint8).view(np.int8).astype(np.int32) ** 2
+    ).astype(np.uint16)
+
+    def _codes(
+        self, values: npt.NDArray[Any], e0: int, e1: int, scratch: npt.NDArray[np.int8]
+    ) -> npt.NDArray[np.int8]:
+        return values[e0:e1]
 
     def _pack_tile(self, q2d: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> None:
         out.view(q2d.shape).copy_(q2d)
@@ -271,8 +378,23 @@ class Int4Codec(_BlockCodec):
     default_block: ClassVar[int] = 64
     value_dtype: ClassVar[np.dtype[Any]] = np.dtype(np.uint8)
 
+    square_lut: ClassVar[npt.NDArray[Any]] = (
+        ((_BYTES & 15) - _NIBBLE_BIAS) ** 2 + ((_BYTES >> 4) - _NIBBLE_BIAS) ** 2
+    ).astype(np.uint8)
+
     def _value_count(self, numel: int) -> int:
         return (numel + 1) // 2
+
+    def _codes(
+        self, values: npt.NDArray[Any], e0: int, e1: int, scratch: npt.NDArray[np.int8]
+    ) -> npt.NDArray[np.int8]:
+        packed = values[e0 // 2 : (e1 + 1) // 2]
+        pairs = scratch[: 2 * packed.size].view(np.uint8).reshape(-1, 2)
+        np.bitwise_and(packed, 15, out=pairs[:, 0])
+        np.right_shift(packed, 4, out=pairs[:, 1])
+        q = scratch[: e1 - e0]
+        q -= _NIBBLE_BIAS
+        return q
 
     def _pack_tile(self, q2d: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> None:
         import torch
@@ -335,8 +457,26 @@ class Int2Codec(_BlockCodec):
     default_block: ClassVar[int] = 64
     value_dtype: ClassVar[np.dtype[Any]] = np.dtype(np.uint8)
 
+    square_lut: ClassVar[npt.NDArray[Any]] = np.sum(
+        [(((_BYTES >> (2 * k)) & 3) - 1) ** 2 for k in range(4)], axis=0
+    ).astype(np.uint8)
+
     def _value_count(self, numel: int) -> int:
         return (numel + 3) // 4
+
+    def _codes(
+        self, values: npt.NDArray[Any], e0: int, e1: int, scratch: npt.NDArray[np.int8]
+    ) -> npt.NDArray[np.int8]:
+        packed = values[e0 // 4 : (e1 + 3) // 4]
+        quads = scratch[: 4 * packed.size].view(np.uint8).reshape(-1, 4)
+        np.bitwise_and(packed, 3, out=quads[:, 0])
+        for k in (1, 2, 3):
+            np.right_shift(packed, 2 * k, out=quads[:, k])
+            if k < 3:
+                quads[:, k] &= 3
+        q = scratch[: e1 - e0]
+        q -= 1
+        return q
 
     def _pack_tile(self, q2d: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> None:
         import torch

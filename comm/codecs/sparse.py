@@ -19,12 +19,16 @@ from comm.codecs.plumbing import (
     _flat_f32,
     _meta_int,
     _range_checked,
+    _sparse_into,
+    _sum_squares_f32,
     _to_numpy,
 )
 from comm.codecs.registry import SpecParams, register_codec
 
 if TYPE_CHECKING:
     import torch
+
+    from comm.codecs.base import FloatArray
 
 # --------------------------------------------------------------------------------------------
 # Top-k sparsification
@@ -116,9 +120,11 @@ class TopKCodec(_Codec):
             buffers=(_to_numpy(vals), _to_numpy(idx.to(torch.int32)).view(np.uint32)),
         )
 
-    def _decode_arrays(
+    def _sparse(
         self, enc: EncodedTensor, numel: int, arrays: list[npt.NDArray[Any]]
-    ) -> npt.NDArray[np.float32]:
+    ) -> tuple[npt.NDArray[np.int64], FloatArray]:
+        """The kept (indices, values), checked: indices strictly increasing and below
+        ``numel``, values finite."""
         import torch
 
         vals = arrays[0].astype(np.float32)
@@ -129,9 +135,31 @@ class TopKCodec(_Codec):
                 f"below {numel}"
             )
         _check_decoded(enc, torch.from_numpy(vals))
+        return idx, vals
+
+    def _decode_arrays(
+        self, enc: EncodedTensor, numel: int, arrays: list[npt.NDArray[Any]]
+    ) -> npt.NDArray[np.float32]:
+        idx, vals = self._sparse(enc, numel, arrays)
         out = np.zeros(numel, dtype=np.float32)
         out[idx] = vals
         return out
+
+    def _range(
+        self,
+        enc: EncodedTensor,
+        numel: int,
+        arrays: list[npt.NDArray[Any]],
+        out: FloatArray,
+        start: int,
+        weight: np.float32 | None,
+    ) -> None:
+        """The kept values in the range, found by bisection: nothing of size ``numel``."""
+        idx, vals = self._sparse(enc, numel, arrays)
+        _sparse_into(out, start, idx, vals, weight)
+
+    def _sum_squares(self, enc: EncodedTensor, numel: int, arrays: list[npt.NDArray[Any]]) -> float:
+        return _sum_squares_f32(enc.name, self._sparse(enc, numel, arrays)[1])
 
 
 def _topk_indices(t: torch.Tensor, k: int) -> torch.Tensor:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -268,7 +269,7 @@ def decode_tensors(
         whole = np.empty(expected[name], dtype=np.float32)
         for enc in pieces:
             start, stop = enc.rows or (0, 0)
-            whole[start:stop] = _decode_one(enc, codecs)
+            decode_into(enc, whole[start:stop], codecs=codecs)
         out[name] = whole
     return out
 
@@ -333,27 +334,109 @@ def _check_rows(name: str, shape: tuple[int, ...], pieces: Sequence[EncodedTenso
         raise WireError(ErrorCode.BAD_PAYLOAD, f"tensor {name!r}: rows {at}:{shape[0]} missing")
 
 
-def _decode_one(enc: EncodedTensor, codecs: Collection[str] | None) -> FloatArray:
-    """One piece decoded (its shape already checked), finite; WireError naming it."""
+def _codec_of(enc: EncodedTensor, codecs: Collection[str] | None) -> PayloadCodec:
+    """The codec a piece names, when it is one of ``codecs`` (None: any); WireError naming it."""
     if codecs is not None and enc.codec not in codecs:
         raise WireError(
             ErrorCode.BAD_PAYLOAD, f"{enc.name!r} is {enc.codec!r}, expected {sorted(codecs)}"
         )
     try:
-        codec = get_codec(enc.codec)
+        return get_codec(enc.codec)
     except ValueError as exc:
         raise WireError(ErrorCode.UNKNOWN_CODEC, f"{enc.name!r}: {exc}") from None
+
+
+@contextmanager
+def _wire_errors(enc: EncodedTensor) -> Iterator[None]:
+    """A codec's refusal of ``enc`` as the WireError a peer is told (NON_FINITE, BAD_PAYLOAD)."""
     try:
-        arr = codec.decode(enc)
+        yield
     except NonFiniteError as exc:
         raise WireError(ErrorCode.NON_FINITE, str(exc)) from None
     except (ValueError, TypeError) as exc:
         raise WireError(ErrorCode.BAD_PAYLOAD, f"{enc.name!r}: {exc}") from None
+
+
+def _decode_one(enc: EncodedTensor, codecs: Collection[str] | None) -> FloatArray:
+    """One piece decoded (its shape already checked), finite; WireError naming it."""
+    codec = _codec_of(enc, codecs)
+    with _wire_errors(enc):
+        arr = codec.decode(enc)
     if arr.shape != tuple(enc.shape):
         raise WireError(ErrorCode.BAD_PAYLOAD, f"{enc.name!r} decoded to shape {arr.shape}")
     if not np.isfinite(arr).all():
         raise WireError(ErrorCode.NON_FINITE, f"{enc.name!r} holds NaN or Inf")
     return arr
+
+
+def decode_into(
+    enc: EncodedTensor,
+    out: np.ndarray,
+    start: int = 0,
+    *,
+    codecs: Collection[str] | None = None,
+) -> None:
+    """Decode the flat elements ``[start, start + out.size)`` of one encoded tensor into
+    ``out`` (a writable C-contiguous float32 array), bit for bit what decoding it whole gives
+    there; the dense codecs read only the blocks covering the range, a bounded tile at a time.
+    Raises :class:`WireError` naming the tensor: UNKNOWN_CODEC, NON_FINITE (a value in the
+    range), or BAD_PAYLOAD (a codec not in ``codecs``, a malformed encoding, or a range outside
+    the tensor)."""
+    codec = _codec_of(enc, codecs)
+    with _wire_errors(enc):
+        codec.decode_into(enc, out, start)
+
+
+def accumulate(
+    enc: EncodedTensor,
+    out: np.ndarray,
+    weight: float,
+    start: int = 0,
+    *,
+    codecs: Collection[str] | None = None,
+) -> None:
+    """``out += float32(weight) * decoded[start:start + out.size]``, in float32 and in place,
+    a bounded tile at a time (no array of the tensor's size). It does not check that the values
+    are finite: :func:`check_payload` (or the codec's ``sum_squares``) does, before a fold adds
+    anything. WireError as :func:`decode_into`."""
+    codec = _codec_of(enc, codecs)
+    with _wire_errors(enc):
+        codec.accumulate(enc, out, weight, start)
+
+
+def sum_squares(enc: EncodedTensor, *, codecs: Collection[str] | None = None) -> float:
+    """Σ x² over one encoded tensor's decoded values, from the encoded values (no float copy
+    of the tensor); refuses what decoding refuses, with the same WireError."""
+    codec = _codec_of(enc, codecs)
+    with _wire_errors(enc):
+        return codec.sum_squares(enc)
+
+
+def check_payload(
+    payload: Sequence[EncodedTensor],
+    expected: TensorSpec,
+    *,
+    codecs: Collection[str] | None = None,
+    slices: bool = False,
+) -> tuple[dict[str, list[EncodedTensor]], float]:
+    """What :func:`decode_tensors` checks of a payload, without decoding it: names and shapes
+    against ``expected`` (``slices``: a tensor may come as slices of its rows, which must cover
+    it exactly once, :func:`check_slices`), the codecs, every piece's buffers and that its
+    values are finite. Returns its pieces by tensor name and its L2 norm over every piece (the
+    whole update's, however it was sliced). Raises :class:`WireError` as decode_tensors does."""
+    if not slices:
+        sliced = next((enc for enc in payload if enc.rows is not None), None)
+        if sliced is not None:
+            raise WireError(
+                ErrorCode.BAD_PAYLOAD,
+                f"tensor {sliced.name!r} comes as rows {sliced.rows}: whole tensors expected",
+            )
+    groups = check_slices(payload, expected)
+    total = 0.0
+    for pieces in groups.values():
+        for enc in pieces:
+            total += sum_squares(enc, codecs=codecs)
+    return groups, math.sqrt(total)
 
 
 def split_parts(
