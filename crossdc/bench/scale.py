@@ -4,10 +4,16 @@ The coordinator is a real ``crossdc coordinator`` process (its own config, state
 The sites are clients in this process, each with its own ZeroMQ DEALER channel, speaking the real
 wire protocol: the first joins and uploads θ0, the others join proving θ0 by hash; in every round
 each sends an int4 update of the whole model and takes the result, without training (the bench
-measures the coordinator, not the sites). Per case it reports the coordinator's peak resident
+measures the coordinator, not the sites). The sites stream (``crossdc.bench.scale_sites``): θ0
+and their updates are generated a tensor at a time, the results they receive are applied to θ
+and hashed a tensor at a time, and θ lives in a file, so that the bench holds almost nothing
+per parameter beside the coordinator. Per case it reports the coordinator's peak resident
 memory (``VmHWM``), how long each round took from its RoundStart to the last site's result,
-messages the coordinator refused, and WAN bytes per round (everything on its socket, divided by
-the rounds).
+messages the coordinator refused, WAN bytes per round (everything on its socket, divided by
+the rounds), how many sites ended on the coordinator's last version and state hash
+(``sites_on_final_hash``; every site checks every result's hash on the way) and the bench
+process's own peak resident memory (``bench_peak_rss_bytes``, its ``VmHWM`` over the case: it
+is reset when the case starts; 0 where the kernel refuses that).
 
 Per coordinator process (the list ``shards``; one process today, so one entry) it reports:
 
@@ -16,6 +22,17 @@ Per coordinator process (the list ``shards``; one process today, so one entry) i
   site, before that site sends θ0: the process without the model;
 - ``bytes_per_param``: ``(peak_rss_bytes - base_rss_bytes) / params``, what the model costs the
   process per parameter it owns;
+- ``budget_bytes_per_param``: what the process keeps per parameter with the configuration the
+  bench gave it (:func:`budget_bytes_per_param`: θ 4, the outer momentum 4 with Nesterov, the
+  downlink residual 4 with a lossy dense broadcast, the round's running sum 4);
+- ``within_budget``: ``bytes_per_param <= budget_bytes_per_param + bounded / params``, where
+  ``bounded`` (:func:`bounded_buffer_bytes`) is what the process may hold beside its kept state
+  whatever the model's size: the updates its transport reassembles, at most the channel's
+  receive budget (``receive_budget_bytes``, 1 GiB by default, over all its peers), and the
+  temporaries of working a tensor at a time, CODEC_FOLD_TEMPORARIES (8) float64 arrays of the
+  largest tensor (256 MiB at the bench's 4M values). Those buffers are what the budget allows
+  beyond the kept state; divided by the parameters they vanish for a large model and dominate
+  a small one, so ``within_budget`` says something from about 100M parameters on;
 - ``fold_rate``: parameter values of accepted updates decoded, checked and folded per CPU second
   of the thread that did it, from the coordinator's counters
   ``crossdc_fold_parameter_updates_total`` and ``crossdc_fold_cpu_seconds_total`` (also in its
@@ -38,44 +55,21 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-import numpy as np
-
-from comm.codecs.base import EncodedTensor
-from comm.codecs.registry import get_codec
 from comm.ops.configio import dump_toml
 from comm.transport.dealer import DealerChannel
 from comm.transport.profile import ChannelConfig
-from comm.wire.schema import (
-    Eval,
-    Global,
-    Heartbeat,
-    InitParams,
-    Join,
-    Message,
-    RoundStart,
-    Shutdown,
-    Update,
-    Welcome,
-)
-from comm.wire.tensors import encode_tensors, state_hash
+from comm.wire.schema import Join, Welcome
 from crossdc.bench import print_report
+from crossdc.bench.scale_sites import FINGERPRINT, Layout, SharedTheta, Site, Sites, drain
 from crossdc.progress import add_progress_argument, open_progress
 
-TENSOR_NUMEL = 1 << 22  # the model is cut into tensors of at most 4M values
-FINGERPRINT = "bench-scale"
-
-
-def model(numel: int) -> dict[str, np.ndarray]:
-    """A model of ``numel`` float32 values in tensors of at most TENSOR_NUMEL."""
-    rng = np.random.default_rng(0)
-    sizes = [TENSOR_NUMEL] * (numel // TENSOR_NUMEL) + [numel % TENSOR_NUMEL]
-    return {
-        f"t{i:03d}": rng.standard_normal(n).astype(np.float32) for i, n in enumerate(sizes) if n
-    }
+CODEC_FOLD_TEMPORARIES = 8
+"""Float64 arrays of one tensor the coordinator may hold at once beside its state, for the
+tolerance of the budget check (see the module docstring)."""
 
 
 def _free_port() -> int:
@@ -84,7 +78,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rss(pid: int, field: str = "VmHWM") -> int:
+def _rss(pid: int | str, field: str = "VmHWM") -> int:
     """The process's peak (``VmHWM``) or current (``VmRSS``) resident set in bytes; 0 once it
     is gone."""
     try:
@@ -94,6 +88,16 @@ def _rss(pid: int, field: str = "VmHWM") -> int:
     except OSError:
         pass
     return 0
+
+
+def _reset_own_peak() -> bool:
+    """Start this process's ``VmHWM`` afresh from its current resident set (Linux's
+    ``clear_refs`` 5), so that each case measures its own peak; False where that is refused."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -106,8 +110,9 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def write_config(workdir: Path, *, sites: int, rounds: int, port: int) -> Path:
-    table = {
+def coordinator_table(workdir: Path, *, sites: int, rounds: int, port: int) -> dict[str, Any]:
+    """The ``[coordinator]`` table of one coordinator process of a case."""
+    return {
         "bind": f"tcp://127.0.0.1:{port}",
         "state_dir": str(workdir / "coordinator"),
         "metrics_port": 0,
@@ -125,109 +130,84 @@ def write_config(workdir: Path, *, sites: int, rounds: int, port: int) -> Path:
         "max_update_norm": 1e12,
         "security": {"insecure": True},
     }
-    path = workdir / "coordinator.toml"
-    path.write_text(dump_toml({"coordinator": table}))
-    return path
+
+
+# ---- the budget --------------------------------------------------------------------------------
+
+
+def budget_bytes_per_param(table: dict[str, Any]) -> int:
+    """The bytes per parameter a coordinator keeps with the configuration ``table``: θ (4), the
+    outer momentum with Nesterov (4), the downlink residual with a lossy dense broadcast (4) and
+    the round's running sum (4)."""
+    nesterov = str(table.get("outer_strategy", "diloco")) == "diloco"
+    dense = str(table.get("broadcast", "dense")) == "dense"
+    lossy_down = dense and str(table.get("downlink_codec", "auto")) != "fp32"
+    return 4 + 4 * int(nesterov) + 4 * int(lossy_down) + 4
+
+
+def bounded_buffer_bytes(table: dict[str, Any], largest_tensor: int) -> int:
+    """What a coordinator may hold beside its kept state whatever the model's size: the updates
+    it reassembles (the channel's receive budget) and one tensor's temporaries of the fold and
+    the outer step (CODEC_FOLD_TEMPORARIES float64 arrays of the largest tensor)."""
+    channel = table.get("channel", {})
+    receive = int(channel.get("receive_budget_bytes", ChannelConfig.receive_budget_bytes))
+    return receive + CODEC_FOLD_TEMPORARIES * 8 * largest_tensor
+
+
+# ---- one coordinator process -------------------------------------------------------------------
 
 
 @dataclass
-class _Site:
-    site_id: str
-    chan: DealerChannel
-    done: bool = False
-    version: int = 0
-    next_beat: float = 0.0
+class _Coordinator:
+    """A ``crossdc coordinator`` process of a case and what the bench saw of it."""
 
-    def beat(self) -> None:
-        """A heartbeat each interval, as a real site sends: the coordinator cuts a connection
-        that stays silent past its heartbeat timeout (a site waiting for a long close would)."""
-        now = time.monotonic()
-        if now >= self.next_beat:
-            self.chan.send(
-                Heartbeat(site_id=self.site_id, global_version=self.version, sent_at=now)
-            )
-            self.next_beat = now + self.chan.cfg.heartbeat_interval_s
-
-
-@dataclass
-class _Run:
-    """The simulated sites' view of one case."""
-
-    theta0: dict[str, np.ndarray]
-    update: tuple[EncodedTensor, ...]
-    sites: list[_Site] = field(default_factory=list)
-    opened: dict[int, float] = field(default_factory=dict)
-    closed: dict[int, float] = field(default_factory=dict)
+    workdir: Path
+    table: dict[str, Any]
+    endpoint: str
+    proc: subprocess.Popen[bytes]
+    log: IO[bytes]
     peak_rss: int = 0
     base_rss: int = 0
     cpu_seconds: float = 0.0
 
-
-def _answer(run: _Run, site: _Site, msg: Message) -> None:
-    """What a site sends back: InitParams when asked, an update per round, Eval when asked."""
-    if isinstance(msg, Welcome) and msg.need_init:
-        site.chan.send(
-            InitParams(
-                site_id=site.site_id,
-                model_fingerprint=FINGERPRINT,
-                payload=encode_tensors(run.theta0, get_codec("fp32")),
-            )
+    @classmethod
+    def start(cls, workdir: Path, *, sites: int, rounds: int) -> _Coordinator:
+        port = _free_port()
+        table = coordinator_table(workdir, sites=sites, rounds=rounds, port=port)
+        cfg = workdir / "coordinator.toml"
+        cfg.write_text(dump_toml({"coordinator": table}))
+        log = open(workdir / "coordinator.log", "wb")  # noqa: SIM115 (closed by stop)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "crossdc", "coordinator", "--config", str(cfg)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
-    elif isinstance(msg, RoundStart):
-        run.opened.setdefault(msg.round_id, time.monotonic())
-        site.chan.send(
-            Update(
-                site_id=site.site_id,
-                round_id=msg.round_id,
-                global_version=msg.fragment_base_version,
-                fragment=msg.fragment,
-                weight=1.0,
-                train_loss=1.0,
-                compute_seconds=0.0,
-                step_seconds=0.0,
-                link_rtt_s=0.0,
-                link_goodput_bps=0.0,
-                payload=run.update,
-            )
-        )
-    elif isinstance(msg, Global):
-        run.closed[msg.round_id] = time.monotonic()
-        site.version = msg.global_version
-        if msg.evaluate:
-            site.chan.send(
-                Eval(
-                    site_id=site.site_id,
-                    global_version=msg.global_version,
-                    val_loss=1.0,
-                )
-            )
-    elif isinstance(msg, Shutdown):
-        site.done = True
+        return cls(workdir, table, f"tcp://127.0.0.1:{port}", proc, log)
+
+    def sample(self) -> None:
+        self.peak_rss = max(self.peak_rss, _rss(self.proc.pid))
+        self.cpu_seconds = max(self.cpu_seconds, _cpu_seconds(self.proc.pid))
+
+    def check_running(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the coordinator exited with {self.proc.returncode}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+    def status(self) -> dict[str, Any]:
+        return dict(json.loads((self.workdir / "coordinator" / "status.json").read_text()))
 
 
-FRAMES_PER_PASS = 64
-"""Frame lists one site reads per pass over the sites: a real site's I/O thread drains its
-socket; one read per pass would let a site fall behind what its socket receives."""
-
-
-def _drain(run: _Run, site: _Site) -> bool:
-    """Read what waits on one site's socket (up to FRAMES_PER_PASS); True if there was any."""
-    busy = False
-    for _ in range(FRAMES_PER_PASS):
-        before = site.chan.stats.bytes_received
-        msg = site.chan.recv(0.0)
-        if msg is not None:
-            _answer(run, site, msg)
-            if not isinstance(msg, Heartbeat):
-                site.next_beat = 0.0  # its acknowledgement rides on the next heartbeat
-        elif site.chan.stats.bytes_received == before:
-            return busy  # nothing came in
-        busy = True
-    return busy
+# ---- a case ------------------------------------------------------------------------------------
 
 
 def _await_welcome(
-    run: _Run, site: _Site, timeout_s: float, before: Callable[[], None] = lambda: None
+    sites: Sites, site: Site, timeout_s: float, before: Callable[[], None] = lambda: None
 ) -> None:
     """Wait for the coordinator's Welcome to ``site``, run ``before``, and answer it (InitParams
     when asked)."""
@@ -238,62 +218,54 @@ def _await_welcome(
         if msg is not None:
             if isinstance(msg, Welcome):
                 before()
-            _answer(run, site, msg)
+            sites.answer(site, msg)
             if isinstance(msg, Welcome):
                 return
     raise RuntimeError(f"no Welcome to {site.site_id} within {timeout_s:.0f}s")
 
 
-def _serve(run: _Run, coord: subprocess.Popen[bytes], timeout_s: float) -> None:
-    """Drive every site's channel until all got Shutdown (or the coordinator exited)."""
+def _serve(sites: Sites, coords: list[_Coordinator], timeout_s: float) -> None:
+    """Drive every site's channel and take the results they receive until every site got
+    Shutdown and holds the last result (or a coordinator exited)."""
     deadline = time.monotonic() + timeout_s
     last_rss = 0.0
-    while not all(s.done for s in run.sites):
+    while not sites.idle:
         if time.monotonic() > deadline:
             raise RuntimeError(f"no Shutdown within {timeout_s:.0f}s")
-        if coord.poll() is not None:
-            raise RuntimeError(f"the coordinator exited with {coord.returncode}")
+        for coord in coords:
+            coord.check_running()
         busy = False
-        for site in run.sites:
+        for site in sites.sites:
             site.beat()
-            busy = _drain(run, site) or busy
+            busy = drain(sites, site) or busy
+        busy = sites.step() or busy
+        sites.theta.release_pages()
         if time.monotonic() - last_rss > 0.2:
-            run.peak_rss, last_rss = max(run.peak_rss, _rss(coord.pid)), time.monotonic()
-            run.cpu_seconds = max(run.cpu_seconds, _cpu_seconds(coord.pid))
+            for coord in coords:
+                coord.sample()
+            last_rss = time.monotonic()
         if not busy:
             time.sleep(0.002)
-
-
-def _new_run(numel: int) -> _Run:
-    """θ0 of ``numel`` values and the one int4 update every simulated site sends."""
-    theta0 = model(numel)
-    rng = np.random.default_rng(1)
-    delta = {k: (1e-3 * rng.standard_normal(v.size)).astype(np.float32) for k, v in theta0.items()}
-    return _Run(theta0=theta0, update=encode_tensors(delta, get_codec("int4")))
 
 
 def run_case(
     sites: int, numel: int, rounds: int, workdir: Path, timeout_s: float
 ) -> dict[str, Any]:
     workdir.mkdir(parents=True)
-    port = _free_port()
-    cfg = write_config(workdir, sites=sites, rounds=rounds, port=port)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    log = open(workdir / "coordinator.log", "wb")  # noqa: SIM115 (closed below)
-    coord = subprocess.Popen(
-        [sys.executable, "-m", "crossdc", "coordinator", "--config", str(cfg)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    run = _new_run(numel)
+    own_peak = _reset_own_peak()
+    coord = _Coordinator.start(workdir, sites=sites, rounds=rounds)
+    coords = [coord]
+    layout = Layout.of(numel)
+    run = Sites(SharedTheta(layout, workdir / "sites"))
     channel = ChannelConfig(max_transfer_bytes=max(1 << 30, 8 * numel))
     try:
         for i in range(sites):
             chan = DealerChannel(channel, identity=f"site{i:02d}")
-            chan.connect(f"tcp://127.0.0.1:{port}")
-            run.sites.append(_Site(f"site{i:02d}", chan))
-        digest = state_hash(run.theta0)
+            chan.connect(coord.endpoint)
+            run.sites.append(Site(i, f"site{i:02d}", chan))
+        digest = run.theta.write_theta0(run.tick)
+        for site in run.sites:
+            site.hash = digest
         for i, site in enumerate(run.sites):
             # The first joins with nothing and is asked for θ0; the others prove it by hash.
             site.chan.send(
@@ -307,50 +279,77 @@ def run_case(
             if i == 0:
                 # So the first join is the one asked for θ0; the coordinator is up and holds no
                 # model yet: its resident memory now is its base.
-                def base(pid: int = coord.pid) -> None:
-                    run.base_rss = _rss(pid, "VmRSS")
+                def base(c: _Coordinator = coord) -> None:
+                    c.base_rss = _rss(c.proc.pid, "VmRSS")
 
                 _await_welcome(run, site, timeout_s, before=base)
         started = time.monotonic()
-        _serve(run, coord, timeout_s)
+        _serve(run, coords, timeout_s)
         wall = time.monotonic() - started
-        coord.wait(timeout=120)
+        for c in coords:
+            c.proc.wait(timeout=120)
     finally:
         for site in run.sites:
             site.chan.close(flush_timeout_s=0)
-        if coord.poll() is None:
-            coord.kill()
-            coord.wait()
-        log.close()
-    return _figures(run, workdir, sites, numel, wall)
+        for c in coords:
+            c.stop()
+        run.theta.close()
+    bench_peak = _rss("self") if own_peak else 0
+    return _figures(run, coords, sites, numel, wall, bench_peak)
 
 
-def _figures(run: _Run, workdir: Path, sites: int, numel: int, wall: float) -> dict[str, Any]:
-    """The case's report, from the coordinator's status file and the sites' observations."""
-    status = json.loads((workdir / "coordinator" / "status.json").read_text())
-    wan = int(status.get("wire_bytes_in", 0)) + int(status.get("wire_bytes_out", 0))
-    rounds = int(status.get("rounds_completed", 0))
-    closes = [run.closed[r] - run.opened[r] for r in sorted(run.closed) if r in run.opened]
+def _shard(
+    coord: _Coordinator, status: dict[str, Any], params: int, largest: int
+) -> dict[str, Any]:
+    """One coordinator process's figures (an entry of ``shards``)."""
     folded = int(status.get("fold_parameter_updates", 0))
     fold_cpu = round(float(status.get("fold_cpu_seconds", 0.0)), 6)
-    shard = {
-        "params": numel,
-        "peak_rss_bytes": run.peak_rss,
-        "base_rss_bytes": run.base_rss,
-        "bytes_per_param": round((run.peak_rss - run.base_rss) / numel, 2),
+    per_param = (coord.peak_rss - coord.base_rss) / params
+    budget = budget_bytes_per_param(coord.table)
+    tolerance = bounded_buffer_bytes(coord.table, largest) / params
+    return {
+        "params": params,
+        "peak_rss_bytes": coord.peak_rss,
+        "base_rss_bytes": coord.base_rss,
+        "bytes_per_param": round(per_param, 2),
+        "budget_bytes_per_param": budget,
+        "within_budget": per_param <= budget + tolerance,
         "fold_parameter_updates": folded,
         "fold_cpu_seconds": fold_cpu,
         "fold_rate": round(folded / fold_cpu) if fold_cpu > 0 else 0,
-        "cpu_seconds": round(run.cpu_seconds, 2),
-        "round_close_seconds": [round(s, 3) for s in closes],
+        "cpu_seconds": round(coord.cpu_seconds, 2),
     }
+
+
+def _figures(
+    run: Sites,
+    coords: list[_Coordinator],
+    sites: int,
+    numel: int,
+    wall: float,
+    bench_peak: int,
+) -> dict[str, Any]:
+    """The case's report, from the coordinators' status files and the sites' observations."""
+    statuses = [c.status() for c in coords]
+    status = statuses[0]  # the one that plans the rounds
+    wan = sum(int(s.get("wire_bytes_in", 0)) + int(s.get("wire_bytes_out", 0)) for s in statuses)
+    rounds = int(status.get("rounds_completed", 0))
+    closes = [
+        round(run.closed[r] - run.opened[r], 3) for r in sorted(run.closed) if r in run.opened
+    ]
+    shards = [
+        _shard(c, s, numel, run.layout.largest) for c, s in zip(coords, statuses, strict=True)
+    ]
+    for shard in shards:
+        shard["round_close_seconds"] = closes
+    final = (status.get("global_version"), status.get("state_hash"))
     return {
         "sites": sites,
         "params": numel,
         "rounds": rounds,
-        "coordinator_peak_rss_bytes": run.peak_rss,
-        "round_close_seconds": [round(s, 3) for s in closes],
-        "messages_refused": int(sum(status.get("rejected", {}).values())),
+        "coordinator_peak_rss_bytes": max(c.peak_rss for c in coords),
+        "round_close_seconds": closes,
+        "messages_refused": sum(int(sum(s.get("rejected", {}).values())) for s in statuses),
         "wan_bytes_per_round": wan / max(1, rounds),
         "wan_bytes_total": wan,
         # The sites' side of the coordinator's receive budget: uploads it held back (they waited
@@ -358,7 +357,9 @@ def _figures(run: _Run, workdir: Path, sites: int, numel: int, wall: float) -> d
         "uploads_waited": sum(s.chan.stats.credit_waits for s in run.sites),
         "chunks_resent": sum(s.chan.stats.chunks_resent for s in run.sites),
         "wall_seconds": round(wall, 2),
-        "shards": [shard],
+        "sites_on_final_hash": sum((s.version, s.hash) == final for s in run.sites),
+        "bench_peak_rss_bytes": bench_peak,
+        "shards": shards,
     }
 
 

@@ -30,8 +30,26 @@ def test_a_small_case_runs_every_round_and_refuses_nothing(tmp_path: Path) -> No
     assert 0 < shard["fold_cpu_seconds"] <= shard["cpu_seconds"]
     assert shard["fold_rate"] == round(3 * 2 * 100_000 / shard["fold_cpu_seconds"])
     assert shard["round_close_seconds"] == out["round_close_seconds"]
+    # int4 both ways and Nesterov: θ, momentum, downlink residual and the running sum.
+    assert shard["budget_bytes_per_param"] == 16
+    tolerance = scale.bounded_buffer_bytes({}, 100_000) / 100_000
+    assert shard["within_budget"] == (per_param <= 16 + tolerance)
+    # Every simulated site took every result and ends on the coordinator's state hash.
+    assert out["sites_on_final_hash"] == 3
+    assert out["bench_peak_rss_bytes"] > 0
     log = (tmp_path / "case" / "coordinator.log").read_text()
     assert "sent full model" not in log  # the other sites proved θ0 by hash
+
+
+def test_the_budget_follows_the_configuration() -> None:
+    table = scale.coordinator_table(Path("/nonexistent"), sites=3, rounds=2, port=1)
+    assert scale.budget_bytes_per_param(table) == 16
+    assert scale.budget_bytes_per_param({**table, "downlink_codec": "fp32"}) == 12
+    sparse = {**table, "outer_strategy": "sparseloco", "broadcast": "sparse"}
+    assert scale.budget_bytes_per_param(sparse) == 8
+    assert scale.bounded_buffer_bytes(table, 10) == (1 << 30) + 8 * 8 * 10
+    small = {**table, "channel": {"receive_budget_bytes": 1 << 20}}
+    assert scale.bounded_buffer_bytes(small, 10) == (1 << 20) + 8 * 8 * 10
 
 
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

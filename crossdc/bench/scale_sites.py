@@ -1,0 +1,438 @@
+"""The simulated sites of ``crossdc bench scale``: streamed, so that they hold almost nothing
+per parameter of the model.
+
+The model is a list of flat float32 tensors of at most :data:`TENSOR_NUMEL` values
+(:class:`Layout`). Everything a site sends or receives is made or taken one tensor at a time:
+
+- θ0 is generated tensor by tensor (a seeded RNG per tensor) into a file, and the first site
+  uploads it from a read-only mapping of that file (the upload's float32 buffers are the file's
+  pages, never a copy in the process's own memory); the pages the transport has read are
+  handed back to the page cache as it goes (:meth:`SharedTheta.release_pages`).
+- An update is generated tensor by tensor as int4 codes, deterministic per site, round and
+  tensor (:func:`update_tensor`): random codes and one fp16 scale per block of 64, each block
+  holding a code of ±7, so the payload is exactly the int4 codec's encoding of the values it
+  decodes to (a test checks it). It is made as codes rather than as float32 values encoded
+  afterwards because it costs two orders of magnitude less CPU (about 1 ms per tensor of 4M
+  values against 40 ms for normal variates and 8 ms to encode them), CPU the coordinator it
+  measures shares on a small machine. A site's whole compressed update is held while it is
+  sent (a wire message; the transport cuts it into chunks lazily, from these buffers).
+- A result (:class:`~comm.wire.schema.Global`) is decoded, applied and hashed a tensor at a
+  time: θ is one file on disk, read into a buffer of one tensor, the delta added as a real site
+  adds it (float32, ``θ + δ``), written back, and digested block by block
+  (:func:`comm.wire.tensors.partial_digests`); the state hash is built from the tensors'
+  digests (:func:`comm.wire.tensors.model_hash`) and compared with the coordinator's.
+
+The file is read and written with ``pread``/``pwrite``, so θ lives in the page cache, not in
+the process's resident memory. One θ serves every simulated site, and only where they provably
+hold the same: a site applies a result from the version it holds, the first to apply a version
+moves the shared θ there and records the digest of the payload it applied, and every other site
+taking that version must hold the same base and receive a payload with the same digest (the
+coordinator broadcasts one encoding to all), so that applying it would give the same θ; it then
+checks the coordinator's hash against the shared one. Anything else (a site behind, a full
+download, a sparse broadcast) cannot be shown to be the shared θ and stops the bench with an
+error rather than being guessed at.
+
+The bounded buffers: one tensor's float32 values, its decoded delta and their digests
+(about 3 x 16 MiB at :data:`TENSOR_NUMEL`), and each site's compressed update while it is sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import mmap
+import os
+import shutil
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from comm.codecs.base import EncodedTensor
+from comm.transport.dealer import DealerChannel
+from comm.wire.schema import (
+    Eval,
+    Global,
+    Heartbeat,
+    InitParams,
+    Message,
+    RoundStart,
+    Shutdown,
+    Update,
+    Welcome,
+)
+from comm.wire.tensors import combine, decode_tensors, model_hash, partial_digests
+
+TENSOR_NUMEL = 1 << 22
+"""The model is cut into tensors of at most this many values (4M, 16 MiB of float32)."""
+FINGERPRINT = "bench-scale"
+UPDATE_SCALE = 1e-3
+"""An update's values are about this large (an int4 scale of UPDATE_SCALE / 7 x [0.5, 1.5))."""
+INT4_BLOCK = 64
+"""Values per fp16 scale in the int4 codec's default encoding."""
+_SEED_THETA0, _SEED_UPDATE = 0, 1
+_DONE = object()
+
+
+def _valid_code_pairs() -> npt.NDArray[np.uint8]:
+    """Any byte -> a byte of two int4 codes in 1..15 (q + 8 for q in [-7, 7])."""
+    b = np.arange(256)
+    return (((b & 15) % 15 + 1) | ((((b >> 4) % 15) + 1) << 4)).astype(np.uint8)
+
+
+_CODE_PAIRS = _valid_code_pairs()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The simulated model: flat tensors ``t000``, ``t001``, ... of at most TENSOR_NUMEL."""
+
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, numel: int) -> Layout:
+        sizes = [TENSOR_NUMEL] * (numel // TENSOR_NUMEL) + [numel % TENSOR_NUMEL]
+        return cls(tuple(n for n in sizes if n))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f"t{i:03d}" for i in range(len(self.sizes)))
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def largest(self) -> int:
+        return max(self.sizes, default=0)
+
+    def tensors(self) -> Iterator[tuple[int, str, int, int]]:
+        """(index, name, offset in values, numel) of each tensor, in order."""
+        at = 0
+        for i, (name, n) in enumerate(zip(self.names, self.sizes, strict=True)):
+            yield i, name, at, n
+            at += n
+
+
+def theta0_tensor(index: int, numel: int) -> npt.NDArray[np.float32]:
+    """θ0's tensor ``index``: standard normal values from an RNG seeded by the index."""
+    rng = np.random.default_rng([_SEED_THETA0, index])
+    return rng.standard_normal(numel, dtype=np.float32)
+
+
+def update_tensor(site: int, round_id: int, index: int, name: str, numel: int) -> EncodedTensor:
+    """Site ``site``'s update of tensor ``index`` in round ``round_id``, int4 (block 64),
+    from an RNG seeded by the three: random codes in [-7, 7], each block's first one ±7, and
+    one fp16 scale per block. A block's absmax is then 7 scales, so the int4 codec encoding
+    the decoded values gives these very bytes."""
+    rng = np.random.default_rng([_SEED_UPDATE, site, round_id, index])
+    values = _CODE_PAIRS[rng.integers(0, 256, size=(numel + 1) // 2, dtype=np.uint8)]
+    firsts = values[:: INT4_BLOCK // 2]  # the byte holding each block's first value
+    sevens = np.where(rng.integers(0, 2, size=firsts.size, dtype=np.uint8) == 1, 15, 1)
+    firsts[...] = (firsts & 0xF0) | sevens.astype(np.uint8)
+    if numel % 2:
+        values[-1] = (values[-1] & 0x0F) | 0x80  # an odd tail's unused high nibble holds 8
+    blocks = -(-numel // INT4_BLOCK)
+    scales = (UPDATE_SCALE / 7 * (0.5 + rng.random(blocks))).astype(np.float16)
+    return EncodedTensor(
+        name=name,
+        shape=(numel,),
+        codec="int4",
+        meta={"block": INT4_BLOCK},
+        buffers=(values, scales),
+    )
+
+
+def site_update(
+    layout: Layout, site: int, round_id: int, tick: Callable[[], None] = lambda: None
+) -> tuple[EncodedTensor, ...]:
+    """Site ``site``'s whole update in round ``round_id``, generated a tensor at a time
+    (``tick`` runs after each)."""
+    out = []
+    for i, name, _, n in layout.tensors():
+        out.append(update_tensor(site, round_id, i, name, n))
+        tick()
+    return tuple(out)
+
+
+def payload_digest(payload: Sequence[EncodedTensor]) -> bytes:
+    """A digest of a payload as received: names, shapes, codecs, meta and every buffer's bytes.
+    Two payloads with one digest decode alike."""
+    h = hashlib.blake2b(digest_size=32)
+    for enc in payload:
+        h.update(repr((enc.name, tuple(enc.shape), enc.codec, enc.meta, enc.rows)).encode())
+        for buf in enc.buffers:
+            view = _raw(buf)
+            h.update(len(view).to_bytes(8, "little"))
+            h.update(view)
+    return h.digest()
+
+
+def _raw(values: Any) -> memoryview:
+    """The bytes of an array (or a received buffer), without a copy where it is contiguous."""
+    return np.ascontiguousarray(values).reshape(-1).view(np.uint8).data
+
+
+def _digest(name: str, values: npt.NDArray[np.float32]) -> bytes:
+    shape = (int(values.size),)
+    return combine(name, shape, [partial_digests(name, shape, 0, values)])
+
+
+class ThetaError(RuntimeError):
+    """A result that the simulated sites cannot apply to the one θ they share, or whose hash
+    is not the coordinator's."""
+
+
+class SharedTheta:
+    """θ of every simulated site: one float32 file (``theta.f32``) beside θ0's (``theta0.f32``),
+    read and written a tensor at a time; per tensor its digest, and the model's hash."""
+
+    def __init__(self, layout: Layout, directory: Path) -> None:
+        self.layout = layout
+        self.dir = directory
+        self.version = 0
+        self.hash = ""
+        self.digests: dict[str, bytes] = {}
+        self._last: tuple[int, int, bytes] | None = None  # (base, version, payload digest)
+        self._buf = np.empty(layout.largest, dtype=np.float32)
+        self._fd = -1
+        self._theta0_map: mmap.mmap | None = None
+        self._released_at = 0.0
+
+    # ---- θ0 -----------------------------------------------------------------------------------
+
+    def write_theta0(self, tick: Callable[[], None] = lambda: None) -> str:
+        """Generate θ0 into its file a tensor at a time, digest it, and start θ as a copy of it
+        (copied by the kernel). Returns θ0's state hash."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        theta0 = self.dir / "theta0.f32"
+        with open(theta0, "wb") as f:
+            for i, name, _, n in self.layout.tensors():
+                values = theta0_tensor(i, n)
+                f.write(_raw(values))
+                self.digests[name] = _digest(name, values)
+                tick()
+        shutil.copyfile(theta0, self.dir / "theta.f32")
+        self._fd = os.open(self.dir / "theta.f32", os.O_RDWR)
+        self.hash = model_hash(self.digests)
+        return self.hash
+
+    def init_payload(self) -> tuple[EncodedTensor, ...]:
+        """θ0 as float32 tensors (the fp32 codec's encoding), whose buffers are views of a
+        read-only mapping of θ0's file."""
+        if self._theta0_map is None:
+            with open(self.dir / "theta0.f32", "rb") as f:
+                self._theta0_map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return tuple(
+            EncodedTensor(
+                name=name,
+                shape=(n,),
+                codec="fp32",
+                buffers=(np.frombuffer(self._theta0_map, np.float32, n, 4 * at),),
+            )
+            for _, name, at, n in self.layout.tensors()
+        )
+
+    def release_pages(self, every_s: float = 0.02) -> None:
+        """Drop the pages of θ0's mapping from the process (at most every ``every_s``): they
+        stay in the page cache, and a page read again comes back from it."""
+        now = time.monotonic()
+        if self._theta0_map is not None and now - self._released_at >= every_s:
+            self._theta0_map.madvise(mmap.MADV_DONTNEED)
+            self._released_at = now
+
+    # ---- results ------------------------------------------------------------------------------
+
+    def take(self, msg: Global, held: int) -> Iterator[None]:
+        """A site holding version ``held`` (of the shared θ) takes result ``msg``, a step per
+        tensor (a generator: the caller runs the channels between the steps): the first at that
+        version applies it, the others check that it is the same delta. Once it is exhausted
+        the site holds :attr:`hash`, which is the coordinator's; ThetaError otherwise."""
+        where = f"result v{msg.global_version} (round {msg.round_id})"
+        if msg.is_full or msg.part_weights:
+            raise ThetaError(f"{where}: a full model or a sparse broadcast, not a shared delta")
+        if msg.base_version != held:
+            raise ThetaError(f"{where}: a delta from v{msg.base_version}, the site holds v{held}")
+        digest = payload_digest(msg.payload)
+        if self.version == held:
+            yield from self._apply(msg.payload)
+            self._last = (held, msg.global_version, digest)
+            self.version = msg.global_version
+        elif self._last != (held, msg.global_version, digest):
+            raise ThetaError(
+                f"{where}: the shared θ is at v{self.version} and this is another delta than "
+                "the one it applied"
+            )
+        if msg.state_hash != self.hash:
+            raise ThetaError(f"{where}: state hash {self.hash}, the coordinator's {msg.state_hash}")
+
+    def _apply(self, payload: Sequence[EncodedTensor]) -> Iterator[None]:
+        """θ += δ a tensor at a time (what a site computes, in float32), digests renewed."""
+        where = {name: (at, n) for _, name, at, n in self.layout.tensors()}
+        for enc in payload:
+            at, n = where[enc.name]
+            delta = decode_tensors((enc,), {enc.name: (n,)})[enc.name]
+            theta = self.read(enc.name)
+            np.add(theta, delta, out=theta)
+            _pwrite_all(self._fd, _raw(theta), 4 * at)
+            self.digests[enc.name] = _digest(enc.name, theta)
+            yield
+        self.hash = model_hash(self.digests)
+
+    def read(self, name: str) -> npt.NDArray[np.float32]:
+        """Tensor ``name`` of θ as it is now, in the one tensor's buffer (valid until the next
+        read)."""
+        at, n = next((at, n) for _, nm, at, n in self.layout.tensors() if nm == name)
+        out = self._buf[:n]
+        got = os.preadv(self._fd, [_raw(out)], 4 * at)
+        if got != 4 * n:
+            raise OSError(f"θ file: read {got} of {4 * n} bytes of {name}")
+        return out
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._theta0_map is not None:
+            with contextlib.suppress(BufferError):  # a view lives on (in a message held)
+                self._theta0_map.close()
+            self._theta0_map = None
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data.nbytes:
+        done = os.pwrite(fd, data, offset)
+        data, offset = data[done:], offset + done
+
+
+# ---- the sites' side of the protocol ----------------------------------------------------------
+
+
+@dataclass
+class Site:
+    """One simulated site: its channel, the version and state hash it holds."""
+
+    index: int
+    site_id: str
+    chan: DealerChannel
+    done: bool = False
+    version: int = 0
+    hash: str = ""
+    next_beat: float = 0.0
+
+    def beat(self) -> None:
+        """A heartbeat each interval, as a real site sends: the coordinator cuts a connection
+        that stays silent past its heartbeat timeout (a site waiting for a long close would)."""
+        now = time.monotonic()
+        if now >= self.next_beat:
+            self.chan.send(
+                Heartbeat(site_id=self.site_id, global_version=self.version, sent_at=now)
+            )
+            self.next_beat = now + self.chan.cfg.heartbeat_interval_s
+
+
+@dataclass
+class Sites:
+    """The simulated sites of one case, the θ they share, and when each round opened and
+    closed as they saw it."""
+
+    theta: SharedTheta
+    sites: list[Site] = field(default_factory=list)
+    opened: dict[int, float] = field(default_factory=dict)
+    closed: dict[int, float] = field(default_factory=dict)
+    pending: deque[tuple[Site, Global]] = field(default_factory=deque)
+    """Results received and not yet taken, in the order they came."""
+    _job: tuple[Site, Global, Iterator[None]] | None = None
+
+    @property
+    def layout(self) -> Layout:
+        return self.theta.layout
+
+    @property
+    def idle(self) -> bool:
+        """Every site got its Shutdown and took every result."""
+        return all(s.done for s in self.sites) and not self.pending and self._job is None
+
+    def tick(self) -> None:
+        """Between two tensors of a long step: every site heartbeats, θ0's pages go back."""
+        for site in self.sites:
+            site.beat()
+        self.theta.release_pages()
+
+    def answer(self, site: Site, msg: Message) -> None:
+        """What a site sends back: InitParams when asked, an update per round, Eval when asked.
+        A result is noted (when it came) and waits in :attr:`pending` for :meth:`step`, so that
+        taking it, a pass over the model, holds up no other site's reading or sending."""
+        if isinstance(msg, Welcome) and msg.need_init:
+            payload = self.theta.init_payload()
+            site.chan.send(
+                InitParams(site_id=site.site_id, model_fingerprint=FINGERPRINT, payload=payload)
+            )
+        elif isinstance(msg, RoundStart):
+            self.opened.setdefault(msg.round_id, time.monotonic())
+            payload = site_update(self.layout, site.index, msg.round_id, self.tick)
+            site.chan.send(
+                Update(
+                    site_id=site.site_id,
+                    round_id=msg.round_id,
+                    global_version=msg.fragment_base_version,
+                    fragment=msg.fragment,
+                    weight=1.0,
+                    train_loss=1.0,
+                    compute_seconds=0.0,
+                    step_seconds=0.0,
+                    link_rtt_s=0.0,
+                    link_goodput_bps=0.0,
+                    payload=payload,
+                )
+            )
+        elif isinstance(msg, Global):
+            self.closed[msg.round_id] = time.monotonic()
+            self.pending.append((site, msg))
+        elif isinstance(msg, Shutdown):
+            site.done = True
+
+    def step(self) -> bool:
+        """One step of taking the results waiting (a tensor applied, or a site's check); the
+        site reports its validation loss when asked once it holds the result. False when none
+        waits."""
+        if self._job is None:
+            if not self.pending:
+                return False
+            site, msg = self.pending.popleft()
+            self._job = (site, msg, self.theta.take(msg, site.version))
+        site, msg, job = self._job
+        if next(job, _DONE) is _DONE:
+            self._job = None
+            site.hash, site.version = self.theta.hash, msg.global_version
+            if msg.evaluate:
+                site.chan.send(
+                    Eval(site_id=site.site_id, global_version=msg.global_version, val_loss=1.0)
+                )
+        return True
+
+
+FRAMES_PER_PASS = 64
+"""Frame lists one site reads per pass over the sites: a real site's I/O thread drains its
+socket; one read per pass would let a site fall behind what its socket receives."""
+
+
+def drain(sites: Sites, site: Site) -> bool:
+    """Read what waits on one site's socket (up to FRAMES_PER_PASS); True if there was any."""
+    busy = False
+    for _ in range(FRAMES_PER_PASS):
+        before = site.chan.stats.bytes_received
+        msg = site.chan.recv(0.0)
+        if msg is not None:
+            sites.answer(site, msg)
+            if not isinstance(msg, Heartbeat):
+                site.next_beat = 0.0  # its acknowledgement rides on the next heartbeat
+        elif site.chan.stats.bytes_received == before:
+            return busy  # nothing came in
+        busy = True
+    return busy
