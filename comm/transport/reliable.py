@@ -34,6 +34,14 @@ from comm.wire.schema import (
     Message,
     RoundCancel,
     RoundStart,
+    ShardAbort,
+    ShardClose,
+    ShardCommit,
+    ShardFolded,
+    ShardFreeze,
+    ShardFrozen,
+    ShardOpen,
+    ShardPrepared,
     Shutdown,
     StepGrad,
     StepMean,
@@ -59,6 +67,16 @@ MUST_ARRIVE: frozenset[type] = frozenset(
         SyncRequest,
         StepGrad,
         StepMean,
+        # Between a coordinator's shards: every step of a round's protocol (not the hellos,
+        # which are liveness and go again anyway).
+        ShardOpen,
+        ShardFolded,
+        ShardFreeze,
+        ShardFrozen,
+        ShardClose,
+        ShardPrepared,
+        ShardCommit,
+        ShardAbort,
     }
 )
 """Message types delivered with acknowledgements. Heartbeats are liveness (a late one is

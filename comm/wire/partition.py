@@ -15,6 +15,7 @@ hash, whether the federation's coordinator is one process or S.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TypeVar
@@ -59,6 +60,18 @@ def partition(spec: Mapping[str, Shape], shards: int) -> tuple[tuple[str, ...], 
 def _largest_first(item: tuple[int, str]) -> tuple[int, str]:
     numel, name = item
     return (-numel, name)
+
+
+def partition_digest(parts: Sequence[Sequence[str]]) -> str:
+    """A short digest of a partition (each shard's names in order), so that two processes can
+    check that they cut the model alike before they exchange anything about it."""
+    h = hashlib.blake2b(digest_size=16, person=b"crossdc:shards")
+    for names in parts:
+        h.update(len(names).to_bytes(8, "little"))
+        for name in names:
+            encoded = name.encode()
+            h.update(len(encoded).to_bytes(8, "little") + encoded)
+    return h.hexdigest()
 
 
 def owner_of(parts: Sequence[Sequence[str]]) -> dict[str, int]:

@@ -1,4 +1,5 @@
-"""The wire schema: every message crossdc sends between a site and the coordinator.
+"""The wire schema: every message crossdc sends between a site and the coordinator, and between
+the shards of a sharded coordinator.
 
 This module owns the message types, ``PROTOCOL_VERSION`` and the error codes. Each message is a
 frozen dataclass registered under one :class:`MessageType`; ``comm.wire`` turns them into frames
@@ -43,6 +44,16 @@ class MessageType(enum.IntEnum):
     STEP_MEAN = 15
     ROUND_CANCEL = 16
     CHUNK_ACK = 17
+    SHARD_HELLO = 18
+    SHARD_STATE = 19
+    SHARD_OPEN = 20
+    SHARD_FOLDED = 21
+    SHARD_FREEZE = 22
+    SHARD_FROZEN = 23
+    SHARD_CLOSE = 24
+    SHARD_PREPARED = 25
+    SHARD_COMMIT = 26
+    SHARD_ABORT = 27
 
 
 class ErrorCode(enum.IntEnum):
@@ -325,6 +336,115 @@ class StepMean:
     payload: tuple[EncodedTensor, ...]
 
 
+# ---- between the shards of a sharded coordinator ---------------------------------------------
+#
+# With ``[coordinator] shards = S``, shard 0 leads the rounds of every shard over a channel of
+# its own, which only the coordinator's own key may connect to (``coordinator.shard_plane`` holds
+# the protocol: open, parts folded, freeze, close, prepared, commit, abort). Sites never see these.
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardHello:
+    """A shard to shard 0, at its start and then as its liveness: who it is and what it holds.
+    ``partition`` is ``comm.wire.partition.partition_digest`` of the cut it runs with."""
+
+    shard: int
+    shards: int
+    partition: str
+    global_version: int
+    round_counter: int
+    sent_at: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardState:
+    """Shard 0's answer to each hello: its last committed version and round counter (a shard
+    holding the next version rolls back to this one), ``sent_at`` echoed."""
+
+    global_version: int
+    round_counter: int
+    sent_at: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardOpen:
+    """Shard 0 opened a round: every shard opens the same over its own tensors."""
+
+    round_id: int
+    base_version: int
+    fragment: int
+    participants: tuple[str, ...]
+    quorum: int
+    deadline_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardFolded:
+    """A shard took (``accepted``) or refused a site's part of a round (``detail``: why)."""
+
+    shard: int
+    round_id: int
+    site_id: str
+    accepted: bool
+    detail: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardFreeze:
+    """Shard 0 closes a round: take no more parts of it, and say whose parts you folded."""
+
+    round_id: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardFrozen:
+    """A shard took no more parts of a round; it folded the parts of ``folded``."""
+
+    shard: int
+    round_id: int
+    folded: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardClose:
+    """Every shard closes the round over exactly ``merged``: outer step, then save."""
+
+    round_id: int
+    merged: tuple[str, ...]
+    final: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardPrepared:
+    """A shard saved ``global_version`` of its tensors; ``digests``: each tensor's digest (hex,
+    ``comm.wire.tensors.tensor_digest``), for the combined state hash."""
+
+    shard: int
+    round_id: int
+    global_version: int
+    digests: dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardCommit:
+    """Shard 0 committed ``global_version``: every shard announces its result. ``state_hash``
+    is the model's over every shard, ``shard_hashes`` each shard's own."""
+
+    round_id: int
+    global_version: int
+    state_hash: str
+    shard_hashes: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardAbort:
+    """Rounds aborted on every shard; a shard that saved a version of them goes back to the last
+    committed one."""
+
+    round_ids: tuple[int, ...]
+    reason: str
+
+
 Message = (
     Join
     | Welcome
@@ -343,6 +463,16 @@ Message = (
     | StepMean
     | RoundCancel
     | ChunkAck
+    | ShardHello
+    | ShardState
+    | ShardOpen
+    | ShardFolded
+    | ShardFreeze
+    | ShardFrozen
+    | ShardClose
+    | ShardPrepared
+    | ShardCommit
+    | ShardAbort
 )
 
 MESSAGE_CLASSES: dict[MessageType, type[Any]] = {
@@ -363,6 +493,16 @@ MESSAGE_CLASSES: dict[MessageType, type[Any]] = {
     MessageType.STEP_MEAN: StepMean,
     MessageType.ROUND_CANCEL: RoundCancel,
     MessageType.CHUNK_ACK: ChunkAck,
+    MessageType.SHARD_HELLO: ShardHello,
+    MessageType.SHARD_STATE: ShardState,
+    MessageType.SHARD_OPEN: ShardOpen,
+    MessageType.SHARD_FOLDED: ShardFolded,
+    MessageType.SHARD_FREEZE: ShardFreeze,
+    MessageType.SHARD_FROZEN: ShardFrozen,
+    MessageType.SHARD_CLOSE: ShardClose,
+    MessageType.SHARD_PREPARED: ShardPrepared,
+    MessageType.SHARD_COMMIT: ShardCommit,
+    MessageType.SHARD_ABORT: ShardAbort,
 }
 
 MESSAGE_TYPES: dict[type[Any], MessageType] = {cls: t for t, cls in MESSAGE_CLASSES.items()}

@@ -100,6 +100,26 @@ SAMPLES: dict[MessageType, object] = {
     MessageType.CHUNK: schema.Chunk(
         transfer_id="t1", index=0, num_chunks=1, offset=0, total_bytes=5, digest="d", data=b"hello"
     ),
+    MessageType.SHARD_HELLO: schema.ShardHello(
+        shard=1, shards=2, partition="ab", global_version=4, round_counter=6, sent_at=1.5
+    ),
+    MessageType.SHARD_STATE: schema.ShardState(global_version=4, round_counter=6, sent_at=1.5),
+    MessageType.SHARD_OPEN: schema.ShardOpen(
+        round_id=7, base_version=6, fragment=0, participants=("ap", "eu"), quorum=2, deadline_s=30.0
+    ),
+    MessageType.SHARD_FOLDED: schema.ShardFolded(
+        shard=1, round_id=7, site_id="eu", accepted=False, detail="norm 2e6 over 1e6"
+    ),
+    MessageType.SHARD_FREEZE: schema.ShardFreeze(round_id=7),
+    MessageType.SHARD_FROZEN: schema.ShardFrozen(shard=1, round_id=7, folded=("ap", "eu")),
+    MessageType.SHARD_CLOSE: schema.ShardClose(round_id=7, merged=("ap", "eu"), final=False),
+    MessageType.SHARD_PREPARED: schema.ShardPrepared(
+        shard=1, round_id=7, global_version=7, digests={"layers.0.w": "ab" * 32}
+    ),
+    MessageType.SHARD_COMMIT: schema.ShardCommit(
+        round_id=7, global_version=7, state_hash="cd" * 16, shard_hashes=("ef" * 16, "01" * 16)
+    ),
+    MessageType.SHARD_ABORT: schema.ShardAbort(round_ids=(7, 8), reason="a shard left"),
 }
 
 

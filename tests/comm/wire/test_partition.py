@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from comm.wire.partition import combined_hash, owner_of, partition, shard_hash, split_by_shard
+from comm.wire.partition import (
+    combined_hash,
+    owner_of,
+    partition,
+    partition_digest,
+    shard_hash,
+    split_by_shard,
+)
 from comm.wire.tensors import state_hash, tensor_digest
 
 pytestmark = pytest.mark.timeout(120)
@@ -107,3 +114,11 @@ def test_values_split_by_their_owner() -> None:
     assert owner_of(parts) == {"a": 0, "b": 1, "c": 0}
     with pytest.raises(ValueError, match="'z' belongs to no shard"):
         split_by_shard({"z": 0}, parts)
+
+
+def test_a_partition_digest_tells_cuts_apart() -> None:
+    spec = {"a": (4,), "b": (3,), "c": (2,), "d": (1,)}
+    digests = {partition_digest(partition(spec, s)) for s in (1, 2, 3, 4)}
+    assert len(digests) == 4
+    assert partition_digest(partition(spec, 2)) == partition_digest(partition(dict(spec), 2))
+    assert partition_digest([("ab",), ("c",)]) != partition_digest([("a",), ("bc",)])
