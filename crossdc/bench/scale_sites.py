@@ -16,11 +16,13 @@ The model is a list of flat float32 tensors of at most :data:`TENSOR_NUMEL` valu
   values against 40 ms for normal variates and 8 ms to encode them), CPU the coordinator it
   measures shares on a small machine. A site's whole compressed update is held while it is
   sent (a wire message; the transport cuts it into chunks lazily, from these buffers).
-- A result (:class:`~comm.wire.schema.Global`) is decoded, applied and hashed a tensor at a
-  time: θ is one file on disk, read into a buffer of one tensor, the delta added as a real site
-  adds it (float32, ``θ + δ``), written back, and digested block by block
-  (:func:`comm.wire.tensors.partial_digests`); the state hash is built from the tensors'
-  digests (:func:`comm.wire.tensors.model_hash`) and compared with the coordinator's.
+- A result (:class:`~comm.wire.schema.Global`) is decoded, applied and hashed a block of
+  :data:`STREAM_BLOCK` values at a time: θ is one file on disk, a block of it is read, the
+  delta's values there decoded beside it (:func:`comm.wire.tensors.decode_into`) and added as a
+  real site adds them (float32, ``θ + δ``), the block written back and digested
+  (:func:`comm.wire.tensors.partial_digests`); a tensor's digest is combined from its blocks'
+  and the state hash from the tensors' (:func:`comm.wire.tensors.model_hash`), and compared
+  with the coordinator's.
 
 The file is read and written with ``pread``/``pwrite``, so θ lives in the page cache, not in
 the process's resident memory. One θ serves every simulated site, and only where they provably
@@ -32,8 +34,10 @@ checks the coordinator's hash against the shared one. Anything else (a site behi
 download, a sparse broadcast) cannot be shown to be the shared θ and stops the bench with an
 error rather than being guessed at.
 
-The bounded buffers: one tensor's float32 values, its decoded delta and their digests
-(about 3 x 16 MiB at :data:`TENSOR_NUMEL`), and each site's compressed update while it is sent.
+The bounded buffers: θ0's tensor being generated (16 MiB at :data:`TENSOR_NUMEL`), a block of θ
+and of the decoded delta (2 x 4 MiB), one update tensor's codes being made, each site's
+compressed update while it is sent, and the results received and not yet taken (the
+compressed delta each site receives, held until its turn: at most a round's).
 """
 
 from __future__ import annotations
@@ -66,10 +70,20 @@ from comm.wire.schema import (
     Update,
     Welcome,
 )
-from comm.wire.tensors import combine, decode_tensors, model_hash, partial_digests
+from comm.wire.tensors import (
+    HASH_BLOCK,
+    check_slices,
+    combine,
+    decode_into,
+    model_hash,
+    partial_digests,
+)
 
 TENSOR_NUMEL = 1 << 22
 """The model is cut into tensors of at most this many values (4M, 16 MiB of float32)."""
+STREAM_BLOCK = 1 << 20
+"""Values of θ read, updated, written and digested at once when a result is applied (4 MiB of
+float32, a multiple of the hash's blocks, ``comm.wire.tensors.HASH_BLOCK``)."""
 FINGERPRINT = "bench-scale"
 UPDATE_SCALE = 1e-3
 """An update's values are about this large (an int4 scale of UPDATE_SCALE / 7 x [0.5, 1.5))."""
@@ -77,6 +91,7 @@ INT4_BLOCK = 64
 """Values per fp16 scale in the int4 codec's default encoding."""
 _SEED_THETA0, _SEED_UPDATE = 0, 1
 _DONE = object()
+assert STREAM_BLOCK % HASH_BLOCK == 0  # a block's digests are whole hash blocks
 
 
 def _valid_code_pairs() -> npt.NDArray[np.uint8]:
@@ -199,7 +214,7 @@ class SharedTheta:
         self.hash = ""
         self.digests: dict[str, bytes] = {}
         self._last: tuple[int, int, bytes] | None = None  # (base, version, payload digest)
-        self._buf = np.empty(layout.largest, dtype=np.float32)
+        self._buf = np.empty(min(STREAM_BLOCK, layout.largest), dtype=np.float32)
         self._fd = -1
         self._theta0_map: mmap.mmap | None = None
         self._released_at = 0.0
@@ -272,26 +287,37 @@ class SharedTheta:
             raise ThetaError(f"{where}: state hash {self.hash}, the coordinator's {msg.state_hash}")
 
     def _apply(self, payload: Sequence[EncodedTensor]) -> Iterator[None]:
-        """θ += δ a tensor at a time (what a site computes, in float32), digests renewed."""
+        """θ += δ a block of STREAM_BLOCK values at a time (what a site computes, in float32:
+        the decoded delta added to θ), the tensors' digests renewed from their blocks'."""
         where = {name: (at, n) for _, name, at, n in self.layout.tensors()}
+        named = {enc.name: (where[enc.name][1],) for enc in payload if enc.name in where}
+        check_slices(payload, named)  # the tensors it names are the model's, whole, once
+        delta = np.empty(min(STREAM_BLOCK, self.layout.largest), dtype=np.float32)
         for enc in payload:
             at, n = where[enc.name]
-            delta = decode_tensors((enc,), {enc.name: (n,)})[enc.name]
-            theta = self.read(enc.name)
-            np.add(theta, delta, out=theta)
-            _pwrite_all(self._fd, _raw(theta), 4 * at)
-            self.digests[enc.name] = _digest(enc.name, theta)
+            parts = []
+            for lo in range(0, n, STREAM_BLOCK):
+                theta = self.read(enc.name, lo, min(n, lo + STREAM_BLOCK))
+                step = delta[: theta.size]
+                decode_into(enc, step, lo)
+                np.add(theta, step, out=theta)
+                _pwrite_all(self._fd, _raw(theta), 4 * (at + lo))
+                parts.append(partial_digests(enc.name, (n,), lo, theta))
+            self.digests[enc.name] = combine(enc.name, (n,), parts)
             yield
         self.hash = model_hash(self.digests)
 
-    def read(self, name: str) -> npt.NDArray[np.float32]:
-        """Tensor ``name`` of θ as it is now, in the one tensor's buffer (valid until the next
-        read)."""
+    def read(self, name: str, lo: int = 0, hi: int | None = None) -> npt.NDArray[np.float32]:
+        """Values ``[lo, hi)`` (default: all) of tensor ``name`` of θ as it is now, in a buffer
+        of one block (valid until the next read)."""
         at, n = next((at, n) for _, nm, at, n in self.layout.tensors() if nm == name)
-        out = self._buf[:n]
-        got = os.preadv(self._fd, [_raw(out)], 4 * at)
-        if got != 4 * n:
-            raise OSError(f"θ file: read {got} of {4 * n} bytes of {name}")
+        hi = n if hi is None else hi
+        if not 0 <= lo <= hi <= n or hi - lo > self._buf.size:
+            raise ValueError(f"θ file: values [{lo}, {hi}) of {name} ({n} values)")
+        out = self._buf[: hi - lo]
+        got = os.preadv(self._fd, [_raw(out)], 4 * (at + lo))
+        if got != out.nbytes:
+            raise OSError(f"θ file: read {got} of {out.nbytes} bytes of {name}")
         return out
 
     def close(self) -> None:

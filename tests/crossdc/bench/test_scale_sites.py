@@ -11,7 +11,7 @@ import pytest
 from comm.codecs.base import EncodedTensor
 from comm.codecs.registry import get_codec
 from comm.wire.schema import Global
-from comm.wire.tensors import decode_tensors, encode_tensors, state_hash
+from comm.wire.tensors import HASH_BLOCK, decode_tensors, encode_tensors, state_hash
 from crossdc.bench import scale_sites
 from crossdc.bench.scale_sites import Layout, SharedTheta, ThetaError
 
@@ -95,6 +95,28 @@ def test_theta0_is_hashed_and_uploaded_as_the_model_held_whole(tmp_path: Path) -
         assert _bytes(payload) == _bytes(encode_tensors(whole, get_codec("fp32")))
         theta.release_pages(every_s=0.0)  # the pages come back from the page cache
         assert _bytes(payload) == _bytes(encode_tensors(whole, get_codec("fp32")))
+    finally:
+        theta.close()
+
+
+def test_a_result_is_applied_block_by_block_as_a_site_applies_it_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Blocks of one hash block: a tensor of 150,001 values is taken in three, the last short.
+    monkeypatch.setattr(scale_sites, "STREAM_BLOCK", HASH_BLOCK)
+    layout = Layout((150_001, 5))
+    theta = SharedTheta(layout, tmp_path)
+    try:
+        theta.write_theta0()
+        whole = _whole_theta0(layout)
+        delta = scale_sites.site_update(layout, site=0, round_id=1)
+        decoded = decode_tensors(delta, {k: v.shape for k, v in whole.items()})
+        expected = {k: whole[k] + decoded[k] for k in whole}
+        assert _taken(theta, _result(delta, expected), held=0) == state_hash(expected)
+        for name, values in expected.items():
+            for lo in range(0, values.size, HASH_BLOCK):
+                hi = min(values.size, lo + HASH_BLOCK)
+                assert theta.read(name, lo, hi).tobytes() == values[lo:hi].tobytes()
     finally:
         theta.close()
 
