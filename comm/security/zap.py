@@ -23,13 +23,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
 from comm.security.common import AuthError, key_fingerprint
 from comm.security.identity import SERIAL_PROPERTY, USER_ID, PeerIdentity, peer_of
-from comm.security.registry import CertificateRegistry
 
 __all__ = [
     "DOMAIN",
@@ -48,6 +47,27 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_VERSION = b"1.0"
 DOMAIN = b"crossdc"
 """The ZAP domain ``comm.transport`` sets on CURVE sockets."""
+
+
+class Admitted(Protocol):
+    """Who a key was admitted as: the ``User-Id`` and ``X-Cert-Serial`` of its connection."""
+
+    @property
+    def site_id(self) -> str: ...
+
+    @property
+    def serial(self) -> str: ...
+
+
+class Authorizer(Protocol):
+    """What a handler answers from: a
+    :class:`~comm.security.registry.CertificateRegistry` for the sites' channel, or one that
+    admits a single key (the coordinator's shards, ``coordinator.shard_link``)."""
+
+    def authorize(self, curve_public: bytes, now: float) -> Admitted:
+        """Who ``curve_public`` may connect as at ``now``; AuthError when it may not."""
+        ...
+
 
 RejectCallback = Callable[[str, str], None]
 """``on_reject(reason, detail)``: reason is an :data:`comm.security.common.AuthReason` or ``bad_request``."""
@@ -87,7 +107,7 @@ def _metadata(props: dict[str, str]) -> bytes:
 
 
 def decide(
-    frames: Sequence[bytes], registry: CertificateRegistry, *, now: float, domain: bytes = DOMAIN
+    frames: Sequence[bytes], registry: Authorizer, *, now: float, domain: bytes = DOMAIN
 ) -> ZapReply:
     """Answer one ZAP request (its frames as received on the REP socket)."""
     request_id = frames[1] if len(frames) > 1 else b""
@@ -135,7 +155,7 @@ class ZapHandler:
     def __init__(
         self,
         context: zmq.Context[Any],
-        registry: CertificateRegistry,
+        registry: Authorizer,
         *,
         on_reject: RejectCallback | None = None,
         domain: bytes = DOMAIN,
