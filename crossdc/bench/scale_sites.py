@@ -26,18 +26,20 @@ The model is a list of flat float32 tensors of at most :data:`TENSOR_NUMEL` valu
 
 The file is read and written with ``pread``/``pwrite``, so θ lives in the page cache, not in
 the process's resident memory. One θ serves every simulated site, and only where they provably
-hold the same: a site applies a result from the version it holds, the first to apply a version
-moves the shared θ there and records the digest of the payload it applied, and every other site
-taking that version must hold the same base and receive a payload with the same digest (the
-coordinator broadcasts one encoding to all), so that applying it would give the same θ; it then
-checks the coordinator's hash against the shared one. Anything else (a site behind, a full
-download, a sparse broadcast) cannot be shown to be the shared θ and stops the bench with an
-error rather than being guessed at.
+hold the same (:meth:`SharedTheta.admit`): a result must be a delta from the version the site
+holds; the first site to bring a version has the shared θ apply it, and its base and payload
+digest are recorded; every other site bringing that version must bring the same delta (the same
+digest) from the same base, so that applying it to the same θ would give the same θ, and its
+message is dropped at once (only the one being applied is kept). A site takes its results in
+order, each once the shared θ has applied that version, checking the coordinator's hash against
+the shared θ's (:meth:`SharedTheta.confirm`). Anything else (a delta from another base, another
+delta for a version, a full download, a sparse broadcast) cannot be shown to be the shared θ
+and stops the bench with an error rather than being guessed at.
 
 The bounded buffers: θ0's tensor being generated (16 MiB at :data:`TENSOR_NUMEL`), a block of θ
 and of the decoded delta (2 x 4 MiB), one update tensor's codes being made, each site's
-compressed update while it is sent, and the results received and not yet taken (the
-compressed delta each site receives, held until its turn: at most a round's).
+compressed update while it is sent, and the compressed delta of each version until the shared
+θ has applied it (one a round, the sites' other copies dropped on arrival).
 """
 
 from __future__ import annotations
@@ -213,7 +215,9 @@ class SharedTheta:
         self.version = 0
         self.hash = ""
         self.digests: dict[str, bytes] = {}
-        self._last: tuple[int, int, bytes] | None = None  # (base, version, payload digest)
+        self.hashes: dict[int, str] = {}
+        """The state hash of each version the shared θ has been at."""
+        self._deltas: dict[int, tuple[int, bytes]] = {}  # version: (base, payload digest)
         self._buf = np.empty(min(STREAM_BLOCK, layout.largest), dtype=np.float32)
         self._fd = -1
         self._theta0_map: mmap.mmap | None = None
@@ -234,7 +238,7 @@ class SharedTheta:
                 tick()
         shutil.copyfile(theta0, self.dir / "theta.f32")
         self._fd = os.open(self.dir / "theta.f32", os.O_RDWR)
-        self.hash = model_hash(self.digests)
+        self.hash = self.hashes[0] = model_hash(self.digests)
         return self.hash
 
     def init_payload(self) -> tuple[EncodedTensor, ...]:
@@ -263,28 +267,46 @@ class SharedTheta:
 
     # ---- results ------------------------------------------------------------------------------
 
-    def take(self, msg: Global, held: int) -> Iterator[None]:
-        """A site holding version ``held`` (of the shared θ) takes result ``msg``, a step per
-        tensor (a generator: the caller runs the channels between the steps): the first at that
-        version applies it, the others check that it is the same delta. Once it is exhausted
-        the site holds :attr:`hash`, which is the coordinator's; ThetaError otherwise."""
+    def admit(self, msg: Global, held: int) -> Global | None:
+        """Check result ``msg`` that a site holding version ``held`` received against the
+        versions seen so far. The first to bring a version is returned, for :meth:`apply`, and
+        its base and payload digest recorded; any later one must bring the same delta from the
+        same base (then None: its payload need not be kept). ThetaError otherwise."""
         where = f"result v{msg.global_version} (round {msg.round_id})"
         if msg.is_full or msg.part_weights:
             raise ThetaError(f"{where}: a full model or a sparse broadcast, not a shared delta")
         if msg.base_version != held:
             raise ThetaError(f"{where}: a delta from v{msg.base_version}, the site holds v{held}")
-        digest = payload_digest(msg.payload)
-        if self.version == held:
-            yield from self._apply(msg.payload)
-            self._last = (held, msg.global_version, digest)
-            self.version = msg.global_version
-        elif self._last != (held, msg.global_version, digest):
+        seen = self._deltas.get(msg.global_version)
+        mine = (held, payload_digest(msg.payload))
+        if seen is None:
+            self._deltas[msg.global_version] = mine
+            return msg
+        if seen != mine:
+            raise ThetaError(f"{where}: another delta than the one the shared θ takes")
+        return None
+
+    def apply(self, msg: Global) -> Iterator[None]:
+        """Apply the result :meth:`admit` returned, a step per tensor (a generator: the caller
+        runs the channels between the steps); the new version's hash is then in :attr:`hashes`."""
+        if msg.base_version != self.version:
             raise ThetaError(
-                f"{where}: the shared θ is at v{self.version} and this is another delta than "
-                "the one it applied"
+                f"result v{msg.global_version}: a delta from v{msg.base_version}, the shared θ "
+                f"is at v{self.version}"
             )
-        if msg.state_hash != self.hash:
-            raise ThetaError(f"{where}: state hash {self.hash}, the coordinator's {msg.state_hash}")
+        yield from self._apply(msg.payload)
+        self.version = msg.global_version
+        self.hashes[self.version] = self.hash
+
+    def confirm(self, version: int, state_hash: str) -> str:
+        """The state hash of ``version`` (applied), which must be ``state_hash``, the
+        coordinator's; ThetaError otherwise."""
+        mine = self.hashes.get(version)
+        if mine is None:
+            raise ThetaError(f"v{version} is not applied (the shared θ is at v{self.version})")
+        if mine != state_hash:
+            raise ThetaError(f"v{version}: state hash {mine}, the coordinator's {state_hash}")
+        return mine
 
     def _apply(self, payload: Sequence[EncodedTensor]) -> Iterator[None]:
         """θ += δ a block of STREAM_BLOCK values at a time (what a site computes, in float32:
@@ -348,7 +370,10 @@ class Site:
     chan: DealerChannel
     done: bool = False
     version: int = 0
+    """The version it holds (its last result taken)."""
     hash: str = ""
+    received: int = 0
+    """The version of its last result received (taken or waiting)."""
     next_beat: float = 0.0
 
     def beat(self) -> None:
@@ -371,9 +396,9 @@ class Sites:
     sites: list[Site] = field(default_factory=list)
     opened: dict[int, float] = field(default_factory=dict)
     closed: dict[int, float] = field(default_factory=dict)
-    pending: deque[tuple[Site, Global]] = field(default_factory=deque)
+    pending: deque[_Received] = field(default_factory=deque)
     """Results received and not yet taken, in the order they came."""
-    _job: tuple[Site, Global, Iterator[None]] | None = None
+    _job: tuple[_Received, Iterator[None]] | None = None
 
     @property
     def layout(self) -> Layout:
@@ -419,28 +444,51 @@ class Sites:
             )
         elif isinstance(msg, Global):
             self.closed[msg.round_id] = time.monotonic()
-            self.pending.append((site, msg))
+            to_apply = self.theta.admit(msg, site.received)
+            site.received = msg.global_version
+            self.pending.append(
+                _Received(site, msg.global_version, msg.state_hash, msg.evaluate, to_apply)
+            )
         elif isinstance(msg, Shutdown):
             site.done = True
 
     def step(self) -> bool:
-        """One step of taking the results waiting (a tensor applied, or a site's check); the
-        site reports its validation loss when asked once it holds the result. False when none
-        waits."""
+        """One step of taking the results waiting: a tensor of the one being applied to the
+        shared θ, or a site's check against the coordinator's hash (then it reports its
+        validation loss where asked). False when none waits."""
         if self._job is None:
             if not self.pending:
                 return False
-            site, msg = self.pending.popleft()
-            self._job = (site, msg, self.theta.take(msg, site.version))
-        site, msg, job = self._job
+            got = self.pending.popleft()
+            if got.to_apply is None:
+                self._taken(got)
+                return True
+            self._job = (got, self.theta.apply(got.to_apply))
+        got, job = self._job
         if next(job, _DONE) is _DONE:
             self._job = None
-            site.hash, site.version = self.theta.hash, msg.global_version
-            if msg.evaluate:
-                site.chan.send(
-                    Eval(site_id=site.site_id, global_version=msg.global_version, val_loss=1.0)
-                )
+            self._taken(got)
         return True
+
+    def _taken(self, got: _Received) -> None:
+        site = got.site
+        site.hash = self.theta.confirm(got.version, got.state_hash)
+        site.version = got.version
+        if got.evaluate:
+            site.chan.send(Eval(site_id=site.site_id, global_version=got.version, val_loss=1.0))
+
+
+@dataclass(frozen=True)
+class _Received:
+    """A result a site received: the version and state hash it names, whether the site is to
+    report its validation loss, and the message itself only where the shared θ is to apply it
+    (the first site to bring that version)."""
+
+    site: Site
+    version: int
+    state_hash: str
+    evaluate: bool
+    to_apply: Global | None
 
 
 FRAMES_PER_PASS = 64

@@ -50,9 +50,13 @@ def _result(
 
 
 def _taken(theta: SharedTheta, msg: Global, held: int) -> str:
-    for _ in theta.take(msg, held):
-        pass
-    return theta.hash
+    """What a site holding ``held`` does with ``msg``: admit it, the shared θ applies it if it
+    is the first of its version, then the site checks the coordinator's hash."""
+    first = theta.admit(msg, held)
+    if first is not None:
+        for _ in theta.apply(first):
+            pass
+    return theta.confirm(msg.global_version, msg.state_hash)
 
 
 def test_layout_cuts_the_model_into_tensors_of_at_most_tensor_numel() -> None:
@@ -138,12 +142,20 @@ def test_the_shared_theta_takes_a_delta_once_and_checks_it_for_every_site(tmp_pa
         same = _result(scale_sites.site_update(LAYOUT, site=0, round_id=1), expected)
         assert _taken(theta, same, held=0) == state_hash(expected)
         assert theta.read("t000").tobytes() == expected["t000"].tobytes()
+        assert theta.admit(same, held=0) is None  # nothing of it is kept
         # A site at v0 given another delta for v1 cannot share this θ.
         other = _result(scale_sites.site_update(LAYOUT, site=2, round_id=1), expected)
         with pytest.raises(ThetaError, match="another delta"):
             _taken(theta, other, held=0)
         with pytest.raises(ThetaError, match="holds v0"):
             _taken(theta, _result(delta, expected, base=1), held=0)
+        # The next version, applied on v1.
+        delta2 = scale_sites.site_update(LAYOUT, site=1, round_id=2)
+        decoded2 = decode_tensors(delta2, {k: v.shape for k, v in whole.items()})
+        expected2 = {k: expected[k] + decoded2[k] for k in whole}
+        assert _taken(theta, _result(delta2, expected2, base=1), held=1) == state_hash(expected2)
+        # A site slower than the others checks v1 after the shared θ moved on to v2.
+        assert theta.confirm(1, state_hash(expected)) == state_hash(expected)
     finally:
         theta.close()
 
@@ -155,5 +167,7 @@ def test_a_result_whose_hash_is_not_the_coordinators_is_an_error(tmp_path: Path)
         delta = scale_sites.site_update(LAYOUT, site=0, round_id=1)
         with pytest.raises(ThetaError, match="state hash"):
             _taken(theta, _result(delta, _whole_theta0(LAYOUT)), held=0)  # θ0's hash, not θ1's
+        with pytest.raises(ThetaError, match="not applied"):
+            theta.confirm(2, "")
     finally:
         theta.close()
