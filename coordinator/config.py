@@ -180,6 +180,11 @@ class CoordinatorConfig:
     shard_ports: str = "offset"
     """With several shards: ``offset`` (shards share a host) makes shard i bind ``bind``'s port
     + i and serve ``metrics_port`` + i; ``same`` (one shard per host or pod) keeps both."""
+    shard_control_bind: str = "tcp://0.0.0.0:7720"
+    """With several shards: where shard 0 listens for the other shards (its control plane)."""
+    shard_control: str = ""
+    """Where the other shards reach shard 0's ``shard_control_bind``; empty: torchrun's
+    ``MASTER_ADDR`` at that port when started by torchrun, else ``127.0.0.1`` (one host)."""
 
     def __post_init__(self) -> None:
         self._check_shards()
@@ -200,6 +205,12 @@ class CoordinatorConfig:
             )
         if self.shards == 1:
             return
+        for key in ("shard_control_bind", "shard_control"):
+            value = getattr(self, key)
+            if (value or key == "shard_control_bind") and not _tcp_port(value):
+                raise ValueError(
+                    f"coordinator.{key} must be tcp://HOST:PORT with a port > 0, got {value!r}"
+                )
         if self.shard_ports == "offset":
             port = self.bind.rpartition(":")[2] if self.bind.startswith("tcp://") else ""
             for key, first in (
@@ -343,6 +354,14 @@ class CoordinatorConfig:
     @property
     def state_path(self) -> Path:
         return Path(self.state_dir)
+
+
+def _tcp_port(endpoint: str) -> int:
+    """The port of a ``tcp://HOST:PORT`` endpoint; 0 when it is not one."""
+    if not endpoint.startswith("tcp://"):
+        return 0
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    return int(port) if host and port.isdigit() else 0
 
 
 def load_coordinator_config(path: str | Path, **explicit: object) -> CoordinatorConfig:

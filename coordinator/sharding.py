@@ -124,6 +124,17 @@ def bind_port(endpoint: str) -> int | None:
     return int(port) if port.isdigit() else None
 
 
+def control_endpoint(cfg: CoordinatorConfig, env: Mapping[str, str]) -> str:
+    """Where shards 1 to S-1 reach shard 0: ``shard_control`` when set, else the port of
+    ``shard_control_bind`` at torchrun's ``MASTER_ADDR`` (the rendezvous host, where shard 0
+    runs with ``--node-rank 0``), else on this host."""
+    if cfg.shard_control:
+        return cfg.shard_control
+    port = cfg.shard_control_bind.rpartition(":")[2]
+    host = env.get("MASTER_ADDR") or "127.0.0.1"
+    return f"tcp://{host}:{port}"
+
+
 def shard_config(cfg: CoordinatorConfig, identity: ShardIdentity) -> CoordinatorConfig:
     """The config shard ``identity`` runs with. One shard: ``cfg`` itself. Several: its state in
     ``state_dir/shard-<i>``, and with ``shard_ports = "offset"`` (several shards on one host)

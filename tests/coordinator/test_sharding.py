@@ -11,7 +11,13 @@ import pytest
 
 from comm.security.rolekits import SecurityConfig
 from coordinator.config import CoordinatorConfig
-from coordinator.sharding import ShardIdentity, bind_port, resolve, shard_config
+from coordinator.sharding import (
+    ShardIdentity,
+    bind_port,
+    control_endpoint,
+    resolve,
+    shard_config,
+)
 from crossdc.cli_common import EXIT_BAD_CONFIG
 
 pytestmark = pytest.mark.timeout(60)
@@ -107,6 +113,8 @@ def test_a_shard_of_another_count_is_refused() -> None:
         ({"shards": 2, "shard_ports": "next"}, "shard_ports must be 'offset' or 'same'"),
         ({"shards": 8, "bind": "tcp://0.0.0.0:65530"}, "coordinator.bind: 8 shards from port"),
         ({"shards": 8, "metrics_port": 65535}, "coordinator.metrics_port: 8 shards"),
+        ({"shards": 2, "shard_control_bind": "tcp://0.0.0.0:0"}, "shard_control_bind must be tcp"),
+        ({"shards": 2, "shard_control": "ipc:///x"}, "coordinator.shard_control must be tcp"),
         (
             {"shards": 2, "num_fragments": 2},
             r"coordinator.shards = 2 needs coordinator.num_fragments at its default \(1\)",
@@ -153,3 +161,12 @@ def test_the_command_refuses_a_shard_it_cannot_place_with_a_bad_config_status(
     proc = _coordinator(tmp_path, "[coordinator]\nshards = 2\n", "--shard", "5")
     assert proc.returncode == EXIT_BAD_CONFIG, proc.stderr
     assert "--shard = 5 is not a shard" in proc.stderr
+
+
+def test_the_other_shards_find_shard_zero_where_it_listens() -> None:
+    cfg = _cfg(shards=2, shard_control_bind="tcp://0.0.0.0:7730")
+    assert control_endpoint(cfg, {}) == "tcp://127.0.0.1:7730"
+    assert control_endpoint(cfg, {"MASTER_ADDR": "node-a", "RANK": "1"}) == "tcp://node-a:7730"
+    named = _cfg(shards=2, shard_control="tcp://coordinator-0.shards:7730")
+    assert control_endpoint(named, {"MASTER_ADDR": "node-a"}) == "tcp://coordinator-0.shards:7730"
+    assert _cfg(shard_control_bind="not checked with one shard").shards == 1

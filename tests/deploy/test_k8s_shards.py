@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.sharding import resolve, shard_config
+from coordinator.sharding import control_endpoint, resolve, shard_config
 from tests.deploy.test_kustomize import SERVICEMONITOR_SCHEMA
 from tests.support.containers import (
     K8S,
@@ -26,6 +26,7 @@ from tests.support.containers import (
     objects_of_kind,
     render_kustomization,
     selects,
+    tcp_endpoint,
     workload_config,
 )
 
@@ -113,9 +114,44 @@ def test_every_shard_has_a_name_and_shard_zero_the_service(docs: list[dict[str, 
     assert selected == [headless["metadata"]["name"]], "every shard scraped once"
 
 
+@RENDER
+@needs_kubectl
+def test_the_other_shards_reach_shard_zeros_control_plane(
+    docs: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    (statefulset,) = objects_of_kind(docs, "StatefulSet")
+    _, cfg = workload_config(docs, statefulset, tmp_path)
+    host, port = tcp_endpoint(control_endpoint(cfg, {}))
+    headless = statefulset["spec"]["serviceName"]
+    assert host == f"{statefulset['metadata']['name']}-0.{headless}", "pod 0 by its DNS name"
+    assert port == tcp_endpoint(cfg.shard_control_bind.replace("0.0.0.0", "x"))[1]
+    container = main_container(statefulset)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["control"] == port
+    assert {"wan", "metrics"} <= set(ports), "the base's ports are kept"
+    service = named_object(docs, "Service", headless)
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]}["control"] == port
+    (policy,) = objects_of_kind(docs, "NetworkPolicy")
+    pod_labels = statefulset["spec"]["template"]["metadata"]["labels"]
+    from_shards = [
+        rule
+        for rule in policy["spec"]["ingress"]
+        if any(
+            selects(peer.get("podSelector", {}).get("matchLabels", {}), pod_labels)
+            for peer in rule["from"]
+            if "namespaceSelector" not in peer
+        )
+    ]
+    assert [{p["port"] for p in rule["ports"]} for rule in from_shards] == [{port}]
+
+
 def test_the_sharded_config_is_the_coordinators_but_for_the_shard_keys() -> None:
     base = tomllib.loads((K8S / "coordinator" / "coordinator.toml").read_text())
     sharded = tomllib.loads((K8S / OVERLAY / "coordinator.toml").read_text())
-    own = {k: sharded["coordinator"].pop(k) for k in ("shards", "shard_ports")}
-    assert own == {"shards": 2, "shard_ports": "same"}
+    own = {k: sharded["coordinator"].pop(k) for k in ("shards", "shard_ports", "shard_control")}
+    assert own == {
+        "shards": 2,
+        "shard_ports": "same",
+        "shard_control": "tcp://crossdc-coordinator-0.crossdc-coordinator-shards:7720",
+    }
     assert sharded == base
