@@ -26,7 +26,7 @@ arrival order.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -37,11 +37,10 @@ from comm.codecs.base import EncodedTensor
 from comm.codecs.registry import get_codec
 from comm.wire.frames import WireError
 from comm.wire.schema import ErrorCode, Join
-from comm.wire.tensors import decode_parts, decode_tensors, encode_tensors
+from comm.wire.tensors import check_slices, decode_tensors, encode_tensors, split_parts
 from coordinator.state import GlobalState
 from coordinator.strategies.base import (
     OrderedStep,
-    OuterResult,
     Revealed,
     Strategy,
     as_ordered,
@@ -78,17 +77,23 @@ class OuterStep:
 
     state: GlobalState
     """The new state (params, momentum and residual updated for the round's tensors)."""
-    delta: Arrays
-    """The exact outer result minus the previous params, per tensor."""
     encoded: tuple[EncodedTensor, ...]
-    """What the sites are sent and apply."""
-    result: OuterResult
+    """What the sites are sent and apply: the only copy of the result."""
+    rule: str
+    """How the step was taken (the strategy's words)."""
+    outer_grad_norm: float
+    numel: int
+    """The values the result covers (the round's tensors)."""
     part_weights: tuple[float, ...] = ()
     """A sparse broadcast: the weight of each update ``encoded`` holds (empty: a delta)."""
     outer_lr: float = 0.0
     """A sparse broadcast: the step's learning rate, which the sites apply too."""
     downlink: str = ""
     """The codec the result went down in, as the round's history names it."""
+
+
+def _nothing() -> None:
+    return None
 
 
 class RoundResult(Protocol):
@@ -109,7 +114,11 @@ class RoundResult(Protocol):
         inner_steps: int,
         final: bool,
         averaged: Collection[str],
-    ) -> OuterStep: ...
+        prepare: Callable[[], None] = _nothing,
+    ) -> OuterStep:
+        """``prepare`` runs once before the state's arrays are changed in place: then no save
+        and no announcement may still read them."""
+        ...
 
 
 class Fold(Protocol):
@@ -207,6 +216,17 @@ class RunningSum:
             raise ValueError("the mean of no updates")
         return {n: (s / self.weight).astype(np.float32) for n, s in self._sum.items()}
 
+    def tensor_mean(self, name: str) -> npt.NDArray[np.float32]:
+        """One tensor of :meth:`mean`, computed alone."""
+        if not self.count:
+            raise ValueError("the mean of no updates")
+        return (self._sum[name] / self.weight).astype(np.float32)
+
+    @property
+    def names(self) -> list[str]:
+        """The tensors summed, in the order they were first added."""
+        return list(self._sum)
+
     @property
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in self._sum.values())
@@ -265,11 +285,35 @@ class _NoKeys:
 # ---- the weighted mean ---------------------------------------------------------------------
 
 
+class SumMean(Mapping[str, np.ndarray]):
+    """A running sum's mean as a mapping whose tensors are computed one at a time when asked
+    (:meth:`RunningSum.tensor_mean`): a close never holds the whole mean."""
+
+    def __init__(self, total: RunningSum) -> None:
+        self._total = total
+        self._names = total.names
+
+    def __getitem__(self, name: str) -> npt.NDArray[np.float32]:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._total.tensor_mean(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 @dataclass(frozen=True)
 class MeanResult:
     """The on-time updates' running mean and each late round's, for the strategy's step."""
 
-    updates: list[tuple[str, float, Arrays]]
+    updates: list[tuple[str, float, Mapping[str, np.ndarray]]]
+    """(label, weight, the mean): a mean may be computed tensor by tensor (:class:`SumMean`)."""
 
     @property
     def count(self) -> int:
@@ -285,6 +329,7 @@ class MeanResult:
         inner_steps: int,
         final: bool,
         averaged: Collection[str],
+        prepare: Callable[[], None] = _nothing,
     ) -> OuterStep:
         return outer_step(
             strategy,
@@ -295,6 +340,7 @@ class MeanResult:
             inner_steps=inner_steps,
             final=final,
             averaged=averaged,
+            prepare=prepare,
         )
 
 
@@ -320,13 +366,13 @@ class MeanFold:
         """The running mean of the on-time updates, and each late round's once, down-weighted
         by how many syncs of its fragment it missed (late updates of one round share that
         weight, so they come as one mean)."""
-        updates: list[tuple[str, float, Arrays]] = []
+        updates: list[tuple[str, float, Mapping[str, np.ndarray]]] = []
         if self.sum.count:
-            updates.append((f"round {label}", self.sum.weight, self.sum.mean()))
+            updates.append((f"round {label}", self.sum.weight, SumMean(self.sum)))
         for lf in late:
             assert isinstance(lf.fold, MeanFold)
             updates.append(
-                (f"late@{lf.origin}", lf.fold.sum.weight / lf.divisor, lf.fold.sum.mean())
+                (f"late@{lf.origin}", lf.fold.sum.weight / lf.divisor, SumMean(lf.fold.sum))
             )
         return MeanResult(updates)
 
@@ -354,20 +400,107 @@ def outer_step(
     strategy: Strategy,
     st: GlobalState,
     names: Sequence[str],
-    updates: list[tuple[str, float, Arrays]],
+    updates: Sequence[tuple[str, float, Mapping[str, np.ndarray]]],
+    *,
+    downlink: str,
+    inner_steps: int,
+    final: bool,
+    averaged: Collection[str],
+    prepare: Callable[[], None] = _nothing,
+) -> OuterStep:
+    """The strategy's outer step over ``names`` from ``st`` (its residual carried in), the delta
+    encoded for the sites, and the state they will hold: params plus the decoded delta, the
+    difference to the exact result kept as the downlink residual.
+
+    A strategy with a :meth:`~coordinator.strategies.base.OuterStrategy.tensor_step` is run a
+    tensor at a time, in place: each tensor's exact result, delta, encoding and decoding are
+    made and dropped in turn, and its params, momentum and residual are overwritten (``st``'s
+    arrays become the new state's; ``prepare`` runs first, once everything that could refuse
+    the step has been checked). Held besides the state: the encoded result, which is what the
+    sites are sent, and a few temporaries of one tensor. Another strategy steps whole models
+    (:func:`whole_model_step`)."""
+    steps = getattr(strategy, "tensor_step", None)
+    plan = steps(inner_steps=inner_steps, final=final) if callable(steps) else None
+    if plan is None:
+        prepare()
+        return whole_model_step(
+            strategy,
+            st,
+            names,
+            updates,
+            downlink=downlink,
+            inner_steps=inner_steps,
+            final=final,
+            averaged=averaged,
+        )
+    ordered = _checked(st, names, updates)
+    codec = get_codec(downlink)
+    wanted = set(names)
+    first = [k for k in ordered[0][2] if k in wanted]  # the gradient's order, as its norm sums
+    prepare()
+    encoded: dict[str, EncodedTensor] = {}
+    squared = 0.0
+    for k in first:
+        theta, residual = st.params[k], st.residual[k]
+        exact = theta + residual
+        values = [(w, u[k]) for _, w, u in ordered]
+        new, sq = plan.step(exact, st.momentum[k], values, statistics=k in averaged)
+        del exact, values
+        squared += sq
+        enc = codec.encode(k, np.subtract(new, theta))
+        np.add(theta, decode_tensors([enc])[k], out=theta)
+        np.subtract(new, theta, out=residual)
+        encoded[k] = enc
+    stats = sum(1 for k in names if k in averaged)
+    return OuterStep(
+        st,
+        tuple(encoded[k] for k in names),
+        plan.rule(stats),
+        float(np.sqrt(squared)),
+        sum(int(st.params[k].size) for k in names),
+        downlink=downlink,
+    )
+
+
+def _checked(
+    st: GlobalState,
+    names: Sequence[str],
+    updates: Sequence[tuple[str, float, Mapping[str, np.ndarray]]],
+) -> list[tuple[str, float, Mapping[str, np.ndarray]]]:
+    """The updates in label order (site order, which fixes the float summation order), once
+    everything a step in place relies on holds: ValueError otherwise, nothing changed."""
+    if not updates:
+        raise ValueError("an outer step of no updates")
+    total = float(sum(w for _, w, _ in updates))
+    if not total > 0:
+        raise ValueError(f"weights must sum to > 0, got {total}")
+    for k in names:
+        shape = st.params[k].shape
+        if st.momentum[k].shape != shape or st.residual[k].shape != shape:
+            raise ValueError(f"tensor {k!r}: the state's arrays differ in shape")
+        for label, _, u in updates:
+            if k not in u:
+                raise ValueError(f"{label} has no tensor {k!r}")
+    return sorted(updates, key=lambda u: u[0])
+
+
+def whole_model_step(
+    strategy: Strategy,
+    st: GlobalState,
+    names: Sequence[str],
+    updates: Sequence[tuple[str, float, Mapping[str, np.ndarray]]],
     *,
     downlink: str,
     inner_steps: int,
     final: bool,
     averaged: Collection[str],
 ) -> OuterStep:
-    """The strategy's outer step over ``names`` from ``st`` (its residual carried in), the delta
-    encoded for the sites, and the state they will hold: params plus the decoded delta, the
-    difference to the exact result kept as the downlink residual."""
+    """:func:`outer_step` of a strategy that steps whole models only (its ``outer_step``): the
+    new params, momentum and residual are new arrays, ``st``'s are left as they were."""
     result = strategy.outer_step(
         {k: st.params[k] + st.residual[k] for k in names},
         {k: st.momentum[k] for k in names},
-        updates,
+        list(updates),
         inner_steps=inner_steps,
         final=final,
         averaged=averaged,
@@ -381,7 +514,8 @@ def outer_step(
         residual[k] = result.params[k] - params[k]
         momentum[k] = result.momentum[k]
     new = replace(st, params=params, momentum=momentum, residual=residual)
-    return OuterStep(new, delta, encoded, result, downlink=downlink)
+    numel = sum(int(v.size) for v in delta.values())
+    return OuterStep(new, encoded, result.rule, result.outer_grad_norm, numel, downlink=downlink)
 
 
 # ---- the sparse forward --------------------------------------------------------------------
@@ -407,8 +541,11 @@ class ForwardResult:
         inner_steps: int,
         final: bool,
         averaged: Collection[str],
+        prepare: Callable[[], None] = _nothing,
     ) -> OuterStep:
-        return sparse_outer_step(as_ordered(strategy), st, names, self.parts, averaged=averaged)
+        return sparse_outer_step(
+            as_ordered(strategy), st, names, self.parts, averaged=averaged, prepare=prepare
+        )
 
 
 class ForwardFold:
@@ -465,24 +602,44 @@ def sparse_outer_step(
     parts: Sequence[tuple[float, tuple[EncodedTensor, ...]]],
     *,
     averaged: Collection[str],
+    prepare: Callable[[], None] = _nothing,
 ) -> OuterStep:
     """The strategy's ordered step over the round's encoded updates ``parts`` (weight, tensors),
     in their order, decoded as a site decodes the broadcast that forwards them: the sites compute
-    the same parameters bit for bit, so there is no downlink residual to keep."""
+    the same parameters bit for bit, so there is no downlink residual to keep. Run a tensor at a
+    time, in place (as :func:`outer_step`): each update's tensor is decoded when it is stepped,
+    the params overwritten; the momentum is left as it is."""
     payload = tuple(enc for _, part in parts for enc in part)
     weights = tuple(w for w, _ in parts)
-    decoded = decode_parts(payload, weights, {k: tuple(st.params[k].shape) for k in names})
-    result = strategy.ordered_step(
-        {k: st.params[k] for k in names},
-        {k: st.momentum[k] for k in names},
-        decoded,
-        averaged=averaged,
-    )
-    params = dict(st.params)
-    params.update({k: result.params[k] for k in names})
-    delta = {k: result.params[k] - st.params[k] for k in names}
-    new = replace(st, params=params)
-    rule = f"{result.rule}; sparse broadcast of {len(parts)} update(s)"
+    split = split_parts(payload, weights)
+    spec = {k: tuple(st.params[k].shape) for k in names}
+    unknown = [enc.name for enc in split[0][1] if enc.name not in spec]
+    if unknown:
+        raise WireError(ErrorCode.BAD_PAYLOAD, f"unknown tensors {unknown[:3]}")
+    stepped = [enc.name for enc in split[0][1]]
+    checked = [check_slices(part, {k: spec[k] for k in stepped}) for _, part in split]
+    plan = strategy.ordered_tensor_step()
+    prepare()
+    squared = 0.0
+    for k in stepped:
+        values = [
+            (w, decode_tensors(groups[k], {k: spec[k]})[k])
+            for (w, _), groups in zip(split, checked, strict=True)
+        ]
+        new, sq = plan.step(st.params[k], st.momentum[k], values, statistics=k in averaged)
+        del values
+        squared += sq
+        np.copyto(st.params[k], new)
+    stats = sum(1 for k in stepped if k in averaged)
+    rule = f"{plan.rule(stats)}; sparse broadcast of {len(parts)} update(s)"
+    numel = sum(int(st.params[k].size) for k in stepped)
     return OuterStep(
-        new, delta, payload, replace(result, rule=rule), weights, strategy.lr, downlink="sparse"
+        st,
+        payload,
+        rule,
+        float(np.sqrt(squared)),
+        numel,
+        weights,
+        strategy.lr,
+        downlink="sparse",
     )

@@ -89,15 +89,20 @@ class Closing:
         # fragment: with several, aborts shift which round is a fragment's last.
         final = self._final_mean and r.num_fragments == 1 and decision.final
         spec = self._model.spec
-        step = result.step(
-            self._strategy,
-            st,
-            list(r.tensors),
-            downlink=r.plan.downlink,
-            inner_steps=inner_steps,
-            final=final,
-            averaged=spec.averaged if spec is not None else (),
-        )
+        # The step overwrites the state's arrays tensor by tensor (no second model is held):
+        # once it has checked what it can, the model first makes every queued save durable and
+        # runs what waited on them; a step failing after that gets the durable state back.
+        with self._model.changing() as prepare:
+            step = result.step(
+                self._strategy,
+                st,
+                list(r.tensors),
+                downlink=r.plan.downlink,
+                inner_steps=inner_steps,
+                final=final,
+                averaged=spec.averaged if spec is not None else (),
+                prepare=prepare,
+            )
         entry = self._history_entry(now, decision, step, fresh, late, inner_steps)
         new_state = replace(step.state, global_version=r.round_id, history=(*st.history, entry))
         step = replace(step, state=new_state)
@@ -123,7 +128,7 @@ class Closing:
         """The closed round's summary, as the durable history keeps it."""
         st = self._model.state
         assert st is not None
-        r, merged, plan, result = decision.round, decision.merged, decision.round.plan, step.result
+        r, merged, plan = decision.round, decision.merged, decision.round.plan
         assert plan is not None
         return {
             "round_id": r.round_id,
@@ -134,13 +139,13 @@ class Closing:
             "num_inner_steps": plan.num_inner_steps,
             "extra_steps": {s: n for s, n in plan.extra_steps.items() if s in merged},
             "inner_steps_total": inner_steps,
-            "outer_rule": result.rule,
+            "outer_rule": step.rule,
             "participants": list(r.participants),
             "merged": list(merged),
             "late_merged": [[u.site_id, u.round_id] for u in late],
             "train_loss": mean_train_loss(fresh),
             "tokens": sum(u.weight for u in fresh),
-            "outer_grad_norm": result.outer_grad_norm,
+            "outer_grad_norm": step.outer_grad_norm,
             "uplink_codecs": {s: plan.uplink[s] for s in merged},
             "downlink_codec": step.downlink,
             "update_bytes": sum(u.nbytes for u in fresh + late),
@@ -167,13 +172,13 @@ class Closing:
         self._bytes_mark = (received, sent)
         entry["broadcast_bytes"] = sent - out_before
         payload_bytes = sum(enc.nbytes for enc in a.step.encoded)
-        raw_bytes = sum(4 * v.size for v in a.step.delta.values())
+        raw_bytes = 4 * a.step.numel
         m.payload_bytes.labels(direction="out").inc(payload_bytes * len(in_sync))
         m.payload_raw_bytes.labels(direction="out").inc(raw_bytes * len(in_sync))
         m.rounds.inc()
         m.round_duration.observe(entry["duration_s"])
         m.quorum_size.set(len(a.decision.merged))
-        m.outer_grad_norm.set(a.step.result.outer_grad_norm)
+        m.outer_grad_norm.set(a.step.outer_grad_norm)
         if entry["train_loss"] is not None:
             m.train_loss.set(entry["train_loss"])
         m.global_version.set(r.round_id)
@@ -185,8 +190,8 @@ class Closing:
             a.decision.merged,
             len(a.late),
             "-" if entry["train_loss"] is None else f"{entry['train_loss']:.4f}",
-            a.step.result.outer_grad_norm,
-            a.step.result.rule,
+            a.step.outer_grad_norm,
+            a.step.rule,
             entry["duration_s"],
         )
         self._on_changed()

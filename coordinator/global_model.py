@@ -10,7 +10,8 @@ before it is sent.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,6 +34,12 @@ Persist = Callable[[GlobalState, bool], None]
 Later = Callable[[Callable[[], None]], None]
 """``later(action)``: run ``action`` once every save queued so far is durable."""
 
+Drain = Callable[[], None]
+"""``drain()``: wait until every save queued so far is durable and run what waited on them."""
+
+Reload = Callable[[], GlobalState | None]
+"""``reload()``: the durable state, read back from the store."""
+
 
 class GlobalModel:
     """The federation's model; ``state`` is None until θ0 exists."""
@@ -45,12 +52,16 @@ class GlobalModel:
         signing_key: Ed25519PrivateKey | None,
         persist: Persist,
         later: Later,
+        drain: Drain,
+        reload: Reload,
     ) -> None:
         self._num_fragments = num_fragments
         self._deltas_dir = deltas_dir
         self._signing_key = signing_key
         self._persist = persist
         self._later = later
+        self._drain = drain
+        self._reload = reload
         self.state: GlobalState | None = None
         self.fragment_names: list[list[str]] = []
         self.deltas = DeltaLog(0)  # sized and started with the model (``_laid_out``)
@@ -65,14 +76,22 @@ class GlobalModel:
         self.state = state
         self._laid_out()
 
-    def install(self, params: Mapping[str, np.ndarray], fingerprint: str) -> GlobalState:
-        """θ0: the global model at version 0, zero momentum and residual, saved durably."""
-        arrays = {k: np.array(v, dtype=np.float32) for k, v in params.items()}
-        zeros = {k: np.zeros_like(v) for k, v in arrays.items()}
+    def install(
+        self, params: Mapping[str, np.ndarray], fingerprint: str, *, owned: bool = False
+    ) -> GlobalState:
+        """θ0: the global model at version 0, zero momentum and residual, saved durably.
+        ``owned``: ``params`` are writable float32 arrays nothing else uses (the tensors of
+        the message that brought them), which become the state's as they are; otherwise the
+        state gets a copy. The zeros are allocated untouched: they take memory as the closes
+        write them."""
+        arrays = {
+            k: v if owned and _adoptable(v) else np.array(v, dtype=np.float32)
+            for k, v in params.items()
+        }
         self.state = GlobalState(
             params=arrays,
-            momentum=zeros,
-            residual={k: v.copy() for k, v in zeros.items()},
+            momentum={k: np.zeros(v.shape, np.float32) for k, v in arrays.items()},
+            residual={k: np.zeros(v.shape, np.float32) for k, v in arrays.items()},
             global_version=0,
             round_counter=0,
             model_fingerprint=fingerprint,
@@ -117,6 +136,41 @@ class GlobalModel:
         digest = self.hash(state)
         signature = self.sign(state.global_version, base, fragment, digest)
         self._later(lambda: then(digest, signature))
+
+    @contextmanager
+    def changing(self) -> Iterator[Callable[[], None]]:
+        """Around a step that overwrites the state's arrays in place, which calls the
+        ``prepare`` yielded once it has checked everything that could refuse it, right before
+        the first array changes: ``prepare`` makes every save queued so far durable and runs
+        every action that waited on one (a save or an announcement reading an array must not
+        see it change). A step that fails after ``prepare`` left the state half changed: the
+        durable state, which is the state before the step, is read back from the store and the
+        error raised again."""
+        changed = False
+
+        def prepare() -> None:
+            nonlocal changed
+            self._drain()
+            changed = True
+
+        try:
+            yield prepare
+        except BaseException:
+            if changed:
+                self._restore()
+            raise
+
+    def _restore(self) -> None:
+        """The durable state back, in place of one a failed step changed."""
+        self.state = None  # the arrays changed are dropped before the store's are read
+        self._hash_cache = None
+        state = self._reload()
+        if state is None:
+            raise RuntimeError("no durable state to restore after a failed step")
+        log.error(
+            "[coordinator] a step failed; the durable state v%d is back", state.global_version
+        )
+        self.state = state
 
     def _current(self) -> GlobalState:
         assert self.state is not None, "no global model yet"
@@ -163,3 +217,14 @@ class GlobalModel:
             evaluate=evaluate,
             payload=encode_tensors(state.params, get_codec("fp32")),
         )
+
+
+def _adoptable(value: np.ndarray) -> bool:
+    """Whether ``value`` can be a state's array as it is: writable native float32."""
+    return (
+        isinstance(value, np.ndarray)
+        and value.dtype == np.dtype(np.float32)
+        and value.dtype.isnative
+        and value.flags.writeable
+        and value.flags.c_contiguous
+    )

@@ -139,6 +139,11 @@ class PostOffice:
     def durable(self) -> bool:
         return self.outbox is None or self.outbox.durable
 
+    def drain(self) -> None:
+        """Wait until every save queued so far is durable, and run what waited on them."""
+        if self.outbox is not None:
+            self.outbox.drain()
+
     # ---- sending ---------------------------------------------------------------------------
 
     def send(self, peer: bytes, msg: Message) -> bool:

@@ -110,6 +110,8 @@ class Coordinator:
             signing_key=signing_key,
             persist=self.post.persist,
             later=self.post.later,
+            drain=self.post.drain,
+            reload=self.post.load,
         )
         self.status_report = CoordinatorStatus(
             session_id=os.urandom(8).hex(),

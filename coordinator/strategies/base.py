@@ -252,6 +252,10 @@ class OrderedStep(Protocol):
         """The step over ``weighted`` (weight, update), in the order given."""
         ...
 
+    def ordered_tensor_step(self) -> TensorStep:
+        """:meth:`ordered_step` a tensor at a time."""
+        ...
+
 
 class SparseBroadcastStep:
     """The sparse broadcast's step, as every site runs it on the forwarded updates:

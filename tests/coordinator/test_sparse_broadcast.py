@@ -72,16 +72,19 @@ def _global(st: GlobalState, step) -> Global:  # type: ignore[no-untyped-def]
 
 def test_a_site_applying_the_broadcast_off_the_wire_lands_on_the_coordinators_params() -> None:
     st = _state()
+    before = {k: v.copy() for k, v in st.params.items()}
     names = list(SHAPES)
     step = sparse_outer_step(
         SparseLoCo(lr=0.8), st, names, _parts(3), averaged=frozenset({"norm.running"})
     )
+    # The step ran in place: the new state's arrays are the old state's, overwritten.
+    assert all(step.state.params[k] is st.params[k] for k in SHAPES)
     msg = from_wire(to_wire(_global(st, step), session="s", seq=1))
     assert isinstance(msg, Global)
     assert msg.part_weights == (100.0, 137.0, 174.0) and msg.outer_lr == 0.8
     # What a site computes, from the frames alone.
     parts = decode_parts(msg.payload, msg.part_weights, {k: SHAPES[k] for k in SHAPES})
-    site = sparse_step(st.params, parts, lr=msg.outer_lr, averaged=["norm.running"])
+    site = sparse_step(before, parts, lr=msg.outer_lr, averaged=["norm.running"])
     assert state_hash(site) == msg.state_hash == state_hash(step.state.params)
     for k in SHAPES:
         assert np.array_equal(site[k], step.state.params[k])
@@ -90,12 +93,12 @@ def test_a_site_applying_the_broadcast_off_the_wire_lands_on_the_coordinators_pa
     w = np.array([100.0, 137.0, 174.0]) / 411.0
     mean = {k: sum(np.float64(wi) * d[k] for wi, d in zip(w, decoded, strict=True)) for k in SHAPES}
     for k, lr in (("a.w", 0.8), ("norm.running", 1.0)):
-        want = st.params[k] - lr * mean[k]
+        want = before[k] - lr * mean[k]
         np.testing.assert_allclose(step.state.params[k], want, rtol=0, atol=1e-6)
     assert all(not r.any() for r in step.state.residual.values())
-    assert "sparse broadcast of 3 update(s)" in step.result.rule
+    assert "sparse broadcast of 3 update(s)" in step.rule
     # Sparse: the three updates together are a small fraction of the dense fp32 delta.
-    assert sum(e.nbytes for e in step.encoded) < 0.25 * sum(4 * v.size for v in st.params.values())
+    assert sum(e.nbytes for e in step.encoded) < 0.25 * sum(4 * v.size for v in before.values())
 
 
 def _bad(payload: tuple, weights: tuple[float, ...], match: str) -> None:
