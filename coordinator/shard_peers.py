@@ -1,0 +1,249 @@
+"""The two ends of a sharded coordinator's control plane, over :mod:`coordinator.shard_link`.
+
+:class:`ShardLeader` is shard 0's: it answers every shard's hello with the version it committed,
+keeps each shard's liveness, feeds what the shards report (parts folded, frozen, prepared) to
+its :class:`~coordinator.shard_plane.ShardPlane` and hands the plane's answers (close, abort,
+commit) to its caller, which sends them to every shard (:meth:`ShardLeader.broadcast`) and
+carries them out itself. :class:`ShardFollower` is every other shard's: it says hello every
+heartbeat interval, learns from shard 0's answer which version to run
+(:func:`~coordinator.shard_plane.resume`), and hands shard 0's decisions (open, freeze, close,
+commit, abort) to its caller, which reports back through :meth:`ShardFollower.report`.
+
+Neither decides anything about rounds: the leader's caller is the coordinator's lifecycle, and
+the follower's runs what shard 0 decided. A shard whose hello carries another shard count or
+another partition of the model is refused (logged, never answered): it runs another config.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from comm.wire.schema import (
+    Message,
+    ShardAbort,
+    ShardClose,
+    ShardCommit,
+    ShardFolded,
+    ShardFreeze,
+    ShardFrozen,
+    ShardHello,
+    ShardOpen,
+    ShardPrepared,
+    ShardState,
+)
+from coordinator.shard_link import ShardClient, ShardServer
+from coordinator.shard_plane import AbortAll, CloseAll, CommitAll, Resume, ShardPlane, resume
+
+log = logging.getLogger("crossdc.coordinator.shards")
+
+Decision = ShardOpen | ShardFreeze | ShardClose | ShardCommit | ShardAbort
+"""What shard 0 tells the other shards to do."""
+
+
+@dataclass(frozen=True)
+class Joined:
+    """Shard ``shard`` said hello from a new connection (its first, or after a restart: what it
+    folded of the rounds in flight is gone, so those rounds cannot close)."""
+
+    shard: int
+    first: bool
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Shard ``shard`` has not been heard from for the timeout."""
+
+    shard: int
+
+
+LeaderEvent = Joined | Lost | CloseAll | AbortAll | CommitAll
+
+
+class ShardLeader:
+    """Shard 0's end of the control plane (see the module doc)."""
+
+    def __init__(
+        self,
+        server: ShardServer,
+        plane: ShardPlane,
+        *,
+        partition: str,
+        committed: Callable[[], tuple[int, int]],
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``committed``: shard 0's last committed version and its round counter, as the
+        answer to each hello says them; ``timeout_s``: silence after which a shard is lost."""
+        self.server = server
+        self.plane = plane
+        self.partition = partition
+        self._committed = committed
+        self._timeout_s = timeout_s
+        self._clock = clock
+        self.peers: dict[int, bytes] = {}
+        """Each shard's connection (routing id)."""
+        self.heard: dict[int, float] = {}
+        self.held: dict[int, int] = {}
+        """The version each shard said it holds in its last hello."""
+        self._lost: set[int] = set()
+
+    @property
+    def present(self) -> bool:
+        """Every other shard is connected and heard from within the timeout."""
+        return len(self.peers) == self.plane.count - 1 and not self._lost
+
+    def poll(self, timeout_s: float) -> list[LeaderEvent]:
+        """Handle at most one message (waiting up to ``timeout_s``), then check liveness."""
+        events: list[LeaderEvent] = []
+        got = self.server.recv(timeout_s)
+        if got is not None:
+            events += self._handle(*got)
+        now = self._clock()
+        for shard, at in self.heard.items():
+            if now - at > self._timeout_s and shard not in self._lost:
+                self._lost.add(shard)
+                log.warning("[coordinator shards] shard %d silent for %.0fs", shard, now - at)
+                events.append(Lost(shard))
+        return events
+
+    def broadcast(self, msg: Decision) -> None:
+        """Send a decision to every other shard (each holds it until acknowledged)."""
+        for peer in self.peers.values():
+            self.server.send(peer, msg)
+
+    def _handle(self, peer: bytes, msg: Message) -> list[LeaderEvent]:
+        if isinstance(msg, ShardHello):
+            return self._hello(peer, msg)
+        shard = next((s for s, p in self.peers.items() if p == peer), None)
+        if shard is None:
+            log.warning("[coordinator shards] %s before a hello: dropped", type(msg).__name__)
+            return []
+        self.heard[shard] = self._clock()
+        try:
+            return self._report(shard, msg)
+        except ValueError as exc:  # out of protocol: nothing changed
+            log.warning("[coordinator shards] shard %d: %s refused: %s", shard, msg, exc)
+            return []
+
+    def _hello(self, peer: bytes, msg: ShardHello) -> list[LeaderEvent]:
+        count = self.plane.count
+        if msg.shards != count or not 0 < msg.shard < count or msg.partition != self.partition:
+            log.error(
+                "[coordinator shards] refused a hello from shard %d of %d (partition %s): this "
+                "is shard 0 of %d (partition %s); every shard must run the same config",
+                msg.shard,
+                msg.shards,
+                msg.partition,
+                count,
+                self.partition,
+            )
+            return []
+        version, counter = self._committed()
+        self.server.send(
+            peer, ShardState(global_version=version, round_counter=counter, sent_at=msg.sent_at)
+        )
+        self.heard[msg.shard] = self._clock()
+        self.held[msg.shard] = msg.global_version
+        self._lost.discard(msg.shard)
+        before = self.peers.get(msg.shard)
+        if before == peer:
+            return []
+        self.peers[msg.shard] = peer
+        log.info(
+            "[coordinator shards] shard %d %s",
+            msg.shard,
+            "joined" if before is None else "joined again",
+        )
+        return [Joined(msg.shard, before is None)]
+
+    def _report(self, shard: int, msg: Message) -> list[LeaderEvent]:
+        plane = self.plane
+        if isinstance(msg, ShardFolded):
+            if msg.shard != shard:
+                raise ValueError(f"it reports for shard {msg.shard}")
+            if msg.accepted:
+                plane.folded(shard, msg.round_id, msg.site_id)
+            else:
+                plane.refused(shard, msg.round_id, msg.site_id)
+            return []
+        if isinstance(msg, ShardFrozen):
+            frozen = plane.frozen(shard, msg.round_id, frozenset(msg.folded))
+            return [] if frozen is None else [frozen]
+        if isinstance(msg, ShardPrepared):
+            digests = {name: bytes.fromhex(str(d)) for name, d in msg.digests.items()}
+            prepared = plane.prepared(shard, msg.round_id, msg.global_version, digests)
+            return [] if prepared is None else [prepared]
+        raise ValueError(f"{type(msg).__name__} is not for shard 0")
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Shard 0 answered this shard's first hello of a connection: run ``resume.version``."""
+
+    resume: Resume
+    round_counter: int
+
+
+FollowerEvent = Resumed | Decision
+
+
+class ShardFollower:
+    """The end of shards 1 to S-1 (see the module doc)."""
+
+    def __init__(
+        self,
+        client: ShardClient,
+        *,
+        shard: int,
+        shards: int,
+        partition: str,
+        held: Callable[[], tuple[int, int]],
+        interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``held``: the version this shard holds and its round counter, for each hello."""
+        self.client = client
+        self.shard, self.shards, self.partition = shard, shards, partition
+        self._held = held
+        self._interval_s = interval_s
+        self._clock = clock
+        self._hello_at: float | None = None
+        self.resumed: Resumed | None = None
+        """Shard 0's first answer (None until it came)."""
+        self.heard_at: float | None = None
+
+    def poll(self, timeout_s: float) -> list[FollowerEvent]:
+        """Say hello when due, then handle at most one message (waiting up to ``timeout_s``)."""
+        now = self._clock()
+        if self._hello_at is None or now - self._hello_at >= self._interval_s:
+            version, counter = self._held()
+            self.client.send(
+                ShardHello(
+                    shard=self.shard,
+                    shards=self.shards,
+                    partition=self.partition,
+                    global_version=version,
+                    round_counter=counter,
+                    sent_at=now,
+                )
+            )
+            self._hello_at = now
+        msg = self.client.recv(timeout_s)
+        if msg is None:
+            return []
+        self.heard_at = self._clock()
+        if isinstance(msg, ShardState):
+            if self.resumed is not None:
+                return []
+            self.resumed = Resumed(resume(msg.global_version, self._held()[0]), msg.round_counter)
+            return [self.resumed]
+        if isinstance(msg, ShardOpen | ShardFreeze | ShardClose | ShardCommit | ShardAbort):
+            return [msg]
+        log.warning("[coordinator shard=%d] %s is not for me", self.shard, type(msg).__name__)
+        return []
+
+    def report(self, msg: ShardFolded | ShardFrozen | ShardPrepared) -> None:
+        self.client.send(msg)
