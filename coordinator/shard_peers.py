@@ -114,6 +114,14 @@ class ShardLeader:
         for peer in self.peers.values():
             self.server.send(peer, msg)
 
+    def abort_in_flight(self, why: str) -> tuple[int, ...]:
+        """Abort every round in flight on every shard (one of them left, or came back without
+        its folds): the plane's record and a :class:`ShardAbort` to each shard; their ids."""
+        ids = self.plane.abort_in_flight(why)
+        if ids:
+            self.broadcast(ShardAbort(round_ids=ids, reason=why))
+        return ids
+
     def _handle(self, peer: bytes, msg: Message) -> list[LeaderEvent]:
         if isinstance(msg, ShardHello):
             return self._hello(peer, msg)

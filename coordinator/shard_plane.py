@@ -207,6 +207,19 @@ class ShardPlane:
             raise ValueError(f"round {round_id} is committed: it cannot be aborted")
         return self._abort(r, round_id, why)
 
+    def in_flight(self) -> tuple[int, ...]:
+        """Rounds neither committed nor aborted, oldest first."""
+        done = (Phase.COMMITTED, Phase.ABORTED)
+        return tuple(sorted(i for i, r in self._rounds.items() if r.phase not in done))
+
+    def abort_in_flight(self, why: str) -> tuple[int, ...]:
+        """Every round in flight aborted (a shard left or came back without what it folded);
+        their ids. A round preparing is aborted too: no shard has announced it."""
+        ids = self.in_flight()
+        for round_id in ids:
+            self._abort(self._rounds[round_id], round_id, why)
+        return ids
+
     def forget(self, round_id: int) -> None:
         """A committed or aborted round, done with."""
         r = self._round(round_id)

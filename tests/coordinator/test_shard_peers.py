@@ -17,6 +17,7 @@ from comm.security.rolekits import CoordinatorKit, load_coordinator_kit
 from comm.transport.profile import ChannelConfig
 from comm.wire.partition import partition, partition_digest
 from comm.wire.schema import (
+    ShardAbort,
     ShardClose,
     ShardCommit,
     ShardFolded,
@@ -192,6 +193,22 @@ def test_a_silent_shard_is_lost_and_found_again(plane: Plane) -> None:
     while not plane.leader.present and time.monotonic() < deadline:
         step()
     assert plane.leader.present, "its next hello brings it back"
+
+
+def test_a_shard_back_after_a_restart_has_the_rounds_in_flight_aborted_everywhere(
+    plane: Plane,
+) -> None:
+    first = plane.follower()
+    _until(_both(plane, first), lambda e: isinstance(e, Joined))
+    plane.leader.plane.opened(6, ("eu",))
+    first.client.close()
+    plane.followers.remove(first)
+    again = plane.follower()
+    step = _both(plane, again)
+    assert _until(step, lambda e: isinstance(e, Joined)) == Joined(1, False)
+    assert plane.leader.abort_in_flight("shard 1 joined again") == (6,)
+    got = _until(step, lambda e: isinstance(e, ShardAbort))
+    assert got == ShardAbort(round_ids=(6,), reason="shard 1 joined again")
 
 
 def test_a_shard_one_version_ahead_rolls_back(plane: Plane) -> None:

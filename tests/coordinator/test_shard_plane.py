@@ -202,3 +202,19 @@ def test_a_shard_resumes_at_shard_zeros_version_or_rolls_back_one() -> None:
     for held in (6, 9):
         with pytest.raises(ValueError, match=f"holds version {held} and shard 0 committed 7"):
             resume(7, held)
+
+
+def test_rounds_in_flight_abort_together_and_committed_ones_stay() -> None:
+    plane = _plane(1)
+    plane.opened(2, SITES)
+    plane.opened(3, SITES)
+    plane.freeze(1)
+    for shard in range(3):
+        plane.frozen(shard, 1, frozenset({"eu"}))
+    for shard in range(3):
+        plane.prepared(shard, 1, 2, _digests(shard))
+    plane.freeze(2)
+    assert plane.in_flight() == (2, 3)
+    assert plane.abort_in_flight("shard 2 restarted") == (2, 3)
+    assert [plane.phase(i) for i in (1, 2, 3)] == [Phase.COMMITTED, Phase.ABORTED, Phase.ABORTED]
+    assert plane.in_flight() == () and plane.abort_in_flight("again") == ()

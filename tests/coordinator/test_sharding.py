@@ -170,3 +170,58 @@ def test_the_other_shards_find_shard_zero_where_it_listens() -> None:
     named = _cfg(shards=2, shard_control="tcp://coordinator-0.shards:7730")
     assert control_endpoint(named, {"MASTER_ADDR": "node-a"}) == "tcp://coordinator-0.shards:7730"
     assert _cfg(shard_control_bind="not checked with one shard").shards == 1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("procs", "said"),
+    [
+        (2, "this is shard {rank}, from torchrun RANK"),
+        (3, "torchrun started 3 processes (WORLD_SIZE) but coordinator.shards = 2"),
+    ],
+)
+def test_torchrun_starts_one_process_per_shard(tmp_path: Path, procs: int, said: str) -> None:
+    """``torchrun --nproc-per-node N -m crossdc coordinator`` on a config of 2 shards: with 2,
+    each process reads its shard from torchrun's rank (and, this version, refuses to run it);
+    with 3, each says the counts differ."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed")
+    path = tmp_path / "c.toml"
+    path.write_text(
+        '[coordinator]\nshards = 2\nbind = "tcp://127.0.0.1:0"\nmetrics_port = 0\n'
+        f'state_dir = "{tmp_path / "state"}"\n'
+    )
+    proc = subprocess.run(
+        [
+            str(torchrun),
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            str(procs),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            "-m",
+            "crossdc",
+            "coordinator",
+            "--config",
+            str(path),
+            "--insecure",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode != 0
+    for rank in range(procs):
+        assert said.format(rank=rank) in proc.stderr, proc.stderr[-3000:]
