@@ -139,7 +139,7 @@ class FileStateStore:
         with np.load(npz_path, allow_pickle=False) as npz:
             for key in npz.files:
                 kind, name = key.split("/", 1)
-                arrays[kind][name] = np.array(npz[key], dtype=np.float32)
+                arrays[kind][name] = np.asarray(npz[key], dtype=np.float32)  # read once
         return GlobalState(
             params=arrays["p"],
             momentum=arrays["m"],

@@ -10,6 +10,7 @@ before it is sent.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from comm.codecs.base import EncodedTensor
 from comm.codecs.registry import get_codec
 from comm.security.signing import sign_blob
 from comm.wire.schema import Global
@@ -68,6 +70,8 @@ class GlobalModel:
         self.spec: ModelSpec | None = None
         """The model as a site with its fingerprint declared it: explains refusals."""
         self._hash_cache: tuple[int, str] | None = None
+        self._full: tuple[int, list[weakref.ref[EncodedTensor]]] | None = None
+        """The whole model's fp32 encoding of a version, while any message still holds it."""
 
     # ---- the state's life ------------------------------------------------------------------
 
@@ -164,6 +168,7 @@ class GlobalModel:
         """The durable state back, in place of one a failed step changed."""
         self.state = None  # the arrays changed are dropped before the store's are read
         self._hash_cache = None
+        self._full = None
         state = self._reload()
         if state is None:
             raise RuntimeError("no durable state to restore after a failed step")
@@ -215,8 +220,20 @@ class GlobalModel:
             state_hash=digest,
             signature=self.sign(state.global_version, -1, -1, digest),
             evaluate=evaluate,
-            payload=encode_tensors(state.params, get_codec("fp32")),
+            payload=self._full_payload(state),
         )
+
+    def _full_payload(self, state: GlobalState) -> tuple[EncodedTensor, ...]:
+        """``state``'s params in fp32: encoded once per version, shared by every message that
+        carries it (sites behind at a close, catch-ups) while any of them is held, so that at
+        most one copy of the model waits for their acknowledgements."""
+        if self._full is not None and self._full[0] == state.global_version:
+            kept = [ref() for ref in self._full[1]]
+            if all(enc is not None for enc in kept):
+                return tuple(enc for enc in kept if enc is not None)
+        payload = encode_tensors(state.params, get_codec("fp32"))
+        self._full = (state.global_version, [weakref.ref(enc) for enc in payload])
+        return payload
 
 
 def _adoptable(value: np.ndarray) -> bool:

@@ -18,11 +18,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from comm.codecs.base import EncodedTensor
 from comm.security.common import AuthError
 from comm.wire.frames import WireError
 from comm.wire.schema import (
@@ -39,7 +40,7 @@ from comm.wire.schema import (
     Update,
     Welcome,
 )
-from comm.wire.tensors import decode_tensors
+from comm.wire.tensors import check_slices, decode_tensors
 from coordinator.aggregate import Aggregator
 from coordinator.conflicts import ClaimVerdict, IdentityConflicts
 from coordinator.delivery import Delivery
@@ -318,11 +319,12 @@ class Intake:
         try:
             # θ0 has no shapes to check against: only fp32 (what sites send), whose decoded
             # size is the size received.
-            params = decode_tensors(msg.payload, codecs=INITIAL_MODEL_CODECS)
+            params = received_model(msg.payload)
         except WireError as exc:
             self._post.reject(peer, exc.code, exc.detail, msg.site_id)
             return
-        self._model.install(params, msg.model_fingerprint)
+        # The state holds the tensors where they arrived (θ0 is not held twice).
+        self._model.install(params, msg.model_fingerprint, owned=True)
         self._rounds.set_model(0)
         self._members.holds(msg.site_id, 0, in_sync=True)
         digest = self._model.hash()
@@ -426,3 +428,42 @@ def eval_metrics(raw: Mapping[str, Any]) -> dict[str, float] | None:
             return None
         out[name] = float(value)
     return out
+
+
+def received_model(payload: Sequence[EncodedTensor]) -> dict[str, np.ndarray]:
+    """θ0's tensors, checked as :func:`~comm.wire.tensors.decode_tensors` checks an fp32
+    payload (each tensor named once, whole, fp32, finite): a tensor that arrived as one
+    writable float32 buffer of its size (a message reassembled from chunks) is that buffer,
+    reshaped, where it lies; any other is decoded into a new array. Raises
+    :class:`WireError` naming the first tensor wrong."""
+    out: dict[str, np.ndarray] = {}
+    for name, pieces in check_slices(payload, None).items():
+        view = _received_view(pieces[0])
+        if view is None:
+            out[name] = decode_tensors(pieces, codecs=INITIAL_MODEL_CODECS)[name]
+        elif not np.isfinite(view).all():
+            raise WireError(ErrorCode.NON_FINITE, f"{name!r} holds NaN or Inf")
+        else:
+            out[name] = view
+    return out
+
+
+def _received_view(enc: EncodedTensor) -> np.ndarray | None:
+    """``enc``'s values as the state may keep them without a copy: its one buffer when that is
+    writable, contiguous native float32 of the tensor's size, with nothing to decode; None
+    otherwise."""
+    if enc.codec not in INITIAL_MODEL_CODECS or enc.rows is not None or enc.meta:
+        return None
+    if len(enc.buffers) != 1 or any(int(d) < 0 for d in enc.shape):
+        return None
+    buf = enc.buffers[0]
+    if (
+        not isinstance(buf, np.ndarray)
+        or buf.dtype != np.dtype(np.float32)
+        or not buf.dtype.isnative
+        or not buf.flags.writeable
+        or not buf.flags.c_contiguous
+        or buf.size != enc.numel
+    ):
+        return None
+    return buf.reshape(enc.shape)
