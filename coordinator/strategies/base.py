@@ -358,6 +358,10 @@ class OuterStrategy:
     :class:`SparseBroadcastStep` and keeps its ``ordered_step``)."""
     why_not_other_broadcasts: ClassVar[str] = ""
     """Why a broadcast outside ``broadcasts`` is refused, for the message naming it."""
+    keeps_momentum: ClassVar[bool] = True
+    """Whether the step writes the outer momentum buffer (one float32 per parameter the
+    coordinator keeps); False: the buffer passes through untouched, its zeros never take
+    memory (``coordinator.memory.state_bytes_per_param``)."""
     needs: ClassVar[Revealed] = Revealed.SUM
     """What the strategy needs to see of a round's updates: their weighted sum is enough for a
     step on their mean; ``EACH_UPDATE``: the updates must reach the coordinator as their sites

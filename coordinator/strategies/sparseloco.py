@@ -38,6 +38,7 @@ class SparseLoCo(SparseBroadcastStep, OuterStrategy):
     name: ClassVar[str] = "sparseloco"
     summary: ClassVar[str] = "outer SGD, the sites' decayed error feedback as the only memory"
     broadcasts: ClassVar[frozenset[str]] = frozenset({"dense", "sparse"})
+    keeps_momentum: ClassVar[bool] = False
     needs: ClassVar[Revealed] = Revealed.EACH_UPDATE
     why_each_update: ClassVar[str] = (
         "its sites send the chunk top-k of their error feedback, which must arrive sparse"
