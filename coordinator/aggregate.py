@@ -26,6 +26,7 @@ arrival order.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -37,14 +38,20 @@ from comm.codecs.base import EncodedTensor
 from comm.codecs.registry import get_codec
 from comm.wire.frames import WireError
 from comm.wire.schema import ErrorCode, Join
-from comm.wire.tensors import check_slices, decode_tensors, encode_tensors, split_parts
+from comm.wire.tensors import (
+    accumulate,
+    check_payload,
+    check_slices,
+    decode_tensors,
+    encode_tensors,
+    split_parts,
+)
 from coordinator.state import GlobalState
 from coordinator.strategies.base import (
     OrderedStep,
     Revealed,
     Strategy,
     as_ordered,
-    global_norm,
 )
 
 Arrays = dict[str, npt.NDArray[np.float32]]
@@ -188,25 +195,62 @@ class Aggregator(Protocol):
 
 
 class RunningSum:
-    """Σ w·x per tensor and Σ w, over the updates added so far."""
+    """Σ w·x per tensor (float32, added in place) and Σ w, over the updates added so far.
+
+    The sum of a tensor is one float32 array of its shape, allocated zeroed at the first update
+    that names it; an update adds ``float32(w) * x`` to it, rounded to float32, a bounded tile
+    at a time (:func:`comm.wire.tensors.accumulate` from the encoded update, :meth:`add` from
+    arrays): nothing of the model's size is allocated per update. A float32 sum depends on the
+    order the updates are added in: whoever adds them fixes that order (:class:`MeanFold`)."""
 
     def __init__(self) -> None:
-        self._sum: dict[str, npt.NDArray[np.float64]] = {}
+        self._sum: dict[str, npt.NDArray[np.float32]] = {}
         self.weight = 0.0
         self.count = 0
 
-    def add(self, weight: float, tensors: Mapping[str, np.ndarray]) -> None:
-        """Fold one update in; its tensors may be freed afterwards."""
+    def _check(self, weight: float, names: Collection[str]) -> None:
         if not (np.isfinite(weight) and weight > 0):
             raise ValueError(f"weight must be a positive number, got {weight}")
-        if self._sum and set(tensors) != set(self._sum):
+        if self._sum and set(names) != set(self._sum):
             raise ValueError("an update names other tensors than the ones summed so far")
+
+    def _acc(self, name: str, shape: tuple[int, ...]) -> npt.NDArray[np.float32]:
+        acc = self._sum.get(name)
+        if acc is None:
+            acc = self._sum[name] = np.zeros(shape, dtype=np.float32)
+        return acc
+
+    def add(self, weight: float, tensors: Mapping[str, np.ndarray]) -> None:
+        """Fold one update held as arrays in; its tensors may be freed afterwards. The same
+        float32 arithmetic as :meth:`add_encoded` on their encodings' decode."""
+        self._check(weight, tensors)
+        w = np.float32(weight)
         for name, value in tensors.items():
-            acc = self._sum.get(name)
-            if acc is None:
-                self._sum[name] = np.asarray(value, dtype=np.float64) * weight
-            else:
-                acc += np.asarray(value, dtype=np.float64) * weight
+            src = np.asarray(value).reshape(-1)
+            flat = self._acc(name, tuple(np.shape(value))).reshape(-1)
+            step = _TILE
+            tile = np.empty(min(step, flat.size), dtype=np.float32)
+            for a in range(0, flat.size, step):
+                t = tile[: min(step, flat.size - a)]
+                np.multiply(src[a : a + t.size], w, out=t, dtype=np.float32, casting="unsafe")
+                flat[a : a + t.size] += t
+        self.weight += weight
+        self.count += 1
+
+    def add_encoded(
+        self, weight: float, pieces: Mapping[str, Sequence[EncodedTensor]], shapes: Shapes
+    ) -> None:
+        """Fold one update in from its encoded pieces (whole tensors, or slices of rows each
+        added at its rows), already checked (:func:`comm.wire.tensors.check_payload`): each is
+        decoded block by block straight into the sum."""
+        self._check(weight, pieces)
+        for name, encs in pieces.items():
+            shape = tuple(shapes[name])
+            flat = self._acc(name, shape).reshape(-1)
+            row = math.prod(shape[1:])
+            for enc in encs:
+                at = enc.rows[0] * row if enc.rows is not None else 0
+                accumulate(enc, flat[at : at + enc.numel], weight)
         self.weight += weight
         self.count += 1
 
@@ -214,13 +258,13 @@ class RunningSum:
         """Σ w·x / Σ w per tensor, as float32."""
         if not self.count:
             raise ValueError("the mean of no updates")
-        return {n: (s / self.weight).astype(np.float32) for n, s in self._sum.items()}
+        return {n: self.tensor_mean(n) for n in self._sum}
 
     def tensor_mean(self, name: str) -> npt.NDArray[np.float32]:
-        """One tensor of :meth:`mean`, computed alone."""
+        """One tensor of :meth:`mean`, computed alone: a new float32 array of its shape."""
         if not self.count:
             raise ValueError("the mean of no updates")
-        return (self._sum[name] / self.weight).astype(np.float32)
+        return np.divide(self._sum[name], np.float32(self.weight))
 
     @property
     def names(self) -> list[str]:
@@ -232,21 +276,25 @@ class RunningSum:
         return sum(int(a.nbytes) for a in self._sum.values())
 
 
-def decode_bounded(
+_TILE = 1 << 20
+"""Values per tile where arrays are added to a sum (4 MiB of float32)."""
+
+
+def check_bounded(
     payload: Sequence[EncodedTensor], shapes: Shapes, max_norm: float, *, slices: bool = False
-) -> tuple[Arrays, float] | Refused:
-    """An update's tensors and their norm, or why not: they do not decode into the round's
-    shapes, or they exceed the norm bound. ``slices``: a tensor may come as slices of its rows
-    (a sharded site's), put together into the whole tensor before the norm is taken, so the
-    bound and the finiteness checks cover the whole update."""
+) -> tuple[dict[str, list[EncodedTensor]], float] | Refused:
+    """An update's pieces by tensor and its norm, or why not: they do not fit the round's
+    shapes or are not finite (checked from the encoded values, nothing decoded into an array),
+    or they exceed the norm bound. ``slices``: a tensor may come as slices of its rows (a
+    sharded site's), which must cover it exactly once; the norm and the checks cover every
+    slice, so the bound is the whole update's."""
     try:
-        delta = decode_tensors(payload, dict(shapes), slices=slices)
+        pieces, norm = check_payload(payload, dict(shapes), slices=slices)
     except WireError as exc:
         return Refused(exc.code, exc.detail)
-    norm = global_norm(delta)
     if norm > max_norm:
         return Refused(ErrorCode.BAD_PAYLOAD, f"update norm {norm:.3g} > bound {max_norm:.3g}")
-    return delta, norm
+    return pieces, norm
 
 
 def refuse_slices(payload: Sequence[EncodedTensor], why: str) -> Refused | None:
@@ -345,32 +393,69 @@ class MeanResult:
 
 
 class MeanFold:
-    """Updates decoded, norm-bounded and folded into one running sum."""
+    """Updates checked from their encoded values, norm-bounded and folded into one float32
+    running sum, in a canonical order whatever order they arrive in.
+
+    The order is the round's participants by site id. An update is checked when it arrives
+    (a refusal changes nothing) and folded as soon as every update before it in that order was
+    folded; one that arrived ahead of its turn waits as the encoded payload it came as (the
+    transport's bytes, bounded by the message size limit) until its predecessors are folded or
+    the round's result is taken, which folds what waits in the same order, passing over the
+    participants that sent nothing. So the sum, and the mean, of a set of updates is the same
+    bit for bit whichever order they arrived in. Without participants (a closed round's late
+    updates, which may come from any of them in any order) every update waits until the result
+    is taken and they are folded by site id."""
 
     start_fields: Mapping[str, Any] = {}
 
-    def __init__(self, max_norm: float) -> None:
+    def __init__(self, max_norm: float, participants: Sequence[str] | None = None) -> None:
         self._max_norm = max_norm
         self.sum = RunningSum()
+        self._order = sorted(set(participants)) if participants is not None else []
+        self._turn = 0
+        """Index in ``_order`` of the next update to fold (while it has not arrived, every
+        later one waits)."""
+        self._waiting: dict[str, tuple[float, dict[str, list[EncodedTensor]], Shapes]] = {}
 
     def add(
         self, site_id: str, weight: float, payload: Sequence[EncodedTensor], shapes: Shapes
     ) -> Refused | str:
-        decoded = decode_bounded(payload, shapes, self._max_norm, slices=True)
-        if isinstance(decoded, Refused):
-            return decoded
-        self.sum.add(weight, decoded[0])
-        return f"norm={decoded[1]:.4g}"
+        checked = check_bounded(payload, shapes, self._max_norm, slices=True)
+        if isinstance(checked, Refused):
+            return checked
+        if not (np.isfinite(weight) and weight > 0):
+            return Refused(ErrorCode.BAD_PAYLOAD, f"update weight {weight} must be > 0")
+        pieces, norm = checked
+        self._waiting[site_id] = (weight, pieces, dict(shapes))
+        while self._turn < len(self._order) and self._order[self._turn] in self._waiting:
+            self._fold(self._order[self._turn])
+            self._turn += 1
+        return f"norm={norm:.4g}"
+
+    def _fold(self, site_id: str) -> None:
+        weight, pieces, shapes = self._waiting.pop(site_id)
+        self.sum.add_encoded(weight, pieces, shapes)
+
+    def fold_waiting(self) -> None:
+        """Fold every update still waiting for its turn, in the canonical order: the
+        participants' order, then any other site by id."""
+        rest = [s for s in self._order[self._turn :] if s in self._waiting]
+        rest += sorted(set(self._waiting) - set(rest))
+        for site_id in rest:
+            self._fold(site_id)
+        self._turn = len(self._order)
 
     def result(self, label: str, late: Sequence[Late]) -> RoundResult:
         """The running mean of the on-time updates, and each late round's once, down-weighted
         by how many syncs of its fragment it missed (late updates of one round share that
         weight, so they come as one mean)."""
+        self.fold_waiting()
         updates: list[tuple[str, float, Mapping[str, np.ndarray]]] = []
         if self.sum.count:
             updates.append((f"round {label}", self.sum.weight, SumMean(self.sum)))
         for lf in late:
             assert isinstance(lf.fold, MeanFold)
+            lf.fold.fold_waiting()
             updates.append(
                 (f"late@{lf.origin}", lf.fold.sum.weight / lf.divisor, SumMean(lf.fold.sum))
             )
@@ -378,7 +463,14 @@ class MeanFold:
 
     @property
     def nbytes(self) -> int:
-        return self.sum.nbytes
+        """The sum's bytes and the encoded bytes of the updates waiting for their turn."""
+        waiting = sum(
+            enc.nbytes
+            for _, pieces, _ in self._waiting.values()
+            for p in pieces.values()
+            for enc in p
+        )
+        return self.sum.nbytes + waiting
 
 
 class WeightedMean(_NoKeys):
@@ -390,7 +482,7 @@ class WeightedMean(_NoKeys):
         self.max_update_norm = max_update_norm
 
     def fold(self, round_id: int, participants: Sequence[str]) -> Fold:
-        return MeanFold(self.max_update_norm)
+        return MeanFold(self.max_update_norm, participants)
 
     def late_fold(self) -> Fold:
         return MeanFold(self.max_update_norm)
@@ -561,7 +653,7 @@ class ForwardFold:
         self, site_id: str, weight: float, payload: Sequence[EncodedTensor], shapes: Shapes
     ) -> Refused | str:
         refused = refuse_slices(payload, "the sparse broadcast forwards whole tensors")
-        decoded = refused or decode_bounded(payload, shapes, self._max_norm)
+        decoded = refused or check_bounded(payload, shapes, self._max_norm)
         if isinstance(decoded, Refused):
             return decoded
         self.kept[site_id] = (weight, tuple(payload))

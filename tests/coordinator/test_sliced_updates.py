@@ -49,7 +49,7 @@ def test_a_sliced_update_folds_to_the_sum_of_the_whole_one_bit_for_bit(spec: str
     codec = get_codec(spec)
     one, two = _delta(0.1), _delta(0.3)
     cuts = {"emb": [4, 9], "norm": [64]}  # 4 x 64, 9 x 64 and 64: on the grid of 64
-    sliced, whole = MeanFold(1e6), MeanFold(1e6)
+    sliced, whole = MeanFold(1e6, ["one", "two"]), MeanFold(1e6, ["one", "two"])
     for fold, second in ((sliced, _sliced(two, cuts, spec)), (whole, encode_tensors(two, codec))):
         assert isinstance(fold.add("one", 100.0, encode_tensors(one, codec), SHAPES), str)
         assert isinstance(fold.add("two", 300.0, second, SHAPES), str)

@@ -225,7 +225,7 @@ def test_the_coordinator_folds_a_sharded_site_with_a_site_of_one_process(
     }
     codec = get_codec("fp32")
     whole = [codec.encode(n, theta[n] - local[n].numpy()) for n in theta]
-    mixed, alike = MeanFold(1e6), MeanFold(1e6)
+    mixed, alike = MeanFold(1e6, ["fsdp", "one"]), MeanFold(1e6, ["fsdp", "one"])
     for fold, payload in ((mixed, results[0]["rounds"][0]["slices"]), (alike, whole)):
         assert isinstance(fold.add("fsdp", 3.0, payload, spec_of(theta)), str)
         assert isinstance(fold.add("one", 1.0, whole, spec_of(theta)), str)
