@@ -1,0 +1,163 @@
+"""A site's connection to a coordinator of several shards, as one link.
+
+With a coordinator of S shards (``[coordinator] shards = S``) a site holds one channel per shard
+and sends each shard its part of every update: the shard that owns a tensor
+(``comm.wire.partition.partition`` of the model's names and shapes, the cut every shard makes
+too). :class:`ShardedLink` is that set of channels behind the one-link interface the site's
+session uses (``site_agent.session.CoordinatorLink``), so the rest of the site is the same
+whether its coordinator is one process or S:
+
+- what the site sends: an ``Update`` or ``InitParams`` is cut by tensor, each shard getting its
+  tensors (the same round, weight and figures); an ``Eval`` goes to shard 0, which keeps the
+  federation's records; everything else (``Join``, ``Leave``, ``SyncRequest``, heartbeats) to
+  every shard, each of which admits the site for its tensors;
+- what it receives: shard 0's plans (``RoundStart``, ``RoundCancel``, ``Shutdown``) and heartbeat
+  echoes as they come, any shard's ``Error``; a ``Welcome`` once every shard has welcomed the
+  join (shard 0's); a ``Global`` once every shard's result of that version has arrived, as one
+  message: every shard's tensors, and shard 0's state hash (the combined hash over every shard,
+  equal to the one-process hash) and signature.
+
+A site of one coordinator never builds this (``coordinator_shards`` empty): its link is the
+channel itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from comm.codecs.base import EncodedTensor
+from comm.wire.partition import owner_of
+from comm.wire.schema import (
+    Error,
+    Eval,
+    Global,
+    InitParams,
+    Join,
+    Message,
+    RoundCancel,
+    RoundStart,
+    Shutdown,
+    Update,
+    Welcome,
+)
+
+if TYPE_CHECKING:
+    from comm.transport.stats import ChannelStats
+    from site_agent.session import CoordinatorLink
+
+log = logging.getLogger("crossdc.site")
+
+MAX_PENDING_RESULTS = 4
+"""Versions whose results wait for their other shards' parts at once; an older one is dropped
+(the site falls behind and catches up as after any lost result)."""
+
+_FROM_LEADER = (RoundStart, RoundCancel, Shutdown)
+
+_ResultKey = tuple[int, int, int, bool]
+
+
+class ShardedLink:
+    """One link per coordinator shard, shard 0 first, behind one interface (module doc)."""
+
+    def __init__(self, links: Sequence[CoordinatorLink], parts: Sequence[Sequence[str]]) -> None:
+        if len(links) != len(parts) or len(links) < 2:
+            raise ValueError(
+                f"{len(links)} links for {len(parts)} shards: one link per shard, at least two"
+            )
+        self.links = tuple(links)
+        self.owner = owner_of(parts)
+        self._next = 0
+        self._welcomed: dict[int, Welcome] = {}
+        self._results: dict[_ResultKey, dict[int, Global]] = {}
+
+    @property
+    def stats(self) -> ChannelStats:
+        """Shard 0's channel's (its round trips and goodput stand for the coordinator's)."""
+        return self.links[0].stats
+
+    # ---- sending -------------------------------------------------------------------------------
+
+    def send(self, msg: Message) -> None:
+        if isinstance(msg, Update | InitParams):
+            for shard, part in enumerate(self._split(msg.payload)):
+                self.links[shard].send(replace(msg, payload=part))
+            return
+        if isinstance(msg, Eval):
+            self.links[0].send(msg)
+            return
+        if isinstance(msg, Join):
+            self._welcomed.clear()
+        for link in self.links:
+            link.send(msg)
+
+    def _split(self, payload: Sequence[EncodedTensor]) -> list[tuple[EncodedTensor, ...]]:
+        """``payload`` cut by the shard owning each tensor (a slice of rows goes with its
+        tensor); ValueError names a tensor no shard owns."""
+        parts: list[list[EncodedTensor]] = [[] for _ in self.links]
+        for enc in payload:
+            shard = self.owner.get(enc.name)
+            if shard is None:
+                raise ValueError(f"tensor {enc.name!r} belongs to no shard of the coordinator")
+            parts[shard].append(enc)
+        return [tuple(p) for p in parts]
+
+    # ---- receiving -----------------------------------------------------------------------------
+
+    def recv(self, timeout_s: float) -> Message | None:
+        """The next message for the site, waiting up to ``timeout_s`` over all the shards."""
+        # Each shard in turn gets the wait, starting after the one that answered last, so a busy
+        # shard does not starve the others.
+        count = len(self.links)
+        per = timeout_s / count
+        for i in range(count):
+            shard = (self._next + i) % count
+            got = self.links[shard].recv(per)
+            if got is None:
+                continue
+            self._next = (shard + 1) % count
+            out = self._take(shard, got)
+            if out is not None:
+                return out
+        return None
+
+    def _take(self, shard: int, msg: Message) -> Message | None:
+        if isinstance(msg, Error):
+            return msg
+        if isinstance(msg, Welcome):
+            self._welcomed[shard] = msg
+            if len(self._welcomed) < len(self.links):
+                return None
+            return self._welcomed[0]
+        if isinstance(msg, Global):
+            return self._result(shard, msg)
+        if shard == 0:
+            return msg
+        if not isinstance(msg, _FROM_LEADER):
+            return None  # another shard's heartbeat echo: shard 0's measure the link
+        log.warning("[site] shard %d sent %s, which only shard 0 sends", shard, type(msg).__name__)
+        return None
+
+    def _result(self, shard: int, msg: Global) -> Global | None:
+        if msg.part_weights:
+            log.warning("[site] shard %d sent a sparse broadcast, which shards never send", shard)
+            return None
+        key = (msg.round_id, msg.base_version, msg.global_version, msg.is_full)
+        parts = self._results.setdefault(key, {})
+        parts[shard] = msg
+        if len(parts) < len(self.links):
+            while len(self._results) > MAX_PENDING_RESULTS:
+                oldest = min(self._results, key=lambda k: k[2])
+                log.warning("[site] result of version %d never completed: dropped", oldest[2])
+                del self._results[oldest]
+            return None
+        del self._results[key]
+        lead = parts[0]
+        payload = tuple(enc for s in range(len(self.links)) for enc in parts[s].payload)
+        return replace(lead, payload=payload)
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close()
