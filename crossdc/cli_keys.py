@@ -9,6 +9,8 @@ from typing import Any
 
 from crossdc.cli_common import EXIT_BAD_CONFIG, SubParsers, add_command
 
+DEFAULT_ENDPOINT = "tcp://COORDINATOR_HOST:7710"
+
 
 def cmd_keys(args: argparse.Namespace) -> int:
     from comm.security.common import AuthError
@@ -25,7 +27,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
                 args.site,
                 args.days,
                 out_dir=args.out,
-                coordinator_endpoint=args.endpoint,
+                coordinator_endpoint=args.endpoint or [DEFAULT_ENDPOINT],
             )
             cert = issued.certificate
             out = {
@@ -86,7 +88,13 @@ def add_keys_command(sub: SubParsers) -> None:
     ks.add_argument("--site", required=True)
     ks.add_argument("--days", type=float, default=90.0)
     ks.add_argument("--out", default=None, help="where the site's startup kit goes")
-    ks.add_argument("--endpoint", default="tcp://COORDINATOR_HOST:7710")
+    ks.add_argument(
+        "--endpoint",
+        action="append",
+        default=None,
+        help="the coordinator's endpoint for the site's starter config; once per shard, shard 0 "
+        f"first, for a coordinator of several shards (default: {DEFAULT_ENDPOINT})",
+    )
     ks.add_argument("--json", action="store_true")
     kr = add_command(ksub, "revoke", help="revoke every certificate of a site")
     kr.add_argument("--kit", required=True)

@@ -58,6 +58,9 @@ class SiteConfig:
     """The coordinator's ZeroMQ endpoint, e.g. ``tcp://coord.example.org:7710``."""
     coordinator_endpoint_file: str = ""
     """Alternatively, a file holding ``{"endpoint": ...}`` (written by a local coordinator)."""
+    coordinator_shards: tuple[str, ...] = ()
+    """A coordinator of several shards: every shard's endpoint, shard 0's first (it is
+    ``coordinator``; the site's kit names them all). Empty: one coordinator process."""
     state_dir: str = "./site-state"
     """Site-local checkpoint directory."""
     metrics_port: int = 0
@@ -110,6 +113,24 @@ class SiteConfig:
     conserves every dropped value; SparseLoCo's recipe (``coordinator.outer_strategy =
     "sparseloco"``) uses 0.95, the decayed residual standing in for outer momentum."""
 
+    def _check_shards(self) -> None:
+        """A sharded coordinator's endpoints: two or more, distinct, shard 0's ``coordinator``."""
+        shards = self.coordinator_shards
+        if not shards:
+            return
+        if len(shards) < 2 or len(set(shards)) != len(shards):
+            raise ValueError(
+                f"site.coordinator_shards must name two or more distinct endpoints, got {shards!r}"
+            )
+        bad = [e for e in shards if not e.startswith(("tcp://", "ipc://"))]
+        if bad:
+            raise ValueError(f"site.coordinator_shards: {bad[0]!r} is not a ZeroMQ endpoint")
+        if self.coordinator != shards[0]:
+            raise ValueError(
+                f"site.coordinator must be shard 0's endpoint, coordinator_shards[0] = "
+                f"{shards[0]!r}, got {self.coordinator!r}"
+            )
+
     def __post_init__(self) -> None:
         if not 0.0 <= self.error_feedback_decay <= 1.0:
             raise ValueError(
@@ -123,6 +144,7 @@ class SiteConfig:
             raise ValueError(
                 "site.coordinator: set exactly one of coordinator or coordinator_endpoint_file"
             )
+        self._check_shards()
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"site.metrics_port must be in [0, 65535], got {self.metrics_port}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):

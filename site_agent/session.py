@@ -65,7 +65,8 @@ class ErrorResponse(enum.Enum):
 class CoordinatorLink(Protocol):
     """The site's end of its connection to the coordinator (``SiteLink``, or a test's script)."""
 
-    stats: ChannelStats
+    @property
+    def stats(self) -> ChannelStats: ...
 
     def send(self, msg: Message) -> None: ...
 
@@ -132,7 +133,9 @@ class Session:
         clock: Callable[[], float],
         heartbeat_version: Callable[[], int],
         link: CoordinatorLink | None = None,
+        shards: tuple[str, ...] = (),
     ) -> None:
+        """``shards``: a sharded coordinator's endpoints, shard 0's first (``coordinator``)."""
         self.identity = identity
         self.site_id = identity.site_id
         self._channel = channel
@@ -141,6 +144,7 @@ class Session:
         self._clock = clock
         self._heartbeat_version = heartbeat_version
         self.link = link
+        self._shards = shards
         self.session_id = ""
         self.auth = AuthWatch()
         self._echoes_seen, self._last_echo_at = 0, clock()
@@ -169,6 +173,7 @@ class Session:
             clock=clock,
             heartbeat_version=heartbeat_version,
             link=link,
+            shards=cfg.coordinator_shards,
         )
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -184,7 +189,16 @@ class Session:
                 "For loopback experiments only.",
                 self.site_id,
             )
-        link = SiteLink(
+        if self._shards:
+            self.link = self._sharded_link()
+            return ", ".join(self._shards)
+        link = self._site_link(endpoint)
+        link.start()
+        self.link = link
+        return endpoint
+
+    def _site_link(self, endpoint: str) -> SiteLink:
+        return SiteLink(
             self._channel,
             identity=self.site_id,
             endpoint=endpoint,
@@ -195,9 +209,24 @@ class Session:
             ),
             on_reject=lambda _p, code, _d: self._metrics.rejected(code.name.lower()),
         )
-        link.start()
-        self.link = link
-        return endpoint
+
+    def _sharded_link(self) -> CoordinatorLink:
+        """One channel per shard of the coordinator, as one link (``site_agent.shard_links``),
+        each shard sent its tensors of the model's cut (``comm.wire.partition``)."""
+        from comm.wire.partition import partition
+        from site_agent.shard_links import ShardedLink
+
+        spec = {str(n): tuple(shape) for n, shape, _ in self.identity.capabilities["state_spec"]}
+        links: list[SiteLink] = []
+        try:
+            for endpoint in self._shards:
+                links.append(self._site_link(endpoint))
+                links[-1].start()
+        except BaseException:
+            for started in links:
+                started.close()
+            raise
+        return ShardedLink(links, partition(spec, len(self._shards)))
 
     def close(self) -> None:
         if self.link is not None:

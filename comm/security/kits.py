@@ -268,13 +268,19 @@ class IssuedSite:
     site_kit_dir: Path
 
 
-def _site_toml(site_id: str, endpoint: str, kit_name: str) -> str:
+def _site_toml(site_id: str, endpoints: Sequence[str], kit_name: str) -> str:
+    """The starter config: the coordinator's endpoint, or with several (a coordinator of
+    several shards, shard 0's first) shard 0's and every shard's."""
+    shards = ""
+    if len(endpoints) > 1:
+        shards = "coordinator_shards = [" + ", ".join(f'"{e}"' for e in endpoints) + "]\n"
     return (
         f"# Starter config for site {site_id!r}. Keep this kit directory private to the site\n"
         "# (site.curve.key is its secret key); point kit_dir at where it lives on the site.\n"
         "[site]\n"
         f'site_id = "{site_id}"\n'
-        f'coordinator = "{endpoint}"\n'
+        f'coordinator = "{endpoints[0]}"\n'
+        f"{shards}"
         "\n"
         "[site.security]\n"
         f'kit_dir = "./{kit_name}"\n'
@@ -287,7 +293,7 @@ def issue_site(
     days: float,
     *,
     out_dir: str | Path | None = None,
-    coordinator_endpoint: str = "tcp://COORDINATOR_HOST:7710",
+    coordinator_endpoint: str | Sequence[str] = "tcp://COORDINATOR_HOST:7710",
     now: float | None = None,
 ) -> IssuedSite:
     """Issue site ``site_id`` a CURVE keypair and an X.509 certificate valid for ``days`` from
@@ -296,9 +302,17 @@ def issue_site(
     The certificate is recorded in ``certs/`` (what the coordinator trusts) and a startup kit is
     written to ``out_dir`` (default ``sites/<site_id>`` in the kit; it must not exist yet): the
     site's CURVE secret (0600) and public key, its certificate ``site.pem``, the CA certificate,
-    the coordinator's CURVE and signing public keys and a starter ``site.toml``. Needs
-    ``ca.key``.
+    the coordinator's CURVE and signing public keys and a starter ``site.toml`` naming the
+    coordinator's endpoint (several: every shard's of a sharded coordinator, shard 0's first).
+    Needs ``ca.key``.
     """
+    endpoints = (
+        (coordinator_endpoint,)
+        if isinstance(coordinator_endpoint, str)
+        else tuple(coordinator_endpoint)
+    )
+    if not endpoints or len(set(endpoints)) != len(endpoints):
+        raise ValueError(f"the coordinator's endpoints must be distinct, got {endpoints!r}")
     check_site_id(site_id)
     _check_days(days, "days")
     kit = require_format(Path(kit_dir))
@@ -336,7 +350,7 @@ def issue_site(
             _write(target / name, (kit / name).read_bytes(), _PUBLIC_MODE)
         _write(
             target / SITE_TOML,
-            _site_toml(site_id, coordinator_endpoint, target.name).encode(),
+            _site_toml(site_id, endpoints, target.name).encode(),
             _PUBLIC_MODE,
         )
     log.info(
