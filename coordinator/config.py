@@ -225,6 +225,7 @@ class CoordinatorConfig:
         for key, value, plain in (
             ("num_fragments", self.num_fragments, 1),
             ("secure_aggregation", self.secure_aggregation, None),
+            ("broadcast", self.broadcast, "dense"),
         ):
             if value != plain:
                 raise ValueError(

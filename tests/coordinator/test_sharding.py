@@ -116,6 +116,10 @@ def test_a_shard_of_another_count_is_refused() -> None:
         ({"shards": 2, "shard_control_bind": "tcp://0.0.0.0:0"}, "shard_control_bind must be tcp"),
         ({"shards": 2, "shard_control": "ipc:///x"}, "coordinator.shard_control must be tcp"),
         (
+            {"shards": 2, "outer_strategy": "sparseloco", "broadcast": "sparse"},
+            r"needs coordinator.broadcast at its default \('dense'\)",
+        ),
+        (
             {"shards": 2, "num_fragments": 2},
             r"coordinator.shards = 2 needs coordinator.num_fragments at its default \(1\)",
         ),
