@@ -5,10 +5,12 @@ One :class:`Aggregator` is chosen when the federation is assembled; each round f
 updates through a :class:`Fold` the aggregator gives it, and at its close
 :meth:`Fold.result` hands the strategy what it merges (:class:`RoundResult`). Two live here:
 
-- :class:`WeightedMean`: each update decoded (a sharded site's slices of a tensor put together
-  into the whole tensor), bounded by its norm and folded into a :class:`RunningSum` the moment
-  it arrives (the sites' updates themselves are never kept: memory is O(model) per open round
-  whatever the number of sites); the strategy steps on the weighted mean and the step's delta
+- :class:`WeightedMean`: each update checked from its encoded values (finite, within the norm
+  bound over all its pieces, a sharded site's slices included) and decoded block by block
+  straight into a float32 :class:`RunningSum`, each piece at its rows: no float copy of an
+  update is ever made, and memory is one float32 sum per open round whatever the number of
+  sites, plus the encoded bytes of updates waiting for their turn (:class:`MeanFold`). The
+  strategy steps on the weighted mean and the step's delta
   goes down through the downlink codec, the difference to the exact result kept as the
   downlink residual (:func:`outer_step`).
 - :class:`SparseForward`: the same checks (whole tensors only), but the updates are kept as they
@@ -19,9 +21,10 @@ updates through a :class:`Fold` the aggregator gives it, and at its close
   (:func:`sparse_outer_step`).
 
 Late updates (their round closed) fold into a second fold of their round, merged at their
-fragment's next sync, down-weighted by the syncs they missed. Sums are accumulated in float64:
-the mean is the same as a float32 mean of the kept updates up to float32 rounding, whatever the
-arrival order.
+fragment's next sync, down-weighted by the syncs they missed. Sums are float32 (4 bytes a
+parameter), and a float32 sum depends on the order of its terms, so a fold adds its updates in
+a canonical order, the participants' by site id, whatever order they arrive in (late ones by
+site id when they are merged): the same updates give the same mean bit for bit, run after run.
 """
 
 from __future__ import annotations
@@ -276,8 +279,8 @@ class RunningSum:
         return sum(int(a.nbytes) for a in self._sum.values())
 
 
-_TILE = 1 << 20
-"""Values per tile where arrays are added to a sum (4 MiB of float32)."""
+_TILE = 1 << 16
+"""Values per tile where arrays are added to a sum (256 KiB of float32, in cache)."""
 
 
 def check_bounded(

@@ -328,6 +328,7 @@ def _add_bench_command(sub: SubParsers) -> None:
             "ddp",
             "delivery",
             "equal_tokens",
+            "fold",
             "fuzz",
             "hostile",
             "pipeline",

@@ -190,7 +190,7 @@ def _put(out: FloatArray, values: FloatArray, weight: np.float32 | None) -> None
     if weight is None:
         np.copyto(out, values)
         return
-    step = base._TILE_ELEMS
+    step = base._RANGE_TILE_ELEMS
     tile = np.empty(min(step, out.size), dtype=_F32)
     for a in range(0, out.size, step):
         t = tile[: min(step, out.size - a)]
@@ -207,7 +207,7 @@ def _tiled(
     """Elementwise range work: ``convert(at, dst)`` writes decoded elements ``[at, at +
     dst.size)`` into ``dst``; they land in ``out`` (its element 0 is element ``start``), or
     ``weight`` times them is added to it, one bounded tile at a time."""
-    step = base._TILE_ELEMS  # read at call time: tests shrink it
+    step = base._RANGE_TILE_ELEMS  # read at call time: tests shrink it
     if weight is None:
         for a in range(0, out.size, step):
             convert(start + a, out[a : a + step])
@@ -238,6 +238,12 @@ def _sparse_into(
         out[at] += v * weight
 
 
+def _dot(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> Any:
+    """Σ a·b in one vectorised pass, without BLAS: ``np.dot`` may hand a large vector to a
+    thread pool, whose threads spin on a busy host and charge CPU time for nothing."""
+    return np.einsum("i,i->", a, b)
+
+
 def _sum_squares_tiled(
     name: str,
     numel: int,
@@ -247,13 +253,13 @@ def _sum_squares_tiled(
     """Σ x² in float64 over ``numel`` decoded values that ``tile_of(at, scratch)`` hands out a
     tile at a time (values ``[at, at + scratch.size)``, in ``scratch`` or a view of its own);
     NonFiniteError, counting the NaN and Inf of every tile, when one is not finite."""
-    step = base._TILE_ELEMS  # read at call time: tests shrink it
+    step = base._RANGE_TILE_ELEMS  # read at call time: tests shrink it
     scratch = np.empty(min(step, numel), dtype=_F32)
     total = 0.0
     for a in range(0, numel, step):
         t = tile_of(a, scratch[: min(step, numel - a)])
         with np.errstate(over="ignore"):
-            part = float(np.dot(t, t))
+            part = float(_dot(t, t))
         if not math.isfinite(part):
             if not np.isfinite(t).all():
                 nan = inf = 0
@@ -263,7 +269,7 @@ def _sum_squares_tiled(
                     inf += int(np.isinf(u).sum())
                 raise NonFiniteError(name, f"has non-finite values {stage} ({nan} NaN, {inf} Inf)")
             wide = t.astype(np.float64)  # squares beyond float32's range
-            part = float(np.dot(wide, wide))
+            part = float(_dot(wide, wide))
         total += part
     return total
 
@@ -284,7 +290,7 @@ def _raise_non_finite_np(name: str, values: npt.NDArray[Any], stage: str) -> NoR
     """NonFiniteError naming ``name`` and counting the NaN and Inf of ``values``."""
     flat = values.reshape(-1)
     nan = inf = 0
-    step = base._TILE_ELEMS
+    step = base._RANGE_TILE_ELEMS
     for a in range(0, flat.size, step):
         t = flat[a : a + step]
         nan += int(np.isnan(t).sum())

@@ -1,7 +1,9 @@
 """Blockwise symmetric absmax quantization: ``int8``, ``int4``, ``int3`` and ternary ``int2``,
 one fp16 scale per block.
 
-int4 and int3 pack two values per byte, int2 four. Work on CPU runs in tiles of ``base._TILE_ELEMS`` values.
+int4 and int3 pack two values per byte, int2 four. Encoding and ``decode`` on CPU run in tiles of
+``base._TILE_ELEMS`` values (torch); range decodes, in-place folds and the sums of squares read
+from the codes run in tiles of ``base._RANGE_TILE_ELEMS`` (numpy).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from comm.codecs.plumbing import (
     Layout,
     _bad_meta,
     _Codec,
+    _dot,
     _flat_f32,
     _meta_int,
     _new,
@@ -270,7 +273,7 @@ class _BlockCodec(_Codec):
         b0, b1 = start // block, -(-stop // block)
         values = arrays[0]
         s32 = self._scales(enc, arrays[1][b0:b1])
-        rows = max(1, base._TILE_ELEMS // block)  # read at call time: tests shrink it
+        rows = max(1, base._RANGE_TILE_ELEMS // block)  # read at call time: tests shrink it
         span = min(rows, b1 - b0) * block
         codes = np.empty(span + 8, dtype=np.int8)
         tile = np.empty(span, dtype=_F32)
@@ -308,17 +311,20 @@ class _BlockCodec(_Codec):
         if not numel:
             return 0.0
         per_block = self._value_count(block)
-        rows = max(1, base._TILE_ELEMS // block)
-        qsq = np.empty(s32.size, dtype=np.int64)
+        rows = max(1, base._RANGE_TILE_ELEMS // block)
+        lut = self.square_lut
+        # A block's sum of squares fits an int32 unless blocks are long (int8's up to 2^20).
+        wide = per_block * int(lut.max()) >= 1 << 31
+        squares = np.empty(min(rows, s32.size) * per_block, dtype=lut.dtype)
+        starts = np.arange(0, squares.size, per_block)
+        qsq = np.empty(s32.size, dtype=np.int64 if wide else np.int32)
         for r0 in range(0, s32.size, rows):
             r1 = min(s32.size, r0 + rows)
             chunk = values[r0 * per_block : r1 * per_block].view(np.uint8)
-            squares = np.take(self.square_lut, chunk)
-            qsq[r0:r1] = np.add.reduceat(
-                squares, np.arange(0, squares.size, per_block), dtype=np.int64
-            )
+            sq = np.take(lut, chunk, out=squares[: chunk.size])
+            np.add.reduceat(sq, starts[: r1 - r0], dtype=qsq.dtype, out=qsq[r0:r1])
         s64 = s32.astype(np.float64)
-        return float(np.dot(s64 * s64, qsq.astype(np.float64)))
+        return float(_dot(s64 * s64, qsq.astype(np.float64)))
 
 
 _SCALES_STAGE = "after decoding (in the block scales)"

@@ -43,7 +43,7 @@ def _ranges(n: int, rng: np.random.Generator) -> list[tuple[int, int]]:
 @pytest.fixture
 def small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tiles of a few blocks, so ranges span several tiles and cut them."""
-    monkeypatch.setattr(base, "_TILE_ELEMS", 96)
+    monkeypatch.setattr(base, "_RANGE_TILE_ELEMS", 96)
 
 
 @pytest.mark.parametrize("spec", SPECS)
