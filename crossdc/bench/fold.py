@@ -103,18 +103,19 @@ def _measure(
         else:
             best["fold"] = min(best["fold"], _cpu(run))
         sums = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
-        best["check"] = min(
-            best["check"],
-            _cpu(lambda: [codec.sum_squares(e) for p in payloads for e in p]),
-        )
-        best["add"] = min(
-            best["add"],
-            _cpu(
-                lambda sums=sums: [
-                    codec.accumulate(e, sums[e.name], 0.5) for p in payloads for e in p
-                ]
-            ),
-        )
+
+        def check() -> None:
+            for payload in payloads:
+                for enc in payload:
+                    codec.sum_squares(enc)
+
+        def add(sums: dict[str, np.ndarray] = sums) -> None:
+            for payload in payloads:
+                for enc in payload:
+                    codec.accumulate(enc, sums[enc.name], 0.5)
+
+        best["check"] = min(best["check"], _cpu(check))
+        best["add"] = min(best["add"], _cpu(add))
     updates = params * sites
     return {
         "name": spec,
