@@ -17,8 +17,12 @@ import re
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
+from comm.wire.partition import partition
 from coordinator.config import CoordinatorConfig
+
+V = TypeVar("V")
 
 ORDINAL = "ordinal"
 """``--shard ordinal``: the trailing ``-N`` of the host name (a StatefulSet pod's ordinal)."""
@@ -154,3 +158,15 @@ def shard_config(cfg: CoordinatorConfig, identity: ShardIdentity) -> Coordinator
         changes["bind"] = _offset_endpoint(cfg.bind, i)
         changes["metrics_port"] = cfg.metrics_port + i if cfg.metrics_port else 0
     return dataclasses.replace(cfg, **changes)  # type: ignore[arg-type]
+
+
+def own_part(
+    model: Mapping[str, V], shapes: Mapping[str, tuple[int, ...]], identity: ShardIdentity
+) -> dict[str, V]:
+    """The entries of ``model`` (by tensor name: parameters, θ0, a spec) that shard
+    ``identity`` owns in the cut of the whole model's ``shapes``; the whole of ``model`` with
+    one shard. A shard builds θ0 whole and keeps this part (every shard cuts alike)."""
+    if identity.count == 1:
+        return dict(model)
+    names = set(partition(shapes, identity.count)[identity.index])
+    return {name: value for name, value in model.items() if name in names}

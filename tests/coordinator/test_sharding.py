@@ -15,6 +15,7 @@ from coordinator.sharding import (
     ShardIdentity,
     bind_port,
     control_endpoint,
+    own_part,
     resolve,
     shard_config,
 )
@@ -215,6 +216,9 @@ def test_torchrun_starts_one_process_per_shard(tmp_path: Path, procs: int, said:
             "127.0.0.1",
             "--master-port",
             str(_free_port()),
+            # torchrun stops every rank once one has failed: look only after all have run.
+            "--monitor-interval",
+            "20",
             "-m",
             "crossdc",
             "coordinator",
@@ -229,3 +233,14 @@ def test_torchrun_starts_one_process_per_shard(tmp_path: Path, procs: int, said:
     assert proc.returncode != 0
     for rank in range(procs):
         assert said.format(rank=rank) in proc.stderr, proc.stderr[-3000:]
+
+
+def test_each_shard_keeps_its_part_of_the_model() -> None:
+    import numpy as np
+
+    params = {f"t{i}": np.zeros((i + 1, 3), np.float32) for i in range(5)}
+    shapes = {n: tuple(a.shape) for n, a in params.items()}
+    parts = [own_part(params, shapes, ShardIdentity(i, 2, "--shard")) for i in range(2)]
+    assert not set(parts[0]) & set(parts[1]) and set(parts[0]) | set(parts[1]) == set(params)
+    assert all(parts[i][n] is params[n] for i in range(2) for n in parts[i])
+    assert own_part(params, shapes, ShardIdentity(0, 1, "single")) == params
