@@ -26,7 +26,11 @@ Invariants every codec keeps: ``encode`` rejects NaN/Inf with ``NonFiniteError``
 validates the buffers against the sizes the meta implies and rejects a non-finite result; encoded
 buffers never alias the input and decoded arrays are fresh, writable and C-contiguous; the
 elementwise and blockwise codecs can encode a flat tensor chunk by chunk with byte-identical
-results (``chunk_multiple``, ``encode_chunks``, ``join_chunks``).
+results (``chunk_multiple``, ``encode_chunks``, ``join_chunks``). Every codec also reads an
+encoded tensor in place, without a float copy of it: ``decode_into`` decodes a range of its
+elements into a given float32 array (bit for bit ``decode`` there; the dense codecs read only the
+blocks covering the range), ``accumulate`` adds ``float32(weight) *`` a range into one in place,
+and ``sum_squares`` gives Σ x² from the encoded values, refusing what ``decode`` refuses.
 
 Other modules: ``base`` (the encoded form, the protocol, finiteness), ``plumbing`` (shared array
 helpers and the codec skeleton), ``registry`` (the families by name and wire id, spec strings,
