@@ -239,7 +239,7 @@ def _serve(sites: Sites, coords: list[_Coordinator], timeout_s: float) -> None:
             site.beat()
             busy = drain(sites, site) or busy
         busy = sites.step() or busy
-        sites.theta.release_pages()
+        sites.theta.files.release()
         if time.monotonic() - last_rss > 0.2:
             for coord in coords:
                 coord.sample()

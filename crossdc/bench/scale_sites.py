@@ -5,9 +5,9 @@ The model is a list of flat float32 tensors of at most :data:`TENSOR_NUMEL` valu
 (:class:`Layout`). Everything a site sends or receives is made or taken one tensor at a time:
 
 - θ0 is generated tensor by tensor (a seeded RNG per tensor) into a file, and the first site
-  uploads it from a read-only mapping of that file (the upload's float32 buffers are the file's
-  pages, never a copy in the process's own memory); the pages the transport has read are
-  handed back to the page cache as it goes (:meth:`SharedTheta.release_pages`).
+  uploads it from a read-only mapping of that file (:class:`SentFiles`: the upload's float32
+  buffers are the file's pages, never a copy in the process's own memory); the pages the
+  transport has read are dropped from the process as it goes, and stay in the page cache.
 - An update is generated tensor by tensor as int4 codes, deterministic per site, round and
   tensor (:func:`update_tensor`): random codes and one fp16 scale per block of 64, each block
   holding a code of ±7, so the payload is exactly the int4 codec's encoding of the values it
@@ -15,8 +15,9 @@ The model is a list of flat float32 tensors of at most :data:`TENSOR_NUMEL` valu
   afterwards because that costs about 25 times less CPU (about 2 ms per tensor of 4M values
   against 45 ms for normal variates and 8 ms to encode them): a site makes its update once its
   round has started, so the time lands in the round's close time, and the CPU is shared with
-  the coordinator the bench measures. A site's whole compressed update is held while it is
-  sent (a wire message; the transport cuts it into chunks lazily, from these buffers).
+  the coordinator the bench measures. The whole compressed update is a wire message, which
+  the transport cuts into chunks lazily from its buffers while it is sent: it is written to a
+  file a tensor at a time and sent from the file's mapping, like θ0 (:func:`write_update`).
 - A result (:class:`~comm.wire.schema.Global`) is decoded, applied and hashed a block of
   :data:`STREAM_BLOCK` values at a time: θ is one file on disk, a block of it is read, the
   delta's values there decoded beside it (:func:`comm.wire.tensors.decode_into`) and added as a
@@ -38,9 +39,11 @@ delta for a version, a full download, a sparse broadcast) cannot be shown to be 
 and stops the bench with an error rather than being guessed at.
 
 The bounded buffers: θ0's tensor being generated (16 MiB at :data:`TENSOR_NUMEL`), a block of θ
-and of the decoded delta (2 x 4 MiB), one update tensor's codes being made, each site's
-compressed update while it is sent, and the compressed delta of each version until the shared
-θ has applied it (one a round, the sites' other copies dropped on arrival).
+and of the decoded delta (2 x 4 MiB), one update tensor's codes being made, the pages of the
+files being sent that the transport read since the last release (every 20 ms), and the
+transport's chunks in flight. What grows with the model: the compressed delta of each version
+until the shared θ has applied it (one a round, reassembled by the first site's channel; the
+other sites' copies are dropped on arrival).
 """
 
 from __future__ import annotations
@@ -195,6 +198,87 @@ def _digest(name: str, values: npt.NDArray[np.float32]) -> bytes:
     return combine(name, shape, [partial_digests(name, shape, 0, values)])
 
 
+class SentFiles:
+    """Files the sites send from: each written once, then read through a read-only mapping, so
+    that a message's buffers are the file's pages, not the process's memory. The pages the
+    transport has read are dropped from the process as it goes (:meth:`release`): they stay in
+    the page cache, and one read again comes back from it."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self._maps: dict[str, mmap.mmap] = {}
+        self._released_at = 0.0
+
+    def map(self, name: str) -> mmap.mmap:
+        """File ``name`` (in :attr:`dir`, written and closed) mapped read-only."""
+        if name not in self._maps:
+            with open(self.dir / name, "rb") as f:
+                self._maps[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return self._maps[name]
+
+    def release(self, every_s: float = 0.02) -> None:
+        """Drop every mapping's pages from the process (at most every ``every_s``)."""
+        now = time.monotonic()
+        if now - self._released_at >= every_s:
+            for m in self._maps.values():
+                m.madvise(mmap.MADV_DONTNEED)
+            self._released_at = now
+
+    def drop(self, name: str) -> None:
+        """Unmap file ``name`` and remove it; a mapping still viewed by a message the transport
+        holds goes with the last view."""
+        m = self._maps.pop(name, None)
+        if m is not None:
+            m.madvise(mmap.MADV_DONTNEED)
+            with contextlib.suppress(BufferError):
+                m.close()
+        (self.dir / name).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        for name in list(self._maps):
+            self.drop(name)
+
+
+def write_update(
+    files: SentFiles,
+    layout: Layout,
+    site: int,
+    round_id: int,
+    tick: Callable[[], None] = lambda: None,
+) -> tuple[EncodedTensor, ...]:
+    """Site ``site``'s update in round ``round_id`` (:func:`update_tensor`, a tensor at a time)
+    written to a file of ``files`` and returned as views of its mapping (``tick`` runs after
+    each tensor). The site's update of its previous round goes: this one follows it on the
+    same channel, so that one was sent whole."""
+    name = f"update-s{site}-r{round_id}"
+    files.drop(f"update-s{site}-r{round_id - 1}")
+    places: list[tuple[str, int, list[tuple[int, np.dtype[Any], int]]]] = []
+    at = 0
+    with open(files.dir / name, "wb") as f:
+        for i, tensor, _, n in layout.tensors():
+            enc = update_tensor(site, round_id, i, tensor, n)
+            bufs = []
+            for buf in enc.buffers:
+                pad = -at % 8  # each buffer aligned for its dtype
+                f.write(bytes(pad))
+                bufs.append((at + pad, buf.dtype, buf.size))
+                f.write(_raw(buf))
+                at += pad + buf.nbytes
+            places.append((tensor, n, bufs))
+            tick()
+    mapped = files.map(name)
+    return tuple(
+        EncodedTensor(
+            name=tensor,
+            shape=(n,),
+            codec="int4",
+            meta={"block": INT4_BLOCK},
+            buffers=tuple(np.frombuffer(mapped, dtype, count, off) for off, dtype, count in bufs),
+        )
+        for tensor, n, bufs in places
+    )
+
+
 class ThetaError(RuntimeError):
     """A result that the simulated sites cannot apply to the one θ they share, or whose hash
     is not the coordinator's."""
@@ -215,8 +299,8 @@ class SharedTheta:
         self._deltas: dict[int, tuple[int, bytes]] = {}  # version: (base, payload digest)
         self._buf = np.empty(min(STREAM_BLOCK, layout.largest), dtype=np.float32)
         self._fd = -1
-        self._theta0_map: mmap.mmap | None = None
-        self._released_at = 0.0
+        self.files = SentFiles(directory)
+        """The files sent from: θ0's, and the sites' updates."""
 
     # ---- θ0 -----------------------------------------------------------------------------------
 
@@ -239,26 +323,16 @@ class SharedTheta:
     def init_payload(self) -> tuple[EncodedTensor, ...]:
         """θ0 as float32 tensors (the fp32 codec's encoding), whose buffers are views of a
         read-only mapping of θ0's file."""
-        if self._theta0_map is None:
-            with open(self.dir / "theta0.f32", "rb") as f:
-                self._theta0_map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        mapped = self.files.map("theta0.f32")
         return tuple(
             EncodedTensor(
                 name=name,
                 shape=(n,),
                 codec="fp32",
-                buffers=(np.frombuffer(self._theta0_map, np.float32, n, 4 * at),),
+                buffers=(np.frombuffer(mapped, np.float32, n, 4 * at),),
             )
             for _, name, at, n in self.layout.tensors()
         )
-
-    def release_pages(self, every_s: float = 0.02) -> None:
-        """Drop the pages of θ0's mapping from the process (at most every ``every_s``): they
-        stay in the page cache, and a page read again comes back from it."""
-        now = time.monotonic()
-        if self._theta0_map is not None and now - self._released_at >= every_s:
-            self._theta0_map.madvise(mmap.MADV_DONTNEED)
-            self._released_at = now
 
     # ---- results ------------------------------------------------------------------------------
 
@@ -341,10 +415,7 @@ class SharedTheta:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        if self._theta0_map is not None:
-            with contextlib.suppress(BufferError):  # a view lives on (in a message held)
-                self._theta0_map.close()
-            self._theta0_map = None
+        self.files.close()
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -408,7 +479,7 @@ class Sites:
         """Between two tensors of a long step: every site heartbeats, θ0's pages go back."""
         for site in self.sites:
             site.beat()
-        self.theta.release_pages()
+        self.theta.files.release()
 
     def answer(self, site: Site, msg: Message) -> None:
         """What a site sends back: InitParams when asked, an update per round, Eval when asked.
@@ -421,7 +492,9 @@ class Sites:
             )
         elif isinstance(msg, RoundStart):
             self.opened.setdefault(msg.round_id, time.monotonic())
-            payload = site_update(self.layout, site.index, msg.round_id, self.tick)
+            payload = write_update(
+                self.theta.files, self.layout, site.index, msg.round_id, self.tick
+            )
             site.chan.send(
                 Update(
                     site_id=site.site_id,

@@ -90,6 +90,21 @@ def test_updates_are_deterministic_per_site_round_and_tensor() -> None:
     assert again[0].buffers[0].tobytes() != again[1].buffers[0][:2500].tobytes()
 
 
+def test_an_update_sent_from_its_file_is_the_one_generated(tmp_path: Path) -> None:
+    files = scale_sites.SentFiles(tmp_path)
+    try:
+        sent = scale_sites.write_update(files, LAYOUT, site=1, round_id=2)
+        assert _bytes(sent) == _bytes(scale_sites.site_update(LAYOUT, site=1, round_id=2))
+        files.release(every_s=0.0)
+        assert _bytes(sent) == _bytes(scale_sites.site_update(LAYOUT, site=1, round_id=2))
+        # The next round's update takes the place of this one.
+        scale_sites.write_update(files, LAYOUT, site=1, round_id=3)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["update-s1-r3"]
+    finally:
+        files.close()
+    assert not list(tmp_path.iterdir())
+
+
 def test_theta0_is_hashed_and_uploaded_as_the_model_held_whole(tmp_path: Path) -> None:
     theta = SharedTheta(LAYOUT, tmp_path)
     try:
@@ -97,7 +112,7 @@ def test_theta0_is_hashed_and_uploaded_as_the_model_held_whole(tmp_path: Path) -
         assert theta.write_theta0() == state_hash(whole)
         payload = theta.init_payload()
         assert _bytes(payload) == _bytes(encode_tensors(whole, get_codec("fp32")))
-        theta.release_pages(every_s=0.0)  # the pages come back from the page cache
+        theta.files.release(every_s=0.0)  # the pages come back from the page cache
         assert _bytes(payload) == _bytes(encode_tensors(whole, get_codec("fp32")))
     finally:
         theta.close()
