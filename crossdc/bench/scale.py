@@ -22,17 +22,21 @@ Per coordinator process (the list ``shards``; one process today, so one entry) i
   site, before that site sends θ0: the process without the model;
 - ``bytes_per_param``: ``(peak_rss_bytes - base_rss_bytes) / params``, what the model costs the
   process per parameter it owns;
-- ``budget_bytes_per_param``: what the process keeps per parameter with the configuration the
-  bench gave it (:func:`budget_bytes_per_param`: θ 4, the outer momentum 4 with Nesterov, the
-  downlink residual 4 with a lossy dense broadcast, the round's running sum 4);
-- ``within_budget``: ``bytes_per_param <= budget_bytes_per_param + bounded / params``, where
-  ``bounded`` (:func:`bounded_buffer_bytes`) is what the process may hold beside its kept state
-  whatever the model's size: the updates its transport reassembles, at most the channel's
-  receive budget (``receive_budget_bytes``, 1 GiB by default, over all its peers), and the
-  temporaries of working a tensor at a time, CODEC_FOLD_TEMPORARIES (8) float64 arrays of the
-  largest tensor (256 MiB at the bench's 4M values). Those buffers are what the budget allows
-  beyond the kept state; divided by the parameters they vanish for a large model and dominate
-  a small one, so ``within_budget`` says something from about 100M parameters on;
+- ``budget_bytes_per_param``: what the process keeps per parameter with the configuration it
+  reads (:func:`coordinator.memory.state_bytes_per_param`: θ 4, the outer momentum 4 with
+  DiLoCo, the downlink residual 4 with the dense broadcast, a running sum 4 per round open at
+  once: 16 here);
+- ``within_budget``: ``bytes_per_param <= budget_bytes_per_param + tolerance / params``, where
+  ``tolerance`` (:func:`tolerance_bytes`) is what the process may hold beside its kept state:
+  the updates its transport reassembles, at most the channel's receive budget
+  (``receive_budget_bytes``, 1 GiB by default, over all its peers); a close's temporaries of one
+  tensor, CLOSE_TEMPORARIES (8) float32 arrays of the largest tensor (128 MiB at the bench's 4M
+  values); the libraries loaded after the base is measured, LIBRARIES_BYTES (256 MiB); and the
+  broadcast, the encoded delta held until every site acknowledged it (0.53 bytes per parameter
+  with int4). All but the broadcast do not grow with the model, so divided by the parameters
+  they vanish for a large model and dominate a small one (with the broadcast, about 15 bytes
+  per parameter at 100M, 2 at 1B): the check says something from a few hundred million
+  parameters on;
 - ``fold_rate``: parameter values of accepted updates decoded, checked and folded per CPU second
   of the thread that did it, from the coordinator's counters
   ``crossdc_fold_parameter_updates_total`` and ``crossdc_fold_cpu_seconds_total`` (also in its
@@ -59,17 +63,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from comm.codecs.registry import get_codec
 from comm.ops.configio import dump_toml
 from comm.transport.dealer import DealerChannel
 from comm.transport.profile import ChannelConfig
 from comm.wire.schema import Join, Welcome
+from coordinator.config import CoordinatorConfig, load_coordinator_config, sections
+from coordinator.memory import state_bytes_per_param
 from crossdc.bench import print_report
 from crossdc.bench.scale_sites import FINGERPRINT, Layout, SharedTheta, Site, Sites, drain
 from crossdc.progress import add_progress_argument, open_progress
-
-CODEC_FOLD_TEMPORARIES = 8
-"""Float64 arrays of one tensor the coordinator may hold at once beside its state, for the
-tolerance of the budget check (see the module docstring)."""
 
 
 def _free_port() -> int:
@@ -135,23 +138,32 @@ def coordinator_table(workdir: Path, *, sites: int, rounds: int, port: int) -> d
 # ---- the budget --------------------------------------------------------------------------------
 
 
-def budget_bytes_per_param(table: dict[str, Any]) -> int:
-    """The bytes per parameter a coordinator keeps with the configuration ``table``: θ (4), the
-    outer momentum with Nesterov (4), the downlink residual with a lossy dense broadcast (4) and
-    the round's running sum (4)."""
-    nesterov = str(table.get("outer_strategy", "diloco")) == "diloco"
-    dense = str(table.get("broadcast", "dense")) == "dense"
-    lossy_down = dense and str(table.get("downlink_codec", "auto")) != "fp32"
-    return 4 + 4 * int(nesterov) + 4 * int(lossy_down) + 4
+def budget_bytes_per_param(cfg: CoordinatorConfig) -> int:
+    """The bytes a coordinator configured as ``cfg`` keeps per parameter it owns
+    (:func:`coordinator.memory.state_bytes_per_param`)."""
+    return state_bytes_per_param(sections(cfg))
 
 
-def bounded_buffer_bytes(table: dict[str, Any], largest_tensor: int) -> int:
-    """What a coordinator may hold beside its kept state whatever the model's size: the updates
-    it reassembles (the channel's receive budget) and one tensor's temporaries of the fold and
-    the outer step (CODEC_FOLD_TEMPORARIES float64 arrays of the largest tensor)."""
-    channel = table.get("channel", {})
-    receive = int(channel.get("receive_budget_bytes", ChannelConfig.receive_budget_bytes))
-    return receive + CODEC_FOLD_TEMPORARIES * 8 * largest_tensor
+CLOSE_TEMPORARIES = 8
+"""Float32 arrays of the largest tensor a close holds at once beside the state (about 7 by the
+close's own count: θ + residual, the mean, the step, the delta, its decoding, the codec's work
+arrays; one more to spare)."""
+LIBRARIES_BYTES = 256 << 20
+"""The libraries a coordinator loads at their first use, after its base is measured (torch for
+the codecs: 200 to 250 MB of resident memory here)."""
+
+
+def tolerance_bytes(cfg: CoordinatorConfig, params: int, largest_tensor: int) -> float:
+    """What a coordinator configured as ``cfg`` and owning ``params`` parameters (its largest
+    tensor ``largest_tensor`` values) may hold beside its kept state: the updates in
+    reassembly (at most the channel's receive budget), a close's temporaries
+    (CLOSE_TEMPORARIES float32 arrays of the largest tensor), the libraries loaded after its
+    base (LIBRARIES_BYTES), and the broadcast, the encoded delta held until every site
+    acknowledged it (the downlink codec's size of the model; float32's with ``auto``)."""
+    codec = get_codec("fp32" if cfg.downlink_codec == "auto" else cfg.downlink_codec)
+    broadcast = codec.encoded_size(largest_tensor) / largest_tensor * params
+    bounded = cfg.channel.receive_budget_bytes + CLOSE_TEMPORARIES * 4 * largest_tensor
+    return bounded + LIBRARIES_BYTES + broadcast
 
 
 # ---- one coordinator process -------------------------------------------------------------------
@@ -162,7 +174,8 @@ class _Coordinator:
     """A ``crossdc coordinator`` process of a case and what the bench saw of it."""
 
     workdir: Path
-    table: dict[str, Any]
+    config: CoordinatorConfig
+    """Its configuration, as it reads it."""
     endpoint: str
     proc: subprocess.Popen[bytes]
     log: IO[bytes]
@@ -183,7 +196,7 @@ class _Coordinator:
             stderr=subprocess.STDOUT,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
-        return cls(workdir, table, f"tcp://127.0.0.1:{port}", proc, log)
+        return cls(workdir, load_coordinator_config(cfg), f"tcp://127.0.0.1:{port}", proc, log)
 
     def sample(self) -> None:
         self.peak_rss = max(self.peak_rss, _rss(self.proc.pid))
@@ -305,8 +318,8 @@ def _shard(
     folded = int(status.get("fold_parameter_updates", 0))
     fold_cpu = round(float(status.get("fold_cpu_seconds", 0.0)), 6)
     per_param = (coord.peak_rss - coord.base_rss) / params
-    budget = budget_bytes_per_param(coord.table)
-    tolerance = bounded_buffer_bytes(coord.table, largest) / params
+    budget = budget_bytes_per_param(coord.config)
+    tolerance = tolerance_bytes(coord.config, params, largest) / params
     return {
         "params": params,
         "peak_rss_bytes": coord.peak_rss,

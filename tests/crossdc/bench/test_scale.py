@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from comm.codecs.registry import get_codec
+from comm.ops.configio import dump_toml
+from coordinator.config import CoordinatorConfig, load_coordinator_config
 from crossdc.bench import scale
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,9 +33,10 @@ def test_a_small_case_runs_every_round_and_refuses_nothing(tmp_path: Path) -> No
     assert 0 < shard["fold_cpu_seconds"] <= shard["cpu_seconds"]
     assert shard["fold_rate"] == round(3 * 2 * 100_000 / shard["fold_cpu_seconds"])
     assert shard["round_close_seconds"] == out["round_close_seconds"]
-    # int4 both ways and Nesterov: θ, momentum, downlink residual and the running sum.
+    # int4 both ways and DiLoCo: θ, momentum, downlink residual and the running sum.
     assert shard["budget_bytes_per_param"] == 16
-    tolerance = scale.bounded_buffer_bytes({}, 100_000) / 100_000
+    cfg = load_coordinator_config(tmp_path / "case" / "coordinator.toml")
+    tolerance = scale.tolerance_bytes(cfg, 100_000, 100_000) / 100_000
     assert shard["within_budget"] == (per_param <= 16 + tolerance)
     # Every simulated site took every result and ends on the coordinator's state hash.
     assert out["sites_on_final_hash"] == 3
@@ -41,15 +45,23 @@ def test_a_small_case_runs_every_round_and_refuses_nothing(tmp_path: Path) -> No
     assert "sent full model" not in log  # the other sites proved θ0 by hash
 
 
-def test_the_budget_follows_the_configuration() -> None:
-    table = scale.coordinator_table(Path("/nonexistent"), sites=3, rounds=2, port=1)
-    assert scale.budget_bytes_per_param(table) == 16
-    assert scale.budget_bytes_per_param({**table, "downlink_codec": "fp32"}) == 12
-    sparse = {**table, "outer_strategy": "sparseloco", "broadcast": "sparse"}
-    assert scale.budget_bytes_per_param(sparse) == 8
-    assert scale.bounded_buffer_bytes(table, 10) == (1 << 30) + 8 * 8 * 10
-    small = {**table, "channel": {"receive_budget_bytes": 1 << 20}}
-    assert scale.bounded_buffer_bytes(small, 10) == (1 << 20) + 8 * 8 * 10
+def test_the_budget_and_its_tolerance_follow_the_configuration(tmp_path: Path) -> None:
+    def config(**changes: object) -> CoordinatorConfig:
+        table = scale.coordinator_table(tmp_path, sites=3, rounds=2, port=1)
+        path = tmp_path / "coordinator.toml"
+        path.write_text(dump_toml({"coordinator": {**table, **changes}}))
+        return load_coordinator_config(path)
+
+    assert scale.budget_bytes_per_param(config()) == 16
+    assert scale.budget_bytes_per_param(config(overlap=True)) == 20  # two sums
+    n, largest = 10_000_000, 1 << 22
+    fixed = (1 << 30) + scale.CLOSE_TEMPORARIES * 4 * largest + scale.LIBRARIES_BYTES
+    int4 = get_codec("int4").encoded_size(largest) / largest  # 0.53 bytes a value
+    assert scale.tolerance_bytes(config(), n, largest) == pytest.approx(fixed + int4 * n)
+    small = config(channel={"receive_budget_bytes": 1 << 20})
+    assert scale.tolerance_bytes(small, n, largest) == pytest.approx(
+        fixed - (1 << 30) + (1 << 20) + int4 * n
+    )
 
 
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
