@@ -412,10 +412,13 @@ class SharedTheta:
         return out
 
     def close(self) -> None:
+        """Close and remove θ's and θ0's files (a model's worth each, not worth keeping)."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
         self.files.close()
+        for name in ("theta.f32", "theta0.f32"):
+            (self.dir / name).unlink(missing_ok=True)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

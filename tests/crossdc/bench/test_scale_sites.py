@@ -116,6 +116,7 @@ def test_theta0_is_hashed_and_uploaded_as_the_model_held_whole(tmp_path: Path) -
         assert _bytes(payload) == _bytes(encode_tensors(whole, get_codec("fp32")))
     finally:
         theta.close()
+    assert not list(tmp_path.iterdir())  # θ's and θ0's files are gone
 
 
 def test_a_result_is_applied_block_by_block_as_a_site_applies_it_whole(
