@@ -10,6 +10,7 @@ same few bytes however long the run.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from comm.durable import atomic_write
 from comm.security.common import AuthError
-from comm.security.signing import sign_blob, verify_blob
+from comm.security.signing import sign_digest, verify_digest
 from coordinator.history_log import (
     HISTORY_FILE,
     META_FILE,
@@ -127,9 +128,9 @@ class FileStateStore:
         if self.signing_key is not None:
             sig_path = npz_path.with_name(npz_path.name + ".sig")
             try:
-                verify_blob(
+                verify_digest(
                     self.signing_key.public_key(),
-                    npz_path.read_bytes(),
+                    _file_digest(npz_path),
                     sig_path.read_bytes() if sig_path.exists() else b"",
                 )
             except AuthError as exc:
@@ -216,7 +217,7 @@ class FileStateStore:
             npz_path = self.dir / self._npz_name(state.global_version)
             atomic_write(npz_path, lambda fh: np.savez(fh, **arrays))
             if self.signing_key is not None:
-                signature = sign_blob(self.signing_key, npz_path.read_bytes())
+                signature = sign_digest(self.signing_key, _file_digest(npz_path))
                 atomic_write(
                     npz_path.with_name(npz_path.name + ".sig"), lambda fh: fh.write(signature)
                 )
@@ -237,3 +238,10 @@ class FileStateStore:
             self._check_history(state)
             self._append_logs(state)
             self._write_meta(state.round_counter)
+
+
+def _file_digest(path: Path) -> bytes:
+    """The SHA-256 a checkpoint's signature signs (``comm.security.signing.blob_digest`` of its
+    bytes), read piecewise: a save or a load never holds the checkpoint's bytes whole."""
+    with path.open("rb") as fh:
+        return hashlib.file_digest(fh, "sha256").digest()

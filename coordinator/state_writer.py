@@ -23,7 +23,8 @@ class StateWriteError(RuntimeError):
 def _snapshot(state: GlobalState) -> GlobalState:
     """What a background save may read while the caller goes on: the latest round's entry and
     ``val_losses`` copied (the coordinator amends the one and rebuilds the other); the arrays
-    and older rounds are shared, so the caller must never change them in place."""
+    and older rounds are shared, so the caller must not change them in place before the save is
+    durable."""
     history = state.history
     if history:
         history = (*history[:-1], dict(history[-1]))
@@ -46,9 +47,10 @@ class StateWriter:
     after it, which is never attempted. ``close()`` writes everything submitted, then stops.
 
     A state is snapshotted at submit (``_snapshot``); its arrays are not copied, so they must
-    not be changed in place afterwards. A coordinator announces a global version once
-    ``durable`` says its save's ticket is, and keeps every save on one writer, since a direct
-    store call could overtake the queue.
+    not be changed in place until the save is durable (a coordinator's close, which overwrites
+    them, first waits for every save submitted: ``GlobalModel.changing``). A coordinator
+    announces a global version once ``durable`` says its save's ticket is, and keeps every save
+    on one writer, since a direct store call could overtake the queue.
     """
 
     def __init__(self, store: StateStore, *, name: str = "state-writer") -> None:
