@@ -39,6 +39,8 @@ from site_agent.replica import GlobalOutcome, Replica
 from site_agent.rounds import Drop, Send, SiteRounds, Stop, Train, Wait
 from site_agent.sender import UpdateSender
 from site_agent.session import CoordinatorLink, ErrorResponse, Session
+from site_agent.shardreplica import ShardedReplica
+from site_agent.shardsync import LeaderSync
 from site_agent.status import SiteStatus, status_server
 from site_agent.throughput import SlotTally, Throughput
 from site_agent.trainer import NonFiniteLossError, SiteTrainer, TrainStats
@@ -73,9 +75,24 @@ class SiteAgent:
         self.rounds = SiteRounds()
         # The uplink's residuals: the sender's, checkpointed.
         feedback = ErrorFeedback(decay=cfg.error_feedback_decay)
-        self.replica = replica = Replica.for_site(
-            cfg, trainer=trainer, rounds=self.rounds, feedback=feedback, metrics=metrics, kit=kit
-        )
+        # A trainer whose model is sharded over its ranks syncs shard by shard: the replica
+        # holds no parameters, the ranks do (site_agent.shardsync).
+        sync: LeaderSync | None = getattr(trainer, "sharded_sync", None)
+        self.replica: Replica | ShardedReplica
+        if sync is not None:
+            self.replica = ShardedReplica.for_site(
+                cfg, sync=sync, rounds=self.rounds, metrics=metrics, kit=kit
+            )
+        else:
+            self.replica = Replica.for_site(
+                cfg,
+                trainer=trainer,
+                rounds=self.rounds,
+                feedback=feedback,
+                metrics=metrics,
+                kit=kit,
+            )
+        replica = self.replica
         self.session = Session.for_site(
             cfg,
             trainer=trainer,
@@ -129,7 +146,7 @@ class SiteAgent:
             self.site_id,
             endpoint,
             self.replica.global_version,
-            sum(v.size for v in self.replica.global_params.values()),
+            self.replica.num_parameters(),
         )
 
     def close(self) -> None:
@@ -227,6 +244,18 @@ class SiteAgent:
         return stats, None
 
     def _send_update(self, rs: RoundStart, stats: TrainStats) -> None:
+        if isinstance(self.replica, ShardedReplica):
+            payload = self.replica.take_update(
+                rs,
+                stats,
+                tokens=self.sender.tokens_pending(rs.fragment),
+                at_step=self.throughput.steps_done,
+            )
+            if payload is not None:
+                gv = self.replica.global_version
+                self.sender.send_payload(rs, payload, global_version=gv)
+                self._update_sent()
+            return
         taken = self.replica.take_pseudo_gradient(rs, stats)
         if taken is None:
             return  # it diverged: the replica starts over from the global model
@@ -242,6 +271,9 @@ class SiteAgent:
         self.status_doc.write()
 
     def _evaluate(self) -> None:
+        if isinstance(self.replica, ShardedReplica):
+            self.evaluator.evaluate_with(self.replica.validate_global, self.replica.global_version)
+            return
         self.evaluator.evaluate(self.replica.global_params, self.replica.global_version)
 
     def _trainer_status(self) -> dict[str, Any]:
@@ -340,7 +372,7 @@ class SiteAgent:
         self.session.welcomed(msg)
         self.sender.open_session(msg.session_id)
         if msg.need_init:
-            self.session.send_init(self.replica.global_params)
+            self.session.send_init(self.replica.initial_params())
             self.replica.adopt(0)
             self._evaluate()  # θ_0's loss, measured before any round can wait on it
 

@@ -177,6 +177,15 @@ class SiteConfig:
     def state_path(self) -> Path:
         return Path(self.state_dir)
 
+    def not_for_sharded_sites(self) -> str:
+        """What of this config a site whose model is sharded over its ranks does not do yet
+        (``site_agent.shardreplica``), or ''."""
+        if self.privacy is not None:
+            return "differential privacy (site.privacy)"
+        if self.secure_aggregation is not None:
+            return "secure aggregation (site.secure_aggregation)"
+        return ""
+
 
 BYTEGPT_SECTIONS = ("model", "data", "optim", "eval_batches", "eval_batch_size")
 """The byte GPT job's settings a ``[site]`` table may still hold where its job's options belong

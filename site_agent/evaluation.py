@@ -41,11 +41,21 @@ class Evaluator:
     def evaluate(self, global_params: dict[str, np.ndarray], version: int) -> None:
         """Score ``global_params`` (global version ``version``) and report the scores; the
         trainer's local replica is put back afterwards."""
+
+        def score() -> dict[str, float] | None:
+            local = self._trainer.parameters_numpy()
+            self._trainer.load_parameters(global_params)
+            metrics = self._trainer.validate()
+            self._trainer.load_parameters(local)
+            return metrics
+
+        self.evaluate_with(score, version)
+
+    def evaluate_with(self, score: Callable[[], dict[str, float] | None], version: int) -> None:
+        """Report the scores ``score()`` gives of global version ``version`` (a sharded site's
+        ranks score the θ they hold, see ``site_agent.shardsync``)."""
         t0 = self._clock()
-        local = self._trainer.parameters_numpy()
-        self._trainer.load_parameters(global_params)
-        metrics = self._trainer.validate()
-        self._trainer.load_parameters(local)
+        metrics = score()
         if metrics is None:
             return  # the trainer has no validation (a script that gave none)
         if not np.isfinite(metrics["loss"]):

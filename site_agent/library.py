@@ -9,16 +9,23 @@ agent asks for more. So the model is only ever touched by one thread at a time, 
 the agent has (overlap, fragments, codecs and error feedback, secure aggregation, checkpoints,
 catch-up, metrics) works for the script unchanged.
 
-Under torchrun only rank 0 runs the agent; at every optimizer step rank 0 tells the other ranks
-through torch.distributed whether the federated state changed (it then broadcasts it) or the
-federation finished, so every rank holds the model rank 0 holds.
+Under torchrun only rank 0 runs the agent and talks to the coordinator; at every optimizer
+step rank 0 tells the other ranks through torch.distributed what follows:
+
+- a model every rank holds whole (plain or DDP): whether the federated state changed (rank 0 then
+  broadcasts it) or the federation finished, so every rank holds the model rank 0 holds;
+- a model whose parameters are sharded over the ranks (FSDP2's ``fully_shard``): the site syncs
+  shard by shard (``site_agent.shardsync``). Each sync step of the agent is a call every rank
+  makes: rank 0 names it to the others (a flag, then the call's name and arguments) and they
+  make it with it. Every rank encodes its own rows' update and decodes its own rows of a
+  result; what crosses the process group is encoded bytes, and no rank holds more of the model
+  than its shards.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -35,6 +42,7 @@ from site_agent.exits import EXIT_CRASHED, EXIT_OK
 from site_agent.jobs.contract import StateSpec, check_metrics, federated_state, job_fingerprint
 from site_agent.jobs.contract import buffer_names as federated_buffer_names
 from site_agent.jobs.contract import state_spec as model_state_spec
+from site_agent.shardsync import LeaderSync, RankSync, is_sharded
 from site_agent.trainer import TrainStats
 
 log = logging.getLogger("crossdc.site")
@@ -67,6 +75,8 @@ class LoopTrainer:
         self.weight_per_step = weight_per_step
         self._on_loaded = on_params_loaded
         self._state = federated_state(model)
+        self.sharded_sync: LeaderSync | None = None
+        """Set for a model sharded over the ranks: the agent syncs through it."""
         self._cv = threading.Condition()
         self._granted = 0  # steps the loop may still take before handing back
         self._loop_has_turn = False
@@ -233,9 +243,12 @@ class Federation:
             raise ValueError(f"weight_per_step must be > 0, got {weight_per_step}")
         self.model = model
         self.optimizer = optimizer
-        self.rank = int(os.environ.get("RANK", "0")) if _distributed() else 0
+        self.rank = torch.distributed.get_rank() if _distributed() else 0
         self.world_size = torch.distributed.get_world_size() if _distributed() else 1
         self._changed = False
+        self.sharded = is_sharded(model)
+        if self.sharded and not _distributed():
+            raise ValueError("a sharded model (fully_shard) needs torch.distributed initialized")
         self.trainer = LoopTrainer(
             model,
             optimizer,
@@ -250,6 +263,16 @@ class Federation:
         self.exit_code: int | None = None
         self._finished = False
         self._finish_announced = False
+        self._ranks: RankSync | None = None
+        if self.sharded:
+            self._ranks = RankSync(
+                model,
+                decay=self.config.error_feedback_decay,
+                evaluate=evaluate,
+                optimizer=optimizer,
+            )
+            if self.rank == 0:
+                self.trainer.sharded_sync = LeaderSync(self._ranks, self._announce)
 
     def _mark_changed(self) -> None:
         self._changed = True
@@ -310,22 +333,39 @@ class Federation:
             self._changed = False
             return
         self._finish_announced = self._finished
-        # Bit 0: the federated state follows; bit 1: the federation finished.
-        flag = torch.tensor([int(self._changed) | int(self._finished) << 1], dtype=torch.int64)
+        changed = self._changed and not self.sharded
+        flag = torch.tensor([changed * _STATE | self._finished * _FINISHED], dtype=torch.int64)
         torch.distributed.broadcast(flag, src=0)
-        if self._changed:
+        if changed:
             self._broadcast_state()
         self._changed = False
 
-    def _follow(self) -> None:
-        if self._finished:
+    def _announce(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Rank 0's agent makes sync call ``method``: the other ranks, waiting between two
+        steps (``_follow``), are told to make it too."""
+        if self.world_size == 1:
             return
-        flag = torch.zeros(1, dtype=torch.int64)
-        torch.distributed.broadcast(flag, src=0)
-        if int(flag) & 1:
-            self._broadcast_state()
-        if int(flag) & 2:
-            self._finished = True
+        torch.distributed.broadcast(torch.tensor([_CALL], dtype=torch.int64), src=0)
+        torch.distributed.broadcast_object_list([(method, args, kwargs)], src=0)
+
+    def _follow(self) -> None:
+        """A rank other than 0, between two steps: make the sync calls rank 0 names, until it
+        says the loop goes on (or the federation finished)."""
+        while not self._finished:
+            flag = torch.zeros(1, dtype=torch.int64)
+            torch.distributed.broadcast(flag, src=0)
+            if int(flag) & _CALL:
+                box: list[Any] = [None]
+                torch.distributed.broadcast_object_list(box, src=0)
+                method, args, kwargs = box[0]
+                assert self._ranks is not None, "sync calls are for a sharded model"
+                getattr(self._ranks, method)(*args, **kwargs)
+                continue
+            if int(flag) & _STATE:
+                self._broadcast_state()
+            if int(flag) & _FINISHED:
+                self._finished = True
+            return
 
     def _broadcast_state(self) -> None:
         with torch.no_grad():
@@ -340,6 +380,12 @@ class Federation:
     ) -> None:
         if self._hook is not None:
             self._hook.remove()
+            self._hook = None
+        if self.rank != 0:
+            # Rank 0's agent may still sync (a checkpoint as it leaves): make its calls until
+            # it says the federation is over for this site.
+            self._follow()
+            return
         if self._agent is None:
             return
         if not self._finished:
@@ -350,11 +396,17 @@ class Federation:
         self._thread.join()
         self._agent.close()
         self._agent = None
+        self._broadcast_flag()  # the other ranks leave the block too
         if exc_type is None and self.exit_code:
             raise RuntimeError(
                 f"[site={self.config.site_id}] the site agent stopped with exit code "
                 f"{self.exit_code}; its log says why"
             )
+
+
+# What rank 0 tells the other ranks at a step (bits of a flag): the federated state follows
+# (a model every rank holds whole), the federation finished, a sync call follows.
+_STATE, _FINISHED, _CALL = 1, 2, 4
 
 
 def _distributed() -> bool:

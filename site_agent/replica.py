@@ -285,18 +285,7 @@ class Replica:
         return local, merge_delay
 
     def _signature_ok(self, msg: Global) -> bool:
-        if self._verify_key is None:
-            return True
-        data = global_signed_bytes(
-            msg.global_version, msg.base_version, msg.fragment, msg.state_hash
-        )
-        try:
-            verify_blob(self._verify_key, data, bytes(msg.signature), context="global")
-        except AuthError as exc:
-            self._metrics.rejected("bad_signature")
-            log.error("[site=%s] global v%d not loaded: %s", self.site_id, msg.global_version, exc)
-            return False
-        return True
+        return signature_ok(msg, self._verify_key, metrics=self._metrics, site_id=self.site_id)
 
     def _decode(self, msg: Global) -> tuple[Params, list[str]] | None:
         """The parameters ``msg`` describes and the names it changed; None when it does not apply
@@ -358,3 +347,27 @@ class Replica:
 
     def status(self) -> dict[str, Any]:
         return {"global_version": self.global_version, "state_hash": self.state_hash()}
+
+    def num_parameters(self) -> int:
+        return sum(v.size for v in self.global_params.values())
+
+    def initial_params(self) -> Params:
+        """θ0 for a coordinator that holds no model yet."""
+        return self.global_params
+
+
+def signature_ok(
+    msg: Global, verify_key: Ed25519PublicKey | None, *, metrics: SiteMetrics, site_id: str
+) -> bool:
+    """Whether ``msg`` is signed by the coordinator's key (True without a key: globals are not
+    signed); a bad signature is counted and logged."""
+    if verify_key is None:
+        return True
+    data = global_signed_bytes(msg.global_version, msg.base_version, msg.fragment, msg.state_hash)
+    try:
+        verify_blob(verify_key, data, bytes(msg.signature), context="global")
+    except AuthError as exc:
+        metrics.rejected("bad_signature")
+        log.error("[site=%s] global v%d not loaded: %s", site_id, msg.global_version, exc)
+        return False
+    return True

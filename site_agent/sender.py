@@ -120,6 +120,12 @@ class UpdateSender:
         self._send(rs, payload, global_version)
         return True
 
+    def send_payload(self, rs: RoundStart, payload: Payload, *, global_version: int) -> None:
+        """Send round ``rs``'s update made elsewhere (a sharded site's ranks encode their own
+        slices, ``site_agent.shardreplica``): no privacy step, the site has none."""
+        self._tokens.pop(rs.fragment, None)
+        self._send(rs, payload, global_version)
+
     def send_again(self, rs: RoundStart, *, global_version: int) -> bool:
         """A repeat of round ``rs`` (``rs.attempt`` > 0), for an update already made: no
         training, the payload form makes it again. False when nothing went out."""

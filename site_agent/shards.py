@@ -209,6 +209,31 @@ class RankShards:
         for name, whole in delta.items():
             self._theta[name] = self._theta[name] + self.rows_of(name, whole)
 
+    def replace_theta(self, new: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """θ's rows ← ``new``'s (this rank's rows, as :meth:`rows_of` gives them) for every
+        tensor it names; returns the rows replaced (to put back: ``replace_theta`` of them)."""
+        old: dict[str, torch.Tensor] = {}
+        for name, rows in new.items():
+            if tuple(rows.shape) != tuple(self._theta[name].shape):
+                raise ValueError(
+                    f"tensor {name!r}: rows {tuple(rows.shape)}, expected "
+                    f"{tuple(self._theta[name].shape)}"
+                )
+            old[name] = self._theta[name]
+        self._theta.update(new)
+        return old
+
+    def encode_theta(self, name: str, codec: PayloadCodec) -> EncodedTensor:
+        """This rank's rows of θ for ``name`` encoded with ``codec`` (as a slice, or whole for
+        a tensor held whole)."""
+        rows = self.ranges[name]
+        theta = self._theta[name]
+        return (
+            codec.encode(name, theta)
+            if rows.whole
+            else encode_slice(name, theta, rows.start, codec)
+        )
+
     def load_into(self, params: Mapping[str, torch.Tensor]) -> None:
         """The local parameters ``params`` ← θ, each rank writing its own shard."""
         with torch.no_grad():

@@ -5,6 +5,8 @@ model."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import signal
@@ -177,6 +179,158 @@ def test_under_torchrun_rank_0_talks_and_the_other_ranks_follow(
         3,
         state_hash(state.params),
     )
+
+
+def _torchrun(jobs: Path, script: str, site: Path, timeout_s: float, *args: str) -> tuple[int, str]:
+    """``script`` under torchrun on 2 CPU ranks; its exit code and output. Its own process
+    group: on a timeout torchrun's workers go with it, not on as orphans."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        + [script, str(site), *args],
+        cwd=jobs,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        # torchrun starts each worker in a session of its own: kill them by id too.
+        for pid in [*_descendants(proc.pid), proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return -1, output
+    return proc.returncode, output
+
+
+def _descendants(pid: int) -> list[int]:
+    """The ids of ``pid``'s child processes and theirs (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def test_an_fsdp_loop_under_torchrun_syncs_shard_by_shard(procs: Procs, tmp_path: Path) -> None:
+    """docs/examples/train_fsdp.py as it is (FSDP2 over 2 gloo ranks) beside a ``crossdc
+    agent`` site: 3 rounds with int8 updates (error feedback on each rank's rows), every site ends on the coordinator's model, the
+    sharded site's hash computed over its ranks' shards; its checkpoint is one
+    torch.distributed.checkpoint directory of both ranks' shards."""
+    jobs = tmp_path / "user"
+    jobs.mkdir()
+    for name in ("regression_job.py", "train_fsdp.py"):
+        shutil.copy(EXAMPLES / name, jobs / name)
+    cfg = write_coordinator_config(
+        tmp_path,
+        min_sites=2,
+        num_inner_steps=12,
+        max_rounds=3,
+        eval_every_rounds=1,
+        uplink_codec="int8",
+    )
+    procs.start("coordinator", "coordinator", "--config", str(cfg))
+    procs.start("site-eu", "agent", "--config", str(_site(tmp_path, jobs, "eu", -1.0)))
+    code, output = _torchrun(jobs, "train_fsdp.py", _site(tmp_path, jobs, "lib", 0.0), 150)
+    assert code == 0, output
+    assert "rank 0: done" in output and "rank 1: done" in output, output
+    assert procs.procs["coordinator"].wait(timeout=60) == 0, procs.log("coordinator")
+    assert procs.procs["site-eu"].wait(timeout=60) == 0, procs.log("site-eu")
+    status = read_status(tmp_path)
+    assert status is not None and status["rounds_completed"] == 3
+    assert all(sorted(h["merged"]) == ["eu", "lib"] for h in status["history"])
+    state = FileStateStore(tmp_path / "coordinator").load()
+    assert state is not None and state.global_version == 3
+    final = state_hash(state.params)
+    assert _hash_of_checkpoint(tmp_path / "site-eu" / "checkpoint.pt") == (3, final)
+    lib = json.loads((tmp_path / "site-lib" / "status.json").read_text())
+    assert (lib["global_version"], lib["state_hash"]) == (3, final)
+    meta = json.loads((tmp_path / "site-lib" / "checkpoint.json").read_text())
+    assert meta["global_version"] == 3
+    written = sorted(p.name for p in (tmp_path / "site-lib" / meta["dir"]).iterdir())
+    assert written == [".metadata", "__0_0.distcp", "__1_0.distcp"], written
+
+
+FSDP_RESTART = """
+import logging
+import os
+import sys
+import torch
+import torch.distributed as dist
+from regression_job import make_data, make_model
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+import crossdc
+
+logging.basicConfig(level=logging.INFO)  # the agent's log, for a failure's message
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = make_model(seed=1234)
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+fully_shard(model[0], mesh=mesh)
+fully_shard(model[2], mesh=mesh)
+fully_shard(model, mesh=mesh)
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+x, y = make_data(seed=5 + rank, centre=0.5, n=512)
+steps = int(sys.argv[2])  # the loop ends on its own after this many steps
+fed = crossdc.Federation(sys.argv[1], model, optimizer)
+with fed:
+    for step in range(steps):
+        if fed.finished:
+            break
+        i = (step * 32) % len(x)
+        loss = ((model(x[i : i + 32]).squeeze(-1) - y[i : i + 32]) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+print(f"rank {rank}: left at step {step}, finished {fed.finished}", flush=True)
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+def test_a_sharded_site_that_left_resumes_from_its_shards(procs: Procs, tmp_path: Path) -> None:
+    """An FSDP loop that ends on its own mid-federation leaves (LEAVE, a checkpoint of every
+    rank's shards); started again it resumes from them (the version and hash it saved, the
+    optimizer's moments too), joins in sync and trains to the end on the coordinator's hash."""
+    jobs = tmp_path / "user"
+    jobs.mkdir()
+    shutil.copy(EXAMPLES / "regression_job.py", jobs / "regression_job.py")
+    (jobs / "train.py").write_text(FSDP_RESTART)
+    cfg = write_coordinator_config(tmp_path, min_sites=2, num_inner_steps=12, max_rounds=4)
+    procs.start("coordinator", "coordinator", "--config", str(cfg))
+    procs.start("site-eu", "agent", "--config", str(_site(tmp_path, jobs, "eu", -1.0)))
+    site = _site(tmp_path, jobs, "lib", 0.0)
+    code, output = _torchrun(jobs, "train.py", site, 150, "30")
+    assert code == 0 and "the training loop ended: leaving" in output, output
+    assert output.count("left at step 29") == 2, output
+    meta = json.loads((tmp_path / "site-lib" / "checkpoint.json").read_text())
+    saved = meta["global_version"]
+    assert 1 <= saved <= 2, meta
+    wait_for(
+        lambda: "site=lib" in procs.log("coordinator") and "left" in procs.log("coordinator"),
+        timeout_s=30,
+        what="the coordinator to see lib leave",
+    )
+    code, output = _torchrun(jobs, "train.py", site, 150, "1000000")
+    assert code == 0 and output.count("finished True") == 2, output
+    assert procs.procs["coordinator"].wait(timeout=60) == 0, procs.log("coordinator")
+    coord = procs.log("coordinator")
+    assert f"[coordinator site=lib] joined version={saved} in_sync=True" in coord, coord
+    state = FileStateStore(tmp_path / "coordinator").load()
+    assert state is not None and state.global_version > saved
+    lib = json.loads((tmp_path / "site-lib" / "status.json").read_text())
+    final = (state.global_version, state_hash(state.params))
+    assert (lib["global_version"], lib["state_hash"]) == final
 
 
 @pytest.mark.timeout(60)
