@@ -26,9 +26,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from comm.codecs.base import EncodedTensor
+from comm.transport.stats import ChannelStats
 from comm.wire.partition import owner_of
 from comm.wire.schema import (
     Error,
@@ -44,9 +45,19 @@ from comm.wire.schema import (
     Welcome,
 )
 
-if TYPE_CHECKING:
-    from comm.transport.stats import ChannelStats
-    from site_agent.session import CoordinatorLink
+
+class ShardChannel(Protocol):
+    """One shard's channel (a ``SiteLink``, or a test's script): what the session's link is."""
+
+    @property
+    def stats(self) -> ChannelStats: ...
+
+    def send(self, msg: Message) -> None: ...
+
+    def recv(self, timeout_s: float) -> Message | None: ...
+
+    def close(self) -> None: ...
+
 
 log = logging.getLogger("crossdc.site")
 
@@ -62,7 +73,7 @@ _ResultKey = tuple[int, int, int, bool]
 class ShardedLink:
     """One link per coordinator shard, shard 0 first, behind one interface (module doc)."""
 
-    def __init__(self, links: Sequence[CoordinatorLink], parts: Sequence[Sequence[str]]) -> None:
+    def __init__(self, links: Sequence[ShardChannel], parts: Sequence[Sequence[str]]) -> None:
         if len(links) != len(parts) or len(links) < 2:
             raise ValueError(
                 f"{len(links)} links for {len(parts)} shards: one link per shard, at least two"
