@@ -16,13 +16,15 @@ steps:
    holds the same sites, every shard closes over exactly those (:class:`CloseAll`), else the
    round is aborted everywhere (:class:`AbortAll`). Shard 0 freezes once no participant is
    half-way (:meth:`ShardPlane.partial`), so an abort needs a site that failed between its parts;
-2. commit: each shard runs the outer step over its tensors, saves its new version and reports
-   its tensors' digests (:meth:`ShardPlane.prepared`); once every shard has, shard 0 saves its
-   own, which is the commit, and every shard announces its result (:class:`CommitAll`, with the
-   combined state hash, ``comm.wire.partition.combined_hash``).
+2. commit: each shard (shard 0 too) runs the outer step over its tensors, saves its new version
+   and reports its tensors' digests (:meth:`ShardPlane.prepared`); once every shard has, shard
+   0 writes its commit record (``coordinator.shard_commit``), which is the commit, and every
+   shard announces its result (:class:`CommitAll`, with the combined state hash,
+   ``comm.wire.partition.combined_hash``).
 
-A shard is thus at most one version ahead of shard 0 (it saved a version shard 0 never
-committed): :func:`resume` tells a shard that meets shard 0 again which version it must run.
+A shard is thus at most one version ahead of the record (it saved a version never committed):
+:func:`resume` tells a shard that meets shard 0 again which version it must run, and
+``coordinator.shard_commit.start_version`` tells shard 0 itself at its start.
 """
 
 from __future__ import annotations
