@@ -222,6 +222,11 @@ class CoordinatorConfig:
                         f"coordinator.{key}: {self.shards} shards from port {first} run past "
                         "65535 (shard_ports = 'offset' gives shard i the port + i)"
                     )
+        if self.keep_checkpoints < 2:
+            raise ValueError(
+                f"coordinator.shards = {self.shards} needs coordinator.keep_checkpoints >= 2 (a "
+                f"shard may have to go back one version), got {self.keep_checkpoints}"
+            )
         for key, value, plain in (
             ("num_fragments", self.num_fragments, 1),
             ("secure_aggregation", self.secure_aggregation, None),

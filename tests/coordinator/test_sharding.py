@@ -120,6 +120,7 @@ def test_a_shard_of_another_count_is_refused() -> None:
             {"shards": 2, "outer_strategy": "sparseloco", "broadcast": "sparse"},
             r"needs coordinator.broadcast at its default \('dense'\)",
         ),
+        ({"shards": 2, "keep_checkpoints": 1}, "needs coordinator.keep_checkpoints >= 2"),
         (
             {"shards": 2, "num_fragments": 2},
             r"coordinator.shards = 2 needs coordinator.num_fragments at its default \(1\)",
