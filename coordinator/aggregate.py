@@ -516,8 +516,7 @@ def outer_step(
     (:func:`whole_model_step`)."""
     steps = getattr(strategy, "tensor_step", None)
     plan = steps(inner_steps=inner_steps, final=final) if callable(steps) else None
-    if plan is None:
-        prepare()
+    if plan is None:  # new arrays: nothing changes in place, nothing to prepare
         return whole_model_step(
             strategy,
             st,
