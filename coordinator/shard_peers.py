@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from comm.wire.schema import (
     Message,
@@ -31,9 +32,11 @@ from comm.wire.schema import (
     ShardFrozen,
     ShardHello,
     ShardOpen,
+    ShardOpened,
     ShardPrepared,
     ShardState,
 )
+from coordinator.scheduler import RoundPlan
 from coordinator.shard_link import ShardClient, ShardServer
 from coordinator.shard_plane import AbortAll, CloseAll, CommitAll, Resume, ShardPlane, resume
 
@@ -59,7 +62,43 @@ class Lost:
     shard: int
 
 
-LeaderEvent = Joined | Lost | CloseAll | AbortAll | CommitAll
+@dataclass(frozen=True)
+class Ready:
+    """Every shard opened round ``round_id``: shard 0 may send the sites its plan."""
+
+    round_id: int
+
+
+LeaderEvent = Joined | Lost | Ready | CloseAll | AbortAll | CommitAll
+
+
+def plan_fields(plan: RoundPlan) -> dict[str, Any]:
+    """A round plan as the plain values ``ShardOpen.plan`` carries."""
+    return {
+        "num_inner_steps": plan.num_inner_steps,
+        "num_fragments": plan.num_fragments,
+        "overlap": plan.overlap,
+        "uplink": dict(plan.uplink),
+        "downlink": plan.downlink,
+        "extra_steps": dict(plan.extra_steps),
+    }
+
+
+def plan_of(fields: Mapping[str, Any]) -> RoundPlan:
+    """The round plan ``ShardOpen.plan`` carries; ValueError names what is missing or not of
+    its kind (shard 0 of another build)."""
+    try:
+        plan = RoundPlan(
+            num_inner_steps=int(fields["num_inner_steps"]),
+            num_fragments=int(fields["num_fragments"]),
+            overlap=bool(fields["overlap"]),
+            uplink={str(k): str(v) for k, v in dict(fields["uplink"]).items()},
+            downlink=str(fields["downlink"]),
+            extra_steps={str(k): int(v) for k, v in dict(fields["extra_steps"]).items()},
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"a round plan from shard 0 that does not read: {exc!r}") from None
+    return plan
 
 
 class ShardLeader:
@@ -169,6 +208,10 @@ class ShardLeader:
 
     def _report(self, shard: int, msg: Message) -> list[LeaderEvent]:
         plane = self.plane
+        if isinstance(msg, ShardOpened):
+            if msg.shard != shard:
+                raise ValueError(f"it reports for shard {msg.shard}")
+            return [Ready(msg.round_id)] if plane.acknowledged(shard, msg.round_id) else []
         if isinstance(msg, ShardFolded):
             if msg.shard != shard:
                 raise ValueError(f"it reports for shard {msg.shard}")
@@ -253,5 +296,5 @@ class ShardFollower:
         log.warning("[coordinator shard=%d] %s is not for me", self.shard, type(msg).__name__)
         return []
 
-    def report(self, msg: ShardFolded | ShardFrozen | ShardPrepared) -> None:
+    def report(self, msg: ShardOpened | ShardFolded | ShardFrozen | ShardPrepared) -> None:
         self.client.send(msg)

@@ -76,6 +76,8 @@ class CommitAll:
 class _Round:
     participants: frozenset[str]
     phase: Phase = Phase.OPEN
+    opened_by: set[int] = field(default_factory=lambda: {0})
+    """Shards that opened the round (shard 0 by opening it)."""
     folded: dict[str, set[int]] = field(default_factory=dict)
     """Per site, the shards that folded its part."""
     poisoned: set[str] = field(default_factory=set)
@@ -127,6 +129,18 @@ class ShardPlane:
         if round_id in self._rounds:
             raise ValueError(f"round {round_id} is opened twice")
         self._rounds[round_id] = _Round(frozenset(participants))
+
+    def acknowledged(self, shard: int, round_id: int) -> bool:
+        """Shard ``shard`` opened ``round_id``; True when every shard now has (the round may be
+        announced to the sites: each shard takes their parts)."""
+        r = self._in(round_id, shard, Phase.OPEN)
+        before = len(r.opened_by)
+        r.opened_by.add(shard)
+        return len(r.opened_by) == self.count > before
+
+    def ready(self, round_id: int) -> bool:
+        """Every shard opened ``round_id``."""
+        return len(self._round(round_id).opened_by) == self.count
 
     def folded(self, shard: int, round_id: int, site_id: str) -> None:
         """Shard ``shard`` folded ``site_id``'s part of ``round_id``."""

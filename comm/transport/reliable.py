@@ -41,6 +41,7 @@ from comm.wire.schema import (
     ShardFreeze,
     ShardFrozen,
     ShardOpen,
+    ShardOpened,
     ShardPrepared,
     Shutdown,
     StepGrad,
@@ -70,6 +71,7 @@ MUST_ARRIVE: frozenset[type] = frozenset(
         # Between a coordinator's shards: every step of a round's protocol (not the hellos,
         # which are liveness and go again anyway).
         ShardOpen,
+        ShardOpened,
         ShardFolded,
         ShardFreeze,
         ShardFrozen,

@@ -54,6 +54,7 @@ class MessageType(enum.IntEnum):
     SHARD_PREPARED = 25
     SHARD_COMMIT = 26
     SHARD_ABORT = 27
+    SHARD_OPENED = 28
 
 
 class ErrorCode(enum.IntEnum):
@@ -368,7 +369,9 @@ class ShardState:
 
 @dataclass(frozen=True, kw_only=True)
 class ShardOpen:
-    """Shard 0 opened a round: every shard opens the same over its own tensors."""
+    """Shard 0 opened a round: every shard opens the same over its own tensors, with shard 0's
+    plan (``plan``: the scheduler's round plan as plain values: inner steps, codecs up and
+    down), and says so (:class:`ShardOpened`) before any site is sent the round."""
 
     round_id: int
     base_version: int
@@ -376,6 +379,15 @@ class ShardOpen:
     participants: tuple[str, ...]
     quorum: int
     deadline_s: float
+    plan: dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardOpened:
+    """A shard opened a round shard 0 opened: it takes the sites' parts of it."""
+
+    shard: int
+    round_id: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -407,10 +419,13 @@ class ShardFrozen:
 
 @dataclass(frozen=True, kw_only=True)
 class ShardClose:
-    """Every shard closes the round over exactly ``merged``: outer step, then save."""
+    """Every shard closes the round over exactly ``merged``: outer step, then save.
+    ``inner_steps`` (behind the model the round makes) and ``final`` (the run's last round)
+    decide the step the same way on every shard."""
 
     round_id: int
     merged: tuple[str, ...]
+    inner_steps: int
     final: bool
 
 
@@ -466,6 +481,7 @@ Message = (
     | ShardHello
     | ShardState
     | ShardOpen
+    | ShardOpened
     | ShardFolded
     | ShardFreeze
     | ShardFrozen
@@ -503,6 +519,7 @@ MESSAGE_CLASSES: dict[MessageType, type[Any]] = {
     MessageType.SHARD_PREPARED: ShardPrepared,
     MessageType.SHARD_COMMIT: ShardCommit,
     MessageType.SHARD_ABORT: ShardAbort,
+    MessageType.SHARD_OPENED: ShardOpened,
 }
 
 MESSAGE_TYPES: dict[type[Any], MessageType] = {cls: t for t, cls in MESSAGE_CLASSES.items()}

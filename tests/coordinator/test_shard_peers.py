@@ -24,11 +24,22 @@ from comm.wire.schema import (
     ShardFreeze,
     ShardFrozen,
     ShardOpen,
+    ShardOpened,
     ShardPrepared,
 )
 from comm.wire.tensors import state_hash, tensor_digest
+from coordinator.scheduler import RoundPlan
 from coordinator.shard_link import ShardClient, ShardServer
-from coordinator.shard_peers import Joined, Lost, Resumed, ShardFollower, ShardLeader
+from coordinator.shard_peers import (
+    Joined,
+    Lost,
+    Ready,
+    Resumed,
+    ShardFollower,
+    ShardLeader,
+    plan_fields,
+    plan_of,
+)
 from coordinator.shard_plane import CloseAll, CommitAll, Resume, ShardPlane
 
 pytestmark = pytest.mark.timeout(90)
@@ -129,12 +140,27 @@ def test_a_round_goes_through_both_shards_to_the_combined_hash(plane: Plane) -> 
     assert resumed == Resumed(Resume(3, False), 5)
     assert plane.leader.present
 
+    plan = RoundPlan(
+        num_inner_steps=50, num_fragments=1, overlap=True, uplink={"eu": "int4"}, downlink="int8"
+    )
     open_ = ShardOpen(
-        round_id=6, base_version=3, fragment=0, participants=("eu", "us"), quorum=2, deadline_s=30
+        round_id=6,
+        base_version=3,
+        fragment=0,
+        participants=("eu", "us"),
+        quorum=2,
+        deadline_s=30,
+        plan=plan_fields(plan),
     )
     plane.leader.plane.opened(6, open_.participants)
     plane.leader.broadcast(open_)
-    assert _until(step, lambda e: isinstance(e, ShardOpen)) == open_
+    got_open = _until(step, lambda e: isinstance(e, ShardOpen))
+    assert got_open == open_ and isinstance(got_open, ShardOpen)
+    assert plan_of(got_open.plan) == plan
+    assert not plane.leader.plane.ready(6)
+    f.report(ShardOpened(shard=1, round_id=6))
+    assert _until(step, lambda e: isinstance(e, Ready)) == Ready(6)
+    assert plane.leader.plane.ready(6)
     for site in ("eu", "us"):
         plane.leader.plane.folded(0, 6, site)
         f.report(ShardFolded(shard=1, round_id=6, site_id=site, accepted=True, detail=""))
@@ -151,7 +177,9 @@ def test_a_round_goes_through_both_shards_to_the_combined_hash(plane: Plane) -> 
     close = _until(step, lambda e: isinstance(e, CloseAll))
     assert close == CloseAll(6, frozenset({"eu", "us"}))
 
-    plane.leader.broadcast(ShardClose(round_id=6, merged=("eu", "us"), final=False))
+    plane.leader.broadcast(
+        ShardClose(round_id=6, merged=("eu", "us"), inner_steps=150, final=False)
+    )
     assert isinstance(_until(step, lambda e: isinstance(e, ShardClose)), ShardClose)
     assert plane.leader.plane.prepared(0, 6, 4, _digests(0)) is None
     hexes = {n: d.hex() for n, d in _digests(1).items()}
@@ -215,3 +243,8 @@ def test_a_shard_one_version_ahead_rolls_back(plane: Plane) -> None:
     f = plane.follower(held=4)
     resumed = _until(_both(plane, f), lambda e: isinstance(e, Resumed))
     assert resumed == Resumed(Resume(3, True), 5)
+
+
+def test_a_plan_that_does_not_read_is_refused_in_words() -> None:
+    with pytest.raises(ValueError, match="a round plan from shard 0 that does not read"):
+        plan_of({"num_inner_steps": 5})

@@ -218,3 +218,14 @@ def test_rounds_in_flight_abort_together_and_committed_ones_stay() -> None:
     assert plane.abort_in_flight("shard 2 restarted") == (2, 3)
     assert [plane.phase(i) for i in (1, 2, 3)] == [Phase.COMMITTED, Phase.ABORTED, Phase.ABORTED]
     assert plane.in_flight() == () and plane.abort_in_flight("again") == ()
+
+
+def test_a_round_is_ready_once_every_shard_opened_it() -> None:
+    plane = _plane()
+    assert not plane.ready(1)
+    assert plane.acknowledged(2, 1) is False
+    assert plane.acknowledged(2, 1) is False, "a second ack changes nothing"
+    assert plane.acknowledged(1, 1) is True and plane.ready(1)
+    assert plane.acknowledged(1, 1) is False, "ready is said once"
+    with pytest.raises(ValueError, match="shard 3 is not one of 3"):
+        plane.acknowledged(3, 1)

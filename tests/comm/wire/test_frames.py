@@ -105,14 +105,23 @@ SAMPLES: dict[MessageType, object] = {
     ),
     MessageType.SHARD_STATE: schema.ShardState(global_version=4, round_counter=6, sent_at=1.5),
     MessageType.SHARD_OPEN: schema.ShardOpen(
-        round_id=7, base_version=6, fragment=0, participants=("ap", "eu"), quorum=2, deadline_s=30.0
+        round_id=7,
+        base_version=6,
+        fragment=0,
+        participants=("ap", "eu"),
+        quorum=2,
+        deadline_s=30.0,
+        plan={"num_inner_steps": 100, "downlink": "int4", "uplink": {"eu": "int4"}},
     ),
+    MessageType.SHARD_OPENED: schema.ShardOpened(shard=1, round_id=7),
     MessageType.SHARD_FOLDED: schema.ShardFolded(
         shard=1, round_id=7, site_id="eu", accepted=False, detail="norm 2e6 over 1e6"
     ),
     MessageType.SHARD_FREEZE: schema.ShardFreeze(round_id=7),
     MessageType.SHARD_FROZEN: schema.ShardFrozen(shard=1, round_id=7, folded=("ap", "eu")),
-    MessageType.SHARD_CLOSE: schema.ShardClose(round_id=7, merged=("ap", "eu"), final=False),
+    MessageType.SHARD_CLOSE: schema.ShardClose(
+        round_id=7, merged=("ap", "eu"), inner_steps=700, final=False
+    ),
     MessageType.SHARD_PREPARED: schema.ShardPrepared(
         shard=1, round_id=7, global_version=7, digests={"layers.0.w": "ab" * 32}
     ),
