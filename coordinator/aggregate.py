@@ -30,6 +30,7 @@ site id when they are merged): the same updates give the same mean bit for bit, 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -200,16 +201,24 @@ class Aggregator(Protocol):
 class RunningSum:
     """Σ w·x per tensor (float32, added in place) and Σ w, over the updates added so far.
 
-    The sum of a tensor is one float32 array of its shape, allocated zeroed at the first update
-    that names it; an update adds ``float32(w) * x`` to it, rounded to float32, a bounded tile
-    at a time (:func:`comm.wire.tensors.accumulate` from the encoded update, :meth:`add` from
-    arrays): nothing of the model's size is allocated per update. A float32 sum depends on the
-    order the updates are added in: whoever adds them fixes that order (:class:`MeanFold`)."""
+    The sum of a tensor is one float32 array of its shape, written by the first update that
+    names it (as ``0 + float32(w) * x``); each later one adds ``float32(w) * x`` to it, rounded
+    to float32, a bounded tile at a time (:func:`comm.wire.tensors.accumulate` from the encoded
+    update, :meth:`add` from arrays): nothing of the model's size is allocated per update. A
+    float32 sum depends on the order the updates are added in: whoever adds them fixes that
+    order (:class:`MeanFold`).
 
-    def __init__(self) -> None:
+    With a ``pool`` the arrays come from it and go back to it once this sum is dropped, so the
+    next round's sum reuses them instead of faulting in fresh pages. The arrays are this sum's
+    own: it hands out only new arrays (:meth:`tensor_mean`)."""
+
+    def __init__(self, pool: SumPool | None = None) -> None:
         self._sum: dict[str, npt.NDArray[np.float32]] = {}
         self.weight = 0.0
         self.count = 0
+        self._pool = pool
+        if pool is not None:
+            weakref.finalize(self, pool.give, self._sum)
 
     def _check(self, weight: float, names: Collection[str]) -> None:
         if not (np.isfinite(weight) and weight > 0):
@@ -217,11 +226,17 @@ class RunningSum:
         if self._sum and set(names) != set(self._sum):
             raise ValueError("an update names other tensors than the ones summed so far")
 
-    def _acc(self, name: str, shape: tuple[int, ...]) -> npt.NDArray[np.float32]:
+    def _acc(self, name: str, shape: tuple[int, ...]) -> tuple[npt.NDArray[np.float32], bool]:
+        """The sum of ``name``, and whether it is new: allocated, not zeroed (the first update
+        writes it, which costs a third of reading fresh zero pages and writing them again)."""
         acc = self._sum.get(name)
+        if acc is not None:
+            return acc, False
+        acc = self._pool.take(shape) if self._pool is not None else None
         if acc is None:
-            acc = self._sum[name] = np.zeros(shape, dtype=np.float32)
-        return acc
+            acc = np.empty(shape, dtype=np.float32)
+        self._sum[name] = acc
+        return acc, True
 
     def add(self, weight: float, tensors: Mapping[str, np.ndarray]) -> None:
         """Fold one update held as arrays in; its tensors may be freed afterwards. The same
@@ -230,13 +245,17 @@ class RunningSum:
         w = np.float32(weight)
         for name, value in tensors.items():
             src = np.asarray(value).reshape(-1)
-            flat = self._acc(name, tuple(np.shape(value))).reshape(-1)
+            acc, fresh = self._acc(name, tuple(np.shape(value)))
+            flat = acc.reshape(-1)
             step = _TILE
             tile = np.empty(min(step, flat.size), dtype=np.float32)
             for a in range(0, flat.size, step):
                 t = tile[: min(step, flat.size - a)]
                 np.multiply(src[a : a + t.size], w, out=t, dtype=np.float32, casting="unsafe")
-                flat[a : a + t.size] += t
+                if fresh:
+                    np.add(t, np.float32(0.0), out=flat[a : a + t.size])  # as 0 + w·x
+                else:
+                    flat[a : a + t.size] += t
         self.weight += weight
         self.count += 1
 
@@ -244,16 +263,18 @@ class RunningSum:
         self, weight: float, pieces: Mapping[str, Sequence[EncodedTensor]], shapes: Shapes
     ) -> None:
         """Fold one update in from its encoded pieces (whole tensors, or slices of rows each
-        added at its rows), already checked (:func:`comm.wire.tensors.check_payload`): each is
-        decoded block by block straight into the sum."""
+        added at its rows), already checked (:func:`comm.wire.tensors.check_payload`: the
+        slices cover each tensor exactly once): each is decoded block by block straight into
+        the sum."""
         self._check(weight, pieces)
         for name, encs in pieces.items():
             shape = tuple(shapes[name])
-            flat = self._acc(name, shape).reshape(-1)
+            acc, fresh = self._acc(name, shape)
+            flat = acc.reshape(-1)
             row = math.prod(shape[1:])
             for enc in encs:
                 at = enc.rows[0] * row if enc.rows is not None else 0
-                accumulate(enc, flat[at : at + enc.numel], weight)
+                accumulate(enc, flat[at : at + enc.numel], weight, fresh=fresh)
         self.weight += weight
         self.count += 1
 
@@ -281,6 +302,35 @@ class RunningSum:
 
 _TILE = 1 << 16
 """Values per tile where arrays are added to a sum (256 KiB of float32, in cache)."""
+
+
+class SumPool:
+    """Float32 arrays that running sums let go of, by shape, for the next sums to reuse: a
+    round's sum then writes into memory already mapped instead of faulting in fresh pages (which
+    cost the first update of every round more than its fold here). It keeps at most the bytes of
+    the largest set one sum gave back, so at rest it holds one sum's worth."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, ...], list[npt.NDArray[np.float32]]] = {}
+        self.nbytes = 0
+        self._cap = 0
+
+    def take(self, shape: tuple[int, ...]) -> npt.NDArray[np.float32] | None:
+        """An array of ``shape`` (its values stale), or None."""
+        free = self._free.get(tuple(shape))
+        if not free:
+            return None
+        arr = free.pop()
+        self.nbytes -= arr.nbytes
+        return arr
+
+    def give(self, arrays: Mapping[str, npt.NDArray[np.float32]]) -> None:
+        """A dropped sum's arrays, kept while the pool stays within its bound."""
+        self._cap = max(self._cap, sum(a.nbytes for a in arrays.values()))
+        for arr in arrays.values():
+            if self.nbytes + arr.nbytes <= self._cap:
+                self._free.setdefault(tuple(arr.shape), []).append(arr)
+                self.nbytes += arr.nbytes
 
 
 def check_bounded(
@@ -411,9 +461,14 @@ class MeanFold:
 
     start_fields: Mapping[str, Any] = {}
 
-    def __init__(self, max_norm: float, participants: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        max_norm: float,
+        participants: Sequence[str] | None = None,
+        pool: SumPool | None = None,
+    ) -> None:
         self._max_norm = max_norm
-        self.sum = RunningSum()
+        self.sum = RunningSum(pool)
         self._order = sorted(set(participants)) if participants is not None else []
         self._turn = 0
         """Index in ``_order`` of the next update to fold (while it has not arrived, every
@@ -483,12 +538,14 @@ class WeightedMean(_NoKeys):
 
     def __init__(self, max_update_norm: float = 1e6) -> None:
         self.max_update_norm = max_update_norm
+        self.sums = SumPool()
+        """The arrays of closed rounds' sums, which the next rounds' sums reuse."""
 
     def fold(self, round_id: int, participants: Sequence[str]) -> Fold:
-        return MeanFold(self.max_update_norm, participants)
+        return MeanFold(self.max_update_norm, participants, self.sums)
 
     def late_fold(self) -> Fold:
-        return MeanFold(self.max_update_norm)
+        return MeanFold(self.max_update_norm, pool=self.sums)
 
 
 def outer_step(

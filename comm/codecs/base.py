@@ -160,12 +160,21 @@ class PayloadCodec(Protocol):
         ...
 
     def accumulate(
-        self, enc: EncodedTensor, out: FloatArray, weight: float, start: int = 0
+        self,
+        enc: EncodedTensor,
+        out: FloatArray,
+        weight: float,
+        start: int = 0,
+        *,
+        fresh: bool = False,
     ) -> None:
         """``out += float32(weight) * decoded[start:start + out.size]`` in float32, in place,
-        tile by tile (the product rounded to float32, then the sum). Checks the encoding's
-        structure but not that its values are finite: :meth:`sum_squares` first refuses what
-        ``decode`` refuses, so a fold never adds half an update."""
+        tile by tile (the product rounded to float32, then the sum). ``fresh``: ``out`` holds
+        nothing yet (``np.empty``) and is written, not read: bit for bit what adding into zeros
+        gives, without the page faults of reading fresh zero pages and writing them again.
+        Checks the encoding's structure but not that its values are finite:
+        :meth:`sum_squares` first refuses what ``decode`` refuses, so a fold never adds half an
+        update."""
         ...
 
     def sum_squares(self, enc: EncodedTensor) -> float:

@@ -186,11 +186,17 @@ class ChunkTopKCodec:
         _sparse_into(flat, _check_range(enc, n, start, flat.size), pos, vals, None)
 
     def accumulate(
-        self, enc: EncodedTensor, out: FloatArray, weight: float, start: int = 0
+        self,
+        enc: EncodedTensor,
+        out: FloatArray,
+        weight: float,
+        start: int = 0,
+        *,
+        fresh: bool = False,
     ) -> None:
         n, pos, vals = self._sparse(enc)
         flat = _out_view(enc, out)
-        w = _check_weight(enc, weight)
+        w = _check_weight(enc, weight, fresh)
         _sparse_into(flat, _check_range(enc, n, start, flat.size), pos, vals, w)
 
     def sum_squares(self, enc: EncodedTensor) -> float:

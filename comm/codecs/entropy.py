@@ -99,11 +99,17 @@ class ZstdCodec:
         self.inner._range(enc, n, arrays, flat, _check_range(enc, n, start, flat.size), None)
 
     def accumulate(
-        self, enc: EncodedTensor, out: FloatArray, weight: float, start: int = 0
+        self,
+        enc: EncodedTensor,
+        out: FloatArray,
+        weight: float,
+        start: int = 0,
+        *,
+        fresh: bool = False,
     ) -> None:
         n, arrays = self._arrays(enc)
         flat = _out_view(enc, out)
-        w = _check_weight(enc, weight)
+        w = _check_weight(enc, weight, fresh)
         self.inner._range(enc, n, arrays, flat, _check_range(enc, n, start, flat.size), w)
 
     def sum_squares(self, enc: EncodedTensor) -> float:

@@ -23,6 +23,7 @@ from comm.codecs.plumbing import (
     _tiled,
     _to_numpy,
     _torch_view,
+    _Weighted,
 )
 from comm.codecs.registry import SpecParams, register_codec
 
@@ -73,7 +74,7 @@ class _ElementwiseCodec(_Codec):
         arrays: list[npt.NDArray[Any]],
         out: FloatArray,
         start: int,
-        weight: np.float32 | None,
+        weight: _Weighted | None,
     ) -> None:
         wire = arrays[0]
         _tiled(out, start, weight, lambda at, dst: self._fill(wire, at, dst))

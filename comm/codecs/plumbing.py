@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import numpy as np
@@ -178,15 +179,36 @@ def _check_range(enc: EncodedTensor, numel: int, start: Any, count: int) -> int:
     return at
 
 
-def _check_weight(enc: EncodedTensor, weight: Any) -> np.float32:
+_ZERO = np.float32(0.0)
+
+
+@dataclass(frozen=True)
+class _Weighted:
+    """How weighted values land in ``out``: added (``out += weight * x``), or, where ``out``
+    holds nothing yet (``fresh``), written as ``0 + weight * x`` without reading ``out``: bit for
+    bit what adding into zeros gives (a -0 product becomes +0 there too)."""
+
+    weight: np.float32
+    fresh: bool = False
+
+    def land(self, dst: FloatArray, tile: FloatArray) -> None:
+        """``dst`` (=|+=) weight * ``tile``, in float32; ``tile`` is scratch, scaled in place."""
+        tile *= self.weight
+        if self.fresh:
+            np.add(tile, _ZERO, out=dst)
+        else:
+            dst += tile
+
+
+def _check_weight(enc: EncodedTensor, weight: Any, fresh: bool) -> _Weighted:
     w = float(weight)
     if not math.isfinite(w) or abs(w) > float(np.finfo(np.float32).max):
         raise ValueError(f"tensor {enc.name!r}: weight must be a finite float32, got {weight!r}")
-    return np.float32(w)
+    return _Weighted(np.float32(w), bool(fresh))
 
 
-def _put(out: FloatArray, values: FloatArray, weight: np.float32 | None) -> None:
-    """``out = values``, or ``out += weight * values`` in float32 (tile by tile)."""
+def _put(out: FloatArray, values: FloatArray, weight: _Weighted | None) -> None:
+    """``out = values``, or ``weight`` times them landed in it (tile by tile)."""
     if weight is None:
         np.copyto(out, values)
         return
@@ -194,19 +216,19 @@ def _put(out: FloatArray, values: FloatArray, weight: np.float32 | None) -> None
     tile = np.empty(min(step, out.size), dtype=_F32)
     for a in range(0, out.size, step):
         t = tile[: min(step, out.size - a)]
-        np.multiply(values[a : a + t.size], weight, out=t)
-        out[a : a + t.size] += t
+        np.copyto(t, values[a : a + t.size])
+        weight.land(out[a : a + t.size], t)
 
 
 def _tiled(
     out: FloatArray,
     start: int,
-    weight: np.float32 | None,
+    weight: _Weighted | None,
     convert: Callable[[int, FloatArray], None],
 ) -> None:
     """Elementwise range work: ``convert(at, dst)`` writes decoded elements ``[at, at +
     dst.size)`` into ``dst``; they land in ``out`` (its element 0 is element ``start``), or
-    ``weight`` times them is added to it, one bounded tile at a time."""
+    ``weight`` times them does, one bounded tile at a time."""
     step = base._RANGE_TILE_ELEMS  # read at call time: tests shrink it
     if weight is None:
         for a in range(0, out.size, step):
@@ -216,8 +238,7 @@ def _tiled(
     for a in range(0, out.size, step):
         t = tile[: min(step, out.size - a)]
         convert(start + a, t)
-        t *= weight
-        out[a : a + t.size] += t
+        weight.land(out[a : a + t.size], t)
 
 
 def _sparse_into(
@@ -225,17 +246,18 @@ def _sparse_into(
     start: int,
     idx: npt.NDArray[np.int64],
     vals: FloatArray,
-    weight: np.float32 | None,
+    weight: _Weighted | None,
 ) -> None:
     """A sparse tensor's (ascending unique ``idx``, ``vals``) elements ``[start, start +
-    out.size)`` into ``out``, or ``weight`` times them added to it."""
+    out.size)`` into ``out``, or ``weight`` times them landed in it."""
     lo, hi = np.searchsorted(idx, [start, start + out.size])
     at, v = idx[lo:hi] - start, vals[lo:hi]
-    if weight is None:
+    if weight is None or weight.fresh:
         out.fill(0.0)
+    if weight is None:
         out[at] = v
     else:
-        out[at] += v * weight
+        out[at] += v * weight.weight
 
 
 def _dot(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> Any:
@@ -340,10 +362,10 @@ class _Codec:
         arrays: list[npt.NDArray[Any]],
         out: FloatArray,
         start: int,
-        weight: np.float32 | None,
+        weight: _Weighted | None,
     ) -> None:
         """Decoded elements ``[start, start + out.size)`` into the flat ``out`` (range already
-        checked), or ``weight`` times them added to it. This fallback decodes the whole tensor;
+        checked), or ``weight`` times them landed in it. This fallback decodes the whole tensor;
         the dense codecs decode only the blocks covering the range, tile by tile."""
         _put(out, self._decode_arrays(enc, numel, arrays)[start : start + out.size], weight)
 
@@ -373,11 +395,17 @@ class _Codec:
         self._range(enc, n, arrays, flat, _check_range(enc, n, start, flat.size), None)
 
     def accumulate(
-        self, enc: EncodedTensor, out: FloatArray, weight: float, start: int = 0
+        self,
+        enc: EncodedTensor,
+        out: FloatArray,
+        weight: float,
+        start: int = 0,
+        *,
+        fresh: bool = False,
     ) -> None:
         n, arrays = self._arrays(enc)
         flat = _out_view(enc, out)
-        w = _check_weight(enc, weight)
+        w = _check_weight(enc, weight, fresh)
         self._range(enc, n, arrays, flat, _check_range(enc, n, start, flat.size), w)
 
     def sum_squares(self, enc: EncodedTensor) -> float:

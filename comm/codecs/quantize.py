@@ -34,6 +34,7 @@ from comm.codecs.plumbing import (
     _new,
     _to_numpy,
     _torch_view,
+    _Weighted,
 )
 from comm.codecs.registry import SpecParams, register_codec
 
@@ -261,11 +262,11 @@ class _BlockCodec(_Codec):
         arrays: list[npt.NDArray[Any]],
         out: FloatArray,
         start: int,
-        weight: np.float32 | None,
+        weight: _Weighted | None,
     ) -> None:
         """Only the blocks covering ``[start, stop)``, a tile of whole blocks at a time: the
         codes unpacked (int8) and multiplied by their block's scale (exactly decode's float32
-        product), then copied into ``out`` or scaled by ``weight`` and added to it."""
+        product), then copied into ``out`` or scaled by ``weight`` and landed in it."""
         block = _meta_int(enc.meta, "block", self.name)
         stop = start + out.size
         if start == stop:
@@ -300,8 +301,7 @@ class _BlockCodec(_Codec):
             if weight is None:
                 out[lo - start : hi - start] = seg
             else:
-                seg *= weight
-                out[lo - start : hi - start] += seg
+                weight.land(out[lo - start : hi - start], seg)
 
     def _sum_squares(self, enc: EncodedTensor, numel: int, arrays: list[npt.NDArray[Any]]) -> float:
         """Σ_b scale_b² · Σ_{i in b} q_i², the per-block sums of squared codes read byte by byte

@@ -22,6 +22,7 @@ from comm.codecs.plumbing import (
     _sparse_into,
     _sum_squares_f32,
     _to_numpy,
+    _Weighted,
 )
 from comm.codecs.registry import SpecParams, register_codec
 
@@ -152,7 +153,7 @@ class TopKCodec(_Codec):
         arrays: list[npt.NDArray[Any]],
         out: FloatArray,
         start: int,
-        weight: np.float32 | None,
+        weight: _Weighted | None,
     ) -> None:
         """The kept values in the range, found by bisection: nothing of size ``numel``."""
         idx, vals = self._sparse(enc, numel, arrays)

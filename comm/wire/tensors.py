@@ -394,14 +394,16 @@ def accumulate(
     start: int = 0,
     *,
     codecs: Collection[str] | None = None,
+    fresh: bool = False,
 ) -> None:
     """``out += float32(weight) * decoded[start:start + out.size]``, in float32 and in place,
-    a bounded tile at a time (no array of the tensor's size). It does not check that the values
-    are finite: :func:`check_payload` (or the codec's ``sum_squares``) does, before a fold adds
-    anything. WireError as :func:`decode_into`."""
+    a bounded tile at a time (no array of the tensor's size); ``fresh``: ``out`` holds nothing
+    yet and is written without being read, bit for bit as adding into zeros. It does not check
+    that the values are finite: :func:`check_payload` (or the codec's ``sum_squares``) does,
+    before a fold adds anything. WireError as :func:`decode_into`."""
     codec = _codec_of(enc, codecs)
     with _wire_errors(enc):
-        codec.accumulate(enc, out, weight, start)
+        codec.accumulate(enc, out, weight, start, fresh=fresh)
 
 
 def sum_squares(enc: EncodedTensor, *, codecs: Collection[str] | None = None) -> float:

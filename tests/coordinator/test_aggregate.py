@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from comm.codecs.registry import get_codec
 from comm.wire.tensors import check_payload, encode_slice, encode_tensors
-from coordinator.aggregate import MeanFold, Refused, RunningSum
+from coordinator.aggregate import MeanFold, Refused, RunningSum, WeightedMean
 from coordinator.strategies.base import weighted_mean
 
 pytestmark = pytest.mark.timeout(60)
@@ -196,3 +196,27 @@ def test_late_updates_wait_and_fold_by_site_at_the_result() -> None:
         fold.result("1", [])
         sums.append(fold.sum.tensor_mean("emb").tobytes())
     assert len(set(sums)) == 1
+
+
+def test_a_dropped_sum_lends_its_arrays_to_the_next_round() -> None:
+    """A closed round's sum goes back to the aggregator's pool and the next round's sum writes
+    into those arrays (stale values and all): the same means as sums of fresh arrays."""
+    codec = get_codec("int4")
+    payloads = [encode_tensors(_update(i), codec) for i in range(3)]
+    aggregator = WeightedMean(1e9)
+    alone = []
+    previous: dict[str, int] = {}
+    for r in range(3):
+        fold = aggregator.fold(r, ["a"])
+        assert isinstance(fold, MeanFold)
+        assert isinstance(fold.add("a", 2.0 + r, payloads[r], SHAPES), str)
+        got = {n: fold.sum.tensor_mean(n).tobytes() for n in SHAPES}
+        arrays = {n: id(a) for n, a in fold.sum._sum.items()}
+        assert not previous or arrays == previous  # the pool's arrays, reused
+        previous = arrays
+        fresh = MeanFold(1e9, ["a"])
+        fresh.add("a", 2.0 + r, payloads[r], SHAPES)
+        alone.append(got == {n: fresh.sum.tensor_mean(n).tobytes() for n in SHAPES})
+        del fold
+        assert aggregator.sums.nbytes == 4 * (40 * 24 + 24)
+    assert all(alone)

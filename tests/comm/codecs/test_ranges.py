@@ -208,3 +208,21 @@ def test_malformed_encodings_are_refused_before_anything_is_added() -> None:
         with pytest.raises(ValueError, match="1 buffers, expected 2"):
             call()
     assert not out.any()
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.usefixtures("small_tiles")
+def test_a_fresh_output_is_written_as_adding_into_zeros(spec: str) -> None:
+    """``fresh``: whatever ``out`` held (NaN here) is never read, and the result is bit for bit
+    what adding into zeros gives (a -0 product lands as +0)."""
+    codec = get_codec(spec)
+    rng = np.random.default_rng(3)
+    x = sample(1000, seed=4)
+    x[::7] = -0.0
+    enc = codec.encode("w", x)
+    for a, b in _ranges(1000, rng):
+        zeros = np.zeros(b - a, dtype=np.float32)
+        codec.accumulate(enc, zeros, -0.75, a)
+        fresh = np.full(b - a, np.nan, dtype=np.float32)
+        codec.accumulate(enc, fresh, -0.75, a, fresh=True)
+        assert np.array_equal(_bits(fresh), _bits(zeros)), (a, b)
