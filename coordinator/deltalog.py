@@ -26,6 +26,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import IO
 
 import msgpack
 
@@ -163,8 +164,8 @@ class DeltaLog:
         kept = replace(msg, evaluate=False)
         size = self._size(msg)
         if self.dir is not None:
-            body = msgpack.packb([bytes(memoryview(f).cast("B")) for f in to_wire(kept)])
-            atomic_write(self._file(msg.base_version), body)
+            frames = [memoryview(f).cast("B") for f in to_wire(kept)]
+            atomic_write(self._file(msg.base_version), lambda fh: _pack_frames(fh, frames))
             entry = _Entry(msg.global_version, size)  # on disk only
         else:
             entry = _Entry(msg.global_version, size, kept)
@@ -229,3 +230,18 @@ class _Indexed:
     @staticmethod
     def of(msg: Global) -> _Indexed:
         return _Indexed(msg.base_version, msg.global_version, msg.state_hash, DeltaLog._size(msg))
+
+
+def _pack_frames(fh: IO[bytes], frames: list[memoryview]) -> None:
+    """``msgpack.packb`` of the frames as a list of bytes, written piece by piece: the frames
+    (the broadcast's encoded tensors among them) are written where they lie, not copied."""
+    fh.write(msgpack.Packer().pack_array_header(len(frames)))
+    for frame in frames:
+        n = frame.nbytes
+        if n < 1 << 8:
+            fh.write(b"\xc4" + n.to_bytes(1, "big"))  # bin 8
+        elif n < 1 << 16:
+            fh.write(b"\xc5" + n.to_bytes(2, "big"))  # bin 16
+        else:
+            fh.write(b"\xc6" + n.to_bytes(4, "big"))  # bin 32
+        fh.write(frame)

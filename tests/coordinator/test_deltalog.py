@@ -185,3 +185,17 @@ def test_a_durable_log_keeps_its_deltas_on_disk_and_a_catch_up_reads_them_back(
     assert chain is not None and [m.global_version for m in chain] == [1, 2]
     (d / "d-00000000.msg").write_bytes((d / "d-00000001.msg").read_bytes())
     assert log.chain(0, "h0", 1) is None
+
+
+def test_a_delta_file_is_its_frames_packed_as_msgpack_writes_them() -> None:
+    # Written frame by frame (the broadcast's buffers are not copied), read back by unpackb.
+    import io
+
+    import msgpack
+
+    from coordinator.deltalog import _pack_frames
+
+    for frames in ([b"abc", b"", bytes(255), bytes(256), bytes(65535), bytes(65536)], []):
+        out = io.BytesIO()
+        _pack_frames(out, [memoryview(f) for f in frames])
+        assert out.getvalue() == msgpack.packb(frames)
