@@ -263,10 +263,16 @@ class Federation:
         self.exit_code: int | None = None
         self._finished = False
         self._finish_announced = False
+        # Rank 0's flags and sync calls travel on a gloo group of every rank: CPU objects,
+        # whatever backend the script's own group has (NCCL for CUDA tensors).
+        self._control: Any = None
+        if _distributed() and self.world_size > 1:
+            self._control = torch.distributed.new_group(backend="gloo")
         self._ranks: RankSync | None = None
         if self.sharded:
             self._ranks = RankSync(
                 model,
+                group=self._control,
                 decay=self.config.error_feedback_decay,
                 evaluate=evaluate,
                 optimizer=optimizer,
@@ -335,7 +341,7 @@ class Federation:
         self._finish_announced = self._finished
         changed = self._changed and not self.sharded
         flag = torch.tensor([changed * _STATE | self._finished * _FINISHED], dtype=torch.int64)
-        torch.distributed.broadcast(flag, src=0)
+        torch.distributed.broadcast(flag, src=0, group=self._control)
         if changed:
             self._broadcast_state()
         self._changed = False
@@ -345,18 +351,21 @@ class Federation:
         steps (``_follow``), are told to make it too."""
         if self.world_size == 1:
             return
-        torch.distributed.broadcast(torch.tensor([_CALL], dtype=torch.int64), src=0)
-        torch.distributed.broadcast_object_list([(method, args, kwargs)], src=0)
+        call = torch.tensor([_CALL], dtype=torch.int64)
+        torch.distributed.broadcast(call, src=0, group=self._control)
+        torch.distributed.broadcast_object_list(
+            [(method, args, kwargs)], src=0, group=self._control
+        )
 
     def _follow(self) -> None:
         """A rank other than 0, between two steps: make the sync calls rank 0 names, until it
         says the loop goes on (or the federation finished)."""
         while not self._finished:
             flag = torch.zeros(1, dtype=torch.int64)
-            torch.distributed.broadcast(flag, src=0)
+            torch.distributed.broadcast(flag, src=0, group=self._control)
             if int(flag) & _CALL:
                 box: list[Any] = [None]
-                torch.distributed.broadcast_object_list(box, src=0)
+                torch.distributed.broadcast_object_list(box, src=0, group=self._control)
                 method, args, kwargs = box[0]
                 assert self._ranks is not None, "sync calls are for a sharded model"
                 getattr(self._ranks, method)(*args, **kwargs)

@@ -18,9 +18,9 @@ residual, both float32. No rank builds a tensor it does not own.
   ranks' boundary pieces (less than a hash block each); the digests are gathered and combined on
   one rank.
 - :meth:`RankShards.load_global` / :meth:`RankShards.apply_delta` take a decoded result of whole
-  tensors (a ``Global`` carries whole tensors) and keep only the rank's rows of it. Each rank
-  still decodes the whole tensor to cut its rows from it; cutting the encoded result by rows
-  (the leader scattering each rank its slices' bytes) is the next step.
+  tensors and keep only the rank's rows of it; :meth:`RankShards.replace_theta` takes rows
+  already cut (``site_agent.shardsync`` decodes only each rank's range of a result's encoded
+  tensors, and puts the rows back when the result's hash is not the coordinator's).
 
 - :meth:`RankShards.state_dict` gives θ and the residuals as DTensors placed as the parameters
   are, for ``torch.distributed.checkpoint``: each rank writes its rows, and a site of another
