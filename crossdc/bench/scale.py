@@ -272,13 +272,11 @@ def run_case(
     run = Sites(SharedTheta(layout, workdir / "sites"))
     channel = ChannelConfig(max_transfer_bytes=max(1 << 30, 8 * numel))
     try:
+        digest = run.theta.write_theta0()  # before the sites connect: none has joined to beat
         for i in range(sites):
             chan = DealerChannel(channel, identity=f"site{i:02d}")
             chan.connect(coord.endpoint)
-            run.sites.append(Site(i, f"site{i:02d}", chan))
-        digest = run.theta.write_theta0(run.tick)
-        for site in run.sites:
-            site.hash = digest
+            run.sites.append(Site(i, f"site{i:02d}", chan, hash=digest))
         for i, site in enumerate(run.sites):
             # The first joins with nothing and is asked for θ0; the others prove it by hash.
             site.chan.send(
