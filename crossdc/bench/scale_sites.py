@@ -7,7 +7,8 @@ The model is a list of flat float32 tensors of at most :data:`TENSOR_NUMEL` valu
 - θ0 is generated tensor by tensor (a seeded RNG per tensor) into a file, and the first site
   uploads it from a read-only mapping of that file (:class:`SentFiles`: the upload's float32
   buffers are the file's pages, never a copy in the process's own memory); the pages the
-  transport has read are dropped from the process as it goes, and stay in the page cache.
+  transport has read are dropped from the process as it goes, and stay in the page cache. The
+  file goes once the first result arrives: the coordinator holds θ0 then.
 - An update is generated tensor by tensor as int4 codes, deterministic per site, round and
   tensor (:func:`update_tensor`): random codes and one fp16 scale per block of 64, each block
   holding a code of ±7, so the payload is exactly the int4 codec's encoding of the values it
@@ -515,6 +516,7 @@ class Sites:
             )
         elif isinstance(msg, Global):
             self.closed[msg.round_id] = time.monotonic()
+            self.theta.files.drop("theta0.f32")  # the coordinator holds θ0: no site sends it again
             to_apply = self.theta.admit(msg, site.received)
             site.received = msg.global_version
             self.pending.append(

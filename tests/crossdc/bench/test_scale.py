@@ -41,6 +41,7 @@ def test_a_small_case_runs_every_round_and_refuses_nothing(tmp_path: Path) -> No
     # Every simulated site took every result and ends on the coordinator's state hash.
     assert out["sites_on_final_hash"] == 3
     assert out["bench_peak_rss_bytes"] > 0
+    assert not list((tmp_path / "case" / "sites").iterdir())  # θ's, θ0's and updates' files
     log = (tmp_path / "case" / "coordinator.log").read_text()
     assert "sent full model" not in log  # the other sites proved θ0 by hash
 
