@@ -102,6 +102,9 @@ class Round:
     late_waiting: list[Accepted] = field(default_factory=list)
     late_fold: Fold | None = None
     """The late updates not merged yet."""
+    frozen: bool = False
+    """A round of a coordinator of several shards being closed: it takes no more updates, so
+    every shard merges the same ones (``coordinator.shard_plane``)."""
 
     # ---- views ---------------------------------------------------------------------------------
 
@@ -154,6 +157,8 @@ class Round:
                 ErrorCode.BAD_PAYLOAD, f"fragment {fragment}, round has {self.fragment}"
             )
         if self.is_open:
+            if self.frozen:
+                return UpdateRefusal(ErrorCode.STALE_ROUND, f"round {self.round_id} is closing")
             if trained_from < self.base_version:
                 detail = f"trained from v{trained_from}, round needs v{self.base_version}"
                 return UpdateRefusal(ErrorCode.STALE_ROUND, detail)
