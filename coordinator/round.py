@@ -103,8 +103,8 @@ class Round:
     late_fold: Fold | None = None
     """The late updates not merged yet."""
     frozen: bool = False
-    """A round of a coordinator of several shards being closed: it takes no more updates, so
-    every shard merges the same ones (``coordinator.shard_plane``)."""
+    """A round of a coordinator of several shards being closed: it takes no more updates, on
+    time or late, so every shard merges the same ones (``coordinator.shard_plane``)."""
 
     # ---- views ---------------------------------------------------------------------------------
 
@@ -156,9 +156,12 @@ class Round:
             return UpdateRefusal(
                 ErrorCode.BAD_PAYLOAD, f"fragment {fragment}, round has {self.fragment}"
             )
+        if self.frozen:  # every shard merges the same updates: none after the freeze, late or not
+            state = "closing" if self.is_open else "closed"
+            return UpdateRefusal(
+                ErrorCode.STALE_ROUND, f"round {self.round_id} is {state} on every shard"
+            )
         if self.is_open:
-            if self.frozen:
-                return UpdateRefusal(ErrorCode.STALE_ROUND, f"round {self.round_id} is closing")
             if trained_from < self.base_version:
                 detail = f"trained from v{trained_from}, round needs v{self.base_version}"
                 return UpdateRefusal(ErrorCode.STALE_ROUND, detail)

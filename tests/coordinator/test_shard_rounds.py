@@ -82,10 +82,13 @@ def test_a_round_opened_frozen_and_closed_as_shard_zero_says() -> None:
     assert freeze(book, 4) == {"eu"}
     late = book.take(12.0, _part("us"))
     assert isinstance(late, UpdateRefusal) and late.code is ErrorCode.STALE_ROUND
-    assert "closing" in late.detail
+    assert "closing on every shard" in late.detail
     close = close_as_told(book, ShardClose(round_id=4, merged=("eu",), inner_steps=40, final=True))
     assert close.round is r and close.merged == ("eu",) and close.final
     assert book.global_version == 4 and not book.open_rounds
+    after = book.take(13.0, _part("us"))
+    assert isinstance(after, UpdateRefusal) and "closed on every shard" in after.detail
+    assert not book.late, "no late update: one shard might merge it and another not"
 
 
 def test_shard_zeros_word_that_does_not_fit_is_refused() -> None:
