@@ -333,6 +333,7 @@ def _add_bench_command(sub: SubParsers) -> None:
             "hostile",
             "pipeline",
             "scale",
+            "site_memory",
             "wan",
             "wan_goodput",
         ],
