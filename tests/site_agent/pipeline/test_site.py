@@ -3,8 +3,12 @@ federation on SIGTERM, and exits with its leader's status."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,7 @@ from comm.wire.tensors import state_hash
 from coordinator.file_store import FileStateStore
 from site_agent.exits import EXIT_CANNOT_START, EXIT_FATAL
 from tests.conftest import (
+    ROOT,
     TINY_MODEL,
     Procs,
     read_status,
@@ -194,13 +199,60 @@ HF_OPTIONS = {
 }
 
 
-def test_three_layouts_of_one_hugging_face_job_federate(procs: Procs, tmp_path: Path) -> None:
-    """One process, 2 stages (1F1B), 2 stages x 2 FSDP replicas (GPipe): the same job, one
-    federation, every site ends on the coordinator's model."""
+LIBRARY_FSDP_HF = """
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import crossdc
+from site_agent.config import load_site_config
+from site_agent.jobs.contract import JobContext, build_job
+
+dist.init_process_group("gloo")
+cfg = load_site_config(sys.argv[1])
+context = JobContext(
+    site_id=cfg.site_id,
+    seed=cfg.seed,
+    device=torch.device("cpu"),
+    options=cfg.job.options,
+    state_dir=cfg.state_path,
+)
+job = build_job(cfg.job.factory, context, cfg.job.python_path)
+model = job.model
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+for layer in model.model.layers:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+fed = crossdc.Federation(cfg, model, optimizer, evaluate=job.evaluate, architecture=job.architecture)
+with fed:
+    while not fed.finished:
+        for batch in job.batches():
+            if fed.finished:
+                break
+            loss = job.loss(model, batch)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+print(f"rank {dist.get_rank()}: exit code {fed.exit_code}", flush=True)
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+def test_four_layouts_of_one_hugging_face_job_federate(procs: Procs, tmp_path: Path) -> None:
+    """One process, 2 stages (1F1B), 2 stages x 2 FSDP replicas (GPipe), and the job's model
+    under FSDP2 over 2 ranks in library mode under torchrun (a script of the team's, syncing
+    shard by shard): the same job, one federation of 5 rounds, every site ends on the
+    coordinator's model."""
     cfg = write_coordinator_config(
         tmp_path,
-        min_sites=3,
-        max_rounds=2,
+        min_sites=4,
+        max_rounds=5,
         num_inner_steps=4,
         uplink_codec="fp32",
         downlink_codec="fp32",
@@ -218,27 +270,51 @@ def test_three_layouts_of_one_hugging_face_job_federate(procs: Procs, tmp_path: 
             "data_parallel": "fsdp",
         },
     }
-    for i, (site, layout) in enumerate(layouts.items()):
-        options = {**HF_OPTIONS, "data": {**HF_OPTIONS["data"], "shard_index": i}}
+    for i, (site, layout) in enumerate([*layouts.items(), ("lib", {})]):
+        options = {**HF_OPTIONS, "data": {**HF_OPTIONS["data"], "shard_index": i % 3}}
         job = {"factory": "site_agent.jobs.hf:make_job", "options": options}
-        path = _job_site_config(tmp_path, site, i, 3, job, **layout)
-        procs.start(f"site-{site}", "agent", "--config", str(path))
-    assert procs.procs["coordinator"].wait(timeout=400) == 0, procs.log("coordinator")
-    for site in layouts:
-        assert procs.procs[f"site-{site}"].wait(timeout=60) == 0, procs.log(f"site-{site}")
+        path = _job_site_config(tmp_path, site, i, 4, job, **layout)
+        if site != "lib":
+            procs.start(f"site-{site}", "agent", "--config", str(path))
+    (tmp_path / "train_fsdp_hf.py").write_text(LIBRARY_FSDP_HF)
+    with (tmp_path / "site-lib.log").open("wb") as log:
+        lib = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+            + [str(tmp_path / "train_fsdp_hf.py"), str(path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+            cwd=tmp_path,
+            start_new_session=True,
+        )
+        try:
+            assert procs.procs["coordinator"].wait(timeout=500) == 0, procs.log("coordinator")
+            for site in layouts:
+                assert procs.procs[f"site-{site}"].wait(timeout=60) == 0, procs.log(f"site-{site}")
+            assert lib.wait(timeout=60) == 0, procs.log("site-lib")
+        finally:
+            # torchrun starts each worker in a session of its own: kill them by id too.
+            for pid in [*_descendants(lib.pid), lib.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            lib.wait()
+    assert "rank 0: exit code 0" in procs.log("site-lib"), procs.log("site-lib")
     assert "pipeline plan: stages=2 replicas=2 schedule=gpipe" in procs.log("site-four")
     assert "microbatches=2 data_parallel=fsdp" in procs.log("site-four")
     status = read_status(tmp_path)
-    assert status is not None and status["rounds_completed"] == 2
+    assert status is not None and status["rounds_completed"] == 5
+    assert all(sorted(h["merged"]) == ["four", "lib", "one", "two"] for h in status["history"])
     vals = {int(k): v for k, v in status["val_losses"].items()}
-    assert vals[2] < vals[0], vals
+    assert vals[5] < vals[0], vals
     state = FileStateStore(tmp_path / "coordinator").load()
-    assert state is not None and state.global_version == 2
+    assert state is not None and state.global_version == 5
     final = state_hash(state.params)
     for site in layouts:
         ckpt = torch.load(tmp_path / f"site-{site}" / "checkpoint.pt", weights_only=True)
         params = {k: v.numpy() for k, v in ckpt["global_params"].items()}
-        assert (int(ckpt["global_version"]), state_hash(params)) == (2, final), site
+        assert (int(ckpt["global_version"]), state_hash(params)) == (5, final), site
+    sharded = json.loads((tmp_path / "site-lib" / "status.json").read_text())
+    assert (sharded["global_version"], sharded["state_hash"]) == (5, final)
 
 
 def _descendants(pid: int) -> list[int]:
