@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -258,6 +259,7 @@ class Federation:
             on_params_loaded=self._mark_changed,
         )
         self._agent: Any = None
+        self._sigterm_before: Any = None
         self._thread: threading.Thread | None = None
         self._hook: Any = None
         self.exit_code: int | None = None
@@ -294,6 +296,7 @@ class Federation:
 
     def __enter__(self) -> Federation:
         self._hook = self.optimizer.register_step_post_hook(lambda *_: self._after_step())
+        self._catch_sigterm()
         if self.rank != 0:
             self._follow()  # the initial model rank 0 holds
             return self
@@ -308,6 +311,23 @@ class Federation:
             self.__exit__(None, None, None)  # raises: the site stopped before training
         self._broadcast_flag()
         return self
+
+    def _catch_sigterm(self) -> None:
+        """SIGTERM (a scheduler stopping the job; torchrun passes it to every rank) drains the
+        site instead of killing it: rank 0's agent leaves at its next point between steps
+        (LEAVE, a checkpoint), the federation is then finished for this site, and every rank's
+        loop sees ``fed.finished``. Only where the script has no SIGTERM handler of its own, and
+        only from the main thread (where Python runs handlers)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+            return
+        self._sigterm_before = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self._agent is not None:
+            self._agent.request_stop("SIGTERM")
+        # The other ranks follow rank 0 out: its agent's last calls, then the finish.
 
     def _run_agent(self) -> None:
         assert self._agent is not None
@@ -390,6 +410,9 @@ class Federation:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._sigterm_before is not None:
+            signal.signal(signal.SIGTERM, self._sigterm_before)
+            self._sigterm_before = None
         if self.rank != 0:
             # Rank 0's agent may still sync (a checkpoint as it leaves): make its calls until
             # it says the federation is over for this site.

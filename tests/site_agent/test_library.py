@@ -333,6 +333,50 @@ def test_a_sharded_site_that_left_resumes_from_its_shards(procs: Procs, tmp_path
     assert (lib["global_version"], lib["state_hash"]) == final
 
 
+def test_sigterm_drains_a_sharded_site_and_sends_leave(procs: Procs, tmp_path: Path) -> None:
+    """SIGTERM to torchrun (which passes it to every rank) while an FSDP loop federates: rank 0's
+    agent leaves between two steps (LEAVE, a checkpoint of every rank's shards), every rank's
+    loop ends on ``fed.finished`` and the script goes on after its ``with`` block."""
+    jobs = tmp_path / "user"
+    jobs.mkdir()
+    shutil.copy(EXAMPLES / "regression_job.py", jobs / "regression_job.py")
+    (jobs / "train.py").write_text(FSDP_RESTART)
+    cfg = write_coordinator_config(tmp_path, min_sites=2, num_inner_steps=12, max_rounds=50)
+    procs.start("coordinator", "coordinator", "--config", str(cfg))
+    procs.start("site-eu", "agent", "--config", str(_site(tmp_path, jobs, "eu", -1.0)))
+    site = _site(tmp_path, jobs, "lib", 0.0)
+    with (tmp_path / "lib.log").open("wb") as log:
+        lib = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+            + ["train.py", str(site), "1000000"],
+            cwd=jobs,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+            start_new_session=True,
+        )
+        try:
+            wait_for(
+                lambda: (read_status(tmp_path) or {}).get("rounds_completed", 0) >= 1,
+                timeout_s=120,
+                what="a round",
+                procs=procs,
+            )
+            lib.send_signal(signal.SIGTERM)
+            lib.wait(timeout=60)
+        finally:
+            for pid in [*_descendants(lib.pid), lib.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            lib.wait()
+    output = (tmp_path / "lib.log").read_text()
+    assert "[site=lib] stopping: SIGTERM" in output, output
+    assert output.count("finished True") == 2, output
+    assert "[coordinator site=lib] left: SIGTERM" in procs.log("coordinator")
+    meta = json.loads((tmp_path / "site-lib" / "checkpoint.json").read_text())
+    assert meta["global_version"] >= 1
+
+
 @pytest.mark.timeout(60)
 def test_a_script_whose_model_differs_is_told_why_instead_of_training(
     procs: Procs, tmp_path: Path
