@@ -1,6 +1,12 @@
 """Closing rounds: ``round.result()`` (its updates, and the late ones of its fragment,
 down-weighted) -> the strategy's step -> ``model.advance()`` (the new state persisted), and,
 once it is durable, the result broadcast to every member; and the end of the federation.
+
+Between the save and the broadcast a coordinator of several shards commits the round on every
+shard (``coordinator.shard_plane``: each shard saved its version, then shard 0 commits): the
+optional gate (:data:`CloseGate`) is handed the saved round (:class:`Saved`) and announces it
+when the commit says so, with the state hash of the whole model. Without a gate (one
+coordinator process) the result is announced as soon as its state is durable.
 """
 
 from __future__ import annotations
@@ -26,6 +32,22 @@ from coordinator.round import Accepted
 from coordinator.strategies.base import Strategy
 
 log = logging.getLogger("crossdc.coordinator")
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A closed round whose new state is durable, not yet announced (see the module doc)."""
+
+    round_id: int
+    version: int
+    digests: Callable[[], dict[str, bytes]]
+    """Each tensor's digest of the new state (``GlobalModel.digests``)."""
+    announce: Callable[[str, bytes], None]
+    """Announce the result with this state hash and signature (the whole model's)."""
+
+
+CloseGate = Callable[[Saved], None]
+"""What runs once a round's new state is durable, in place of announcing it at once."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +81,9 @@ class Closing:
         post: PostOffice,
         metrics: CoordinatorMetrics,
         on_changed: Callable[[], None],
+        gate: CloseGate | None = None,
     ) -> None:
+        """``gate``: see the module doc (None: announce once durable)."""
         self._evaluation = evaluation
         self._faults = faults
         self._final_mean = final_mean
@@ -70,6 +94,8 @@ class Closing:
         self._post = post
         self._metrics = metrics
         self._on_changed = on_changed
+        self.gate = gate
+        """See the module doc; a coordinator of several shards sets it before its start."""
         # The socket's byte counters when the latest round's result went out: a round's bytes
         # are those since (two rounds in flight overlap in time, their bytes must not).
         self._bytes_mark = (0, 0)
@@ -113,8 +139,17 @@ class Closing:
                 Announcement(decision, step, st.global_version, entry, late, digest, signature)
             )
 
-        # Durable before announced: the announcement runs once the new state's save is.
-        self._model.advance(new_state, base=st.global_version, fragment=r.fragment, then=announce)
+        gate = self.gate
+
+        def saved(_digest: str, _signature: bytes) -> None:
+            assert gate is not None
+            digests = self._model.digests
+            gate(Saved(r.round_id, r.round_id, lambda: digests(new_state), announce))
+
+        # Durable before announced: the announcement runs once the new state's save is (and,
+        # with a gate, once every shard saved and shard 0 committed).
+        then = announce if gate is None else saved
+        self._model.advance(new_state, base=st.global_version, fragment=r.fragment, then=then)
 
     def _history_entry(
         self,

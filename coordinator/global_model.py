@@ -23,7 +23,13 @@ from comm.codecs.base import EncodedTensor
 from comm.codecs.registry import get_codec
 from comm.security.signing import sign_blob
 from comm.wire.schema import Global
-from comm.wire.tensors import encode_tensors, fragments, global_signed_bytes, state_hash
+from comm.wire.tensors import (
+    encode_tensors,
+    fragments,
+    global_signed_bytes,
+    model_hash,
+    tensor_digest,
+)
 from coordinator.deltalog import DeltaLog
 from coordinator.model_spec import ModelSpec
 from coordinator.state import GlobalState
@@ -70,6 +76,7 @@ class GlobalModel:
         self.spec: ModelSpec | None = None
         """The model as a site with its fingerprint declared it: explains refusals."""
         self._hash_cache: tuple[int, str] | None = None
+        self._digest_cache: tuple[int, dict[str, bytes]] | None = None
         self._full: tuple[int, list[weakref.ref[EncodedTensor]]] | None = None
         """The whole model's fp32 encoding of a version, while any message still holds it."""
 
@@ -168,6 +175,7 @@ class GlobalModel:
         """The durable state back, in place of one a failed step changed."""
         self.state = None  # the arrays changed are dropped before the store's are read
         self._hash_cache = None
+        self._digest_cache = None
         self._full = None
         state = self._reload()
         if state is None:
@@ -196,10 +204,22 @@ class GlobalModel:
         return int(sum(v.size for v in self._current().params.values()))
 
     def hash(self, state: GlobalState | None = None) -> str:
+        """The state hash of ``state`` (the current one by default):
+        ``comm.wire.tensors.state_hash`` of its parameters."""
         state = state or self._current()
         if self._hash_cache is None or self._hash_cache[0] != state.global_version:
-            self._hash_cache = (state.global_version, state_hash(state.params))
+            self._hash_cache = (state.global_version, model_hash(self.digests(state)))
         return self._hash_cache[1]
+
+    def digests(self, state: GlobalState | None = None) -> dict[str, bytes]:
+        """Each tensor's digest of ``state`` (``comm.wire.tensors.tensor_digest``), from which
+        its hash is made: a shard of several reports them so that shard 0 can make the hash of
+        the whole model (``comm.wire.partition.combined_hash``)."""
+        state = state or self._current()
+        if self._digest_cache is None or self._digest_cache[0] != state.global_version:
+            digests = {name: tensor_digest(name, v) for name, v in state.params.items()}
+            self._digest_cache = (state.global_version, digests)
+        return dict(self._digest_cache[1])
 
     def sign(self, version: int, base: int, fragment: int, digest: str) -> bytes:
         if self._signing_key is None:

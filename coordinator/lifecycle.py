@@ -10,6 +10,12 @@ restart through ``Lifecycle.resume``); decisions come out (:class:`Open`,
 reason. It holds no socket and reads no clock (``now`` is an argument); the service carries the
 decisions out, in the order given.
 
+A coordinator of several shards closes a round only once every shard holds the same updates
+(``coordinator.shard_plane``); it gives the lifecycle a :class:`RoundGate`, which says whose
+updates count as received (every shard took their part) and holds a close until the shards
+agree (the gate then closes it with :meth:`Lifecycle.close`). Without a gate (one coordinator
+process) a close is decided and applied at once.
+
 A decision's transition is applied when it is returned: the service must carry it out before it
 handles the next event (the round counter of an :class:`Open` is persisted before any site hears
 of the round; the state of a :class:`Close` is persisted before its result is announced).
@@ -18,7 +24,8 @@ of the round; the state of a :class:`Close` is persisted before its result is an
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from comm.wire.schema import ErrorCode, Update
 from coordinator.aggregate import Aggregator, Fold, WeightedMean
@@ -28,12 +35,26 @@ from coordinator.membership import Membership
 from coordinator.round import Round, Taken, UpdateRefusal
 from coordinator.rounds import (
     Action,
+    OpenRound,
     RoundPolicy,
     RoundSnapshot,
     decide,
     grace_window,
     quorum_size,
 )
+
+
+class RoundGate(Protocol):
+    """How a coordinator of several shards takes part in the lifecycle's decisions."""
+
+    def complete(self, r: Round) -> frozenset[str]:
+        """The sites of ``r`` whose update counts as received (every shard took its part)."""
+        ...
+
+    def hold_close(self, now: float, r: Round, merged: tuple[str, ...], why: str) -> bool:
+        """The lifecycle would close ``r`` over ``merged``: True holds the close (the gate
+        closes it later with :meth:`Lifecycle.close`, or aborts it)."""
+        ...
 
 
 @dataclass
@@ -59,6 +80,8 @@ class Lifecycle:
     the horizon by then)."""
     lags: deque[float] = field(default_factory=lambda: deque(maxlen=64))
     finishing: bool = False
+    gate: RoundGate | None = None
+    """A coordinator of several shards' say in closes (see the module doc); None: one process."""
 
     # ---- restart from disk ---------------------------------------------------------------------
 
@@ -153,7 +176,7 @@ class Lifecycle:
             list(self.lags), floor_s=self.cfg.grace_floor_s, ceiling_s=self.cfg.grace_ceiling_s
         )
         snap = RoundSnapshot(
-            open_rounds=tuple(r.view() for r in self.open_rounds),
+            open_rounds=tuple(self._view(r) for r in self.open_rounds),
             ready=tuple(self.members.ready(self.global_version, unconfirmed)),
             alive=frozenset(self.members),
             completed_rounds=self.completed_rounds,
@@ -169,6 +192,8 @@ class Lifecycle:
             r = self.open_rounds[0]
             if self.aggregator.whole_rounds and set(call.participants) != set(r.participants):
                 return Retry(r, call.participants, why)
+            if self.gate is not None and self.gate.hold_close(now, r, call.participants, why):
+                return None
             return self._do_close(r, call.participants, why)
         if call.action is Action.ABORT:
             if self.aggregator.whole_rounds:
@@ -179,6 +204,24 @@ class Lifecycle:
             self.finishing = True
             return Finish(why)
         return None
+
+    def _view(self, r: Round) -> OpenRound:
+        """``r`` as the decision reads it: with a gate, received only what the gate calls
+        complete, and no quorum before that many are (the grace after it still runs from when
+        this process had the quorum's updates)."""
+        view = r.view()
+        if self.gate is None:
+            return view
+        received = view.received & self.gate.complete(r)
+        quorum_at = view.quorum_at if len(received) >= r.quorum else None
+        return replace(view, received=received, quorum_at=quorum_at)
+
+    def close(self, r: Round, merged: tuple[str, ...], why: str) -> Close:
+        """Close the oldest open round ``r`` over ``merged`` now, as ``tick`` would: the
+        transition applied, the decision returned (a gate's held close, or a shard told to)."""
+        if not self.open_rounds or r is not self.open_rounds[0]:
+            raise ValueError(f"round {r.round_id} is not the oldest open round")
+        return self._do_close(r, merged, why)
 
     def expire(self, now: float) -> Remove | None:
         """Remove the members silent for longer than the site timeout."""

@@ -88,7 +88,7 @@ def close_as_told(book: Lifecycle, msg: ShardClose) -> Close:
             f"round {msg.round_id}: shard 0 merges {sorted(msg.merged)}, this shard folded "
             f"{sorted(r.received)}"
         )
-    decision = book._do_close(r, tuple(msg.merged), "shard 0 closed it")  # noqa: SLF001
+    decision = book.close(r, tuple(msg.merged), "shard 0 closed it")
     return replace(decision, final=msg.final)
 
 
