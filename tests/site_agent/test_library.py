@@ -181,11 +181,12 @@ def test_under_torchrun_rank_0_talks_and_the_other_ranks_follow(
     )
 
 
-def _torchrun(jobs: Path, script: str, site: Path, timeout_s: float, *args: str) -> tuple[int, str]:
-    """``script`` under torchrun on 2 CPU ranks; its exit code and output. Its own process
-    group: on a timeout torchrun's workers go with it, not on as orphans."""
+def _torchrun(
+    jobs: Path, script: str, site: Path, timeout_s: float, *args: str, ranks: int = 2
+) -> tuple[int, str]:
+    """``script`` under torchrun on ``ranks`` CPU ranks; its exit code and output."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
         + [script, str(site), *args],
         cwd=jobs,
         stdout=subprocess.PIPE,
@@ -298,10 +299,14 @@ os._exit(0)
 """
 
 
-def test_a_sharded_site_that_left_resumes_from_its_shards(procs: Procs, tmp_path: Path) -> None:
-    """An FSDP loop that ends on its own mid-federation leaves (LEAVE, a checkpoint of every
-    rank's shards); started again it resumes from them (the version and hash it saved, the
-    optimizer's moments too), joins in sync and trains to the end on the coordinator's hash."""
+@pytest.mark.parametrize("ranks_after", [2, 1])
+def test_a_sharded_site_that_left_resumes_from_its_shards(
+    procs: Procs, tmp_path: Path, ranks_after: int
+) -> None:
+    """An FSDP loop over 2 ranks that ends on its own mid-federation leaves (LEAVE, a checkpoint
+    of every rank's shards); started again, on 2 ranks or on 1 (another layout: the checkpoint
+    reshards), it resumes from them (the version and hash it saved, the optimizer's moments
+    too), joins in sync and trains to the end on the coordinator's hash."""
     jobs = tmp_path / "user"
     jobs.mkdir()
     shutil.copy(EXAMPLES / "regression_job.py", jobs / "regression_job.py")
@@ -321,8 +326,8 @@ def test_a_sharded_site_that_left_resumes_from_its_shards(procs: Procs, tmp_path
         timeout_s=30,
         what="the coordinator to see lib leave",
     )
-    code, output = _torchrun(jobs, "train.py", site, 150, "1000000")
-    assert code == 0 and output.count("finished True") == 2, output
+    code, output = _torchrun(jobs, "train.py", site, 150, "1000000", ranks=ranks_after)
+    assert code == 0 and output.count("finished True") == ranks_after, output
     assert procs.procs["coordinator"].wait(timeout=60) == 0, procs.log("coordinator")
     coord = procs.log("coordinator")
     assert f"[coordinator site=lib] joined version={saved} in_sync=True" in coord, coord
