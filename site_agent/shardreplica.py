@@ -166,7 +166,8 @@ class ShardedReplica:
             self._diverged(rs)
             return None
         names = self.fragment_names(rs.num_fragments)[rs.fragment]
-        result = self._sync.update(rs.fragment, names, rs.codec)
+        # Without overlap nothing is trained before the result: no copy of the local rows.
+        result = self._sync.update(rs.fragment, names, rs.codec, keep_reference=rs.overlap)
         if result.non_finite:
             self._diverged(rs)
             return None

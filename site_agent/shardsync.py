@@ -100,7 +100,9 @@ class RankSync:
         self.state = federated_state(model)
         self.shards = RankShards(self.state.items(), rank=self.rank, decay=decay)
         self._evaluate = evaluate
-        self._sent: dict[int, dict[str, torch.Tensor]] = {}  # local rows at each fragment's send
+        # Per fragment in flight: its local rows at the send, or None where no step is taken
+        # before its result (no overlap): the rows as they are then are those.
+        self._sent: dict[int, dict[str, torch.Tensor] | None] = {}
 
     @property
     def leader(self) -> bool:
@@ -112,11 +114,20 @@ class RankSync:
 
     # ---- the update ------------------------------------------------------------------------
 
-    def update(self, fragment: int, names: Sequence[str], codec_spec: str) -> UpdateResult | None:
+    def update(
+        self,
+        fragment: int,
+        names: Sequence[str],
+        codec_spec: str,
+        *,
+        keep_reference: bool = True,
+    ) -> UpdateResult | None:
         """This rank's slices of fragment ``fragment`` (tensors ``names``) encoded with
         ``codec_spec`` through its residuals, gathered to the leader (None on the others).
-        Sent: each rank keeps its local rows of ``names`` as the reference its result is merged
-        against. Not sent (any rank failed): every rank's residuals are as before."""
+        Sent: with ``keep_reference`` (the site trains on while the result is in flight) each
+        rank keeps a copy of its local rows of ``names``, the reference its result is merged
+        against; without, no step comes before the result and the rows then are the reference.
+        Not sent (any rank failed): every rank's residuals are as before."""
         before = self.shards.feedback.snapshot()
         slices: list[EncodedTensor] = []
         error, non_finite = "", False
@@ -137,9 +148,11 @@ class RankSync:
             return (
                 UpdateResult((), error=verdict[0], non_finite=verdict[1]) if self.leader else None
             )
-        self._sent[fragment] = {
-            name: local_part(self.state[name]).to(torch.float32, copy=True) for name in names
-        }
+        self._sent[fragment] = (
+            {name: local_part(self.state[name]).to(torch.float32, copy=True) for name in names}
+            if keep_reference
+            else None
+        )
         if parts is None:
             return None
         return UpdateResult(
@@ -239,13 +252,15 @@ class RankSync:
             self._sent.clear()
             self.shards.load_into(self.state)
             return
-        sent = self._sent.pop(fragment, {}) if fragment is not None else {}
+        sent: dict[str, torch.Tensor] | None = {}  # not sent: θ before the result
+        if fragment is not None and fragment in self._sent:
+            sent = self._sent.pop(fragment)
         with torch.no_grad():
             for name, theta in new.items():
                 local = local_part(self.state[name])
-                ref = sent.get(name, old[name])
-                merged = local.to(torch.float32) + (theta - ref)
-                local.copy_(merged)
+                rows = local.to(torch.float32)
+                ref = rows if sent is None else sent.get(name, old[name])
+                local.copy_(rows + (theta - ref))
 
     # ---- the rest --------------------------------------------------------------------------
 
@@ -380,8 +395,12 @@ class LeaderSync:
     def num_parameters(self) -> int:
         return self.ranks.num_parameters()
 
-    def update(self, fragment: int, names: Sequence[str], codec_spec: str) -> UpdateResult:
-        result = self._call("update", fragment, list(names), codec_spec)
+    def update(
+        self, fragment: int, names: Sequence[str], codec_spec: str, *, keep_reference: bool = True
+    ) -> UpdateResult:
+        result = self._call(
+            "update", fragment, list(names), codec_spec, keep_reference=keep_reference
+        )
         assert isinstance(result, UpdateResult)
         return result
 

@@ -14,7 +14,8 @@ ranks then make the sync calls the agent makes through them:
 - a delta result with the coordinator's state hash: every rank takes its rows, the site's hash
   over the shards is the one-process site's, and each rank's local rows are the one-process
   merge's (local + (θ_new − local at the send)); a result whose hash is not the coordinator's is
-  taken by no rank;
+  taken by no rank; without overlap no rank keeps a copy of its local rows at the send, and
+  they merge exactly as one process's do;
 - an update a rank cannot encode (a non-finite value on rank 1 only) goes out from no rank, and
   every rank's residuals are as before;
 - validation runs on θ on every rank and puts the local rows back.
@@ -120,6 +121,18 @@ def _rank(rank: int, world: int) -> dict[str, Any]:
     out["hash1"] = sync.state_hash()
     out["rows"] = {n: (r.start, r.stop) for n, r in sync.shards.ranges.items()}
     out["local1"] = {n: p.to_local().detach().numpy().copy() for n, p in model.named_parameters()}
+    # Without overlap (no step before the result) no copy of the local rows is kept, and they
+    # merge as one process's do: local + (θ_new - local at the send, which they still are).
+    out["local_at_send2"] = {
+        n: p.to_local().detach().numpy().copy() for n, p in model.named_parameters()
+    }
+    sync.update(0, names, "fp32", keep_reference=False)
+    out["no_copy"] = sync._sent[0] is None
+    delta2 = encode_tensors({n: v * 2 for n, v in _result_delta(names).items()}, get_codec("fp32"))
+    out["second"] = sync.result(
+        delta2 if rank == 0 else None, full=False, fragment=0, state_hash=_one_process()["hash2"]
+    )
+    out["local2"] = {n: p.to_local().detach().numpy().copy() for n, p in model.named_parameters()}
     # A non-finite value on rank 1 only: nothing goes out, no rank's residuals change.
     int8 = "int8:block=4"
     sync.update(0, names, int8)
@@ -152,12 +165,15 @@ def _one_process() -> dict[str, Any]:
     new = {n: theta[n] + result[n] for n in theta}
     after = {n: local[n] + np.float32(0.001) for n in theta}
     merged = {n: after[n] + (new[n] - local[n]) for n in theta}
+    new2 = {n: new[n] + result[n] * 2 for n in theta}
     return {
         "hash0": state_hash(theta),
         "sent": sent,
         "hash1": state_hash(new),
         "merged": merged,
         "theta": theta,
+        "new2": new2,
+        "hash2": state_hash(new2),
     }
 
 
@@ -194,6 +210,19 @@ def test_a_result_is_taken_by_every_rank_only_with_the_coordinators_hash(
             want = one["merged"][name][start:stop]
             # The local rows differ from one process's by the training's rounding (above).
             np.testing.assert_allclose(r["local1"][name], want, rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_without_overlap_no_copy_is_kept_and_the_rows_merge_as_one_process(
+    ranks: list[dict[str, Any]],
+) -> None:
+    one = _one_process()
+    assert ranks[0]["second"].applied
+    for r in ranks:
+        assert r["no_copy"]
+        for name, (start, stop) in r["rows"].items():
+            at_send = r["local_at_send2"][name]
+            want = at_send + (one["new2"][name][start:stop] - at_send)
+            assert np.array_equal(r["local2"][name], want), name
 
 
 def test_an_update_one_rank_cannot_encode_goes_out_from_none(ranks: list[dict[str, Any]]) -> None:
