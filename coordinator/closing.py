@@ -107,7 +107,11 @@ class Closing:
         r = decision.round
         assert r.plan is not None
         fresh = [r.accepted[s] for s in decision.merged]
+        # Taking the result folds what waited for its turn (an update whose predecessors in the
+        # round's order never came, the late ones): fold work, charged as the intake charges it.
+        cpu = time.thread_time()
         result, late = r.result(decision.late)
+        self._metrics.fold_cpu_seconds.inc(time.thread_time() - cpu)
         # Inner steps behind the model this round produces: every completed slot and this one.
         inner_steps = sum(int(h["num_inner_steps"]) for h in st.history)
         inner_steps += r.plan.num_inner_steps
