@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from comm.security.masking import SecAggConfig
 from comm.security.rolekits import SecurityConfig
 from coordinator.config import CoordinatorConfig, sections
 from coordinator.memory import StateBudget, state_budget, state_bytes_per_param
@@ -28,3 +29,13 @@ def test_the_sparse_broadcast_keeps_the_params_only() -> None:
     assert state_budget(sections(cfg)) == StateBudget(params=4, momentum=0, residual=0, sums=0)
     dense = CoordinatorConfig(security=INSECURE, outer_strategy="sparseloco", overlap=False)
     assert state_bytes_per_param(sections(dense)) == 12  # no momentum; residual and sum
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("word_bits", "sums"), [(64, 8), (32, 4)])
+def test_secure_aggregation_keeps_its_masked_sum_in_words_of_its_own(
+    word_bits: int, sums: int
+) -> None:
+    masked = SecAggConfig(clip_bound=1.0, frac_bits=16, word_bits=word_bits)
+    cfg = CoordinatorConfig(security=INSECURE, overlap=False, secure_aggregation=masked)
+    assert state_budget(sections(cfg)) == StateBudget(params=4, momentum=4, residual=4, sums=sums)
