@@ -77,6 +77,9 @@ class GlobalModel:
         """The model as a site with its fingerprint declared it: explains refusals."""
         self._hash_cache: tuple[int, str] | None = None
         self._digest_cache: tuple[int, dict[str, bytes]] | None = None
+        self.whole_hash: tuple[int, str] | None = None
+        """A shard of several: (version, the state hash of the whole model at it), as shard 0
+        committed it; the sites know the version by that hash (``site_hash``)."""
         self._full: tuple[int, list[weakref.ref[EncodedTensor]]] | None = None
         """The whole model's fp32 encoding of a version, while any message still holds it."""
 
@@ -211,6 +214,14 @@ class GlobalModel:
             self._hash_cache = (state.global_version, model_hash(self.digests(state)))
         return self._hash_cache[1]
 
+    def site_hash(self, state: GlobalState | None = None) -> str:
+        """The hash the sites know ``state``'s version by: its own (one coordinator process),
+        or a shard's ``whole_hash`` of the whole model at that version."""
+        state = state or self._current()
+        if self.whole_hash is not None and self.whole_hash[0] == state.global_version:
+            return self.whole_hash[1]
+        return self.hash(state)
+
     def digests(self, state: GlobalState | None = None) -> dict[str, bytes]:
         """Each tensor's digest of ``state`` (``comm.wire.tensors.tensor_digest``), from which
         its hash is made: a shard of several reports them so that shard 0 can make the hash of
@@ -229,7 +240,7 @@ class GlobalModel:
 
     def full_global(self, state: GlobalState, round_id: int, evaluate: bool = False) -> Global:
         """The whole of ``state``'s model (a durable one: the caller waited for its save)."""
-        digest = self.hash(state)
+        digest = self.site_hash(state)
         return Global(
             round_id=round_id,
             base_version=-1,

@@ -101,6 +101,9 @@ class Intake:
         self._metrics = metrics
         self._on_leave = on_leave
         self._on_changed = on_changed  # a state worth publishing (the model, a validation)
+        self.on_update: Callable[[Update, str | None], None] | None = None
+        """A coordinator of several shards: told of every update to an open round, with why it
+        was refused (None: taken), so that shard 0 learns which parts every shard holds."""
         self.claims: dict[str, tuple[int, str]] = {}
         """What each member said it holds at its join (version, state hash): before the initial
         model exists, a site that built the same θ0 is in sync once it does."""
@@ -273,7 +276,7 @@ class Intake:
         in_sync = (
             st is not None
             and msg.global_version == st.global_version
-            and msg.state_hash == self._model.hash()
+            and msg.state_hash == self._model.site_hash()
         )
         self._aggregator.joined(peer, msg)
         self._left.pop(msg.site_id, None)
@@ -350,6 +353,8 @@ class Intake:
             return
         cpu = time.thread_time()
         taken = check_reported(msg) or self._rounds.take(self._clock(), msg)
+        if self.on_update is not None and (isinstance(taken, UpdateRefusal) or not taken.late):
+            self.on_update(msg, taken.detail if isinstance(taken, UpdateRefusal) else None)
         if isinstance(taken, UpdateRefusal):
             self._post.reject(peer, taken.code, taken.detail, msg.site_id)
             return

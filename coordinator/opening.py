@@ -8,6 +8,7 @@ A round's id is durable before any site hears of the round.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from comm.wire.schema import RoundCancel, RoundStart
@@ -47,6 +48,9 @@ class Opening:
         self._planner = planner
         self._post = post
         self._metrics = metrics
+        self.release: Callable[[int, Callable[[], None]], None] | None = None
+        """A coordinator of several shards: ``release(round_id, send)`` sends the round's plans
+        (``send()``) once every shard opened it; None (one process): sent at once."""
 
     def open(self, now: float, decision: Open) -> None:
         st = self._model.state
@@ -76,6 +80,7 @@ class Opening:
                 plan_why,
             )
         )
+        starts: list[tuple[bytes, RoundStart]] = []
         for i, site_id in enumerate(participants):
             start = RoundStart(
                 round_id=round_id,
@@ -92,8 +97,17 @@ class Opening:
                 reason=plan_why,
                 **extra,
             )
+            starts.append((self._members[site_id].peer, start))
+
+        def send() -> None:
             # Sent and not kept: under some aggregations it carries every peer's keys.
-            self._post.send(self._members[site_id].peer, start)
+            for peer, start in starts:
+                self._post.send(peer, start)
+
+        if self.release is None:
+            send()
+        else:
+            self.release(round_id, send)
         self._post.later(lambda: self._faults.point("open", round_id))
 
     def retry_or_abandon(self, now: float, decision: Retry) -> None:

@@ -92,6 +92,9 @@ class Coordinator:
         self.clock = clock
         self.metrics = metrics or CoordinatorMetrics()
         self.finished = False
+        self.decides = True
+        """Whether the lifecycle decides rounds: a shard following shard 0 never does, shard 0
+        only while every shard is there (``coordinator.shard_service``)."""
         self._finish_started: float | None = None
         self._initial = initial
         kit = load_coordinator_kit(cfg.security.kit_dir) if cfg.security.kit_dir else None
@@ -302,6 +305,9 @@ class Coordinator:
             self._expire(now)
             self._maybe_finish(now)
             return
+        if not self.decides:
+            self._expire(now)
+            return
         # Several decisions can follow at once (remove a silent site, close r, open r+2).
         for _ in range(8):
             decision = self.book.tick(now, self._unconfirmed())
@@ -325,6 +331,11 @@ class Coordinator:
         cannot or will not take the model is not planned into rounds it would only hold up."""
         members = self.membership
         return frozenset(s for s, m in members.items() if self.post.awaits_model(m.peer))
+
+    def carry_out(self, now: float, decision: Decision) -> None:
+        """Carry out a decision made outside ``tick`` (a coordinator of several shards closes a
+        round when every shard agrees, ``coordinator.shard_service``)."""
+        self._route(now, decision)
 
     def _route(self, now: float, decision: Decision) -> None:
         if isinstance(decision, Remove):

@@ -38,6 +38,9 @@ class CoordinatorStatus:
         self._post = post
         self._metrics = metrics
         self._board = StatusBoard(state_dir / "status.json" if state_dir else None, clock)
+        self.shard: tuple[int, int] | None = None
+        """A shard of several: (its index, the shard count); the status then says both and
+        the shard's own hash (``shard_hash``) beside the whole model's (``state_hash``)."""
 
     @property
     def published_at(self) -> float:
@@ -53,7 +56,7 @@ class CoordinatorStatus:
             "endpoint": self.endpoint,
             "finished": finished,
             "global_version": st.global_version if st else None,
-            "state_hash": self._model.hash() if st else None,
+            "state_hash": self._model.site_hash() if st else None,
             "round_counter": st.round_counter if st else 0,
             "rounds_completed": len(st.history) if st else 0,
             "members": sorted(self._members),
@@ -73,6 +76,9 @@ class CoordinatorStatus:
             "fold_parameter_updates": int(self._sample("crossdc_fold_parameter_updates_total")),
             "fold_cpu_seconds": self._sample("crossdc_fold_cpu_seconds_total"),
         }
+        if self.shard is not None:
+            status["shard"], status["shards"] = self.shard
+            status["shard_hash"] = self._model.hash() if st else None
         self._board.publish(status)
 
     def _sample(self, name: str) -> float:

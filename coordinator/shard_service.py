@@ -1,0 +1,542 @@
+"""A shard of a coordinator of several shards, as a service: a :class:`Coordinator` over the
+tensors it owns, and its end of the shards' control plane.
+
+With ``[coordinator] shards = S`` each process is one shard (``coordinator.sharding``): a
+:class:`~coordinator.service.Coordinator` of its own (state, outer optimizer, delta log, metrics,
+endpoint) whose rounds cover its tensors; the sites send each shard its part of every update
+(``site_agent.shard_links``). This module joins the shards' rounds into one:
+
+- :class:`LeadShard` is shard 0. Its lifecycle decides (only while every shard is there): a
+  round's plans go to the sites once every shard opened it (``ShardOpen``/``ShardOpened``, the
+  opening's ``release``); a site's update counts once every shard took its part (the lifecycle's
+  :class:`~coordinator.lifecycle.RoundGate`); a close waits while a site is half-way (up to
+  the grace ceiling), then freezes the round everywhere and closes it over what every shard
+  holds, or aborts it everywhere (``coordinator.shard_plane``); each shard saves its result and
+  reports its tensors' digests; shard 0 writes its commit record (``coordinator.shard_commit``)
+  and every shard announces the result with the whole model's hash, which shard 0 signs. A
+  shard lost, or back after a restart, aborts every round in flight.
+- :class:`FollowShard` is every other shard: it decides nothing, opens, freezes, closes and
+  aborts rounds as shard 0 says (``coordinator.shard_rounds``), reports every part it folded or
+  refused, and announces a result when shard 0 committed it.
+
+A shard that saved a round's version aborted before the commit would have to load the version
+before; that is not built: such a shard stops with an error, and at its next start the resume
+rule (``coordinator.shard_plane.resume``, ``coordinator.shard_commit.start_version``) says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from comm.security.rolekits import CoordinatorKit
+from comm.wire.partition import partition_digest
+from comm.wire.schema import (
+    ShardAbort,
+    ShardClose,
+    ShardCommit,
+    ShardFolded,
+    ShardFreeze,
+    ShardFrozen,
+    ShardOpen,
+    ShardOpened,
+    ShardPrepared,
+    Update,
+)
+from coordinator import shard_commit
+from coordinator.closing import Saved
+from coordinator.decisions import Abort
+from coordinator.round import Round
+from coordinator.service import Coordinator
+from coordinator.shard_link import ShardClient, ShardServer
+from coordinator.shard_peers import (
+    FollowerEvent,
+    Joined,
+    LeaderEvent,
+    Lost,
+    Ready,
+    Resumed,
+    ShardFollower,
+    ShardLeader,
+    plan_fields,
+)
+from coordinator.shard_plane import AbortAll, CloseAll, CommitAll, Phase, ShardPlane
+from coordinator.shard_rounds import abort_as_told, close_as_told, freeze, open_as_told
+from coordinator.sharding import ShardIdentity
+
+log = logging.getLogger("crossdc.coordinator.shards")
+
+
+class NotBuilt(RuntimeError):
+    """A shard must go back to the version before its newest: not built (see the module doc)."""
+
+
+class _Shard:
+    """What both kinds of shard share: the coordinator, who this shard is, the partition."""
+
+    def __init__(
+        self,
+        coord: Coordinator,
+        identity: ShardIdentity,
+        parts: Sequence[Sequence[str]],
+        *,
+        whole_hash0: str | None,
+    ) -> None:
+        """``whole_hash0``: the state hash of the whole θ0 (every shard builds it whole and
+        keeps its part), the hash the sites hold version 0 by."""
+        if identity.count != len(parts) or identity.count < 2:
+            raise ValueError(f"shard {identity.index} of {identity.count}: {len(parts)} parts")
+        self.coord = coord
+        self.identity = identity
+        self.parts = tuple(tuple(p) for p in parts)
+        self.partition = partition_digest(self.parts)
+        self._whole_hash0 = whole_hash0
+        self._saved: dict[int, Saved] = {}
+        """Rounds this shard saved and has not announced (waiting for the commit)."""
+        coord.status_report.shard = (identity.index, identity.count)
+        coord.closing.gate = self._on_saved
+
+    @property
+    def finished(self) -> bool:
+        return self.coord.finished
+
+    @property
+    def endpoint(self) -> str:
+        return self.coord.endpoint
+
+    def _start_coordinator(self) -> str:
+        endpoint = self.coord.start()
+        st = self.coord.state
+        if st is None:
+            raise ValueError(
+                f"shard {self.identity.index}: a coordinator of several shards starts from "
+                "coordinator.initial_model (each shard keeps its part of θ0)"
+            )
+        owned = set(st.params)
+        if owned != set(self.parts[self.identity.index]):
+            raise ValueError(
+                f"shard {self.identity.index} holds other tensors than the model's cut gives it "
+                f"({len(owned)} held, {len(self.parts[self.identity.index])} in its part)"
+            )
+        if st.global_version == 0 and self._whole_hash0 is not None:
+            self.coord.model.whole_hash = (0, self._whole_hash0)
+        return endpoint
+
+    def _on_saved(self, saved: Saved) -> None:
+        raise NotImplementedError
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Serve until the federation finishes or ``stop`` is set."""
+        while not self.finished and not (stop is not None and stop.is_set()):
+            self.step(0.05)
+        outbox = self.coord.post.outbox
+        if outbox is not None:
+            outbox.drain()
+
+    def step(self, timeout_s: float) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _live(self, round_id: int) -> Round | None:
+        """Round ``round_id`` while it takes parts (open, not frozen)."""
+        r = self.coord.book.open_round(round_id)
+        return r if r is not None and not r.frozen else None
+
+
+class LeadShard(_Shard):
+    """Shard 0 (see the module doc)."""
+
+    def __init__(
+        self,
+        coord: Coordinator,
+        identity: ShardIdentity,
+        parts: Sequence[Sequence[str]],
+        *,
+        kit: CoordinatorKit | None,
+        control_bind: str,
+        whole_hash0: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(coord, identity, parts, whole_hash0=whole_hash0)
+        if not identity.leader:
+            raise ValueError(f"shard {identity.index} is not shard 0")
+        self._clock = clock
+        self._control_bind = control_bind
+        channel = coord.sections.post.channel
+        self.plane = ShardPlane(self.parts)
+        self.server = ShardServer(channel, kit, clock=clock)
+        self.leader = ShardLeader(
+            self.server,
+            self.plane,
+            partition=self.partition,
+            committed=lambda: (self.committed, self.coord.book.round_counter),
+            timeout_s=channel.heartbeat_timeout_s,
+            clock=clock,
+        )
+        self.committed = -1
+        """The last version every shard saved and shard 0 committed."""
+        self.control_endpoint = ""
+        self._starts: dict[int, Callable[[], None]] = {}
+        """Each opened round's plans, sent once every shard opened it."""
+        self._close_asked: dict[int, float] = {}
+        self._why: dict[int, str] = {}
+        self._events: list[LeaderEvent] = []
+        coord.book.gate = self
+        coord.opening.release = self._release
+        coord.intake.on_update = self._on_update
+
+    def start(self) -> str:
+        """Load the state, go back to the last commit, bind both sockets."""
+        endpoint = self._start_coordinator()
+        st = self.coord.state
+        assert st is not None
+        path = self.coord.sections.state.path
+        record = shard_commit.read(path) if path is not None else None
+        version = shard_commit.start_version(st.global_version, record)
+        if version != st.global_version:
+            raise NotBuilt(
+                f"shard 0 holds version {st.global_version}, never committed; going back to "
+                f"version {version} is not built yet"
+            )
+        self.committed = st.global_version
+        if record is not None:
+            self.coord.model.whole_hash = (record.global_version, record.state_hash)
+        self.control_endpoint = self.server.bind(self._control_bind)
+        self.coord.decides = False  # until every shard is there
+        log.info(
+            "[coordinator shard=0/%d] control plane on %s, committed v%d",
+            self.identity.count,
+            self.control_endpoint,
+            self.committed,
+        )
+        return endpoint
+
+    def close(self) -> None:
+        self.coord.close()
+        self.server.close()
+
+    def step(self, timeout_s: float) -> None:
+        """Handle at most one site message and the shards' reports, then decide."""
+        self.coord.decides = self.leader.present
+        self.coord.step(timeout_s / 2)
+        self._events += self.leader.poll(timeout_s / 2)
+        for _ in range(16):
+            got = self.leader.poll(0.0)
+            if not got:
+                break
+            self._events += got
+        self._aborted_by_lifecycle()
+        while self._events:
+            self._on(self._events.pop(0))
+
+    # ---- the lifecycle's gate ------------------------------------------------------------------
+
+    def complete(self, r: Round) -> frozenset[str]:
+        if r.round_id not in self.plane.in_flight():
+            return frozenset()
+        return self.plane.complete(r.round_id)
+
+    def hold_close(self, now: float, r: Round, merged: tuple[str, ...], why: str) -> bool:
+        """Freeze the round everywhere once no site is half-way (or the grace ceiling passed
+        since the lifecycle first wanted to close it); the shards' answers close it."""
+        rid = r.round_id
+        if rid not in self.plane.in_flight() or self.plane.phase(rid) is not Phase.OPEN:
+            return True
+        first = self._close_asked.setdefault(rid, now)
+        ceiling = self.coord.sections.rounds.grace_ceiling_s
+        if self.plane.partial(rid) and now - first < ceiling:
+            return True
+        r.frozen = True
+        self.plane.freeze(rid)
+        self._why[rid] = why
+        self.leader.broadcast(ShardFreeze(round_id=rid))
+        frozen = self.plane.frozen(0, rid, r.received)
+        if frozen is not None:
+            self._events.append(frozen)
+        return True
+
+    # ---- hooks -------------------------------------------------------------------------------
+
+    def _release(self, round_id: int, send: Callable[[], None]) -> None:
+        """A round opened here: every shard opens it (once its id is durable here), and its
+        plans go to the sites once every shard did."""
+        r = self.coord.book.open_round(round_id)
+        assert r is not None and r.plan is not None
+        self.plane.opened(round_id, r.participants)
+        self._starts[round_id] = send
+        msg = ShardOpen(
+            round_id=round_id,
+            base_version=r.base_version,
+            fragment=r.fragment,
+            participants=r.participants,
+            quorum=r.quorum,
+            deadline_s=r.deadline_at - r.opened_at,
+            plan=plan_fields(r.plan),
+        )
+        self.coord.post.later(lambda: self.leader.broadcast(msg))
+
+    def _on_update(self, msg: Update, refused: str | None) -> None:
+        if self._live(msg.round_id) is None and refused is not None:
+            return  # a late or stray update: no part of a round in flight
+        try:
+            if refused is None:
+                self.plane.folded(0, msg.round_id, msg.site_id)
+            else:
+                self.plane.refused(0, msg.round_id, msg.site_id)
+        except ValueError as exc:
+            log.warning("[coordinator shard=0] %s", exc)
+
+    def _on_saved(self, saved: Saved) -> None:
+        self._saved[saved.round_id] = saved
+        done = self.plane.prepared(0, saved.round_id, saved.version, saved.digests())
+        if done is not None:
+            self._events.append(done)
+
+    # ---- what the plane says -----------------------------------------------------------------
+
+    def _aborted_by_lifecycle(self) -> None:
+        """Rounds the lifecycle aborted (a deadline, sites gone) are aborted on every shard."""
+        for rid in self.plane.in_flight():
+            taking = self.plane.phase(rid) in (Phase.OPEN, Phase.FREEZING)
+            if taking and self.coord.book.open_round(rid) is None:
+                self._starts.pop(rid, None)
+                self._close_asked.pop(rid, None)
+                self.leader.broadcast(ShardAbort(round_ids=(rid,), reason="shard 0 aborted"))
+                self.plane.abort(rid, "shard 0 aborted it")
+                self.plane.forget(rid)
+
+    def _on(self, event: LeaderEvent) -> None:
+        now = self._clock()
+        if isinstance(event, Ready):
+            send = self._starts.pop(event.round_id, None)
+            if send is not None:
+                send()
+        elif isinstance(event, Joined | Lost):
+            what = "lost" if isinstance(event, Lost) else "joined"
+            if self.plane.in_flight():
+                self._abort(self.leader.abort_in_flight(f"shard {event.shard} {what}"), what)
+        elif isinstance(event, CloseAll):
+            self._close(now, event)
+        elif isinstance(event, AbortAll):
+            self.leader.broadcast(ShardAbort(round_ids=(event.round_id,), reason=event.why))
+            self._abort((event.round_id,), event.why)
+        else:
+            self._commit(event)
+
+    def _abort(self, ids: tuple[int, ...], why: str) -> None:
+        """Rounds the plane aborted, aborted here too (the sites told)."""
+        if any(i in self._saved for i in ids):
+            raise NotBuilt(f"rounds {ids} aborted after shard 0 saved one: {why}")
+        for i in ids:
+            self._starts.pop(i, None)
+            self._close_asked.pop(i, None)
+            self.plane.forget(i)
+        book = self.coord.book
+        if any(book.open_round(i) is not None for i in ids):
+            decision: Abort = book.abort(f"shards: {why}")
+            self.coord.opening.abort(decision)
+
+    def _close(self, now: float, event: CloseAll) -> None:
+        book, rid = self.coord.book, event.round_id
+        r = book.open_round(rid)
+        assert r is not None, f"round {rid} closed by the shards is not open on shard 0"
+        merged = tuple(s for s in r.participants if s in event.merged)
+        decision = book.close(r, merged, self._why.pop(rid, "every shard holds the same"))
+        self._close_asked.pop(rid, None)
+        st = self.coord.state
+        assert st is not None and r.plan is not None
+        inner_steps = sum(int(h["num_inner_steps"]) for h in st.history) + r.plan.num_inner_steps
+        self.leader.broadcast(
+            ShardClose(round_id=rid, merged=merged, inner_steps=inner_steps, final=decision.final)
+        )
+        self.coord.carry_out(now, decision)
+
+    def _commit(self, event: CommitAll) -> None:
+        """Every shard saved the round: the commit record, then every shard announces."""
+        path = self.coord.sections.state.path
+        if path is not None:
+            shard_commit.write(path, shard_commit.Committed(event.version, event.combined_hash))
+        self.committed = event.version
+        model = self.coord.model
+        model.whole_hash = (event.version, event.combined_hash)
+        self.leader.broadcast(
+            ShardCommit(
+                round_id=event.round_id,
+                global_version=event.version,
+                state_hash=event.combined_hash,
+                shard_hashes=event.shard_hashes,
+            )
+        )
+        saved = self._saved.pop(event.round_id)
+        r = self.coord.book.closed.get(event.round_id)
+        base = r.base_version if r is not None else event.version - 1
+        saved.announce(event.combined_hash, model.sign(event.version, base, 0, event.combined_hash))
+        self.plane.forget(event.round_id)
+
+
+class FollowShard(_Shard):
+    """Shards 1 to S-1 (see the module doc)."""
+
+    def __init__(
+        self,
+        coord: Coordinator,
+        identity: ShardIdentity,
+        parts: Sequence[Sequence[str]],
+        *,
+        kit: CoordinatorKit | None,
+        control_endpoint: str,
+        whole_hash0: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(coord, identity, parts, whole_hash0=whole_hash0)
+        if identity.leader:
+            raise ValueError("shard 0 leads; it does not follow")
+        self._clock = clock
+        self._control_endpoint = control_endpoint
+        channel = coord.sections.post.channel
+        self._timeout_s = channel.heartbeat_timeout_s
+        self.client = ShardClient(channel, kit, identity.index)
+        self.follower = ShardFollower(
+            self.client,
+            shard=identity.index,
+            shards=identity.count,
+            partition=self.partition,
+            held=self._held,
+            interval_s=channel.heartbeat_interval_s,
+            clock=clock,
+        )
+        self._final_round: int | None = None
+        """The run's last round, once shard 0 closed it."""
+        self._final_at: float | None = None
+        coord.decides = False
+        coord.intake.on_update = self._on_update
+
+    def _held(self) -> tuple[int, int]:
+        st = self.coord.state
+        return (-1, 0) if st is None else (st.global_version, self.coord.book.round_counter)
+
+    def start(self) -> str:
+        endpoint = self._start_coordinator()
+        self.client.connect(self._control_endpoint)
+        log.info(
+            "[coordinator shard=%d/%d] following shard 0 at %s",
+            self.identity.index,
+            self.identity.count,
+            self._control_endpoint,
+        )
+        return endpoint
+
+    def close(self) -> None:
+        self.coord.close()
+        self.client.close()
+
+    def step(self, timeout_s: float) -> None:
+        self.coord.step(timeout_s / 2)
+        events: list[FollowerEvent] = self.follower.poll(timeout_s / 2)
+        for _ in range(16):
+            if not events:
+                break
+            for event in events:
+                self._on(event)
+            events = self.follower.poll(0.0)
+        self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
+        """After the run's last round is announced: once every site left, or shard 0 fell
+        silent (it finished and closed)."""
+        if self._final_at is None:
+            return
+        heard = self.follower.heard_at or self._final_at
+        if not self.coord.membership or self._clock() - heard > self._timeout_s:
+            self.coord.finished = True
+
+    # ---- hooks -------------------------------------------------------------------------------
+
+    def _on_update(self, msg: Update, refused: str | None) -> None:
+        if refused is not None and self._live(msg.round_id) is None:
+            return
+        self.follower.report(
+            ShardFolded(
+                shard=self.identity.index,
+                round_id=msg.round_id,
+                site_id=msg.site_id,
+                accepted=refused is None,
+                detail=refused or "",
+            )
+        )
+
+    def _on_saved(self, saved: Saved) -> None:
+        self._saved[saved.round_id] = saved
+        digests = {name: d.hex() for name, d in saved.digests().items()}
+        self.follower.report(
+            ShardPrepared(
+                shard=self.identity.index,
+                round_id=saved.round_id,
+                global_version=saved.version,
+                digests=digests,
+            )
+        )
+
+    # ---- what shard 0 says -------------------------------------------------------------------
+
+    def _on(self, event: FollowerEvent) -> None:
+        i, book = self.identity.index, self.coord.book
+        try:
+            if isinstance(event, Resumed):
+                if event.resume.roll_back:
+                    raise NotBuilt(
+                        f"shard {i} holds a version shard 0 never committed (it committed "
+                        f"v{event.resume.version}); going back to it is not built yet"
+                    )
+            elif isinstance(event, ShardOpen):
+                st = self.coord.state
+                assert st is not None
+                tensors = {n: tuple(v.shape) for n, v in st.params.items()}
+                open_as_told(book, self._clock(), event, tensors)
+                self.coord.model.issue_round(event.round_id)  # durable before it is said
+                opened = ShardOpened(shard=i, round_id=event.round_id)
+                self.coord.post.later(lambda: self.follower.report(opened))
+            elif isinstance(event, ShardFreeze):
+                folded = freeze(book, event.round_id)
+                self.follower.report(
+                    ShardFrozen(shard=i, round_id=event.round_id, folded=tuple(sorted(folded)))
+                )
+            elif isinstance(event, ShardClose):
+                self.coord.carry_out(self._clock(), close_as_told(book, event))
+                if event.final:
+                    self._final_round = event.round_id
+            elif isinstance(event, ShardCommit):
+                self._commit(event)
+            else:
+                if any(r in self._saved for r in event.round_ids):
+                    raise NotBuilt(
+                        f"shard {i}: rounds {event.round_ids} aborted after it saved one"
+                    )
+                aborted = abort_as_told(book, event)
+                if aborted is not None:
+                    log.warning(
+                        "[coordinator shard=%d] rounds %s aborted: %s",
+                        i,
+                        aborted.round_ids,
+                        event.reason,
+                    )
+        except ValueError as exc:
+            log.error("[coordinator shard=%d] out of step with shard 0: %s", i, exc)
+
+    def _commit(self, event: ShardCommit) -> None:
+        saved = self._saved.pop(event.round_id, None)
+        if saved is None:
+            log.error(
+                "[coordinator shard=%d] commit of round %d, which it never saved",
+                self.identity.index,
+                event.round_id,
+            )
+            return
+        self.coord.model.whole_hash = (event.global_version, event.state_hash)
+        saved.announce(event.state_hash, b"")
+        if self._final_round == event.round_id:
+            self._final_at = self._clock()

@@ -1,0 +1,293 @@
+"""Two shards of a coordinator as services (``coordinator.shard_service``), in-process over tcp
+loopback: shard 0 and shard 1 each a Coordinator of its own tensors, their control channel,
+and sites that hold one channel per shard (``site_agent.shard_links.ShardedLink``). Rounds
+reach the sites once both shards opened them, close only over what both shards folded, and the
+sites' results (put together from both shards) equal one coordinator's bit for bit, under the
+one hash; a site whose part one shard never got makes the round abort on both."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from comm.codecs.floats import Fp32Codec
+from comm.security.rolekits import SecurityConfig
+from comm.transport.dealer import DealerChannel
+from comm.transport.profile import ChannelConfig
+from comm.wire.partition import partition
+from comm.wire.schema import Global, Join, Message, RoundCancel, RoundStart, Update, Welcome
+from comm.wire.tensors import encode_tensors, state_hash
+from coordinator.config import CoordinatorConfig
+from coordinator.service import Coordinator, InitialModel
+from coordinator.shard_service import FollowShard, LeadShard
+from coordinator.sharding import ShardIdentity, own_part
+from coordinator.state import MemoryStateStore
+from site_agent.shard_links import ShardedLink
+
+pytestmark = pytest.mark.timeout(90)
+
+PARAMS = {
+    "w": np.arange(6, dtype=np.float32).reshape(2, 3),
+    "b": np.ones(3, np.float32),
+    "c": np.linspace(-1, 1, 4, dtype=np.float32),
+}
+SHAPES = {k: v.shape for k, v in PARAMS.items()}
+PARTS = partition(SHAPES, 2)
+SITES = ("eu", "us", "ap")
+
+
+def _delta(site: str, round_id: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng([SITES.index(site), round_id])
+    return {k: rng.standard_normal(v.shape).astype(np.float32) * 0.1 for k, v in PARAMS.items()}
+
+
+def _config(**overrides: Any) -> CoordinatorConfig:
+    base: dict[str, Any] = {
+        "bind": "tcp://127.0.0.1:0",
+        "state_dir": "",
+        "metrics_port": 0,
+        "min_sites": 3,
+        "num_inner_steps": 3,
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "outer_warmup_steps": 0,
+        "uplink_codec": "fp32",
+        "downlink_codec": "int8",
+        "overlap": False,
+        "max_rounds": 3,
+        "keep_checkpoints": 2,
+        "security": SecurityConfig(insecure=True),
+    }
+    return CoordinatorConfig(**{**base, **overrides})
+
+
+class _Site:
+    """A scripted site: its link (one channel, or one per shard) and what it received."""
+
+    def __init__(self, ctx: zmq.Context[Any], site_id: str, endpoints: list[str]) -> None:
+        self.site_id = site_id
+        chans = [
+            DealerChannel(ChannelConfig(linger_s=0.1), identity=site_id, context=ctx)
+            for _ in endpoints
+        ]
+        for chan, endpoint in zip(chans, endpoints, strict=True):
+            chan.connect(endpoint)
+        self.link: Any = chans[0] if len(chans) == 1 else ShardedLink(chans, PARTS)
+        self.inbox: list[Message] = []
+
+    def take(self, kind: type) -> Any:
+        for i, msg in enumerate(self.inbox):
+            if isinstance(msg, kind):
+                return self.inbox.pop(i)
+        return None
+
+
+class _Federation:
+    """Coordinator processes (one, or two shards) stepped in turn, and the sites."""
+
+    def __init__(self, step: Callable[[], None], endpoints: list[str]) -> None:
+        self._step = step
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.sites = {s: _Site(self.ctx, s, endpoints) for s in SITES}
+
+    def pump(self) -> None:
+        self._step()
+        for site in self.sites.values():
+            msg = site.link.recv(0.0)
+            if msg is not None:
+                site.inbox.append(msg)
+
+    def expect(self, site_id: str, kind: type, steps: int = 1500) -> Any:
+        site = self.sites[site_id]
+        for _ in range(steps):
+            got = site.take(kind)
+            if got is not None:
+                return got
+            self.pump()
+        raise AssertionError(f"{site_id} got no {kind.__name__}")
+
+    def close(self) -> None:
+        for site in self.sites.values():
+            site.link.close()
+        self.ctx.destroy(linger=0)
+
+
+@contextlib.contextmanager
+def _single() -> Iterator[tuple[_Federation, Coordinator]]:
+    coord = Coordinator(
+        _config(), store=MemoryStateStore(), initial=InitialModel(dict(PARAMS), "fp")
+    )
+    coord.start()
+    fed = _Federation(lambda: coord.step(0.002), [coord.endpoint])
+    try:
+        yield fed, coord
+    finally:
+        fed.close()
+        coord.close()
+
+
+@contextlib.contextmanager
+def _sharded(**overrides: Any) -> Iterator[tuple[_Federation, LeadShard, FollowShard]]:
+    whole = state_hash(PARAMS)
+    shards = []
+    for i in range(2):
+        identity = ShardIdentity(i, 2, "test")
+        coord = Coordinator(
+            _config(shards=2, **overrides),
+            store=MemoryStateStore(),
+            initial=InitialModel(own_part(PARAMS, SHAPES, identity), "fp"),
+        )
+        shards.append((coord, identity))
+    lead = LeadShard(
+        shards[0][0],
+        shards[0][1],
+        PARTS,
+        kit=None,
+        control_bind="tcp://127.0.0.1:0",
+        whole_hash0=whole,
+    )
+    follow: FollowShard | None = None
+    fed: _Federation | None = None
+    try:
+        lead.start()
+        follow = FollowShard(
+            shards[1][0],
+            shards[1][1],
+            PARTS,
+            kit=None,
+            control_endpoint=lead.control_endpoint,
+            whole_hash0=whole,
+        )
+        follow.start()
+        both = follow
+
+        def step() -> None:
+            lead.step(0.002)
+            both.step(0.002)
+
+        fed = _Federation(step, [lead.endpoint, follow.endpoint])
+        yield fed, lead, follow
+    finally:
+        if fed is not None:
+            fed.close()
+        lead.close()
+        if follow is not None:
+            follow.close()
+        else:
+            shards[1][0].close()
+
+
+def _join_all(fed: _Federation) -> None:
+    for s in SITES:
+        fed.sites[s].link.send(
+            Join(
+                site_id=s,
+                model_fingerprint="fp",
+                global_version=0,
+                state_hash=state_hash(PARAMS),
+                capabilities={},
+            )
+        )
+        welcome: Welcome = fed.expect(s, Welcome)
+        assert welcome.global_version == 0 and not welcome.need_init
+
+
+def _update(site: str, rs: RoundStart) -> Update:
+    return Update(
+        site_id=site,
+        round_id=rs.round_id,
+        global_version=rs.fragment_base_version,
+        fragment=0,
+        weight=100.0 + 50 * SITES.index(site),
+        train_loss=2.0,
+        compute_seconds=1.0,
+        step_seconds=0.3,
+        link_rtt_s=0.1,
+        link_goodput_bps=1e8,
+        payload=encode_tensors(_delta(site, rs.round_id), Fp32Codec()),
+    )
+
+
+def _run(fed: _Federation) -> list[Global]:
+    """Every site joins in sync at θ0 and sends its update to each of the rounds; the results
+    eu receives."""
+    _join_all(fed)
+    results = []
+    for _ in range(3):
+        starts = {s: fed.expect(s, RoundStart) for s in SITES}
+        for s in SITES:
+            fed.sites[s].link.send(_update(s, starts[s]))
+        results.append(fed.expect("eu", Global))
+        for s in ("us", "ap"):
+            assert fed.expect(s, Global).state_hash == results[-1].state_hash
+    return results
+
+
+def _params_after(results: list[Global]) -> dict[str, np.ndarray]:
+    from comm.wire.tensors import decode_tensors
+
+    params = {k: v.copy() for k, v in PARAMS.items()}
+    for g in results:
+        delta = decode_tensors(g.payload)
+        for k in params:
+            params[k] += delta[k]
+        assert state_hash(params) == g.state_hash
+    return params
+
+
+def test_two_shards_give_the_sites_one_coordinators_results_bit_for_bit() -> None:
+    with _single() as (fed, coord):
+        single = _run(fed)
+        assert coord.state is not None
+        single_params = {k: v.copy() for k, v in coord.state.params.items()}
+    with _sharded() as (fed, lead, follow):
+        sharded = _run(fed)
+        assert lead.committed == 3
+        status = lead.coord.status()
+        assert status["shard"] == 0 and status["shards"] == 2
+        assert lead.coord.state is not None and follow.coord.state is not None
+        held = {**lead.coord.state.params, **follow.coord.state.params}
+        assert set(lead.coord.state.params) == set(PARTS[0])
+    assert [g.state_hash for g in sharded] == [g.state_hash for g in single]
+    for a, b in zip(sharded, single, strict=True):
+        assert (a.round_id, a.base_version, a.global_version) == (
+            b.round_id,
+            b.base_version,
+            b.global_version,
+        )
+    params = _params_after(sharded)
+    for k in PARAMS:
+        assert params[k].tobytes() == _params_after(single)[k].tobytes()
+        assert held[k].tobytes() == single_params[k].tobytes()
+
+
+def test_a_part_one_shard_never_got_aborts_the_round_on_both() -> None:
+    # Quorum 2 of 3, then at most 0.5 s for the third.
+    quick = {"quorum_fraction": 0.6, "grace_floor_s": 0.2, "grace_ceiling_s": 0.5}
+    with _sharded(**quick) as (fed, lead, follow):
+        _join_all(fed)
+        starts = {s: fed.expect(s, RoundStart) for s in SITES}
+        for s in ("eu", "us"):
+            fed.sites[s].link.send(_update(s, starts[s]))
+        # ap's update reaches shard 0 only (its other part is lost with its shard-1 channel).
+        ap = fed.sites["ap"].link
+        part0 = tuple(e for e in _update("ap", starts["ap"]).payload if e.name in PARTS[0])
+        ap.links[0].send(replace(_update("ap", starts["ap"]), payload=part0))
+        # No freeze while ap is half-way: the round waits up to the grace ceiling, then freezes
+        # with shard 0 holding ap's part and shard 1 not, and is aborted on both shards.
+        cancel: RoundCancel = fed.expect("eu", RoundCancel, steps=6000)
+        assert cancel.round_ids == (starts["eu"].round_id,)
+        assert "shards folded different sites: ['ap']" in cancel.reason
+        assert lead.coord.book.open_round(cancel.round_ids[0]) is None
+        assert follow.coord.book.open_round(cancel.round_ids[0]) is None
+        assert lead.coord.state is not None and lead.coord.state.global_version == 0
+        assert lead.plane.in_flight() == ()
+        # The next round goes ahead on both.
+        nxt: RoundStart = fed.expect("eu", RoundStart)
+        assert nxt.round_id > cancel.round_ids[0]
