@@ -445,6 +445,10 @@ class MeanResult:
         )
 
 
+_SUM_LIMIT = float(np.finfo(np.float32).max) / 2
+"""What Σ w·‖x‖ over a round's updates must stay below (see :meth:`MeanFold.add`)."""
+
+
 class MeanFold:
     """Updates checked from their encoded values, norm-bounded and folded into one float32
     running sum, in a canonical order whatever order they arrive in.
@@ -474,6 +478,8 @@ class MeanFold:
         """Index in ``_order`` of the next update to fold (while it has not arrived, every
         later one waits)."""
         self._waiting: dict[str, tuple[float, dict[str, list[EncodedTensor]], Shapes]] = {}
+        self._bound = 0.0
+        """Σ w·‖x‖ over the updates taken: a bound on every value of the sum."""
 
     def add(
         self, site_id: str, weight: float, payload: Sequence[EncodedTensor], shapes: Shapes
@@ -484,6 +490,16 @@ class MeanFold:
         if not (np.isfinite(weight) and weight > 0):
             return Refused(ErrorCode.BAD_PAYLOAD, f"update weight {weight} must be > 0")
         pieces, norm = checked
+        # Every value of the float32 sum is at most Σ w·‖x‖ in magnitude (‖x‖ bounds each of
+        # x's values): kept below half float32's largest, no product or sum overflows.
+        bound = self._bound + weight * norm
+        if not bound < _SUM_LIMIT:
+            return Refused(
+                ErrorCode.OUT_OF_RANGE,
+                f"update weight {weight:.3g} times its norm {norm:.3g} would overflow the "
+                f"round's float32 sum (limit {_SUM_LIMIT:.3g} over its updates)",
+            )
+        self._bound = bound
         self._waiting[site_id] = (weight, pieces, dict(shapes))
         while self._turn < len(self._order) and self._order[self._turn] in self._waiting:
             self._fold(self._order[self._turn])

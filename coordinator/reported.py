@@ -20,6 +20,11 @@ from coordinator.round import UpdateRefusal
 
 MAX_WEIGHT = 1e15
 """Tokens (or samples) one update may stand for."""
+MIN_WEIGHT = 2.0**-20
+"""The smallest weight: the coordinator sums w·x in float32, and a weight that float32 rounds to
+0 (below about 1.4e-45) would make a round's sum 0 over a positive total, and its mean NaN. Far
+below any real site's token count, far above float32's smallest normal, so w·x keeps float32's
+precision."""
 MAX_ABS_TRAIN_LOSS = 1e30
 """The largest training loss, either sign (NaN: the site reports none)."""
 MAX_COMPUTE_SECONDS = 1e7
@@ -37,7 +42,7 @@ MAX_GOODPUT_BPS = 1e15
 
 # field: (lowest, highest, whether 0 means "not measured" below the lowest)
 RANGES: dict[str, tuple[float, float, bool]] = {
-    "weight": (math.ulp(0.0), MAX_WEIGHT, False),
+    "weight": (MIN_WEIGHT, MAX_WEIGHT, False),
     "train_loss": (-MAX_ABS_TRAIN_LOSS, MAX_ABS_TRAIN_LOSS, False),
     "compute_seconds": (0.0, MAX_COMPUTE_SECONDS, False),
     "step_seconds": (MIN_STEP_SECONDS, MAX_STEP_SECONDS, True),

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from comm.codecs.registry import get_codec
+from comm.wire.schema import ErrorCode
 from comm.wire.tensors import check_payload, encode_slice, encode_tensors
 from coordinator.aggregate import MeanFold, Refused, RunningSum, WeightedMean
 from coordinator.strategies.base import weighted_mean
@@ -180,6 +181,20 @@ def test_a_refused_update_changes_nothing_and_blocks_no_one() -> None:
     assert isinstance(fold.add("b", 1.0, encode_tensors(_update(1), codec), SHAPES), str)
     result = fold.result("1", [])
     assert result.count == 1 and fold.sum.count == 1
+
+
+def test_an_update_that_could_overflow_the_float32_sum_is_refused() -> None:
+    """No norm bound (inf): an update whose weight times norm could overflow the float32 sum
+    is refused as out of range, and the fold goes on with the next."""
+    codec = get_codec("fp32")
+    fold = MeanFold(float("inf"), ["a", "b"])
+    huge = {n: v * np.float32(1e25) for n, v in _update(0).items()}
+    refused = fold.add("a", 1e15, encode_tensors(huge, codec), SHAPES)
+    assert isinstance(refused, Refused) and refused.code == ErrorCode.OUT_OF_RANGE
+    assert "overflow" in refused.detail and fold.sum.count == 0 and fold.nbytes == 0
+    assert isinstance(fold.add("b", 1e15, encode_tensors(_update(1), codec), SHAPES), str)
+    fold.result("1", [])
+    assert all(np.isfinite(fold.sum.tensor_mean(n)).all() for n in SHAPES)
 
 
 def test_late_updates_wait_and_fold_by_site_at_the_result() -> None:

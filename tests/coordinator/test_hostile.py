@@ -60,6 +60,7 @@ BAD_FIGURES: list[tuple[str, float, ErrorCode]] = [
     ("link_goodput_bps", math.inf, ErrorCode.NON_FINITE),
     ("weight", 1e300, ErrorCode.OUT_OF_RANGE),
     ("weight", 0.0, ErrorCode.OUT_OF_RANGE),
+    ("weight", 1e-46, ErrorCode.OUT_OF_RANGE),  # float32 rounds it to 0: a NaN mean
     ("compute_seconds", -1.0, ErrorCode.OUT_OF_RANGE),
     ("train_loss", 1e300, ErrorCode.OUT_OF_RANGE),
 ]
