@@ -306,7 +306,7 @@ def test_a_sharded_site_that_left_resumes_from_its_shards(
     """An FSDP loop over 2 ranks that ends on its own mid-federation leaves (LEAVE, a checkpoint
     of every rank's shards); started again, on 2 ranks or on 1 (another layout: the checkpoint
     reshards), it resumes from them (the version and hash it saved, the optimizer's moments
-    too), joins in sync and trains to the end on the coordinator's hash."""
+    too), joins at the version it saved and trains to the end on the coordinator's hash."""
     jobs = tmp_path / "user"
     jobs.mkdir()
     shutil.copy(EXAMPLES / "regression_job.py", jobs / "regression_job.py")
@@ -330,7 +330,9 @@ def test_a_sharded_site_that_left_resumes_from_its_shards(
     assert code == 0 and output.count("finished True") == ranks_after, output
     assert procs.procs["coordinator"].wait(timeout=60) == 0, procs.log("coordinator")
     coord = procs.log("coordinator")
-    assert f"[coordinator site=lib] joined version={saved} in_sync=True" in coord, coord
+    # The version it saved (a result that landed as the loop ended is caught up by the
+    # coordinator's deltas).
+    assert f"[coordinator site=lib] joined version={saved} " in coord, coord
     state = FileStateStore(tmp_path / "coordinator").load()
     assert state is not None and state.global_version > saved
     lib = json.loads((tmp_path / "site-lib" / "status.json").read_text())
