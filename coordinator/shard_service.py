@@ -29,10 +29,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from comm.security.rolekits import CoordinatorKit
-from comm.wire.partition import partition_digest
+from comm.security.rolekits import CoordinatorKit, load_coordinator_kit
+from comm.wire.partition import partition, partition_digest
 from comm.wire.schema import (
     ShardAbort,
     ShardClose,
@@ -45,11 +45,13 @@ from comm.wire.schema import (
     ShardPrepared,
     Update,
 )
+from comm.wire.tensors import state_hash
 from coordinator import shard_commit
 from coordinator.closing import Saved
+from coordinator.config import CoordinatorConfig
 from coordinator.decisions import Abort
 from coordinator.round import Round
-from coordinator.service import Coordinator
+from coordinator.service import Coordinator, InitialModel
 from coordinator.shard_link import ShardClient, ShardServer
 from coordinator.shard_peers import (
     FollowerEvent,
@@ -64,7 +66,7 @@ from coordinator.shard_peers import (
 )
 from coordinator.shard_plane import AbortAll, CloseAll, CommitAll, Phase, ShardPlane
 from coordinator.shard_rounds import abort_as_told, close_as_told, freeze, open_as_told
-from coordinator.sharding import ShardIdentity
+from coordinator.sharding import ShardIdentity, control_endpoint, own_part, shard_config
 
 log = logging.getLogger("crossdc.coordinator.shards")
 
@@ -180,8 +182,11 @@ class LeadShard(_Shard):
         self.committed = -1
         """The last version every shard saved and shard 0 committed."""
         self.control_endpoint = ""
-        self._starts: dict[int, Callable[[], None]] = {}
-        """Each opened round's plans, sent once every shard opened it."""
+        self._starts: dict[int, tuple[int, Callable[[], None]]] = {}
+        """Each opened round's plans and the version they name, sent once every shard opened
+        the round and that version is committed (a site told of a version before its result
+        would ask for the whole model)."""
+        self._ready: set[int] = set()
         self._close_asked: dict[int, float] = {}
         self._why: dict[int, str] = {}
         self._events: list[LeaderEvent] = []
@@ -266,8 +271,10 @@ class LeadShard(_Shard):
         plans go to the sites once every shard did."""
         r = self.coord.book.open_round(round_id)
         assert r is not None and r.plan is not None
+        st = self.coord.state
+        assert st is not None
         self.plane.opened(round_id, r.participants)
-        self._starts[round_id] = send
+        self._starts[round_id] = (st.global_version, send)
         msg = ShardOpen(
             round_id=round_id,
             base_version=r.base_version,
@@ -304,6 +311,7 @@ class LeadShard(_Shard):
             taking = self.plane.phase(rid) in (Phase.OPEN, Phase.FREEZING)
             if taking and self.coord.book.open_round(rid) is None:
                 self._starts.pop(rid, None)
+                self._ready.discard(rid)
                 self._close_asked.pop(rid, None)
                 self.leader.broadcast(ShardAbort(round_ids=(rid,), reason="shard 0 aborted"))
                 self.plane.abort(rid, "shard 0 aborted it")
@@ -312,9 +320,8 @@ class LeadShard(_Shard):
     def _on(self, event: LeaderEvent) -> None:
         now = self._clock()
         if isinstance(event, Ready):
-            send = self._starts.pop(event.round_id, None)
-            if send is not None:
-                send()
+            self._ready.add(event.round_id)
+            self._send_starts()
         elif isinstance(event, Joined | Lost):
             what = "lost" if isinstance(event, Lost) else "joined"
             if self.plane.in_flight():
@@ -327,12 +334,24 @@ class LeadShard(_Shard):
         else:
             self._commit(event)
 
+    def _send_starts(self) -> None:
+        """The plans of the rounds every shard opened, once the version they name is
+        committed, oldest first."""
+        for rid in sorted(self._ready & set(self._starts)):
+            version, send = self._starts[rid]
+            if version > self.committed:
+                return
+            del self._starts[rid]
+            self._ready.discard(rid)
+            send()
+
     def _abort(self, ids: tuple[int, ...], why: str) -> None:
         """Rounds the plane aborted, aborted here too (the sites told)."""
         if any(i in self._saved for i in ids):
             raise NotBuilt(f"rounds {ids} aborted after shard 0 saved one: {why}")
         for i in ids:
             self._starts.pop(i, None)
+            self._ready.discard(i)
             self._close_asked.pop(i, None)
             self.plane.forget(i)
         book = self.coord.book
@@ -376,6 +395,7 @@ class LeadShard(_Shard):
         base = r.base_version if r is not None else event.version - 1
         saved.announce(event.combined_hash, model.sign(event.version, base, 0, event.combined_hash))
         self.plane.forget(event.round_id)
+        self._send_starts()
 
 
 class FollowShard(_Shard):
@@ -540,3 +560,42 @@ class FollowShard(_Shard):
         saved.announce(event.state_hash, b"")
         if self._final_round == event.round_id:
             self._final_at = self._clock()
+
+
+def build_shard(
+    cfg: CoordinatorConfig,
+    identity: ShardIdentity,
+    initial: InitialModel | None,
+    env: Mapping[str, str],
+) -> LeadShard | FollowShard:
+    """Shard ``identity`` of the federation's ``cfg`` (the one ``[coordinator]`` table every
+    shard reads): a Coordinator of its own config (``coordinator.sharding.shard_config``) and
+    part of θ0 (``initial``, built whole), and its end of the control plane."""
+    if initial is None:
+        raise ValueError(
+            f"coordinator.shards = {cfg.shards} needs [coordinator.initial_model]: every shard "
+            "builds θ0 and keeps its part"
+        )
+    shapes = {name: tuple(v.shape) for name, v in initial.params.items()}
+    parts = partition(shapes, identity.count)
+    whole_hash0 = state_hash(initial.params)
+    own = InitialModel(own_part(initial.params, shapes, identity), initial.fingerprint)
+    kit = load_coordinator_kit(cfg.security.kit_dir) if cfg.security.kit_dir else None
+    coord = Coordinator(shard_config(cfg, identity), initial=own)
+    if identity.leader:
+        return LeadShard(
+            coord,
+            identity,
+            parts,
+            kit=kit,
+            control_bind=cfg.shard_control_bind,
+            whole_hash0=whole_hash0,
+        )
+    return FollowShard(
+        coord,
+        identity,
+        parts,
+        kit=kit,
+        control_endpoint=control_endpoint(cfg, env),
+        whole_hash0=whole_hash0,
+    )

@@ -32,7 +32,9 @@ from crossdc.demo_args import add_demo_arguments
 
 if TYPE_CHECKING:
     from coordinator.config import CoordinatorConfig, InitialModelConfig
-    from coordinator.service import InitialModel
+    from coordinator.service import Coordinator, InitialModel
+    from coordinator.shard_service import FollowShard, LeadShard
+    from coordinator.sharding import ShardIdentity
     from site_agent.config import SiteConfig
 
 
@@ -98,19 +100,21 @@ def _initial_model(cfg: InitialModelConfig | None) -> InitialModel | None:
     return InitialModel(initial_parameters(model_cfg, cfg.seed), model_fingerprint(model_cfg))
 
 
-def _this_shard(cfg: CoordinatorConfig, flag: str | None) -> CoordinatorConfig:
-    """The config of the shard this process is (``coordinator/sharding.py``): ``cfg`` itself
+def _this_shard(cfg: CoordinatorConfig, flag: str | None) -> ShardIdentity:
+    """Which shard of ``cfg``'s this process is (``coordinator/sharding.py``): shard 0 of 1
     with one shard."""
     from coordinator.sharding import resolve, shard_config
 
     identity = resolve(cfg.shards, flag, os.environ)
+    shard_config(cfg, identity)  # checks the shard's place
     if identity.count > 1:
-        raise ValueError(
-            f"coordinator.shards = {identity.count} (this is shard {identity.index}, from "
-            f"{identity.source}): the shards' control plane is not built yet, so a sharded "
-            "coordinator cannot run; set shards = 1"
+        logging.getLogger("crossdc").info(
+            "[coordinator] shard %d of %d (from %s)",
+            identity.index,
+            identity.count,
+            identity.source,
         )
-    return shard_config(cfg, identity)
+    return identity
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
@@ -121,7 +125,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_coordinator_config(args.config, **_insecure_override(args))
-        cfg = _this_shard(cfg, args.shard)
+        identity = _this_shard(cfg, args.shard)
     except (ConfigError, ValueError) as exc:
         print(f"crossdc coordinator: bad config: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -130,8 +134,15 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"crossdc coordinator: bad config: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    try:
-        coord = Coordinator(cfg, initial=initial)  # loads the key kit and the state's store
+    service: Coordinator | LeadShard | FollowShard
+    try:  # loads the key kit and the state's store
+        if identity.count > 1:
+            from coordinator.shard_service import build_shard
+
+            service = build_shard(cfg, identity, initial, os.environ)
+            coord, cfg = service.coord, service.coord.cfg
+        else:
+            service = coord = Coordinator(cfg, initial=initial)
     except (ValueError, OSError) as exc:  # AuthError is a ValueError
         print(f"crossdc coordinator: cannot start: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -147,23 +158,23 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                 on_refused=coord.metrics.refused,
             )
         except (ValueError, OSError) as exc:
-            coord.close()
+            service.close()
             print(f"crossdc coordinator: cannot start: {exc}", file=sys.stderr)
             return EXIT_BAD_CONFIG
     stop = threading.Event()
     _stop_on_signals(stop)
     try:
-        coord.start()
+        service.start()
     except ValueError as exc:  # the state dir holds another model than initial_model builds
-        coord.close()
+        service.close()
         print(f"crossdc coordinator: cannot start: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     if http is not None:
         http.start()
     try:
-        coord.run(stop)
+        service.run(stop)
     finally:
-        coord.close()
+        service.close()
         if http is not None:
             http.close()
     return 0

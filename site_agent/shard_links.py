@@ -11,8 +11,10 @@ whether its coordinator is one process or S:
   tensors (the same round, weight and figures); an ``Eval`` goes to shard 0, which keeps the
   federation's records; everything else (``Join``, ``Leave``, ``SyncRequest``, heartbeats) to
   every shard, each of which admits the site for its tensors;
-- what it receives: shard 0's plans (``RoundStart``, ``RoundCancel``, ``Shutdown``) and heartbeat
-  echoes as they come, any shard's ``Error``; a ``Welcome`` once every shard has welcomed the
+- what it receives: shard 0's plans (``RoundStart``, ``RoundCancel``, ``Shutdown``) in their
+  order with the results (held while a result is in part here: one coordinator sends a result
+  before the plan that names its version, on one connection, and the site counts on that),
+  heartbeat echoes as they come, any shard's ``Error``; a ``Welcome`` once every shard has welcomed the
   join (shard 0's); a ``Global`` once every shard's result of that version has arrived, as one
   message: every shard's tensors, and shard 0's state hash (the combined hash over every shard,
   equal to the one-process hash) and signature.
@@ -24,6 +26,7 @@ channel itself.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Protocol
@@ -83,6 +86,10 @@ class ShardedLink:
         self._next = 0
         self._welcomed: dict[int, Welcome] = {}
         self._results: dict[_ResultKey, dict[int, Global]] = {}
+        self._held: list[Message] = []
+        """Shard 0's plans that came while a result was in part here, in order."""
+        self._due: deque[Message] = deque()
+        """Messages for the site, in order, before anything received next."""
 
     @property
     def stats(self) -> ChannelStats:
@@ -121,6 +128,8 @@ class ShardedLink:
         """The next message for the site, waiting up to ``timeout_s`` over all the shards."""
         # Each shard in turn gets the wait, starting after the one that answered last, so a busy
         # shard does not starve the others.
+        if self._due:
+            return self._due.popleft()
         count = len(self.links)
         per = timeout_s / count
         for i in range(count):
@@ -145,6 +154,9 @@ class ShardedLink:
         if isinstance(msg, Global):
             return self._result(shard, msg)
         if shard == 0:
+            if isinstance(msg, _FROM_LEADER) and self._results:
+                self._held.append(msg)  # after the result in part here
+                return None
             return msg
         if not isinstance(msg, _FROM_LEADER):
             return None  # another shard's heartbeat echo: shard 0's measure the link
@@ -163,11 +175,19 @@ class ShardedLink:
                 oldest = min(self._results, key=lambda k: k[2])
                 log.warning("[site] result of version %d never completed: dropped", oldest[2])
                 del self._results[oldest]
+            self._release()
             return None
         del self._results[key]
         lead = parts[0]
         payload = tuple(enc for s in range(len(self.links)) for enc in parts[s].payload)
+        self._release()
         return replace(lead, payload=payload)
+
+    def _release(self) -> None:
+        """Shard 0's held plans are due once no result is in part here."""
+        if not self._results and self._held:
+            self._due.extend(self._held)
+            self._held.clear()
 
     def close(self) -> None:
         for link in self.links:

@@ -190,13 +190,13 @@ def _free_port() -> int:
 @pytest.mark.parametrize(
     ("procs", "said"),
     [
-        (2, "this is shard {rank}, from torchrun RANK"),
+        (2, "coordinator.shards = 2 needs [coordinator.initial_model]"),
         (3, "torchrun started 3 processes (WORLD_SIZE) but coordinator.shards = 2"),
     ],
 )
 def test_torchrun_starts_one_process_per_shard(tmp_path: Path, procs: int, said: str) -> None:
     """``torchrun --nproc-per-node N -m crossdc coordinator`` on a config of 2 shards: with 2,
-    each process reads its shard from torchrun's rank (and, this version, refuses to run it);
+    each process reads its shard from torchrun's rank and refuses to run without θ0 to cut;
     with 3, each says the counts differ."""
     torchrun = Path(sys.executable).parent / "torchrun"
     if not torchrun.exists():

@@ -192,6 +192,34 @@ def test_plans_come_from_shard_zero_and_errors_from_any() -> None:
     assert all(s.closed for s in scripts)
 
 
+def test_a_plan_after_a_result_comes_after_it_whatever_shard_was_slower() -> None:
+    """Shard 0 sends a result before the plan that names its version; the other shard's part
+    may come later: the plan waits for the result (one coordinator's order on one link)."""
+    link, scripts = _link()
+    plan = RoundStart(
+        round_id=4,
+        global_version=3,
+        fragment_base_version=3,
+        fragment=0,
+        num_fragments=1,
+        num_inner_steps=10,
+        overlap=False,
+        codec="fp32",
+        deadline_s=30.0,
+        participants=("eu",),
+        evaluate=False,
+        reason="",
+    )
+    scripts[0].inbox.extend([_global(0), plan])
+    assert _drain(link) == []
+    scripts[1].inbox.append(_global(1))
+    got = _drain(link)
+    assert [type(m) for m in got] == [Global, RoundStart]
+    assert got[1] == plan
+    scripts[0].inbox.append(plan)  # with no result in part here, a plan comes at once
+    assert _drain(link) == [plan]
+
+
 def test_one_link_per_shard() -> None:
     with pytest.raises(ValueError, match="one link per shard"):
         ShardedLink([Script()], PARTS)
