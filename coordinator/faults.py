@@ -74,3 +74,6 @@ class _KillBeforeStoring:
     def save_counter(self, state: GlobalState) -> None:
         self.plan.point("store", state.round_counter)
         self.store.save_counter(state)
+
+    def roll_back(self, version: int) -> None:
+        self.store.roll_back(version)  # type: ignore[attr-defined]

@@ -229,6 +229,32 @@ class FileStateStore:
                 old.unlink()
                 old.with_name(old.name + ".sig").unlink(missing_ok=True)
 
+    def roll_back(self, version: int) -> None:
+        """Make ``version``, the checkpoint kept before the newest, the stored one again: the
+        newest version and its round are dropped (a coordinator of several shards saved it and
+        the round was never committed); the round counter stays (ids are never reused)."""
+        with self._lock:
+            opened = self._open()
+            if opened is None:
+                raise ValueError(f"{self.dir} holds no state to go back from")
+            meta, history = opened
+            newest = int(meta["global_version"])
+            older = self.dir / self._npz_name(version)
+            last = history[-1] if history else {}
+            if newest <= version or int(last.get("global_version", -1)) != newest:
+                raise ValueError(f"{self.dir} holds version {newest}: no round to go back from")
+            if not older.exists():
+                raise ValueError(f"{self.dir} keeps no checkpoint of version {version}")
+            kept = list(history[:-1])
+            # meta.json vouches for one logged line less: the next append cuts the rest off.
+            self._history.read(max(0, len(kept) - 1))
+            self._last_round = kept[-1] if kept else None
+            self._base = _Base(older.name, version, str(meta["model_fingerprint"]))
+            self._write_meta(int(meta["round_counter"]))
+            dropped = self.dir / str(meta["file"])
+            dropped.unlink(missing_ok=True)
+            dropped.with_name(dropped.name + ".sig").unlink(missing_ok=True)
+
     def save_counter(self, state: GlobalState) -> None:
         with self._lock:
             if not self._opened:

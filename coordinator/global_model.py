@@ -188,6 +188,15 @@ class GlobalModel:
         )
         self.state = state
 
+    def rolled_back(self, state: GlobalState) -> None:
+        """The store went back a version (``PostOffice.roll_back``): ``state`` is the model now
+        (a coordinator of several shards whose saved round was never committed)."""
+        self.state = state
+        self._hash_cache = None
+        self._digest_cache = None
+        self._full = None
+        self._laid_out()
+
     def _current(self) -> GlobalState:
         assert self.state is not None, "no global model yet"
         return self.state

@@ -223,6 +223,19 @@ class Lifecycle:
             raise ValueError(f"round {r.round_id} is not the oldest open round")
         return self._do_close(r, merged, why)
 
+    def undo_close(self, r: Round, version: int) -> None:
+        """The close of ``r`` did not hold (a coordinator of several shards aborted it after this
+        process saved its result): the model is back at ``version``, ``r`` merged nothing, and
+        the rounds opened since, which build on it, are aborted (``abort``)."""
+        if r.merged is None or self.closed.get(r.round_id) is not r:
+            raise ValueError(f"round {r.round_id} is not a closed round")
+        r.abort()
+        self.late.pop(r.round_id, None)
+        self.global_version = version
+        self.fragment_version[r.fragment] = version
+        self.completed_rounds -= 1
+        self.finishing = False
+
     def expire(self, now: float) -> Remove | None:
         """Remove the members silent for longer than the site timeout."""
         gone, why = self.members.expire(now)

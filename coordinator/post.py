@@ -67,6 +67,19 @@ class PostOffice:
         """The durable state the store holds (None: a new federation)."""
         return self._store.load()
 
+    def roll_back(self, version: int) -> GlobalState:
+        """Every queued save made durable, then the store's ``version`` (the one before its
+        newest) made the stored state again, and read back (``FileStateStore.roll_back``)."""
+        self.drain()
+        roll_back = getattr(self._store, "roll_back", None)
+        if roll_back is None:
+            raise ValueError(f"{type(self._store).__name__} cannot go back a version")
+        roll_back(version)
+        state = self._store.load()
+        if state is None or state.global_version != version:
+            raise ValueError(f"the store did not go back to version {version}")
+        return state
+
     def start_writer(self) -> None:
         self.outbox = Outbox(self._store)
 

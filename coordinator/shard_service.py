@@ -19,9 +19,11 @@ endpoint) whose rounds cover its tensors; the sites send each shard its part of 
   aborts rounds as shard 0 says (``coordinator.shard_rounds``), reports every part it folded or
   refused, and announces a result when shard 0 committed it.
 
-A shard that saved a round's version aborted before the commit would have to load the version
-before; that is not built: such a shard stops with an error, and at its next start the resume
-rule (``coordinator.shard_plane.resume``, ``coordinator.shard_commit.start_version``) says so.
+A shard that saved a round's version and sees the round aborted before the commit goes back to
+the version before (``PostOffice.roll_back``: the store's checkpoint kept before its newest,
+``GlobalModel.rolled_back``, ``Lifecycle.undo_close``); so does one that starts holding a version
+never committed (the resume rule: ``coordinator.shard_plane.resume`` for the other shards,
+``coordinator.shard_commit.start_version`` for shard 0).
 """
 
 from __future__ import annotations
@@ -69,10 +71,6 @@ from coordinator.shard_rounds import abort_as_told, close_as_told, freeze, open_
 from coordinator.sharding import ShardIdentity, control_endpoint, own_part, shard_config
 
 log = logging.getLogger("crossdc.coordinator.shards")
-
-
-class NotBuilt(RuntimeError):
-    """A shard must go back to the version before its newest: not built (see the module doc)."""
 
 
 class _Shard:
@@ -143,6 +141,41 @@ class _Shard:
     def close(self) -> None:
         raise NotImplementedError
 
+    def _go_back(self, version: int, why: str) -> None:
+        """This shard saved a version never committed: back to ``version`` (the store's and
+        the model's), the round it closed merged nothing, every later round aborted."""
+        st = self.coord.state
+        assert st is not None
+        if st.global_version == version:
+            return
+        book = self.coord.book
+        log.warning(
+            "[coordinator shard=%d] back from v%d to v%d: %s",
+            self.identity.index,
+            st.global_version,
+            version,
+            why,
+        )
+        state = self.coord.post.roll_back(version)
+        self.coord.model.rolled_back(state)
+        self.coord.metrics.global_version.set(version)
+        r = book.closed.get(st.global_version)
+        undone: tuple[int, ...] = ()
+        if r is not None:
+            book.undo_close(r, version)
+            undone = (r.round_id,)
+        else:  # at the start: nothing of the round is in memory
+            book.set_model(version)
+            book.completed_rounds = len(state.history)
+        self._saved.pop(st.global_version, None)
+        if book.open_rounds:
+            undone += book.abort(f"back to v{version}: {why}").round_ids
+        if undone:
+            self._aborted_open(Abort(undone, f"back to v{version}: {why}"))
+
+    def _aborted_open(self, decision: Abort) -> None:
+        """Rounds this shard undid or aborted on its own (they built on a version dropped)."""
+
     def _live(self, round_id: int) -> Round | None:
         """Round ``round_id`` while it takes parts (open, not frozen)."""
         r = self.coord.book.open_round(round_id)
@@ -202,12 +235,9 @@ class LeadShard(_Shard):
         path = self.coord.sections.state.path
         record = shard_commit.read(path) if path is not None else None
         version = shard_commit.start_version(st.global_version, record)
-        if version != st.global_version:
-            raise NotBuilt(
-                f"shard 0 holds version {st.global_version}, never committed; going back to "
-                f"version {version} is not built yet"
-            )
-        self.committed = st.global_version
+        if version is not None and version != st.global_version:
+            self._go_back(version, "shard 0 saved it and stopped before its commit")
+        self.committed = self.coord.book.global_version
         if record is not None:
             self.coord.model.whole_hash = (record.global_version, record.state_hash)
         self.control_endpoint = self.server.bind(self._control_bind)
@@ -346,9 +376,10 @@ class LeadShard(_Shard):
             send()
 
     def _abort(self, ids: tuple[int, ...], why: str) -> None:
-        """Rounds the plane aborted, aborted here too (the sites told)."""
+        """Rounds the plane aborted, aborted here too (the sites told); a version saved for one
+        of them is dropped."""
         if any(i in self._saved for i in ids):
-            raise NotBuilt(f"rounds {ids} aborted after shard 0 saved one: {why}")
+            self._go_back(self.committed, why)
         for i in ids:
             self._starts.pop(i, None)
             self._ready.discard(i)
@@ -358,6 +389,9 @@ class LeadShard(_Shard):
         if any(book.open_round(i) is not None for i in ids):
             decision: Abort = book.abort(f"shards: {why}")
             self.coord.opening.abort(decision)
+
+    def _aborted_open(self, decision: Abort) -> None:
+        self.coord.opening.abort(decision)  # the sites told
 
     def _close(self, now: float, event: CloseAll) -> None:
         book, rid = self.coord.book, event.round_id
@@ -508,10 +542,8 @@ class FollowShard(_Shard):
         try:
             if isinstance(event, Resumed):
                 if event.resume.roll_back:
-                    raise NotBuilt(
-                        f"shard {i} holds a version shard 0 never committed (it committed "
-                        f"v{event.resume.version}); going back to it is not built yet"
-                    )
+                    self._go_back(event.resume.version, "shard 0 never committed it")
+                book.round_counter = max(book.round_counter, event.round_counter)
             elif isinstance(event, ShardOpen):
                 st = self.coord.state
                 assert st is not None
@@ -532,10 +564,11 @@ class FollowShard(_Shard):
             elif isinstance(event, ShardCommit):
                 self._commit(event)
             else:
-                if any(r in self._saved for r in event.round_ids):
-                    raise NotBuilt(
-                        f"shard {i}: rounds {event.round_ids} aborted after it saved one"
-                    )
+                saved = [r for r in event.round_ids if r in self._saved]
+                if saved:
+                    r = book.closed.get(saved[0])
+                    assert r is not None
+                    self._go_back(r.base_version, f"shard 0: {event.reason}")
                 aborted = abort_as_told(book, event)
                 if aborted is not None:
                     log.warning(

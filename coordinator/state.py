@@ -71,6 +71,7 @@ class MemoryStateStore:
     def __init__(self) -> None:
         self.state: GlobalState | None = None
         self.saves = 0
+        self._previous: GlobalState | None = None
 
     def load(self) -> GlobalState | None:
         return copy.deepcopy(self.state)
@@ -78,8 +79,20 @@ class MemoryStateStore:
     def save(self, state: GlobalState) -> None:
         if self.state is not None:
             _check_extends(self.state.history, state.history)
+        if self.state is None or self.state.global_version != state.global_version:
+            self._previous = self.state
         self.state = copy.deepcopy(state)
         self.saves += 1
+
+    def roll_back(self, version: int) -> None:
+        """The version saved before the newest is the stored one again (its round counter
+        stays): as ``FileStateStore.roll_back``."""
+        if self.state is None or self._previous is None:
+            raise ValueError("no version to go back to")
+        if self._previous.global_version != version:
+            raise ValueError(f"version {version} is not the one before {self.state.global_version}")
+        self.state = replace(self._previous, round_counter=self.state.round_counter)
+        self._previous = None
 
     def save_counter(self, state: GlobalState) -> None:
         assert self.state is not None, "save_counter before any save"

@@ -21,7 +21,16 @@ from comm.security.rolekits import SecurityConfig
 from comm.transport.dealer import DealerChannel
 from comm.transport.profile import ChannelConfig
 from comm.wire.partition import partition
-from comm.wire.schema import Global, Join, Message, RoundCancel, RoundStart, Update, Welcome
+from comm.wire.schema import (
+    Global,
+    Join,
+    Message,
+    RoundCancel,
+    RoundStart,
+    ShardPrepared,
+    Update,
+    Welcome,
+)
 from comm.wire.tensors import encode_tensors, state_hash
 from coordinator.config import CoordinatorConfig
 from coordinator.service import Coordinator, InitialModel
@@ -291,3 +300,125 @@ def test_a_part_one_shard_never_got_aborts_the_round_on_both() -> None:
         # The next round goes ahead on both.
         nxt: RoundStart = fed.expect("eu", RoundStart)
         assert nxt.round_id > cancel.round_ids[0]
+
+
+def test_a_shard_back_after_saving_a_round_never_committed_goes_back_a_version() -> None:
+    """Shard 1 saves round 2's version, its report is lost and it restarts: shard 0 (which
+    saved too) and the restarted shard 1 both go back to version 1, the round is cancelled,
+    and the next round closes on both shards under the one hash."""
+    whole = state_hash(PARAMS)
+    stores = [MemoryStateStore(), MemoryStateStore()]
+    identities = [ShardIdentity(i, 2, "test") for i in range(2)]
+
+    def coordinator(i: int, **overrides: Any) -> Coordinator:
+        return Coordinator(
+            _config(shards=2, **overrides),
+            store=stores[i],
+            initial=InitialModel(own_part(PARAMS, SHAPES, identities[i]), "fp"),
+        )
+
+    lead = LeadShard(
+        coordinator(0),
+        identities[0],
+        PARTS,
+        kit=None,
+        control_bind="tcp://127.0.0.1:0",
+        whole_hash0=whole,
+    )
+    shards: list[FollowShard] = []
+    fed: _Federation | None = None
+    try:
+        lead.start()
+        shards.append(
+            FollowShard(
+                coordinator(1),
+                identities[1],
+                PARTS,
+                kit=None,
+                control_endpoint=lead.control_endpoint,
+                whole_hash0=whole,
+            )
+        )
+        shards[0].start()
+
+        def step() -> None:
+            lead.step(0.002)
+            shards[-1].step(0.002)
+
+        fed = _Federation(step, [lead.endpoint, shards[0].endpoint])
+        _join_all(fed)
+        starts = {s: fed.expect(s, RoundStart) for s in SITES}
+        for s in SITES:
+            fed.sites[s].link.send(_update(s, starts[s]))
+        assert fed.expect("eu", Global).global_version == 1
+        starts = {s: fed.expect(s, RoundStart) for s in SITES}
+        rid = starts["eu"].round_id
+        # Shard 1's word that it saved round 2 is lost.
+        first = shards[0]
+        report = first.follower.report
+        first.follower.report = lambda msg: (  # type: ignore[method-assign]
+            None if isinstance(msg, ShardPrepared) else report(msg)
+        )
+        for s in SITES:
+            fed.sites[s].link.send(_update(s, starts[s]))
+        for _ in range(3000):
+            fed.pump()
+            held = [c.state.global_version for c in (lead.coord, first.coord) if c.state]
+            if held == [rid, rid]:
+                break
+        assert held == [rid, rid], held
+        assert lead.committed == 1
+        port = first.endpoint.rpartition(":")[2]
+        first.close()
+        # Shard 1 restarts on its state (it holds round 2's version) at the same endpoint.
+        shards.append(
+            FollowShard(
+                coordinator(1, bind=f"tcp://127.0.0.1:{port}"),
+                identities[1],
+                PARTS,
+                kit=None,
+                control_endpoint=lead.control_endpoint,
+                whole_hash0=whole,
+            )
+        )
+        shards[1].start()
+        cancel: RoundCancel = fed.expect("eu", RoundCancel)
+        assert rid in cancel.round_ids
+        for _ in range(2000):
+            fed.pump()
+            st0, st1 = lead.coord.state, shards[1].coord.state
+            if st0 and st1 and st0.global_version == st1.global_version == 1:
+                break
+        assert lead.coord.state is not None and shards[1].coord.state is not None
+        assert lead.coord.state.global_version == shards[1].coord.state.global_version == 1
+        assert stores[0].state is not None and stores[0].state.global_version == 1
+        assert stores[1].state is not None and stores[1].state.global_version == 1
+        assert [h["round_id"] for h in lead.coord.state.history] == [1]
+        # The sites join the restarted shard again; the next round closes on both.
+        for s in SITES:
+            fed.sites[s].link.links[1].send(
+                Join(
+                    site_id=s,
+                    model_fingerprint="fp",
+                    global_version=1,
+                    state_hash=lead.coord.model.site_hash(),
+                    capabilities={},
+                )
+            )
+        for s in SITES:
+            while True:
+                start = fed.expect(s, RoundStart)
+                if start.round_id > rid:
+                    break
+            fed.sites[s].link.send(_update(s, start))
+        g: Global = fed.expect("eu", Global)
+        assert g.global_version > rid and g.base_version == 1
+        whole_params = {**lead.coord.state.params, **shards[1].coord.state.params}
+        assert state_hash(whole_params) == g.state_hash
+    finally:
+        if fed is not None:
+            fed.close()
+        lead.close()
+        for shard in shards:
+            with contextlib.suppress(Exception):
+                shard.close()

@@ -355,3 +355,34 @@ def test_a_signed_checkpoint_is_signed_over_its_bytes_and_checked_at_load(tmp_pa
     npz.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="failed its signature check"):
         FileStateStore(tmp_path, signing_key=key).load()
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_a_store_goes_back_to_the_version_before_its_newest(kind: str, tmp_path: Path) -> None:
+    """A shard saved a version never committed: the store's previous version is the stored
+    one again (its round dropped, the round counter kept), and the next save extends it; a file
+    store reopened reads the same."""
+    store: Any = MemoryStateStore() if kind == "memory" else FileStateStore(tmp_path / "state")
+
+    def state(version: int, rounds: tuple[int, ...], counter: int) -> GlobalState:
+        history = tuple({"round_id": r, "global_version": r} for r in rounds)
+        return replace(make_state(version), history=history, round_counter=counter)
+
+    store.save(state(0, (), 0))
+    store.save(state(1, (1,), 1))
+    store.save(state(2, (1, 2), 2))
+    store.save_counter(state(2, (1, 2), 3))
+    store.roll_back(1)
+    got = store.load()
+    assert got is not None and got.global_version == 1 and got.round_counter == 3
+    assert [h["round_id"] for h in got.history] == [1]
+    np.testing.assert_array_equal(got.params["a"], make_state(1).params["a"])
+    with pytest.raises(ValueError):
+        store.roll_back(0)  # one version back at most
+    store.save(state(4, (1, 4), 4))
+    reread = FileStateStore(tmp_path / "state") if kind == "file" else store
+    got = reread.load()
+    assert got is not None and got.global_version == 4
+    assert [h["round_id"] for h in got.history] == [1, 4]
+    if kind == "file":
+        assert not (tmp_path / "state" / "global-v00000002.npz").exists()
