@@ -6,6 +6,8 @@ step, then one sync and a second one (the first creates the error-feedback resid
 is the steady state), through the site's own code: the one-process site's ``Replica`` and
 ``Compressed`` payload (its global model, Δ and residuals as host numpy), the sharded site's
 ``ShardedReplica`` over every rank's ``RankSync`` (θ, residuals and Δ per rank, for its rows).
+The sharded model is built on the meta device and each rank makes only its rows' initial
+values; the one process builds it whole; both hold the same values.
 This process plays the coordinator: it receives each update's encoded tensors, decodes them
 (whole), and answers with the delta result encoded with the same codec, signed by nothing, with
 the state hash of the model it holds.
@@ -37,13 +39,38 @@ import numpy as np
 WIDTH = 2048
 
 
-def _model(params: int, seed: int = 0) -> Any:
+def _layers(params: int) -> int:
+    return max(1, round(params / (WIDTH * WIDTH + WIDTH)))
+
+
+def _model(params: int, *, meta: bool = False) -> Any:
+    """The bench's model: ``params`` parameters or about, in square Linear layers, on the meta
+    device (no storage) or holding its initial values (:func:`_initial`)."""
     import torch
     from torch import nn
 
-    layers = max(1, round(params / (WIDTH * WIDTH + WIDTH)))
-    torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+    with torch.device("meta" if meta else "cpu"):
+        model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(_layers(params))])
+    if not meta:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(_initial(name, 0, p.shape[0]))
+    return model
+
+
+def _initial(name: str, start: int, stop: int) -> Any:
+    """Rows ``[start, stop)`` of parameter ``name``'s initial values, made row by row from a
+    seed of the name and the row: a rank makes its rows without the whole tensor."""
+    import torch
+
+    layer, kind = name.split(".")
+    width = WIDTH if kind == "weight" else 1
+    rows = torch.empty(stop - start, width)
+    g = torch.Generator()
+    for i, row in enumerate(range(start, stop)):
+        g.manual_seed(int(layer) * 1_000_003 + row * 2 + (kind == "bias"))
+        rows[i] = torch.randn(width, generator=g) * 0.02
+    return rows if kind == "weight" else rows.reshape(-1)
 
 
 def _rss() -> int:
@@ -214,6 +241,7 @@ def _site_rank(rank: int, world: int, params: int, codec: str, conn: Any, state_
     from site_agent.metrics import SiteMetrics
     from site_agent.rounds import SiteRounds
     from site_agent.shardreplica import ShardedReplica
+    from site_agent.shards import row_range
     from site_agent.shardsync import LeaderSync, RankSync
     from site_agent.trainer import TrainStats
 
@@ -225,11 +253,19 @@ def _site_rank(rank: int, world: int, params: int, codec: str, conn: Any, state_
         world_size=world,
         timeout=timedelta(seconds=900),
     )
-    model = _model(params)
+    # Built on the meta device and sharded before it has storage; each rank then makes only
+    # its rows (as a large model is built under FSDP2).
+    model = _model(params, meta=True)
     mesh = init_device_mesh("cpu", (world,))
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            rows = row_range(name, p)
+            if rows.stop > rows.start:
+                p.to_local().copy_(_initial(name, rows.start, rows.stop))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     ranks = RankSync(model, optimizer=optimizer)
     _train_step(model, optimizer, rank)
