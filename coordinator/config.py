@@ -414,6 +414,13 @@ class AggregationConfig:
     max_update_norm: float
     secure_aggregation: SecAggConfig | None
 
+    @property
+    def sum_word_bytes(self) -> int:
+        """Bytes per value of a round's running sum: float32, or the masked sum's own words
+        (``word_bits``) under secure aggregation."""
+        masked = self.secure_aggregation
+        return masked.word_bits // 8 if masked is not None else 4
+
 
 @dataclass(frozen=True, kw_only=True)
 class EvaluationConfig:

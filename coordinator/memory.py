@@ -33,8 +33,8 @@ class StateBudget:
     holds the float32 rounding of θ + δ, still written). None with the sparse broadcast."""
     sums: int
     """The running sums of the rounds open at once (one float32 sum per round, two when sync
-    overlaps compute), with the weighted mean (secure aggregation's masked sum: one word of
-    ``word_bits`` per parameter); the sparse broadcast keeps the updates as they arrived
+    overlaps compute), with the weighted mean (a masked sum: the aggregation's own words,
+    ``AggregationConfig.sum_word_bytes``); the sparse broadcast keeps the updates as they arrived
     (compressed, counted apart: their size is the uplink codec's)."""
 
     @property
@@ -48,9 +48,7 @@ def state_budget(config: Sections) -> StateBudget:
     they take their bytes whatever the strategy.)"""
     dense = config.aggregation.broadcast == "dense"
     keeps_momentum = strategies.get(config.outer.strategy).keeps_momentum
-    masked = config.aggregation.secure_aggregation
-    # Secure aggregation sums the masked updates in words of its own (``word_bits``).
-    word = masked.word_bits // 8 if masked is not None else FLOAT32
+    word = config.aggregation.sum_word_bytes
     return StateBudget(
         params=FLOAT32,
         momentum=FLOAT32 if keeps_momentum else 0,
