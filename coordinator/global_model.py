@@ -207,7 +207,7 @@ class GlobalModel:
         self.fragment_names = fragments(list(st.params), self._num_fragments)
         # A chain of deltas is worth sending only while it is smaller than the model itself.
         self.deltas = DeltaLog(sum(4 * v.size for v in st.params.values()), self._deltas_dir)
-        self.deltas.resume(st.global_version, self.hash())
+        self.deltas.resume(st.global_version, self.site_hash())
 
     # ---- what it looks like ----------------------------------------------------------------
 

@@ -5,7 +5,9 @@ Every shard, shard 0 included, saves a round's version before it is committed
 (``state_dir/committed.json``, atomically, after every shard reported its save and before any
 shard announces). What a shard holds beyond the record was never announced: at its start, shard
 0 reads the record and goes back to it (:func:`start_version`), and every other shard learns it
-from shard 0 (:func:`coordinator.shard_plane.resume`).
+from shard 0 (:func:`coordinator.shard_plane.resume`). Every other shard writes the same record
+in its own state directory when it announces a commit: at its next start it knows the hash the
+sites hold its version by (its delta log's chain is checked against it).
 """
 
 from __future__ import annotations

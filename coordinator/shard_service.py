@@ -92,7 +92,14 @@ class _Shard:
         self.identity = identity
         self.parts = tuple(tuple(p) for p in parts)
         self.partition = partition_digest(self.parts)
-        self._whole_hash0 = whole_hash0
+        # The hash the sites know this shard's version by, before its state is loaded (its
+        # delta log's chain is checked against it): its last commit's, else θ0's.
+        path = coord.sections.state.path
+        record = shard_commit.read(path) if path is not None else None
+        if record is not None:
+            coord.model.whole_hash = (record.global_version, record.state_hash)
+        elif whole_hash0 is not None:
+            coord.model.whole_hash = (0, whole_hash0)
         self._saved: dict[int, Saved] = {}
         """Rounds this shard saved and has not announced (waiting for the commit)."""
         coord.status_report.shard = (identity.index, identity.count)
@@ -120,8 +127,6 @@ class _Shard:
                 f"shard {self.identity.index} holds other tensors than the model's cut gives it "
                 f"({len(owned)} held, {len(self.parts[self.identity.index])} in its part)"
             )
-        if st.global_version == 0 and self._whole_hash0 is not None:
-            self.coord.model.whole_hash = (0, self._whole_hash0)
         return endpoint
 
     def _on_saved(self, saved: Saved) -> None:
@@ -238,8 +243,6 @@ class LeadShard(_Shard):
         if version is not None and version != st.global_version:
             self._go_back(version, "shard 0 saved it and stopped before its commit")
         self.committed = self.coord.book.global_version
-        if record is not None:
-            self.coord.model.whole_hash = (record.global_version, record.state_hash)
         self.control_endpoint = self.server.bind(self._control_bind)
         self.coord.decides = False  # until every shard is there
         log.info(
@@ -590,6 +593,9 @@ class FollowShard(_Shard):
             )
             return
         self.coord.model.whole_hash = (event.global_version, event.state_hash)
+        path = self.coord.sections.state.path
+        if path is not None:  # the hash of its version for its next start (its delta log)
+            shard_commit.write(path, shard_commit.Committed(event.global_version, event.state_hash))
         saved.announce(event.state_hash, b"")
         if self._final_round == event.round_id:
             self._final_at = self._clock()

@@ -422,3 +422,37 @@ def test_a_shard_back_after_saving_a_round_never_committed_goes_back_a_version()
         for shard in shards:
             with contextlib.suppress(Exception):
                 shard.close()
+
+
+def test_a_site_behind_is_caught_up_by_every_shards_deltas() -> None:
+    """A site that joins holding version 1 when the shards are at 2 gets each shard's delta
+    from 1 to 2 (the shards' delta logs know version 1 by the whole model's hash) and the link
+    puts them together: the whole model at 2, under its hash."""
+    with _sharded(max_rounds=2) as (fed, lead, follow):
+        _join_all(fed)
+        results = []
+        for _ in range(2):
+            starts = {s: fed.expect(s, RoundStart) for s in SITES}
+            for s in SITES:
+                fed.sites[s].link.send(_update(s, starts[s]))
+            results.append(fed.expect("eu", Global))
+        late = _Site(fed.ctx, "sa", [lead.endpoint, follow.endpoint])
+        fed.sites["sa"] = late
+        late.link.send(
+            Join(
+                site_id="sa",
+                model_fingerprint="fp",
+                global_version=results[0].global_version,
+                state_hash=results[0].state_hash,
+                capabilities={},
+            )
+        )
+        fed.expect("sa", Welcome)
+        g: Global = fed.expect("sa", Global)
+        assert not g.is_full
+        assert (g.base_version, g.global_version) == (
+            results[0].global_version,
+            results[1].global_version,
+        )
+        assert g.state_hash == results[1].state_hash
+        assert sorted(e.name for e in g.payload) == sorted(PARAMS)
