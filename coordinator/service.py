@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from comm.codecs.base import load_encoders
 from comm.security.registry import CertificateRegistry
 from comm.security.rolekits import load_coordinator_kit
 from comm.transport.router import CutOff, RouterChannel
@@ -221,7 +222,9 @@ class Coordinator:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> str:
-        """Load durable state, bind the socket; return the bound endpoint."""
+        """Load the encoders' library and the durable state, bind the socket; return the bound
+        endpoint."""
+        load_encoders()
         state = self.post.load()
         self.post.start_writer()
         if state is None and self._initial is not None:

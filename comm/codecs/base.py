@@ -41,6 +41,13 @@ _F16 = np.dtype(np.float16)
 _U8 = np.dtype(np.uint8)
 
 
+def load_encoders() -> None:
+    """Import the library the encoders run on (torch) now, not at a first encode: a service
+    calls this as it starts, so that a broken install fails there, before any site joins, and
+    the library's memory is the process's from the start, not a first close's."""
+    import torch  # noqa: F401
+
+
 class NonFiniteError(ValueError):
     """A tensor holds NaN or Inf, either before encoding or after decoding."""
 
