@@ -1,7 +1,9 @@
 """A real federation on a coordinator of two shards: ``torchrun --nproc-per-node 2 -m crossdc
 coordinator`` (rank = shard) and three site agents of the byte GPT, each with one channel per
-shard. It trains to the end, and its final parameters (shard 0's and shard 1's tensors together)
-are those of one coordinator process on the same job, bit for bit."""
+shard, in secure mode (a kit: CURVE on every channel, the shards' control channel included,
+signed checkpoints and results). It trains to the end, and its final parameters (shard 0's and
+shard 1's tensors together) are those of one coordinator process on the same job, bit for
+bit."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import numpy as np
 import pytest
 
 from comm.ops.configio import dump_toml
+from crossdc.demo_roles import make_kits
 from crossdc.progress_view import read_status
 
 pytestmark = pytest.mark.timeout(400)
@@ -56,6 +59,7 @@ def _coordinator_config(work: Path, shards: int) -> Path:
             "shards": shards,
             "shard_control_bind": f"tcp://127.0.0.1:{_free_port()}",
             "initial_model": {"seed": 1234, "model": MODEL},
+            "security": {"kit_dir": str(work / "kit")},
         }
     }
     path = work / "coordinator.toml"
@@ -78,6 +82,7 @@ def _site_config(work: Path, index: int, endpoints: list[str]) -> Path:
             "data": {"source": "stdlib", "shard_index": index, "num_shards": len(SITES)},
             "model": MODEL,
             "optim": {"batch_size": 4},
+            "security": {"kit_dir": str(work / f"kit-{site_id}")},
         }
     }
     if len(endpoints) > 1:
@@ -100,8 +105,9 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 def _federation(work: Path, shards: int) -> dict[str, np.ndarray]:
     """Run the federation to its end; the final parameters, every shard's together."""
     work.mkdir(parents=True)
+    make_kits(work, list(SITES))
     config = _coordinator_config(work, shards)
-    argv = ["-m", "crossdc", "coordinator", "--config", str(config), "--insecure"]
+    argv = ["-m", "crossdc", "coordinator", "--config", str(config)]
     if shards > 1:
         argv = [
             str(TORCHRUN),
@@ -140,7 +146,7 @@ def _federation(work: Path, shards: int) -> dict[str, np.ndarray]:
             path = _site_config(work, i, endpoints)
             sites.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "crossdc", "agent", "--config", str(path), "--insecure"],
+                    [sys.executable, "-m", "crossdc", "agent", "--config", str(path)],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
@@ -168,6 +174,8 @@ def _federation(work: Path, shards: int) -> dict[str, np.ndarray]:
         for site_id in SITES:
             text = (work / f"site-{site_id}.log").read_text()
             assert "asking for the model" not in text  # every result came in order
+            assert "not loaded" not in text  # every result's signature checked out
+            assert "now at v3" in text
     return params
 
 
