@@ -384,6 +384,73 @@ def test_sigterm_drains_a_sharded_site_and_sends_leave(procs: Procs, tmp_path: P
     assert meta["global_version"] >= 1
 
 
+def _saved(state_dir: Path) -> int:
+    """The version a sharded site's checkpoint record names (-1: none yet)."""
+    try:
+        return int(json.loads((state_dir / "checkpoint.json").read_text())["global_version"])
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def test_a_killed_sharded_site_resumes_from_its_shards(procs: Procs, tmp_path: Path) -> None:
+    """SIGKILL to the ranks of an FSDP loop once its shards of a version are saved (no LEAVE,
+    no drain): torchrun started again with the same layout resumes from them (the version it
+    saved, not θ0), joins at that version and trains to the end on the coordinator's hash."""
+    jobs = tmp_path / "user"
+    jobs.mkdir()
+    shutil.copy(EXAMPLES / "regression_job.py", jobs / "regression_job.py")
+    (jobs / "train.py").write_text(FSDP_RESTART)
+    cfg = write_coordinator_config(tmp_path, min_sites=2, num_inner_steps=12, max_rounds=4)
+    procs.start("coordinator", "coordinator", "--config", str(cfg))
+    procs.start("site-eu", "agent", "--config", str(_site(tmp_path, jobs, "eu", -1.0)))
+    site = _site(tmp_path, jobs, "lib", 0.0)
+    state_dir = tmp_path / "site-lib"
+    with (tmp_path / "lib-killed.log").open("wb") as log:
+        lib = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+            + ["train.py", str(site), "1000000"],
+            cwd=jobs,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+            start_new_session=True,
+        )
+        try:
+            wait_for(
+                lambda: _saved(state_dir) >= 1,
+                timeout_s=120,
+                what="lib's shards of v1 saved",
+                procs=procs,
+            )
+            workers = _descendants(lib.pid)
+            assert workers, "torchrun's workers"
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            lib.wait(timeout=60)  # torchrun sees its workers die and gives up
+        finally:
+            for pid in [*_descendants(lib.pid), lib.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            lib.wait()
+    killed = (tmp_path / "lib-killed.log").read_text()
+    assert "finished True" not in killed and "stopping" not in killed, killed
+    saved = _saved(state_dir)  # read after the kill: a save under way then did not count
+    assert saved >= 1
+    assert "site=lib] left" not in procs.log("coordinator")
+    code, output = _torchrun(jobs, "train.py", site, 180, "1000000")
+    assert code == 0 and output.count("finished True") == 2, output
+    assert f"[site=lib] resumed from checkpoint at v{saved}" in output, output
+    assert procs.procs["coordinator"].wait(timeout=60) == 0, procs.log("coordinator")
+    coord = procs.log("coordinator")
+    assert f"[coordinator site=lib] joined version={saved} " in coord, coord
+    state = FileStateStore(tmp_path / "coordinator").load()
+    assert state is not None and state.global_version > saved
+    lib_status = json.loads((state_dir / "status.json").read_text())
+    final = (state.global_version, state_hash(state.params))
+    assert (lib_status["global_version"], lib_status["state_hash"]) == final
+
+
 @pytest.mark.timeout(60)
 def test_a_script_whose_model_differs_is_told_why_instead_of_training(
     procs: Procs, tmp_path: Path
