@@ -188,6 +188,14 @@ class GlobalModel:
         )
         self.state = state
 
+    def known_as(self, version: int, digest: str) -> None:
+        """A shard of several learns the whole model's hash at ``version`` (shard 0's word):
+        the sites know that version by it, and the delta log's chain ends at it."""
+        changed = self.whole_hash != (version, digest)
+        self.whole_hash = (version, digest)
+        if changed and self.state is not None and self.state.global_version == version:
+            self._laid_out()
+
     def rolled_back(self, state: GlobalState) -> None:
         """The store went back a version (``PostOffice.roll_back``): ``state`` is the model now
         (a coordinator of several shards whose saved round was never committed)."""

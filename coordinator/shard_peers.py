@@ -113,13 +113,16 @@ class ShardLeader:
         committed: Callable[[], tuple[int, int]],
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        committed_hash: Callable[[], str] = lambda: "",
     ) -> None:
         """``committed``: shard 0's last committed version and its round counter, as the
-        answer to each hello says them; ``timeout_s``: silence after which a shard is lost."""
+        answer to each hello says them (with ``committed_hash``, the whole model's hash at that
+        version); ``timeout_s``: silence after which a shard is lost."""
         self.server = server
         self.plane = plane
         self.partition = partition
         self._committed = committed
+        self._committed_hash = committed_hash
         self._timeout_s = timeout_s
         self._clock = clock
         self.peers: dict[int, bytes] = {}
@@ -190,7 +193,13 @@ class ShardLeader:
             return []
         version, counter = self._committed()
         self.server.send(
-            peer, ShardState(global_version=version, round_counter=counter, sent_at=msg.sent_at)
+            peer,
+            ShardState(
+                global_version=version,
+                round_counter=counter,
+                sent_at=msg.sent_at,
+                state_hash=self._committed_hash(),
+            ),
         )
         self.heard[msg.shard] = self._clock()
         self.held[msg.shard] = msg.global_version
@@ -236,6 +245,8 @@ class Resumed:
 
     resume: Resume
     round_counter: int
+    state_hash: str = ""
+    """The whole model's hash at ``resume.version`` (empty: shard 0 did not say)."""
 
 
 FollowerEvent = Resumed | Decision
@@ -289,7 +300,9 @@ class ShardFollower:
         if isinstance(msg, ShardState):
             if self.resumed is not None:
                 return []
-            self.resumed = Resumed(resume(msg.global_version, self._held()[0]), msg.round_counter)
+            self.resumed = Resumed(
+                resume(msg.global_version, self._held()[0]), msg.round_counter, msg.state_hash
+            )
             return [self.resumed]
         if isinstance(msg, ShardOpen | ShardFreeze | ShardClose | ShardCommit | ShardAbort):
             return [msg]

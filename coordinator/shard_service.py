@@ -216,6 +216,7 @@ class LeadShard(_Shard):
             committed=lambda: (self.committed, self.coord.book.round_counter),
             timeout_s=channel.heartbeat_timeout_s,
             clock=clock,
+            committed_hash=self._committed_hash,
         )
         self.committed = -1
         """The last version every shard saved and shard 0 committed."""
@@ -252,6 +253,10 @@ class LeadShard(_Shard):
             self.committed,
         )
         return endpoint
+
+    def _committed_hash(self) -> str:
+        known = self.coord.model.whole_hash
+        return known[1] if known is not None and known[0] == self.committed else ""
 
     def close(self) -> None:
         self.coord.close()
@@ -547,6 +552,8 @@ class FollowShard(_Shard):
                 if event.resume.roll_back:
                     self._go_back(event.resume.version, "shard 0 never committed it")
                 book.round_counter = max(book.round_counter, event.round_counter)
+                if event.state_hash:
+                    self._known(event.resume.version, event.state_hash, met=True)
             elif isinstance(event, ShardOpen):
                 st = self.coord.state
                 assert st is not None
@@ -583,6 +590,19 @@ class FollowShard(_Shard):
         except ValueError as exc:
             log.error("[coordinator shard=%d] out of step with shard 0: %s", i, exc)
 
+    def _known(self, version: int, digest: str, *, met: bool = False) -> None:
+        """The whole model's hash at ``version``, committed: the sites know it by it; recorded
+        for this shard's next start (its delta log's chain ends at it). ``met``: shard 0 said
+        it at a hello (the delta log is resumed under it); else a commit about to be announced
+        (the announcement extends the log)."""
+        if met:
+            self.coord.model.known_as(version, digest)
+        else:
+            self.coord.model.whole_hash = (version, digest)
+        path = self.coord.sections.state.path
+        if path is not None:
+            shard_commit.write(path, shard_commit.Committed(version, digest))
+
     def _commit(self, event: ShardCommit) -> None:
         saved = self._saved.pop(event.round_id, None)
         if saved is None:
@@ -592,10 +612,7 @@ class FollowShard(_Shard):
                 event.round_id,
             )
             return
-        self.coord.model.whole_hash = (event.global_version, event.state_hash)
-        path = self.coord.sections.state.path
-        if path is not None:  # the hash of its version for its next start (its delta log)
-            shard_commit.write(path, shard_commit.Committed(event.global_version, event.state_hash))
+        self._known(event.global_version, event.state_hash)
         saved.announce(event.state_hash, b"")
         if self._final_round == event.round_id:
             self._final_at = self._clock()

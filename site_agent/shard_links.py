@@ -17,7 +17,9 @@ whether its coordinator is one process or S:
   heartbeat echoes as they come, any shard's ``Error``; a ``Welcome`` once every shard has welcomed the
   join (shard 0's); a ``Global`` once every shard's result of that version has arrived, as one
   message: every shard's tensors, and shard 0's state hash (the combined hash over every shard,
-  equal to the one-process hash) and signature.
+  equal to the one-process hash) and signature. Shards that send one version in different
+  forms (one a delta, another the whole model: their delta logs reach back differently) get a
+  ``SyncRequest`` each, and the whole model from every shard is put together.
 
 A site of one coordinator never builds this (``coordinator_shards`` empty): its link is the
 channel itself.
@@ -44,6 +46,7 @@ from comm.wire.schema import (
     RoundCancel,
     RoundStart,
     Shutdown,
+    SyncRequest,
     Update,
     Welcome,
 )
@@ -86,6 +89,8 @@ class ShardedLink:
         self._next = 0
         self._welcomed: dict[int, Welcome] = {}
         self._results: dict[_ResultKey, dict[int, Global]] = {}
+        self._site_id = ""
+        """The site's id, from the join this link forwarded (for a ``SyncRequest`` it sends)."""
         self._held: list[Message] = []
         """Shard 0's plans that came while a result was in part here, in order."""
         self._due: deque[Message] = deque()
@@ -108,6 +113,7 @@ class ShardedLink:
             return
         if isinstance(msg, Join):
             self._welcomed.clear()
+            self._site_id = msg.site_id
         for link in self.links:
             link.send(msg)
 
@@ -168,6 +174,20 @@ class ShardedLink:
             log.warning("[site] shard %d sent a sparse broadcast, which shards never send", shard)
             return None
         key = (msg.round_id, msg.base_version, msg.global_version, msg.is_full)
+        other = [k for k in self._results if k[2] == key[2] and k[3] != key[3]]
+        if other and self._site_id:
+            for k in other:
+                del self._results[k]
+            self._results.pop(key, None)
+            log.warning(
+                "[site] shards sent version %d as a delta and as the whole model: asking every "
+                "shard for the whole model",
+                key[2],
+            )
+            for link in self.links:
+                link.send(SyncRequest(site_id=self._site_id, global_version=-1))
+            self._release()
+            return None
         parts = self._results.setdefault(key, {})
         parts[shard] = msg
         if len(parts) < len(self.links):

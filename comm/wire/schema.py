@@ -360,11 +360,13 @@ class ShardHello:
 @dataclass(frozen=True, kw_only=True)
 class ShardState:
     """Shard 0's answer to each hello: its last committed version and round counter (a shard
-    holding the next version rolls back to this one), ``sent_at`` echoed."""
+    holding the next version rolls back to this one), ``sent_at`` echoed, and ``state_hash``,
+    the whole model's hash at that version (the hash the sites know it by)."""
 
     global_version: int
     round_counter: int
     sent_at: float
+    state_hash: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

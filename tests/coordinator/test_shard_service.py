@@ -27,6 +27,7 @@ from comm.wire.schema import (
     Message,
     RoundCancel,
     RoundStart,
+    ShardCommit,
     ShardPrepared,
     Update,
     Welcome,
@@ -456,3 +457,110 @@ def test_a_site_behind_is_caught_up_by_every_shards_deltas() -> None:
         )
         assert g.state_hash == results[1].state_hash
         assert sorted(e.name for e in g.payload) == sorted(PARAMS)
+
+
+def _deaf_to_commits(handle: Callable[[Any], None]) -> Callable[[Any], None]:
+    return lambda event: None if isinstance(event, ShardCommit) else handle(event)
+
+
+def test_a_shard_that_missed_a_commit_restarts_on_it_and_the_sites_get_the_whole_model() -> None:
+    """Shard 0 commits round 2 but shard 1 never hears it (its part of the result is never
+    sent) and restarts holding the committed version: it keeps it, learns its hash from shard
+    0, and the sites, which got one part of the result, ask for the whole model and get it from
+    both shards put together under the one hash; the next round closes on both."""
+    whole = state_hash(PARAMS)
+    stores = [MemoryStateStore(), MemoryStateStore()]
+    identities = [ShardIdentity(i, 2, "test") for i in range(2)]
+
+    def coordinator(i: int, **overrides: Any) -> Coordinator:
+        return Coordinator(
+            _config(shards=2, **overrides),
+            store=stores[i],
+            initial=InitialModel(own_part(PARAMS, SHAPES, identities[i]), "fp"),
+        )
+
+    lead = LeadShard(
+        coordinator(0),
+        identities[0],
+        PARTS,
+        kit=None,
+        control_bind="tcp://127.0.0.1:0",
+        whole_hash0=whole,
+    )
+    shards: list[FollowShard] = []
+    fed: _Federation | None = None
+
+    def follower(**overrides: Any) -> FollowShard:
+        return FollowShard(
+            coordinator(1, **overrides),
+            identities[1],
+            PARTS,
+            kit=None,
+            control_endpoint=lead.control_endpoint,
+            whole_hash0=whole,
+        )
+
+    try:
+        lead.start()
+        shards.append(follower())
+        shards[0].start()
+
+        def step() -> None:
+            lead.step(0.002)
+            shards[-1].step(0.002)
+
+        fed = _Federation(step, [lead.endpoint, shards[0].endpoint])
+        _join_all(fed)
+        for _ in range(2):
+            starts = {s: fed.expect(s, RoundStart) for s in SITES}
+            if starts["eu"].round_id == 2:
+                # Shard 1 never hears round 2's commit.
+                first = shards[0]
+                first._on = _deaf_to_commits(first._on)  # type: ignore[method-assign]
+            for s in SITES:
+                fed.sites[s].link.send(_update(s, starts[s]))
+            if starts["eu"].round_id == 1:
+                assert fed.expect("eu", Global).global_version == 1
+        for _ in range(3000):
+            fed.pump()
+            if lead.committed == 2:
+                break
+        assert lead.committed == 2
+        assert shards[0].coord.state is not None
+        assert shards[0].coord.state.global_version == 2
+        port = shards[0].endpoint.rpartition(":")[2]
+        shards[0].close()
+        shards.append(follower(bind=f"tcp://127.0.0.1:{port}"))
+        shards[1].start()
+        for _ in range(2000):
+            fed.pump()
+            if shards[1].follower.resumed is not None:
+                break
+        restarted = shards[1].coord
+        assert restarted.state is not None and restarted.state.global_version == 2
+        assert restarted.model.site_hash() == lead.coord.model.site_hash()
+        for s in SITES:  # they join the restarted shard again, holding version 1
+            fed.sites[s].link.links[1].send(
+                Join(
+                    site_id=s,
+                    model_fingerprint="fp",
+                    global_version=1,
+                    state_hash="",
+                    capabilities={},
+                )
+            )
+        g: Global = fed.expect("eu", Global, steps=4000)
+        while not g.is_full:
+            g = fed.expect("eu", Global, steps=4000)
+        assert g.global_version == 2 and g.state_hash == lead.coord.model.site_hash()
+        assert lead.coord.state is not None
+        whole_params = {**lead.coord.state.params, **restarted.state.params}
+        assert state_hash(whole_params) == g.state_hash
+        assert sorted(e.name for e in g.payload) == sorted(PARAMS)
+    finally:
+        if fed is not None:
+            fed.close()
+        lead.close()
+        for shard in shards:
+            with contextlib.suppress(Exception):
+                shard.close()

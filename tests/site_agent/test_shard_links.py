@@ -20,6 +20,7 @@ from comm.wire.schema import (
     Join,
     Message,
     RoundStart,
+    SyncRequest,
     Update,
     Welcome,
 )
@@ -218,6 +219,23 @@ def test_a_plan_after_a_result_comes_after_it_whatever_shard_was_slower() -> Non
     assert got[1] == plan
     scripts[0].inbox.append(plan)  # with no result in part here, a plan comes at once
     assert _drain(link) == [plan]
+
+
+def test_a_version_sent_as_a_delta_and_as_the_whole_model_is_asked_for_whole() -> None:
+    link, scripts = _link()
+    link.send(Join(site_id="eu", model_fingerprint="fp", global_version=1, state_hash="h"))
+    for script in scripts:
+        script.sent.clear()
+    scripts[0].inbox.append(_global(0))
+    scripts[1].inbox.append(replace(_global(1), is_full=True, base_version=-1))
+    assert _drain(link) == []
+    for script in scripts:
+        assert script.sent == [SyncRequest(site_id="eu", global_version=-1)]
+    for shard, script in enumerate(scripts):
+        script.inbox.append(replace(_global(shard), is_full=True, base_version=-1))
+    (got,) = _drain(link)
+    assert isinstance(got, Global) and got.is_full and got.state_hash == "combined"
+    assert sorted(enc.name for enc in got.payload) == sorted(PARAMS)
 
 
 def test_one_link_per_shard() -> None:
