@@ -68,7 +68,13 @@ from coordinator.shard_peers import (
 )
 from coordinator.shard_plane import AbortAll, CloseAll, CommitAll, Phase, ShardPlane
 from coordinator.shard_rounds import abort_as_told, close_as_told, freeze, open_as_told
-from coordinator.sharding import ShardIdentity, control_endpoint, own_part, shard_config
+from coordinator.sharding import (
+    ShardIdentity,
+    WholeModel,
+    control_endpoint,
+    own_part,
+    shard_config,
+)
 
 log = logging.getLogger("crossdc.coordinator.shards")
 
@@ -623,19 +629,26 @@ def build_shard(
     identity: ShardIdentity,
     initial: InitialModel | None,
     env: Mapping[str, str],
+    *,
+    whole: WholeModel | None = None,
 ) -> LeadShard | FollowShard:
     """Shard ``identity`` of the federation's ``cfg`` (the one ``[coordinator]`` table every
     shard reads): a Coordinator of its own config (``coordinator.sharding.shard_config``) and
-    part of θ0 (``initial``, built whole), and its end of the control plane."""
+    part of θ0, and its end of the control plane. ``initial`` is θ0 whole (the shard keeps its
+    part), or with ``whole`` (the whole θ0's shapes and state hash) only the shard's part, as
+    ``coordinator.sharding.keep_part`` draws it without ever holding the rest."""
     if initial is None:
         raise ValueError(
             f"coordinator.shards = {cfg.shards} needs [coordinator.initial_model]: every shard "
-            "builds θ0 and keeps its part"
+            "draws θ0 and keeps its part"
         )
-    shapes = {name: tuple(v.shape) for name, v in initial.params.items()}
-    parts = partition(shapes, identity.count)
-    whole_hash0 = state_hash(initial.params)
-    own = InitialModel(own_part(initial.params, shapes, identity), initial.fingerprint)
+    if whole is None:
+        shapes = {name: tuple(v.shape) for name, v in initial.params.items()}
+        whole = WholeModel(shapes, state_hash(initial.params))
+        initial = InitialModel(own_part(initial.params, shapes, identity), initial.fingerprint)
+    parts = partition(whole.shapes, identity.count)
+    whole_hash0 = whole.state_hash
+    own = initial
     kit = load_coordinator_kit(cfg.security.kit_dir) if cfg.security.kit_dir else None
     coord = Coordinator(shard_config(cfg, identity), initial=own)
     if identity.leader:

@@ -15,11 +15,14 @@ from __future__ import annotations
 import dataclasses
 import re
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
+
 from comm.wire.partition import partition
+from comm.wire.tensors import model_hash, tensor_digest
 from coordinator.config import CoordinatorConfig
 
 V = TypeVar("V")
@@ -165,8 +168,44 @@ def own_part(
 ) -> dict[str, V]:
     """The entries of ``model`` (by tensor name: parameters, θ0, a spec) that shard
     ``identity`` owns in the cut of the whole model's ``shapes``; the whole of ``model`` with
-    one shard. A shard builds θ0 whole and keeps this part (every shard cuts alike)."""
+    one shard. Every shard cuts alike (see :func:`keep_part` for θ0 given a tensor at a time)."""
     if identity.count == 1:
         return dict(model)
     names = set(partition(shapes, identity.count)[identity.index])
     return {name: value for name, value in model.items() if name in names}
+
+
+@dataclass(frozen=True)
+class WholeModel:
+    """What a shard holding only its part of a model knows of the whole: every tensor's shape
+    (the cut is made from them) and the whole model's state hash."""
+
+    shapes: Mapping[str, tuple[int, ...]]
+    state_hash: str
+
+
+def keep_part(
+    tensors: Iterable[tuple[str, np.ndarray]],
+    shapes: Mapping[str, tuple[int, ...]],
+    identity: ShardIdentity,
+) -> tuple[dict[str, np.ndarray], WholeModel]:
+    """Shard ``identity``'s part of a model given one tensor at a time (θ0 as
+    ``initial_tensors`` draws it), and the whole model's state hash: each tensor is digested as
+    it passes and kept only if the shard owns it in the cut of ``shapes``, so the shard never
+    holds the rest. The whole model's hash equals :func:`comm.wire.tensors.state_hash` of it
+    held in one piece (the hash the sites hold the version by). ValueError when the tensors given are not
+    ``shapes``."""
+    names = set(partition(shapes, identity.count)[identity.index])
+    own: dict[str, np.ndarray] = {}
+    digests: dict[str, bytes] = {}
+    for name, value in tensors:
+        if name not in shapes or tuple(value.shape) != tuple(shapes[name]) or name in digests:
+            raise ValueError(f"tensor {name!r} {tuple(value.shape)} is not in the model's spec")
+        digests[name] = tensor_digest(name, value)
+        if name in names:
+            own[name] = value
+        del value
+    if set(digests) != set(shapes):
+        missing = sorted(set(shapes) - set(digests))
+        raise ValueError(f"the model's tensors end before {missing[0]!r}")
+    return own, WholeModel(dict(shapes), model_hash(digests))

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from coordinator.config import CoordinatorConfig, InitialModelConfig
     from coordinator.service import Coordinator, InitialModel
     from coordinator.shard_service import FollowShard, LeadShard
-    from coordinator.sharding import ShardIdentity
+    from coordinator.sharding import ShardIdentity, WholeModel
     from site_agent.config import SiteConfig
 
 
@@ -79,12 +79,22 @@ def _insecure_override(args: argparse.Namespace) -> dict[str, Any]:
     return {"security": {"insecure": True}} if args.insecure else {}
 
 
-def _initial_model(cfg: InitialModelConfig | None) -> InitialModel | None:
-    """θ0 as every site builds it from ``[coordinator.initial_model]`` (the embedded model)."""
+def _initial_model(
+    cfg: InitialModelConfig | None, identity: ShardIdentity
+) -> tuple[InitialModel | None, WholeModel | None]:
+    """θ0 as every site builds it from ``[coordinator.initial_model]`` (the embedded model); with
+    several shards only this shard's part, and the whole θ0's shapes and state hash: a shard draws θ0 a tensor at a time and
+    keeps only its part (``coordinator.sharding.keep_part``), never holding the rest."""
     if cfg is None:
-        return None
+        return None, None
     from coordinator.service import InitialModel
-    from site_agent.jobs.bytegpt.model import ModelConfig, initial_parameters, model_fingerprint
+    from site_agent.jobs.bytegpt.model import (
+        ByteGPT,
+        ModelConfig,
+        initial_parameters,
+        initial_tensors,
+        model_fingerprint,
+    )
 
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(cfg.model) - known)
@@ -97,7 +107,17 @@ def _initial_model(cfg: InitialModelConfig | None) -> InitialModel | None:
         model_cfg = ModelConfig(**cfg.model)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"coordinator.initial_model.model: {exc}") from None
-    return InitialModel(initial_parameters(model_cfg, cfg.seed), model_fingerprint(model_cfg))
+    fingerprint = model_fingerprint(model_cfg)
+    if identity.count == 1:
+        return InitialModel(initial_parameters(model_cfg, cfg.seed), fingerprint), None
+    import torch
+
+    from coordinator.sharding import keep_part
+
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in ByteGPT(model_cfg).named_parameters()}
+    own, whole = keep_part(initial_tensors(model_cfg, cfg.seed), shapes, identity)
+    return InitialModel(own, fingerprint), whole
 
 
 def _this_shard(cfg: CoordinatorConfig, flag: str | None) -> ShardIdentity:
@@ -130,7 +150,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         print(f"crossdc coordinator: bad config: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     try:
-        initial = _initial_model(cfg.initial_model)
+        initial, whole = _initial_model(cfg.initial_model, identity)
     except ValueError as exc:
         print(f"crossdc coordinator: bad config: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -139,7 +159,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         if identity.count > 1:
             from coordinator.shard_service import build_shard
 
-            service = build_shard(cfg, identity, initial, os.environ)
+            service = build_shard(cfg, identity, initial, os.environ, whole=whole)
             coord, cfg = service.coord, service.coord.cfg
         else:
             service = coord = Coordinator(cfg, initial=initial)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,23 +162,32 @@ def build_model(cfg: ModelConfig, seed: int, *, device: str | torch.device = "cp
     initialised: set[str] = set()
     with torch.no_grad():
         for module_name, module in model.named_modules():
-            prefix = f"{module_name}." if module_name else ""
-            if isinstance(module, nn.Linear):
-                is_residual = module_name.endswith(("attn_proj", "mlp_proj"))
-                std = residual_std if is_residual else INIT_STD
-                nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
-                nn.init.zeros_(module.bias)
-                initialised.update({prefix + "weight", prefix + "bias"})
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD, generator=generator)
-                initialised.add(prefix + "weight")
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
-                initialised.update({prefix + "weight", prefix + "bias"})
+            initialised.update(_draw(module_name, module, generator, residual_std))
     assert initialised == {name for name, _ in model.named_parameters()}
     assert not list(model.buffers()), "every state_dict entry must be a parameter"
     return model.to(device)
+
+
+def _draw(
+    module_name: str, module: nn.Module, generator: torch.Generator, residual_std: float
+) -> set[str]:
+    """Draw ``module``'s own parameters (GPT-2 style, see :func:`build_model`) from
+    ``generator``; the names drawn (none for a module without parameters of its own)."""
+    prefix = f"{module_name}." if module_name else ""
+    if isinstance(module, nn.Linear):
+        is_residual = module_name.endswith(("attn_proj", "mlp_proj"))
+        std = residual_std if is_residual else INIT_STD
+        nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
+        nn.init.zeros_(module.bias)
+        return {prefix + "weight", prefix + "bias"}
+    if isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=INIT_STD, generator=generator)
+        return {prefix + "weight"}
+    if isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+        return {prefix + "weight", prefix + "bias"}
+    return set()
 
 
 def initial_parameters(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
@@ -185,6 +195,38 @@ def initial_parameters(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     site starts from, and what a coordinator builds instead of taking an upload."""
     model = build_model(cfg, seed)
     return {name: t.detach().numpy().copy() for name, t in model.state_dict().items()}
+
+
+def initial_tensors(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, np.ndarray]]:
+    """θ0 of ``build_model(cfg, seed)`` one tensor at a time, in ``state_dict`` order and bit
+    for bit :func:`initial_parameters`'s (the same draws from the same generator), as float32
+    arrays. Only the module being drawn is ever materialised, and its storage is released
+    before the next one's is allocated, so a caller that keeps part of θ0 (a coordinator
+    shard) holds its part and at most one more module's tensors, never the whole model."""
+    with torch.device("meta"):
+        model = ByteGPT(cfg)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    residual_std = INIT_STD / math.sqrt(2 * cfg.num_layers)
+    expected = [name for name, _ in model.named_parameters()]
+    given: list[str] = []
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            if not list(module.parameters(recurse=False)):
+                continue
+            module.to_empty(device="cpu", recurse=False)
+            drawn = _draw(module_name, module, generator, residual_std)
+            prefix = f"{module_name}." if module_name else ""
+            own = [(prefix + n, p) for n, p in module.named_parameters(recurse=False)]
+            assert drawn == {name for name, _ in own}, f"{module_name}: drawn {sorted(drawn)}"
+            arrays = [(name, p.detach().numpy().copy()) for name, p in own]
+            module.to_empty(device="meta", recurse=False)
+            del own
+            while arrays:
+                name, value = arrays.pop(0)
+                given.append(name)
+                yield name, value
+                del value
+    assert given == expected, "every state_dict entry, in order"
 
 
 def model_fingerprint(cfg: ModelConfig) -> str:
