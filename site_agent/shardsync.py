@@ -42,6 +42,7 @@ from comm.codecs.registry import get_codec
 from comm.wire.frames import WireError
 from comm.wire.schema import ErrorCode
 from comm.wire.tensors import decode_into, decode_tensors
+from site_agent.allocator import return_large_blocks
 from site_agent.jobs.contract import federated_state
 from site_agent.shards import RankShards, gather_slices, local_part, shard_hash
 
@@ -93,6 +94,9 @@ class RankSync:
     ) -> None:
         """``evaluate``: the validation every rank runs on θ (None: the site has none);
         ``optimizer``: the model's, checkpointed with it."""
+        # The layers FSDP2 gathers and frees at every step go back to the system, not to a
+        # heap that keeps them (site_agent.allocator).
+        return_large_blocks()
         self.model = model
         self.optimizer = optimizer
         self.group = group
