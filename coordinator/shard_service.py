@@ -90,8 +90,8 @@ class _Shard:
         *,
         whole_hash0: str | None,
     ) -> None:
-        """``whole_hash0``: the state hash of the whole θ0 (every shard builds it whole and
-        keeps its part), the hash the sites hold version 0 by."""
+        """``whole_hash0``: the state hash of the whole θ0 (every shard digests each tensor as
+        it draws θ0 and keeps its part), the hash the sites hold version 0 by."""
         if identity.count != len(parts) or identity.count < 2:
             raise ValueError(f"shard {identity.index} of {identity.count}: {len(parts)} parts")
         self.coord = coord
