@@ -31,8 +31,7 @@ Per coordinator process (the list ``shards``; one process today, so one entry) i
   the updates its transport reassembles, at most the channel's receive budget
   (``receive_budget_bytes``, 1 GiB by default, over all its peers); a close's temporaries of one
   tensor, CLOSE_TEMPORARIES (8) float32 arrays of the largest tensor (128 MiB at the bench's 4M
-  values); the libraries loaded after the base is measured, LIBRARIES_BYTES (256 MiB); and the
-  broadcast, the encoded delta held until every site acknowledged it (0.53 bytes per parameter
+  values); and the broadcast, the encoded delta held until every site acknowledged it (0.53 bytes per parameter
   with int4). All but the broadcast do not grow with the model, so divided by the parameters
   they vanish for a large model and dominate a small one (with the broadcast, about 15 bytes
   per parameter at 100M, 2 at 1B): the check says something from a few hundred million
@@ -148,22 +147,19 @@ CLOSE_TEMPORARIES = 8
 """Float32 arrays of the largest tensor a close holds at once beside the state (about 7 by the
 close's own count: θ + residual, the mean, the step, the delta, its decoding, the codec's work
 arrays; one more to spare)."""
-LIBRARIES_BYTES = 256 << 20
-"""The libraries a coordinator loads at their first use, after its base is measured (torch for
-the codecs: 200 to 250 MB of resident memory here)."""
 
 
 def tolerance_bytes(cfg: CoordinatorConfig, params: int, largest_tensor: int) -> float:
     """What a coordinator configured as ``cfg`` and owning ``params`` parameters (its largest
     tensor ``largest_tensor`` values) may hold beside its kept state: the updates in
     reassembly (at most the channel's receive budget), a close's temporaries
-    (CLOSE_TEMPORARIES float32 arrays of the largest tensor), the libraries loaded after its
-    base (LIBRARIES_BYTES), and the broadcast, the encoded delta held until every site
-    acknowledged it (the downlink codec's size of the model; float32's with ``auto``)."""
+    (CLOSE_TEMPORARIES float32 arrays of the largest tensor), and the broadcast, the encoded
+    delta held until every site acknowledged it (the downlink codec's size of the model;
+    float32's with ``auto``)."""
     codec = get_codec("fp32" if cfg.downlink_codec == "auto" else cfg.downlink_codec)
     broadcast = codec.encoded_size(largest_tensor) / largest_tensor * params
     bounded = cfg.channel.receive_budget_bytes + CLOSE_TEMPORARIES * 4 * largest_tensor
-    return bounded + LIBRARIES_BYTES + broadcast
+    return bounded + broadcast
 
 
 # ---- one coordinator process -------------------------------------------------------------------

@@ -56,7 +56,7 @@ def test_the_budget_and_its_tolerance_follow_the_configuration(tmp_path: Path) -
     assert scale.budget_bytes_per_param(config()) == 16
     assert scale.budget_bytes_per_param(config(overlap=True)) == 20  # two sums
     n, largest = 10_000_000, 1 << 22
-    fixed = (1 << 30) + scale.CLOSE_TEMPORARIES * 4 * largest + scale.LIBRARIES_BYTES
+    fixed = (1 << 30) + scale.CLOSE_TEMPORARIES * 4 * largest
     int4 = get_codec("int4").encoded_size(largest) / largest  # 0.53 bytes a value
     assert scale.tolerance_bytes(config(), n, largest) == pytest.approx(fixed + int4 * n)
     small = config(channel={"receive_budget_bytes": 1 << 20})
