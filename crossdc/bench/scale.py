@@ -31,10 +31,10 @@ Per coordinator process (the list ``shards``; one process today, so one entry) i
   the updates its transport reassembles, at most the channel's receive budget
   (``receive_budget_bytes``, 1 GiB by default, over all its peers); a close's temporaries of one
   tensor, CLOSE_TEMPORARIES (8) float32 arrays of the largest tensor (128 MiB at the bench's 4M
-  values); and the broadcast, the encoded delta held until every site acknowledged it (0.53 bytes per parameter
-  with int4). All but the broadcast do not grow with the model, so divided by the parameters
-  they vanish for a large model and dominate a small one (with the broadcast, about 15 bytes
-  per parameter at 100M, 2 at 1B): the check says something from a few hundred million
+  values); and the broadcast, the encoded delta held until every site acknowledged it (0.53
+  bytes per parameter with int4). All but the broadcast do not grow with the model, so divided
+  by the parameters they vanish for a large model and dominate a small one (with the
+  broadcast, about 12.6 bytes per parameter at 100M, 1.7 at 1B): the check says something from a few hundred million
   parameters on;
 - ``fold_rate``: parameter values of accepted updates decoded, checked and folded per CPU second
   of the thread that did it, from the coordinator's counters
