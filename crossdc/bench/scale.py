@@ -34,8 +34,8 @@ Per coordinator process (the list ``shards``; one process today, so one entry) i
   values); and the broadcast, the encoded delta held until every site acknowledged it (0.53
   bytes per parameter with int4). All but the broadcast do not grow with the model, so divided
   by the parameters they vanish for a large model and dominate a small one (with the
-  broadcast, about 12.6 bytes per parameter at 100M, 1.7 at 1B): the check says something from a few hundred million
-  parameters on;
+  broadcast, about 12.6 bytes per parameter at 100M, 1.7 at 1B): the check says something from a
+  few hundred million parameters on;
 - ``fold_rate``: parameter values of accepted updates decoded, checked and folded per CPU second
   of the thread that did it, from the coordinator's counters
   ``crossdc_fold_parameter_updates_total`` and ``crossdc_fold_cpu_seconds_total`` (also in its
