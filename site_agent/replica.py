@@ -66,6 +66,30 @@ class GlobalOutcome(enum.Enum):
     """It does not apply to what this site holds: ask for the whole model."""
 
 
+class ModelRequests:
+    """When a replica asks for the whole model: the coordinator names a version newer than the
+    one held, and it was not asked for already (once per version)."""
+
+    def __init__(self, site_id: str, metrics: SiteMetrics) -> None:
+        self._site_id = site_id
+        self._metrics = metrics
+        self._asked = -1
+        """The newest version the whole model was asked for."""
+
+    def needed(self, version: int, held: int) -> bool:
+        if version <= held or version <= self._asked:
+            return False
+        log.warning(
+            "[site=%s] coordinator is at v%d, I hold v%d: asking for the model",
+            self._site_id,
+            version,
+            held,
+        )
+        self._asked = version
+        self._metrics.rejected("missed_global")
+        return True
+
+
 class Replica:
     """The held global model and its merge into the local replica (see the module docstring)."""
 
@@ -96,7 +120,7 @@ class Replica:
         self.global_params = {k: v.copy() for k, v in trainer.parameters_numpy().items()}
         self._sent: dict[int, SentFragment] = {}
         self._layout: tuple[int, list[list[str]]] = (0, [])
-        self._sync_asked = -1  # the newest version the whole model was asked for (catch-up)
+        self._model_requests = ModelRequests(self.site_id, self._metrics)
 
     @classmethod
     def for_site(
@@ -217,17 +241,7 @@ class Replica:
         lost on the way (a link cut drops what was in flight, and the coordinator cannot tell).
         Results and plans travel in order on one connection, so the gap is real: the whole
         model is to be asked for, once per version."""
-        if version <= self.global_version or version <= self._sync_asked:
-            return False
-        log.warning(
-            "[site=%s] coordinator is at v%d, I hold v%d: asking for the model",
-            self.site_id,
-            version,
-            self.global_version,
-        )
-        self._sync_asked = version
-        self._metrics.rejected("missed_global")
-        return True
+        return self._model_requests.needed(version, self.global_version)
 
     def apply_global(self, msg: Global, *, at_step: int) -> GlobalOutcome:
         """Verify ``msg``, merge it into the local progress (the trainer has taken ``at_step``

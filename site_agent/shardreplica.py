@@ -37,7 +37,7 @@ from comm.wire.tensors import decode_tensors, fragments
 from site_agent.config import SiteConfig
 from site_agent.metrics import SiteMetrics
 from site_agent.payload import Payload
-from site_agent.replica import GlobalOutcome, signature_ok
+from site_agent.replica import GlobalOutcome, ModelRequests, signature_ok
 from site_agent.rounds import SiteRounds
 from site_agent.shardsync import LeaderSync
 from site_agent.trainer import TrainStats
@@ -76,7 +76,7 @@ class ShardedReplica:
         self._names = list(sync.spec())
         self._sent_at: dict[int, int] = {}  # per fragment in flight: the inner step of its send
         self._layout: tuple[int, list[list[str]]] = (0, [])
-        self._sync_asked = -1
+        self._model_requests = ModelRequests(self.site_id, self._metrics)
         self._saves = 0
 
     @classmethod
@@ -206,17 +206,7 @@ class ShardedReplica:
     # ---- receiving -------------------------------------------------------------------------
 
     def catch_up_needed(self, version: int) -> bool:
-        if version <= self.global_version or version <= self._sync_asked:
-            return False
-        log.warning(
-            "[site=%s] coordinator is at v%d, I hold v%d: asking for the model",
-            self.site_id,
-            version,
-            self.global_version,
-        )
-        self._sync_asked = version
-        self._metrics.rejected("missed_global")
-        return True
+        return self._model_requests.needed(version, self.global_version)
 
     def apply_global(self, msg: Global, *, at_step: int) -> GlobalOutcome:
         """Verify ``msg`` and have every rank apply its rows of it (see the module docstring)."""
