@@ -24,7 +24,9 @@ def test_a_small_case_runs_every_round_and_refuses_nothing(tmp_path: Path) -> No
     assert out["wan_bytes_total"] >= 4 * 100_000 + 2 * 6 * 100_000 // 2
     assert out["wan_bytes_per_round"] == out["wan_bytes_total"] / 2
     (shard,) = out["shards"]  # one coordinator process
-    assert 0 < shard["base_rss_bytes"] < shard["peak_rss_bytes"]
+    # The peak is the high-water mark (VmHWM), the base the resident size then (VmRSS): a model
+    # of 100K parameters can fit in what start-up already touched, so they may be equal.
+    assert 0 < shard["base_rss_bytes"] <= shard["peak_rss_bytes"]
     assert shard["peak_rss_bytes"] == out["coordinator_peak_rss_bytes"]
     per_param = (shard["peak_rss_bytes"] - shard["base_rss_bytes"]) / 100_000
     assert shard["bytes_per_param"] == round(per_param, 2)
