@@ -1,18 +1,19 @@
-"""Aggregators: how a round's updates are checked, folded as they land, and turned into the
-outer step and what the sites are sent.
+"""Aggregators: how a round's updates are checked as they land, held, folded at its close, and
+turned into the outer step and what the sites are sent.
 
 One :class:`Aggregator` is chosen when the federation is assembled; each round folds its
 updates through a :class:`Fold` the aggregator gives it, and at its close
 :meth:`Fold.result` hands the strategy what it merges (:class:`RoundResult`). Two live here:
 
-- :class:`WeightedMean`: each update checked from its encoded values (finite, within the norm
-  bound over all its pieces, a sharded site's slices included) and decoded block by block
-  straight into a float32 :class:`RunningSum`, each piece at its rows: no float copy of an
-  update is ever made, and memory is one float32 sum per open round whatever the number of
-  sites, plus the encoded bytes of updates waiting for their turn (:class:`MeanFold`). The
-  strategy steps on the weighted mean and the step's delta
-  goes down through the downlink codec, the difference to the exact result kept as the
-  downlink residual (:func:`outer_step`).
+- :class:`WeightedMean`: each update checked on arrival from its encoded values (finite,
+  within the norm bound over all its pieces, a sharded site's slices included) and then held
+  as the encoded payload it came as, the transport's bytes, until the round's result is taken
+  (:class:`MeanFold`). The mean is folded at the close tensor by tensor, each tensor decoded
+  block by block from every held update straight into one float32 buffer of the largest
+  tensor's size (:class:`HeldMean`): no float copy of an update is ever made and no round
+  holds a sum of the model, only its updates' compressed bytes. The strategy steps on that
+  mean tensor by tensor and the step's delta goes down through the downlink codec, the
+  difference to the exact result kept as the downlink residual (:func:`outer_step`).
 - :class:`SparseForward`: the same checks (whole tensors only), but the updates are kept as they
   arrived and the broadcast forwards them with their weights; the strategy's ordered step (a
   strategy declaring the sparse broadcast provides one,
@@ -20,17 +21,17 @@ updates through a :class:`Fold` the aggregator gives it, and at its close
   broadcast, so every site lands on the coordinator's parameters bit for bit
   (:func:`sparse_outer_step`).
 
-Late updates (their round closed) fold into a second fold of their round, merged at their
-fragment's next sync, down-weighted by the syncs they missed. Sums are float32 (4 bytes a
-parameter), and a float32 sum depends on the order of its terms, so a fold adds its updates in
-a canonical order, the participants' by site id, whatever order they arrive in (late ones by
-site id when they are merged): the same updates give the same mean bit for bit, run after run.
+Late updates (their round closed) are held by a second fold of their round, merged at their
+fragment's next sync, down-weighted by the syncs they missed. Sums are float32, and a float32
+sum depends on the order of its terms, so a mean adds its updates in a canonical order, the
+participants' by site id, whatever order they arrived in (late ones by site id): the same
+updates give the same mean bit for bit, run after run.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
+import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -113,6 +114,12 @@ class RoundResult(Protocol):
     @property
     def count(self) -> int:
         """Updates (or means of them) merged."""
+        ...
+
+    @property
+    def fold_cpu_seconds(self) -> float:
+        """CPU time spent so far folding held updates into what the step reads (the step
+        folds them as it goes: read it after the step)."""
         ...
 
     def step(
@@ -198,141 +205,6 @@ class Aggregator(Protocol):
         ...
 
 
-class RunningSum:
-    """Σ w·x per tensor (float32, added in place) and Σ w, over the updates added so far.
-
-    The sum of a tensor is one float32 array of its shape, written by the first update that
-    names it (as ``0 + float32(w) * x``); each later one adds ``float32(w) * x`` to it, rounded
-    to float32, a bounded tile at a time (:func:`comm.wire.tensors.accumulate` from the encoded
-    update, :meth:`add` from arrays): nothing of the model's size is allocated per update. A
-    float32 sum depends on the order the updates are added in: whoever adds them fixes that
-    order (:class:`MeanFold`).
-
-    With a ``pool`` the arrays come from it and go back to it once this sum is dropped, so the
-    next round's sum reuses them instead of faulting in fresh pages. The arrays are this sum's
-    own: it hands out only new arrays (:meth:`tensor_mean`)."""
-
-    def __init__(self, pool: SumPool | None = None) -> None:
-        self._sum: dict[str, npt.NDArray[np.float32]] = {}
-        self.weight = 0.0
-        self.count = 0
-        self._pool = pool
-        if pool is not None:
-            weakref.finalize(self, pool.give, self._sum)
-
-    def _check(self, weight: float, names: Collection[str]) -> None:
-        if not (np.isfinite(weight) and weight > 0):
-            raise ValueError(f"weight must be a positive number, got {weight}")
-        if self._sum and set(names) != set(self._sum):
-            raise ValueError("an update names other tensors than the ones summed so far")
-
-    def _acc(self, name: str, shape: tuple[int, ...]) -> tuple[npt.NDArray[np.float32], bool]:
-        """The sum of ``name``, and whether it is new: allocated, not zeroed (the first update
-        writes it, which costs a third of reading fresh zero pages and writing them again)."""
-        acc = self._sum.get(name)
-        if acc is not None:
-            return acc, False
-        acc = self._pool.take(shape) if self._pool is not None else None
-        if acc is None:
-            acc = np.empty(shape, dtype=np.float32)
-        self._sum[name] = acc
-        return acc, True
-
-    def add(self, weight: float, tensors: Mapping[str, np.ndarray]) -> None:
-        """Fold one update held as arrays in; its tensors may be freed afterwards. The same
-        float32 arithmetic as :meth:`add_encoded` on their encodings' decode."""
-        self._check(weight, tensors)
-        w = np.float32(weight)
-        for name, value in tensors.items():
-            src = np.asarray(value).reshape(-1)
-            acc, fresh = self._acc(name, tuple(np.shape(value)))
-            flat = acc.reshape(-1)
-            step = _TILE
-            tile = np.empty(min(step, flat.size), dtype=np.float32)
-            for a in range(0, flat.size, step):
-                t = tile[: min(step, flat.size - a)]
-                np.multiply(src[a : a + t.size], w, out=t, dtype=np.float32, casting="unsafe")
-                if fresh:
-                    np.add(t, np.float32(0.0), out=flat[a : a + t.size])  # as 0 + w·x
-                else:
-                    flat[a : a + t.size] += t
-        self.weight += weight
-        self.count += 1
-
-    def add_encoded(
-        self, weight: float, pieces: Mapping[str, Sequence[EncodedTensor]], shapes: Shapes
-    ) -> None:
-        """Fold one update in from its encoded pieces (whole tensors, or slices of rows each
-        added at its rows), already checked (:func:`comm.wire.tensors.check_payload`: the
-        slices cover each tensor exactly once): each is decoded block by block straight into
-        the sum."""
-        self._check(weight, pieces)
-        for name, encs in pieces.items():
-            shape = tuple(shapes[name])
-            acc, fresh = self._acc(name, shape)
-            flat = acc.reshape(-1)
-            row = math.prod(shape[1:])
-            for enc in encs:
-                at = enc.rows[0] * row if enc.rows is not None else 0
-                accumulate(enc, flat[at : at + enc.numel], weight, fresh=fresh)
-        self.weight += weight
-        self.count += 1
-
-    def mean(self) -> Arrays:
-        """Σ w·x / Σ w per tensor, as float32."""
-        if not self.count:
-            raise ValueError("the mean of no updates")
-        return {n: self.tensor_mean(n) for n in self._sum}
-
-    def tensor_mean(self, name: str) -> npt.NDArray[np.float32]:
-        """One tensor of :meth:`mean`, computed alone: a new float32 array of its shape."""
-        if not self.count:
-            raise ValueError("the mean of no updates")
-        return np.divide(self._sum[name], np.float32(self.weight))
-
-    @property
-    def names(self) -> list[str]:
-        """The tensors summed, in the order they were first added."""
-        return list(self._sum)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in self._sum.values())
-
-
-_TILE = 1 << 16
-"""Values per tile where arrays are added to a sum (256 KiB of float32, in cache)."""
-
-
-class SumPool:
-    """Float32 arrays that running sums let go of, by shape, for the next sums to reuse: a
-    round's sum then writes into memory already mapped instead of faulting in fresh pages (which
-    cost the first update of every round more than its fold here). It keeps at most the bytes of
-    the largest set one sum gave back, so at rest it holds one sum's worth."""
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[int, ...], list[npt.NDArray[np.float32]]] = {}
-        self.nbytes = 0
-        self._cap = 0
-
-    def take(self, shape: tuple[int, ...]) -> npt.NDArray[np.float32] | None:
-        """An array of ``shape`` (its values stale), or None."""
-        free = self._free.get(tuple(shape))
-        if not free:
-            return None
-        arr = free.pop()
-        self.nbytes -= arr.nbytes
-        return arr
-
-    def give(self, arrays: Mapping[str, npt.NDArray[np.float32]]) -> None:
-        """A dropped sum's arrays, kept while the pool stays within its bound."""
-        self._cap = max(self._cap, sum(a.nbytes for a in arrays.values()))
-        for arr in arrays.values():
-            if self.nbytes + arr.nbytes <= self._cap:
-                self._free.setdefault(tuple(arr.shape), []).append(arr)
-                self.nbytes += arr.nbytes
-
-
 def check_bounded(
     payload: Sequence[EncodedTensor], shapes: Shapes, max_norm: float, *, slices: bool = False
 ) -> tuple[dict[str, list[EncodedTensor]], float] | Refused:
@@ -386,21 +258,77 @@ class _NoKeys:
 # ---- the weighted mean ---------------------------------------------------------------------
 
 
-class SumMean(Mapping[str, np.ndarray]):
-    """A running sum's mean as a mapping whose tensors are computed one at a time when asked
-    (:meth:`RunningSum.tensor_mean`): a close never holds the whole mean."""
+@dataclass(frozen=True)
+class Held:
+    """One accepted update as a fold holds it until its round's result is taken: its weight
+    and its encoded pieces by tensor, which are views of the bytes the transport reassembled
+    (nothing decoded, nothing copied)."""
 
-    def __init__(self, total: RunningSum) -> None:
-        self._total = total
-        self._names = total.names
+    site_id: str
+    weight: float
+    pieces: Mapping[str, Sequence[EncodedTensor]]
+    shapes: Shapes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(enc.nbytes for p in self.pieces.values() for enc in p)
+
+
+class HeldMean(Mapping[str, np.ndarray]):
+    """The weighted mean of held updates, Σ w·x / Σ w, as a mapping whose tensors are folded
+    one at a time when asked: a close never holds the whole mean, nor a sum of the model.
+
+    A tensor is folded from each update's pieces (whole tensors, or slices of rows each at its
+    rows), in the updates' order, straight into one float32 buffer of the largest tensor's
+    size that every tensor reuses: the first update writes it (as ``0 + float32(w) * x``),
+    each later one adds ``float32(w) * x`` to it rounded to float32, a bounded tile at a time
+    (:func:`comm.wire.tensors.accumulate`), and the sum is divided by ``float32(Σ w)`` in
+    place. A float32 sum depends on the order of its terms: whoever gives the updates fixes it
+    (:class:`MeanFold`). The array handed out is that buffer: it holds the tensor until the
+    next one is asked for (read it, or copy it, before). ``cpu_seconds`` is the CPU time of
+    the folds so far (the thread's), ``folded`` how many tensors they folded."""
+
+    def __init__(self, updates: Sequence[Held]) -> None:
+        if not updates:
+            raise ValueError("the mean of no updates")
+        names = list(updates[0].pieces)
+        for u in updates:
+            if not (np.isfinite(u.weight) and u.weight > 0):
+                raise ValueError(f"weight must be a positive number, got {u.weight}")
+            if set(u.pieces) != set(names):
+                raise ValueError("an update names other tensors than the first one")
+        self._updates = tuple(updates)
+        self._names = names
+        self._shapes = {n: tuple(updates[0].shapes[n]) for n in names}
+        self.weight = 0.0
+        for u in updates:
+            self.weight += u.weight
+        self.cpu_seconds = 0.0
+        self.folded = 0
+        """Tensors folded so far (a tensor asked for twice is folded twice)."""
+        self._buffer: npt.NDArray[np.float32] | None = None
 
     def __getitem__(self, name: str) -> npt.NDArray[np.float32]:
-        if name not in self._names:
+        if name not in self._shapes:
             raise KeyError(name)
-        return self._total.tensor_mean(name)
+        cpu = time.thread_time()
+        shape = self._shapes[name]
+        if self._buffer is None:
+            largest = max(math.prod(s) for s in self._shapes.values())
+            self._buffer = np.empty(largest, dtype=np.float32)
+        flat = self._buffer[: math.prod(shape)]
+        row = math.prod(shape[1:])
+        for i, u in enumerate(self._updates):
+            for enc in u.pieces[name]:
+                at = enc.rows[0] * row if enc.rows is not None else 0
+                accumulate(enc, flat[at : at + enc.numel], u.weight, fresh=i == 0)
+        np.divide(flat, np.float32(self.weight), out=flat)
+        self.folded += 1
+        self.cpu_seconds += time.thread_time() - cpu
+        return flat.reshape(shape)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._names
+        return name in self._shapes
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -411,14 +339,19 @@ class SumMean(Mapping[str, np.ndarray]):
 
 @dataclass(frozen=True)
 class MeanResult:
-    """The on-time updates' running mean and each late round's, for the strategy's step."""
+    """The on-time updates' mean and each late round's, for the strategy's step."""
 
     updates: list[tuple[str, float, Mapping[str, np.ndarray]]]
-    """(label, weight, the mean): a mean may be computed tensor by tensor (:class:`SumMean`)."""
+    """(label, weight, the mean): a mean may be folded tensor by tensor (:class:`HeldMean`)."""
 
     @property
     def count(self) -> int:
         return len(self.updates)
+
+    @property
+    def fold_cpu_seconds(self) -> float:
+        """CPU time its means spent folding held updates so far (the step asks for them)."""
+        return sum(m.cpu_seconds for _, _, m in self.updates if isinstance(m, HeldMean))
 
     def step(
         self,
@@ -450,36 +383,27 @@ _SUM_LIMIT = float(np.finfo(np.float32).max) / 2
 
 
 class MeanFold:
-    """Updates checked from their encoded values, norm-bounded and folded into one float32
-    running sum, in a canonical order whatever order they arrive in.
+    """Updates checked from their encoded values and norm-bounded as they arrive, held as the
+    encoded payloads they came as, and folded into their mean when the round's result is
+    taken, tensor by tensor, in a canonical order whatever order they arrived in.
 
-    The order is the round's participants by site id. An update is checked when it arrives
-    (a refusal changes nothing) and folded as soon as every update before it in that order was
-    folded; one that arrived ahead of its turn waits as the encoded payload it came as (the
-    transport's bytes, bounded by the message size limit) until its predecessors are folded or
-    the round's result is taken, which folds what waits in the same order, passing over the
-    participants that sent nothing. So the sum, and the mean, of a set of updates is the same
-    bit for bit whichever order they arrived in. Without participants (a closed round's late
-    updates, which may come from any of them in any order) every update waits until the result
-    is taken and they are folded by site id."""
+    An update is checked when it arrives (a refusal changes nothing) and then held: its pieces
+    are the transport's reassembled bytes, so holding it costs what it weighed on the wire
+    (the uplink codec's size) and nothing else. The result's mean (:class:`HeldMean`) folds
+    each tensor from every held update when the step asks for it, in the canonical order: the
+    round's participants by site id, then any other site by id. So the mean of a set of
+    updates is the same bit for bit whichever order they arrived in, and an open round holds
+    no float32 sum at all. Without participants (a closed round's late updates, which may come
+    from any of them in any order) the order is by site id."""
 
     start_fields: Mapping[str, Any] = {}
 
-    def __init__(
-        self,
-        max_norm: float,
-        participants: Sequence[str] | None = None,
-        pool: SumPool | None = None,
-    ) -> None:
+    def __init__(self, max_norm: float, participants: Sequence[str] | None = None) -> None:
         self._max_norm = max_norm
-        self.sum = RunningSum(pool)
         self._order = sorted(set(participants)) if participants is not None else []
-        self._turn = 0
-        """Index in ``_order`` of the next update to fold (while it has not arrived, every
-        later one waits)."""
-        self._waiting: dict[str, tuple[float, dict[str, list[EncodedTensor]], Shapes]] = {}
+        self._held: dict[str, Held] = {}
         self._bound = 0.0
-        """Σ w·‖x‖ over the updates taken: a bound on every value of the sum."""
+        """Σ w·‖x‖ over the updates taken: a bound on every value of their sum."""
 
     def add(
         self, site_id: str, weight: float, payload: Sequence[EncodedTensor], shapes: Shapes
@@ -500,51 +424,52 @@ class MeanFold:
                 f"round's float32 sum (limit {_SUM_LIMIT:.3g} over its updates)",
             )
         self._bound = bound
-        self._waiting[site_id] = (weight, pieces, dict(shapes))
-        while self._turn < len(self._order) and self._order[self._turn] in self._waiting:
-            self._fold(self._order[self._turn])
-            self._turn += 1
+        self._held[site_id] = Held(site_id, weight, pieces, dict(shapes))
         return f"norm={norm:.4g}"
 
-    def _fold(self, site_id: str) -> None:
-        weight, pieces, shapes = self._waiting.pop(site_id)
-        self.sum.add_encoded(weight, pieces, shapes)
+    def ordered(self) -> list[Held]:
+        """The updates held, in the canonical order: the participants' order, then any other
+        site by id."""
+        order = [s for s in self._order if s in self._held]
+        order += sorted(set(self._held) - set(order))
+        return [self._held[s] for s in order]
 
-    def fold_waiting(self) -> None:
-        """Fold every update still waiting for its turn, in the canonical order: the
-        participants' order, then any other site by id."""
-        rest = [s for s in self._order[self._turn :] if s in self._waiting]
-        rest += sorted(set(self._waiting) - set(rest))
-        for site_id in rest:
-            self._fold(site_id)
-        self._turn = len(self._order)
+    @property
+    def count(self) -> int:
+        """Updates held."""
+        return len(self._held)
+
+    @property
+    def weight(self) -> float:
+        """Σ w over the updates held, added in the canonical order."""
+        total = 0.0
+        for u in self.ordered():
+            total += u.weight
+        return total
+
+    def mean(self) -> HeldMean:
+        """The mean of the updates held, folded tensor by tensor when asked (ValueError: none
+        held)."""
+        return HeldMean(self.ordered())
 
     def result(self, label: str, late: Sequence[Late]) -> RoundResult:
-        """The running mean of the on-time updates, and each late round's once, down-weighted
-        by how many syncs of its fragment it missed (late updates of one round share that
-        weight, so they come as one mean)."""
-        self.fold_waiting()
+        """The mean of the on-time updates, and each late round's once, down-weighted by how
+        many syncs of its fragment it missed (late updates of one round share that weight, so
+        they come as one mean); each folded when the step reads it."""
         updates: list[tuple[str, float, Mapping[str, np.ndarray]]] = []
-        if self.sum.count:
-            updates.append((f"round {label}", self.sum.weight, SumMean(self.sum)))
+        if self._held:
+            mean = self.mean()
+            updates.append((f"round {label}", mean.weight, mean))
         for lf in late:
             assert isinstance(lf.fold, MeanFold)
-            lf.fold.fold_waiting()
-            updates.append(
-                (f"late@{lf.origin}", lf.fold.sum.weight / lf.divisor, SumMean(lf.fold.sum))
-            )
+            mean = lf.fold.mean()
+            updates.append((f"late@{lf.origin}", mean.weight / lf.divisor, mean))
         return MeanResult(updates)
 
     @property
     def nbytes(self) -> int:
-        """The sum's bytes and the encoded bytes of the updates waiting for their turn."""
-        waiting = sum(
-            enc.nbytes
-            for _, pieces, _ in self._waiting.values()
-            for p in pieces.values()
-            for enc in p
-        )
-        return self.sum.nbytes + waiting
+        """The encoded bytes of the updates held."""
+        return sum(u.nbytes for u in self._held.values())
 
 
 class WeightedMean(_NoKeys):
@@ -554,14 +479,12 @@ class WeightedMean(_NoKeys):
 
     def __init__(self, max_update_norm: float = 1e6) -> None:
         self.max_update_norm = max_update_norm
-        self.sums = SumPool()
-        """The arrays of closed rounds' sums, which the next rounds' sums reuse."""
 
     def fold(self, round_id: int, participants: Sequence[str]) -> Fold:
-        return MeanFold(self.max_update_norm, participants, self.sums)
+        return MeanFold(self.max_update_norm, participants)
 
     def late_fold(self) -> Fold:
-        return MeanFold(self.max_update_norm, pool=self.sums)
+        return MeanFold(self.max_update_norm)
 
 
 def outer_step(
@@ -697,6 +620,11 @@ class ForwardResult:
     @property
     def count(self) -> int:
         return len(self.parts)
+
+    @property
+    def fold_cpu_seconds(self) -> float:
+        """Nothing is folded: the step decodes the updates as the sites do."""
+        return 0.0
 
     def step(
         self,

@@ -107,11 +107,7 @@ class Closing:
         r = decision.round
         assert r.plan is not None
         fresh = [r.accepted[s] for s in decision.merged]
-        # Taking the result folds what waited for its turn (an update whose predecessors in the
-        # round's order never came, the late ones): fold work, charged as the intake charges it.
-        cpu = time.thread_time()
         result, late = r.result(decision.late)
-        self._metrics.fold_cpu_seconds.inc(time.thread_time() - cpu)
         # Inner steps behind the model this round produces: every completed slot and this one.
         inner_steps = sum(int(h["num_inner_steps"]) for h in st.history)
         inner_steps += r.plan.num_inner_steps
@@ -133,6 +129,9 @@ class Closing:
                 averaged=spec.averaged if spec is not None else (),
                 prepare=prepare,
             )
+        # The step folded the held updates tensor by tensor as it read their mean: fold work,
+        # counted as the intake counts its checks.
+        self._metrics.fold_cpu_seconds.inc(result.fold_cpu_seconds)
         entry = self._history_entry(now, decision, step, fresh, late, inner_steps)
         new_state = replace(step.state, global_version=r.round_id, history=(*st.history, entry))
         step = replace(step, state=new_state)

@@ -125,9 +125,10 @@ class CoordinatorMetrics:
         self.rejected = Counter(
             "crossdc_rejected_total", "Messages or updates rejected", ["reason"], registry=r
         )
-        # The fold's cost: values decoded, checked and folded into a round's sum, and the CPU
-        # time of the thread that did it (the coordinator's main thread; the transport's and the
-        # writer's threads are not counted), so their ratio is the fold's speed.
+        # The fold's cost: values of accepted updates, each checked on arrival and folded into
+        # its round's mean at the close, and the CPU time of the thread that did both (the
+        # coordinator's main thread; the transport's and the writer's threads are not counted),
+        # so their ratio is the fold's speed.
         self.fold_parameter_updates = Counter(
             "crossdc_fold_parameter_updates_total",
             "Parameter values of accepted updates decoded, checked and folded into a round",
@@ -135,7 +136,7 @@ class CoordinatorMetrics:
         )
         self.fold_cpu_seconds = Counter(
             "crossdc_fold_cpu_seconds_total",
-            "CPU time of the thread that took accepted updates (decode, checks, fold)",
+            "CPU time of the thread that checked accepted updates and folded them at the close",
             registry=r,
         )
 

@@ -3,19 +3,21 @@
 For each codec, ``sites`` updates of a model of ``params`` parameters (tensors of at most
 ``tensor`` values each, N(0, 1) values encoded once, untimed) go through the coordinator's fold
 as a round's updates do (:class:`coordinator.aggregate.MeanFold`: each checked from its encoded
-values, then decoded block by block into the float32 running sum). Every figure is
-parameter-updates (one parameter of one update) per second of the process's CPU time (all its
-threads), best of ``repeats``:
+values as it arrives and held as it came; at the close the mean is folded tensor by tensor from
+the held updates into one float32 buffer). Every figure is parameter-updates (one parameter of
+one update) per second of the process's CPU time (all its threads), best of ``repeats``:
 
-- ``fold_rate``: the whole fold of an update (check and add), what
+- ``fold_rate``: the whole fold of the updates (their checks, and the mean at the close), what
   ``crossdc_fold_parameter_updates_total / crossdc_fold_cpu_seconds_total`` measures in a
   running coordinator;
-- ``check_rate``: the check alone (finiteness and norm from the encoded values,
+- ``check_rate``: the checks alone (finiteness and norm from the encoded values,
   ``PayloadCodec.sum_squares``);
-- ``add_rate``: the add alone (``PayloadCodec.accumulate`` into the sum).
+- ``add_rate``: the mean at the close alone (``PayloadCodec.accumulate`` of every held update
+  into the buffer, tensor by tensor, and the division).
 
-``fold_extra_bytes`` is the most memory the timed folds allocated beyond the sum (numpy's
-allocations, as tracemalloc sees them, in the first repeat): the tiles, not a copy of an update.
+``fold_extra_bytes`` is the most memory the timed fold allocated (numpy's allocations, as
+tracemalloc sees them, in the first repeat): the buffer of the largest tensor and the tiles,
+not a copy of an update.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import math
 import time
 import tracemalloc
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -84,38 +87,38 @@ def _measure(
     names = [f"site{i}" for i in range(sites)]
     best = dict.fromkeys(("fold", "check", "add"), math.inf)
     extra = 0
-    for r in range(repeats):
+
+    def take() -> MeanFold:
+        """A round's updates checked and held, as they arrive."""
         fold = MeanFold(math.inf, names)
+        for site, payload in zip(names, payloads, strict=True):
+            assert isinstance(fold.add(site, 1.0 + len(site), payload, shapes), str)
+        return fold
 
-        def run(fold: MeanFold = fold) -> None:
-            for site, payload in zip(names, payloads, strict=True):
-                assert isinstance(fold.add(site, 1.0 + len(site), payload, shapes), str)
+    def close(fold: MeanFold) -> None:
+        """The close's fold: every tensor of the mean, as the step reads them."""
+        mean = fold.mean()
+        for name in shapes:
+            mean[name]
 
+    def check() -> None:
+        for payload in payloads:
+            for enc in payload:
+                codec.sum_squares(enc)
+
+    for r in range(repeats):
         if r == 0:
-            # The sum's arrays are allocated by the first update: make them first, then trace.
-            fold.sum.add(1.0, {n: np.zeros(s, np.float32) for n, s in shapes.items()})
             tracemalloc.start()
             try:
-                best["fold"] = min(best["fold"], _cpu(run))
+                best["fold"] = min(best["fold"], _cpu(lambda: close(take())))
                 extra = tracemalloc.get_traced_memory()[1]
             finally:
                 tracemalloc.stop()
         else:
-            best["fold"] = min(best["fold"], _cpu(run))
-        sums = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
-
-        def check() -> None:
-            for payload in payloads:
-                for enc in payload:
-                    codec.sum_squares(enc)
-
-        def add(sums: dict[str, np.ndarray] = sums) -> None:
-            for payload in payloads:
-                for enc in payload:
-                    codec.accumulate(enc, sums[enc.name], 0.5)
-
+            best["fold"] = min(best["fold"], _cpu(lambda: close(take())))
+        held = take()
         best["check"] = min(best["check"], _cpu(check))
-        best["add"] = min(best["add"], _cpu(add))
+        best["add"] = min(best["add"], _cpu(partial(close, held)))
     updates = params * sites
     return {
         "name": spec,

@@ -1,79 +1,27 @@
-"""Streaming aggregation: a float32 running weighted sum equals the weighted mean of the
-updates it folded in up to float32 rounding, holds one model's worth of memory however many it
-took, folds an encoded update without a float copy of it, and (:class:`MeanFold`) gives the same
-sum bit for bit whichever order the updates arrive in."""
+"""The weighted mean's fold (:class:`MeanFold`): updates are checked as they arrive and held as
+the encoded bytes they came as, with no copy; the mean is folded at the close tensor by tensor,
+and each tensor is bit for bit a plain float32 fold of the same updates in site-id order,
+whatever order they arrived in. It equals the weighted mean up to float32 rounding."""
 
 from __future__ import annotations
 
 import itertools
 import tracemalloc
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from comm.codecs.base import EncodedTensor
 from comm.codecs.registry import get_codec
 from comm.wire.schema import ErrorCode
-from comm.wire.tensors import check_payload, encode_slice, encode_tensors
-from coordinator.aggregate import MeanFold, Refused, RunningSum, WeightedMean
+from comm.wire.tensors import encode_slice, encode_tensors
+from coordinator.aggregate import HeldMean, Late, MeanFold, MeanResult, Refused
 from coordinator.strategies.base import weighted_mean
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    weights=st.lists(st.floats(min_value=0.01, max_value=1e4), min_size=1, max_size=12),
-    seed=st.integers(0, 2**16),
-)
-def test_running_mean_is_the_weighted_mean_in_any_order(weights: list[float], seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    updates = [
-        (w, {"a": rng.standard_normal((3, 4)).astype(np.float32), "b": rng.standard_normal(5)})
-        for w in weights
-    ]
-    forward, backward = RunningSum(), RunningSum()
-    for w, x in updates:
-        forward.add(w, x)
-    for w, x in reversed(updates):
-        backward.add(w, x)
-    reference = weighted_mean(updates)
-    # Both sides are float32 arithmetic. Ours: each weight and each product w·x rounded (u =
-    # eps / 2 each), n - 1 additions with a partial sum below Σ w·|x| (u each), the total weight
-    # rounded and the division: at most (n + 3) u relative to Σ w·|x| / Σ w <= scale. The
-    # reference's error is as large again.
-    n, eps = len(updates), float(np.finfo(np.float32).eps)
-    for name in ("a", "b"):
-        scale = max(float(np.max(np.abs(x[name]))) for _, x in updates)
-        for got in (forward.mean()[name], backward.mean()[name]):
-            assert got.dtype == np.float32
-            np.testing.assert_allclose(got, reference[name], rtol=0, atol=(n + 3) * eps * scale)
-    assert forward.weight == pytest.approx(sum(weights)) and forward.count == n
-
-
-def test_memory_is_one_model_however_many_updates() -> None:
-    model = {"w": np.ones((100, 100), np.float32)}
-    total = RunningSum()
-    total.add(1.0, model)
-    one = total.nbytes
-    for _ in range(63):
-        total.add(2.0, model)
-    assert total.nbytes == one and total.count == 64
-
-
-def test_bad_updates_are_refused_and_change_nothing() -> None:
-    total = RunningSum()
-    total.add(1.0, {"w": np.ones(3, np.float32)})
-    with pytest.raises(ValueError, match="weight"):
-        total.add(float("nan"), {"w": np.ones(3, np.float32)})
-    with pytest.raises(ValueError, match="other tensors"):
-        total.add(1.0, {"v": np.ones(3, np.float32)})
-    with pytest.raises(ValueError, match="no updates"):
-        RunningSum().mean()
-    assert total.count == 1 and total.weight == 1.0
-    np.testing.assert_array_equal(total.mean()["w"], np.ones(3, np.float32))
-
 
 SHAPES = {"emb": (40, 24), "norm": (24,)}
 
@@ -83,89 +31,155 @@ def _update(seed: int) -> dict[str, np.ndarray]:
     return {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
 
 
-@pytest.mark.parametrize("spec", ["fp32", "fp16", "int8:block=64", "int4", "int2", "topk:0.2"])
-def test_an_encoded_update_folds_as_its_decode_does_bit_for_bit(spec: str) -> None:
+def _plain_fold(
+    updates: Sequence[tuple[float, Sequence[EncodedTensor]]], spec: str
+) -> dict[str, bytes]:
+    """The reference: each update decoded whole, Σ float32(w)·x from zeros in the order given,
+    divided by float32(Σ w)."""
     codec = get_codec(spec)
-    payloads = [encode_tensors(_update(i), codec) for i in range(3)]
-    decoded, encoded = RunningSum(), RunningSum()
-    for i, payload in enumerate(payloads):
-        weight = 10.0 * i + 3.7
-        decoded.add(weight, {e.name: codec.decode(e) for e in payload})
-        pieces, _ = check_payload(payload, SHAPES)
-        encoded.add_encoded(weight, pieces, SHAPES)
+    total = 0.0
+    for w, _ in updates:
+        total += w
+    out = {}
+    for name, shape in SHAPES.items():
+        acc = np.zeros(shape, np.float32)
+        for w, payload in updates:
+            (enc,) = [e for e in payload if e.name == name]
+            acc += np.float32(w) * codec.decode(enc).reshape(shape)
+        out[name] = (acc / np.float32(total)).tobytes()
+    return out
+
+
+def _folded(mean: Mapping[str, np.ndarray]) -> dict[str, bytes]:
+    return {name: mean[name].tobytes() for name in SHAPES}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    weights=st.lists(st.floats(min_value=0.01, max_value=1e4), min_size=1, max_size=10),
+    seed=st.integers(0, 2**16),
+)
+def test_the_mean_is_the_weighted_mean_up_to_float32_rounding(
+    weights: list[float], seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    updates = [
+        (
+            w,
+            {
+                "emb": rng.standard_normal((40, 24)).astype(np.float32),
+                "norm": rng.standard_normal(24),
+            },
+        )
+        for w in weights
+    ]
+    fold = MeanFold(1e9, [f"s{i:02d}" for i in range(len(updates))])
+    for i, (w, x) in reversed(list(enumerate(updates))):
+        assert isinstance(
+            fold.add(f"s{i:02d}", w, encode_tensors(x, get_codec("fp32")), SHAPES), str
+        )
+    reference = weighted_mean(updates)
+    # Both sides are float32 arithmetic. Ours: each weight and each product w·x rounded (u =
+    # eps / 2 each), n - 1 additions with a partial sum below Σ w·|x| (u each), the total weight
+    # rounded and the division: at most (n + 3) u relative to Σ w·|x| / Σ w <= scale. The
+    # reference's error is as large again.
+    n, eps = len(updates), float(np.finfo(np.float32).eps)
+    mean = fold.mean()
     for name in SHAPES:
-        assert decoded.tensor_mean(name).tobytes() == encoded.tensor_mean(name).tobytes()
-    assert encoded.names == list(SHAPES) and encoded.count == 3
+        scale = max(float(np.max(np.abs(x[name]))) for _, x in updates)
+        got = mean[name]
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, reference[name], rtol=0, atol=(n + 3) * eps * scale)
+    assert fold.weight == pytest.approx(sum(weights)) and fold.count == n
+
+
+SPECS = ["fp32", "fp16", "int8:block=64", "int4", "int2", "topk:0.2", "int4+zstd"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    spec=st.sampled_from(SPECS),
+    order=st.permutations(["ap", "eu", "us", "sa"]),
+    sent=st.sets(st.sampled_from(["ap", "eu", "us", "sa"]), min_size=1),
+)
+def test_the_fold_at_the_close_is_a_plain_float32_fold_in_site_order_bit_for_bit(
+    spec: str, order: list[str], sent: set[str]
+) -> None:
+    """Updates arriving in any order, some participants sending nothing: each tensor of the
+    mean is, bit for bit, each update decoded and Σ float32(w)·x added from zeros in site-id
+    order, divided by Σ w."""
+    codec = get_codec(spec)
+    sites = sorted(order)
+    payloads = {s: encode_tensors(_update(i), codec) for i, s in enumerate(sites)}
+    weights = {s: 1.0 + 0.37 * i for i, s in enumerate(sites)}
+    fold = MeanFold(1e9, ["us", "eu", "sa", "ap"])
+    for s in [s for s in order if s in sent]:
+        assert isinstance(fold.add(s, weights[s], payloads[s], SHAPES), str)
+    assert fold.count == len(sent) and fold.weight == sum(weights[s] for s in sorted(sent))
+    want = _plain_fold([(weights[s], payloads[s]) for s in sorted(sent)], spec)
+    assert _folded(fold.mean()) == want
 
 
 def test_slices_fold_at_their_rows() -> None:
     codec = get_codec("int4")
     x = _update(1)
     pieces = [encode_slice("emb", x["emb"][a:b], a, codec) for a, b in [(0, 8), (8, 40)]]
-    payload = [*pieces, *encode_tensors({"norm": x["norm"]}, codec)]
-    total = RunningSum()
-    total.add_encoded(2.0, check_payload(payload, SHAPES, slices=True)[0], SHAPES)
-    whole = RunningSum()
-    whole.add(2.0, {e.name: codec.decode(e) for e in encode_tensors(x, codec)})
-    for name in SHAPES:
-        assert total.tensor_mean(name).tobytes() == whole.tensor_mean(name).tobytes()
+    sliced = MeanFold(1e9, ["a"])
+    assert isinstance(
+        sliced.add("a", 2.0, [*pieces, *encode_tensors({"norm": x["norm"]}, codec)], SHAPES), str
+    )
+    whole = MeanFold(1e9, ["a"])
+    assert isinstance(whole.add("a", 2.0, encode_tensors(x, codec), SHAPES), str)
+    assert _folded(sliced.mean()) == _folded(whole.mean())
 
 
-def test_folding_an_encoded_update_makes_no_copy_of_the_model() -> None:
-    """The second update of a 16M-parameter model (64 MiB of float32) folds in with a few
-    tiles' worth of temporaries: decoding it whole would take 64 MiB."""
-    shapes = {"w": (4096, 4096)}
+def test_an_update_is_held_as_the_bytes_it_came_as_without_a_copy() -> None:
+    """Checking and holding an update of 16M parameters (int4, 8.5 MB) allocates the check's
+    tiles, nothing of the update's size: its pieces are the payload's buffers. Folding the
+    mean's tensors then takes one float32 buffer of the largest tensor (16 MiB here) and tiles,
+    never the model (64 MiB)."""
+    shapes = {f"w{i}": (2048, 2048) for i in range(4)}
     codec = get_codec("int4")
-    x = np.random.default_rng(0).standard_normal(shapes["w"]).astype(np.float32)
-    payload = encode_tensors({"w": x}, codec)
+    rng = np.random.default_rng(0)
+    payload = encode_tensors(
+        {n: rng.standard_normal(s, dtype=np.float32) for n, s in shapes.items()}, codec
+    )
     fold = MeanFold(1e9, ["eu", "us"])
-    assert isinstance(fold.add("eu", 1.0, payload, shapes), str)
     tracemalloc.start()
     try:
+        assert isinstance(fold.add("eu", 1.0, payload, shapes), str)
         assert isinstance(fold.add("us", 2.0, payload, shapes), str)
-        _, peak = tracemalloc.get_traced_memory()
+        _, held_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        mean = fold.mean()
+        for name in shapes:
+            assert mean[name].shape == shapes[name]
+        _, fold_peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert fold.sum.count == 2
-    assert peak < 16 << 20, peak
+    assert held_peak < 4 << 20, held_peak  # the check's tiles
+    assert fold.nbytes == 2 * sum(enc.nbytes for enc in payload)
+    (held,) = [u for u in fold.ordered() if u.site_id == "eu"]
+    for enc in payload:
+        (piece,) = held.pieces[enc.name]
+        assert all(np.shares_memory(a, b) for a, b in zip(piece.buffers, enc.buffers, strict=True))
+    assert 16 << 20 <= fold_peak < 24 << 20, fold_peak
+    assert mean.folded == len(shapes)
 
 
-@settings(max_examples=25, deadline=None)
-@given(
-    order=st.permutations(["ap", "eu", "us", "sa"]),
-    sent=st.sets(st.sampled_from(["ap", "eu", "us", "sa"]), min_size=1),
-)
-def test_the_fold_is_the_same_bit_for_bit_whatever_the_arrival_order(
-    order: list[str], sent: set[str]
-) -> None:
-    """Updates arriving in any order, some participants sending nothing: the same sum as the
-    same updates arriving in the participants' order."""
-    codec = get_codec("int8")
-    payloads = {s: encode_tensors(_update(i), codec) for i, s in enumerate(sorted(order))}
-    weights = {s: 1.0 + 0.37 * i for i, s in enumerate(sorted(order))}
-    participants = ["us", "eu", "sa", "ap"]
-
-    def run(arrivals: list[str]) -> dict[str, bytes]:
-        fold = MeanFold(1e9, participants)
-        for s in arrivals:
-            assert isinstance(fold.add(s, weights[s], payloads[s], SHAPES), str)
-        fold.fold_waiting()
-        assert fold.sum.count == len(arrivals)
-        return {n: fold.sum.tensor_mean(n).tobytes() for n in SHAPES}
-
-    assert run([s for s in order if s in sent]) == run(sorted(sent))
-
-
-def test_an_update_ahead_of_its_turn_waits_encoded() -> None:
-    codec = get_codec("int4")
-    payloads = {s: encode_tensors(_update(i), codec) for i, s in enumerate(["a", "b", "c"])}
-    fold = MeanFold(1e9, ["a", "b", "c"])
-    assert isinstance(fold.add("c", 1.0, payloads["c"], SHAPES), str)
-    assert isinstance(fold.add("b", 1.0, payloads["b"], SHAPES), str)
-    encoded = sum(e.nbytes for s in "bc" for e in payloads[s])
-    assert fold.sum.count == 0 and fold.nbytes == encoded  # nothing summed yet
-    assert isinstance(fold.add("a", 1.0, payloads["a"], SHAPES), str)
-    assert fold.sum.count == 3 and fold.nbytes == fold.sum.nbytes
+def test_every_tensor_of_a_mean_is_folded_into_one_buffer() -> None:
+    """The array handed out is the mean's one buffer: the next tensor overwrites it."""
+    fold = MeanFold(1e9, ["a"])
+    assert isinstance(
+        fold.add("a", 1.0, encode_tensors(_update(0), get_codec("int8")), SHAPES), str
+    )
+    mean = fold.mean()
+    emb = mean["emb"]
+    first = emb.tobytes()
+    norm = mean["norm"]
+    assert np.shares_memory(emb, norm)
+    assert mean["emb"].tobytes() == first  # folded again, the same bytes
+    assert mean.folded == 3
 
 
 def test_a_refused_update_changes_nothing_and_blocks_no_one() -> None:
@@ -177,10 +191,10 @@ def test_a_refused_update_changes_nothing_and_blocks_no_one() -> None:
     bad[1] = type(bad[1])(name="norm", shape=(24,), codec="fp32", buffers=(values,))
     refused = fold.add("a", 1.0, bad, SHAPES)
     assert isinstance(refused, Refused) and "'norm'" in refused.detail
-    assert fold.sum.count == 0 and fold.nbytes == 0
+    assert fold.count == 0 and fold.nbytes == 0
     assert isinstance(fold.add("b", 1.0, encode_tensors(_update(1), codec), SHAPES), str)
     result = fold.result("1", [])
-    assert result.count == 1 and fold.sum.count == 1
+    assert result.count == 1 and fold.count == 1
 
 
 def test_an_update_that_could_overflow_the_float32_sum_is_refused() -> None:
@@ -191,47 +205,36 @@ def test_an_update_that_could_overflow_the_float32_sum_is_refused() -> None:
     huge = {n: v * np.float32(1e25) for n, v in _update(0).items()}
     refused = fold.add("a", 1e15, encode_tensors(huge, codec), SHAPES)
     assert isinstance(refused, Refused) and refused.code == ErrorCode.OUT_OF_RANGE
-    assert "overflow" in refused.detail and fold.sum.count == 0 and fold.nbytes == 0
+    assert "overflow" in refused.detail and fold.count == 0 and fold.nbytes == 0
     assert isinstance(fold.add("b", 1e15, encode_tensors(_update(1), codec), SHAPES), str)
-    fold.result("1", [])
-    assert all(np.isfinite(fold.sum.tensor_mean(n)).all() for n in SHAPES)
+    mean = fold.mean()
+    assert all(np.isfinite(mean[n]).all() for n in SHAPES)
 
 
-def test_late_updates_wait_and_fold_by_site_at_the_result() -> None:
+def test_late_updates_fold_by_site_whatever_their_arrival_order() -> None:
     codec = get_codec("int8")
-    sums = []
-    for arrivals in itertools.permutations(["x", "y", "z"]):
+    payloads = {s: encode_tensors(_update(i), codec) for i, s in enumerate("xyz")}
+    means = []
+    for arrivals in itertools.permutations("xyz"):
         fold = MeanFold(1e9)
         for s in arrivals:
-            seed = "xyz".index(s)
-            assert isinstance(
-                fold.add(s, 1.0 + seed, encode_tensors(_update(seed), codec), SHAPES), str
-            )
-            assert fold.sum.count == 0
-        fold.result("1", [])
-        sums.append(fold.sum.tensor_mean("emb").tobytes())
-    assert len(set(sums)) == 1
+            assert isinstance(fold.add(s, 1.0 + "xyz".index(s), payloads[s], SHAPES), str)
+        means.append(_folded(fold.mean()))
+    want = _plain_fold([(1.0 + i, payloads[s]) for i, s in enumerate("xyz")], "int8")
+    assert all(m == want for m in means)
 
 
-def test_a_dropped_sum_lends_its_arrays_to_the_next_round() -> None:
-    """A closed round's sum goes back to the aggregator's pool and the next round's sum writes
-    into those arrays (stale values and all): the same means as sums of fresh arrays."""
+def test_the_result_folds_on_time_and_late_updates_when_the_step_reads_them() -> None:
     codec = get_codec("int4")
-    payloads = [encode_tensors(_update(i), codec) for i in range(3)]
-    aggregator = WeightedMean(1e9)
-    alone = []
-    previous: dict[str, int] = {}
-    for r in range(3):
-        fold = aggregator.fold(r, ["a"])
-        assert isinstance(fold, MeanFold)
-        assert isinstance(fold.add("a", 2.0 + r, payloads[r], SHAPES), str)
-        got = {n: fold.sum.tensor_mean(n).tobytes() for n in SHAPES}
-        arrays = {n: id(a) for n, a in fold.sum._sum.items()}
-        assert not previous or arrays == previous  # the pool's arrays, reused
-        previous = arrays
-        fresh = MeanFold(1e9, ["a"])
-        fresh.add("a", 2.0 + r, payloads[r], SHAPES)
-        alone.append(got == {n: fresh.sum.tensor_mean(n).tobytes() for n in SHAPES})
-        del fold
-        assert aggregator.sums.nbytes == 4 * (40 * 24 + 24)
-    assert all(alone)
+    on_time, late = MeanFold(1e9, ["a", "b"]), MeanFold(1e9)
+    assert isinstance(on_time.add("b", 2.0, encode_tensors(_update(0), codec), SHAPES), str)
+    assert isinstance(on_time.add("a", 3.0, encode_tensors(_update(1), codec), SHAPES), str)
+    assert isinstance(late.add("c", 4.0, encode_tensors(_update(2), codec), SHAPES), str)
+    result = on_time.result("7", [Late(origin=6, divisor=2, fold=late)])
+    assert isinstance(result, MeanResult)
+    (label, weight, mean), (late_label, late_weight, late_mean) = result.updates
+    assert (label, weight, late_label, late_weight) == ("round 7", 5.0, "late@6", 2.0)
+    assert isinstance(mean, HeldMean) and mean.folded == 0 and result.fold_cpu_seconds == 0.0
+    assert _folded(mean) == _folded(on_time.mean())
+    assert _folded(late_mean) == _folded(late.mean())
+    assert result.fold_cpu_seconds > 0.0

@@ -15,7 +15,7 @@ from comm.codecs.registry import get_codec
 from comm.wire.frames import WireError, from_wire, to_wire
 from comm.wire.schema import ErrorCode, InitParams
 from comm.wire.tensors import encode_tensors
-from coordinator.aggregate import RunningSum, SumMean, outer_step, whole_model_step
+from coordinator.aggregate import HeldMean, MeanFold, outer_step, whole_model_step
 from coordinator.global_model import GlobalModel
 from coordinator.intake import received_model
 from coordinator.state import GlobalState, MemoryStateStore
@@ -43,11 +43,15 @@ def _state() -> GlobalState:
 
 
 def _updates() -> list[tuple[str, float, Mapping[str, np.ndarray]]]:
-    on_time, late = RunningSum(), RunningSum()
-    for seed, weight in ((10, 3.0), (11, 5.0)):
-        on_time.add(weight, _arrays(seed, 0.01))
-    late.add(2.0, _arrays(12, 0.01))
-    return [("round 4", on_time.weight, SumMean(on_time)), ("late@3", 1.0, SumMean(late))]
+    """A round's mean of two updates and a late round's of one, each folded when read."""
+    codec = get_codec("fp32")
+    on_time, late = MeanFold(1e9, ["eu", "us"]), MeanFold(1e9)
+    for site, seed, weight in (("us", 11, 5.0), ("eu", 10, 3.0)):
+        assert isinstance(
+            on_time.add(site, weight, encode_tensors(_arrays(seed, 0.01), codec), SHAPES), str
+        )
+    assert isinstance(late.add("ap", 2.0, encode_tensors(_arrays(12, 0.01), codec), SHAPES), str)
+    return [("round 4", on_time.weight, on_time.mean()), ("late@3", 1.0, late.mean())]
 
 
 class _WholeModelsOnly:
@@ -78,8 +82,11 @@ def test_the_step_in_place_is_the_whole_model_step_bit_for_bit(
     def prepare() -> None:  # nothing has changed yet
         calls.append({k: v.tobytes() for k, v in st.params.items()})
 
-    step = outer_step(strategy, st, names, _updates(), prepare=prepare, **kw)
+    updates = _updates()
+    step = outer_step(strategy, st, names, updates, prepare=prepare, **kw)
     assert calls == [before]
+    # Each mean folded each tensor once: the step reads a tensor of an update once.
+    assert [m.folded for _, _, m in updates if isinstance(m, HeldMean)] == [len(names)] * 2
     for kind in ("params", "momentum", "residual"):
         got, want = getattr(step.state, kind), getattr(reference.state, kind)
         for k in names:

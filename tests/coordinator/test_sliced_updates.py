@@ -1,5 +1,5 @@
 """Updates of a sharded site: its tensors come as slices of their rows, which the weighted mean
-folds into the same running sum as whole tensors; slices that do not cover a tensor exactly once
+folds to the same mean as whole tensors; slices that do not cover a tensor exactly once
 are refused, and aggregators that take whole tensors only refuse them."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _sliced(
 @pytest.mark.parametrize("spec", ["fp32", "int8:block=64"])
 def test_a_sliced_update_folds_to_the_sum_of_the_whole_one_bit_for_bit(spec: str) -> None:
     """One site sends whole tensors, another the same kind of update in 2-3 slices per tensor
-    (on the block grid): the running sum and the mean are bit for bit those of two whole
+    (on the block grid): the mean is bit for bit those of two whole
     updates, the fold being elementwise in the same order."""
     codec = get_codec(spec)
     one, two = _delta(0.1), _delta(0.3)
@@ -53,8 +53,8 @@ def test_a_sliced_update_folds_to_the_sum_of_the_whole_one_bit_for_bit(spec: str
     for fold, second in ((sliced, _sliced(two, cuts, spec)), (whole, encode_tensors(two, codec))):
         assert isinstance(fold.add("one", 100.0, encode_tensors(one, codec), SHAPES), str)
         assert isinstance(fold.add("two", 300.0, second, SHAPES), str)
-    assert (sliced.sum.count, sliced.sum.weight) == (whole.sum.count, whole.sum.weight) == (2, 400)
-    got, want = sliced.sum.mean(), whole.sum.mean()
+    assert (sliced.count, sliced.weight) == (whole.count, whole.weight) == (2, 400)
+    got, want = sliced.mean(), whole.mean()
     for name in SHAPES:
         assert got[name].tobytes() == want[name].tobytes()
 
@@ -67,7 +67,7 @@ def test_the_norm_bound_covers_the_whole_update_across_its_slices() -> None:
     fold = MeanFold(1.5)
     refused = fold.add("eu", 1.0, payload, {"w": (3, 4)})
     assert isinstance(refused, Refused) and "update norm 1.73 > bound 1.5" in refused.detail
-    assert fold.sum.count == 0 and fold.nbytes == 0
+    assert fold.count == 0 and fold.nbytes == 0
     assert isinstance(MeanFold(1.8).add("eu", 1.0, payload, {"w": (3, 4)}), str)
 
 

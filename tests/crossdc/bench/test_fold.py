@@ -1,5 +1,5 @@
 """The fold benchmark's report (rates are not asserted: CPU time varies; the memory a fold
-allocates beyond the sum is, since it does not depend on the host)."""
+allocates is, since it does not depend on the host)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ def test_fold_benchmark_report(capsys: pytest.CaptureFixture[str]) -> None:
             "fold_extra_bytes",
         }
         assert c["fold_rate"] is None or c["fold_rate"] > 0
-        # Tiles, not a float copy of an update (1.2 MB of float32 here).
-        assert c["fold_extra_bytes"] < 600_000
+        # The close's buffer of the largest tensor (512 KiB) and tiles, not a float copy of an
+        # update (1.2 MB of float32 here).
+        assert c["fold_extra_bytes"] < 4 * (1 << 17) + 500_000
     assert report["codecs"][0]["encoded_bytes_per_param"] == pytest.approx(0.53, abs=0.01)
     args = ["--params", "100000", "--sites", "1", "--repeats", "1", "--codecs", "int8"]
     assert main([*args, "--json"]) == 0
