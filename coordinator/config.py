@@ -416,10 +416,18 @@ class AggregationConfig:
 
     @property
     def sum_word_bytes(self) -> int:
-        """Bytes per value of a round's running sum: float32, or the masked sum's own words
-        (``word_bits``) under secure aggregation."""
+        """Bytes per value of a round's sum: float32 (the weighted mean's, one tensor at a time
+        at the close), or the masked sum's own words (``word_bits``) under secure aggregation,
+        kept whole while the round is open."""
         masked = self.secure_aggregation
         return masked.word_bits // 8 if masked is not None else 4
+
+    @property
+    def holds_updates(self) -> bool:
+        """Whether a round holds each update as the bytes it came as until its close (the
+        weighted mean, the sparse broadcast); False: it adds each to a sum kept whole while the
+        round is open (secure aggregation's masked sum)."""
+        return self.secure_aggregation is None
 
 
 @dataclass(frozen=True, kw_only=True)

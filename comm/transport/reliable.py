@@ -40,8 +40,6 @@ from comm.wire.schema import (
     ShardFolded,
     ShardFreeze,
     ShardFrozen,
-    ShardInitial,
-    ShardInitialDone,
     ShardOpen,
     ShardOpened,
     ShardPrepared,
@@ -81,8 +79,6 @@ MUST_ARRIVE: frozenset[type] = frozenset(
         ShardPrepared,
         ShardCommit,
         ShardAbort,
-        ShardInitial,
-        ShardInitialDone,
     }
 )
 """Message types delivered with acknowledgements. Heartbeats are liveness (a late one is

@@ -22,20 +22,20 @@ Per coordinator process (the list ``shards``; one process today, so one entry) i
   site, before that site sends θ0: the process without the model;
 - ``bytes_per_param``: ``(peak_rss_bytes - base_rss_bytes) / params``, what the model costs the
   process per parameter it owns;
-- ``budget_bytes_per_param``: what the process keeps per parameter with the configuration it
-  reads (:func:`coordinator.memory.state_bytes_per_param`: θ 4, the outer momentum 4 with
-  DiLoCo, the downlink residual 4 with the dense broadcast, a running sum 4 per round open at
-  once: 16 here);
+- ``budget_bytes_per_param``: what the process holds per parameter with the configuration it
+  reads and the sites of the case (:func:`coordinator.memory.state_budget`: the state kept, θ 4,
+  the outer momentum 4 with DiLoCo and the downlink residual 4 with the dense broadcast; the
+  updates the open rounds hold as they came, the uplink codec's size per site and round open
+  at once; the broadcast being sent, the downlink codec's size: 12 + 3 x 0.53 + 0.53 = 14.1
+  here);
 - ``within_budget``: ``bytes_per_param <= budget_bytes_per_param + tolerance / params``, where
-  ``tolerance`` (:func:`tolerance_bytes`) is what the process may hold beside its kept state:
-  the updates its transport reassembles, at most the channel's receive budget
-  (``receive_budget_bytes``, 1 GiB by default, over all its peers); a close's temporaries of one
-  tensor, CLOSE_TEMPORARIES (8) float32 arrays of the largest tensor (128 MiB at the bench's 4M
-  values); and the broadcast, the encoded delta held until every site acknowledged it (0.53
-  bytes per parameter with int4). All but the broadcast do not grow with the model, so divided
-  by the parameters they vanish for a large model and dominate a small one (with the
-  broadcast, about 12.6 bytes per parameter at 100M, 1.7 at 1B): the check says something from a
-  few hundred million parameters on;
+  ``tolerance`` (:func:`tolerance_bytes`) is what the process may hold beside that, none of it
+  growing with the model: the transfers its transport reassembles, at most the channel's
+  receive budget (``receive_budget_bytes``, 1 GiB by default, over all its peers), and a
+  close's temporaries of one tensor, CLOSE_TEMPORARIES (8) float32 arrays of the largest tensor
+  (128 MiB at the bench's 4M values). Divided by the parameters they vanish for a large model
+  and dominate a small one (about 12 bytes per parameter at 100M, 1.2 at 1B): the check says
+  something from a few hundred million parameters on;
 - ``fold_rate``: parameter values of accepted updates decoded, checked and folded per CPU second
   of the thread that did it, from the coordinator's counters
   ``crossdc_fold_parameter_updates_total`` and ``crossdc_fold_cpu_seconds_total`` (also in its
@@ -62,13 +62,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from comm.codecs.registry import get_codec
 from comm.ops.configio import dump_toml
 from comm.transport.dealer import DealerChannel
 from comm.transport.profile import ChannelConfig
 from comm.wire.schema import Join, Welcome
 from coordinator.config import CoordinatorConfig, load_coordinator_config, sections
-from coordinator.memory import state_bytes_per_param
+from coordinator.memory import state_budget
 from crossdc.bench import print_report
 from crossdc.bench.scale_sites import FINGERPRINT, Layout, SharedTheta, Site, Sites, drain
 from crossdc.progress import add_progress_argument, open_progress
@@ -137,29 +136,24 @@ def coordinator_table(workdir: Path, *, sites: int, rounds: int, port: int) -> d
 # ---- the budget --------------------------------------------------------------------------------
 
 
-def budget_bytes_per_param(cfg: CoordinatorConfig) -> int:
-    """The bytes a coordinator configured as ``cfg`` keeps per parameter it owns
-    (:func:`coordinator.memory.state_bytes_per_param`)."""
-    return state_bytes_per_param(sections(cfg))
+def budget_bytes_per_param(cfg: CoordinatorConfig, sites: int) -> float:
+    """The bytes a coordinator configured as ``cfg`` holds per parameter it owns with ``sites``
+    sites (:func:`coordinator.memory.state_budget`'s total)."""
+    return state_budget(sections(cfg), sites).total
 
 
 CLOSE_TEMPORARIES = 8
 """Float32 arrays of the largest tensor a close holds at once beside the state (about 7 by the
-close's own count: θ + residual, the mean, the step, the delta, its decoding, the codec's work
-arrays; one more to spare)."""
+close's own count: the mean's buffer, θ + residual, the step, the delta, its decoding, the
+codec's work arrays; one more to spare)."""
 
 
-def tolerance_bytes(cfg: CoordinatorConfig, params: int, largest_tensor: int) -> float:
-    """What a coordinator configured as ``cfg`` and owning ``params`` parameters (its largest
-    tensor ``largest_tensor`` values) may hold beside its kept state: the updates in
-    reassembly (at most the channel's receive budget), a close's temporaries
-    (CLOSE_TEMPORARIES float32 arrays of the largest tensor), and the broadcast, the encoded
-    delta held until every site acknowledged it (the downlink codec's size of the model;
-    float32's with ``auto``)."""
-    codec = get_codec("fp32" if cfg.downlink_codec == "auto" else cfg.downlink_codec)
-    broadcast = codec.encoded_size(largest_tensor) / largest_tensor * params
-    bounded = cfg.channel.receive_budget_bytes + CLOSE_TEMPORARIES * 4 * largest_tensor
-    return bounded + broadcast
+def tolerance_bytes(cfg: CoordinatorConfig, largest_tensor: int) -> int:
+    """What a coordinator configured as ``cfg`` (its largest tensor ``largest_tensor`` values)
+    may hold beside its budget, none of it growing with the model: the transfers in reassembly
+    (at most the channel's receive budget) and a close's temporaries (CLOSE_TEMPORARIES float32
+    arrays of the largest tensor)."""
+    return cfg.channel.receive_budget_bytes + CLOSE_TEMPORARIES * 4 * largest_tensor
 
 
 # ---- one coordinator process -------------------------------------------------------------------
@@ -306,20 +300,20 @@ def run_case(
 
 
 def _shard(
-    coord: _Coordinator, status: dict[str, Any], params: int, largest: int
+    coord: _Coordinator, status: dict[str, Any], params: int, largest: int, sites: int
 ) -> dict[str, Any]:
     """One coordinator process's figures (an entry of ``shards``)."""
     folded = int(status.get("fold_parameter_updates", 0))
     fold_cpu = round(float(status.get("fold_cpu_seconds", 0.0)), 6)
     per_param = (coord.peak_rss - coord.base_rss) / params
-    budget = budget_bytes_per_param(coord.config)
-    tolerance = tolerance_bytes(coord.config, params, largest) / params
+    budget = budget_bytes_per_param(coord.config, sites)
+    tolerance = tolerance_bytes(coord.config, largest) / params
     return {
         "params": params,
         "peak_rss_bytes": coord.peak_rss,
         "base_rss_bytes": coord.base_rss,
         "bytes_per_param": round(per_param, 2),
-        "budget_bytes_per_param": budget,
+        "budget_bytes_per_param": round(budget, 4),
         "within_budget": per_param <= budget + tolerance,
         "fold_parameter_updates": folded,
         "fold_cpu_seconds": fold_cpu,
@@ -345,7 +339,8 @@ def _figures(
         round(run.closed[r] - run.opened[r], 3) for r in sorted(run.closed) if r in run.opened
     ]
     shards = [
-        _shard(c, s, numel, run.layout.largest) for c, s in zip(coords, statuses, strict=True)
+        _shard(c, s, numel, run.layout.largest, sites)
+        for c, s in zip(coords, statuses, strict=True)
     ]
     for shard in shards:
         shard["round_close_seconds"] = closes
