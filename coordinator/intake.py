@@ -42,7 +42,6 @@ from comm.wire.schema import (
 )
 from comm.wire.tensors import check_slices, decode_tensors
 from coordinator.aggregate import Aggregator
-from coordinator.allowance import hold_update
 from coordinator.conflicts import ClaimVerdict, IdentityConflicts
 from coordinator.delivery import Delivery
 from coordinator.global_model import GlobalModel
@@ -58,7 +57,7 @@ from coordinator.model_spec import (
 from coordinator.planner import Planner
 from coordinator.post import PostOffice
 from coordinator.reported import check_reported
-from coordinator.round import Taken, UpdateRefusal
+from coordinator.round import UpdateRefusal
 from coordinator.scheduler import SiteView
 
 log = logging.getLogger("crossdc.coordinator")
@@ -105,6 +104,13 @@ class Intake:
         self.on_update: Callable[[Update, str | None], None] | None = None
         """A coordinator of several shards: told of every update to an open round, with why it
         was refused (None: taken), so that shard 0 learns which parts every shard holds."""
+        self.on_initial: Callable[[bytes, str, dict[str, np.ndarray], str], None] | None = None
+        """A coordinator of several shards: handed θ0's part a site uploaded (checked, not
+        installed) with the site's id and model fingerprint; the shard installs it
+        (:meth:`install_initial`) once shard 0 checked every shard's part."""
+        self.any_initiator = False
+        """A shard other than shard 0 takes θ0's part from whichever member uploads it (shard
+        0 asked that site, and its Welcome is the one the site follows)."""
         self.claims: dict[str, tuple[int, str]] = {}
         """What each member said it holds at its join (version, state hash): before the initial
         model exists, a site that built the same θ0 is in sync once it does."""
@@ -315,7 +321,8 @@ class Intake:
             self._delivery.send_catch_up(msg.site_id, msg.global_version, msg.state_hash)
 
     def _on_init(self, peer: bytes, msg: InitParams) -> None:
-        if self._model.state is not None or msg.site_id != self._init_site:
+        asked = msg.site_id == self._init_site or self.any_initiator
+        if self._model.state is not None or not asked:
             self._post.reject(
                 peer, ErrorCode.UNEXPECTED, "initial parameters not requested", msg.site_id
             )
@@ -327,37 +334,33 @@ class Intake:
         except WireError as exc:
             self._post.reject(peer, exc.code, exc.detail, msg.site_id)
             return
+        if self.on_initial is not None:
+            self.on_initial(peer, msg.site_id, params, msg.model_fingerprint)
+            return
+        self.install_initial(msg.site_id, params, msg.model_fingerprint)
+
+    def install_initial(
+        self, site_id: str, params: dict[str, np.ndarray], fingerprint: str
+    ) -> None:
+        """θ0 as site ``site_id`` uploaded it (checked): the model's version 0; every member
+        that proved it holds the same is in sync, every other one is sent it."""
         # The state holds the tensors where they arrived (θ0 is not held twice).
-        self._model.install(params, msg.model_fingerprint, owned=True)
+        self._model.install(params, fingerprint, owned=True)
         self._rounds.set_model(0)
-        self._members.holds(msg.site_id, 0, in_sync=True)
-        digest = self._model.hash()
-        for site_id, other in sorted(self._members.items()):
+        self._members.holds(site_id, 0, in_sync=True)
+        digest = self._model.site_hash()
+        for member, other in sorted(self._members.items()):
             if other.in_sync:
                 continue
-            if self.claims.get(site_id) == (0, digest):
+            if self.claims.get(member) == (0, digest):
                 # It built the same θ0 from the federation's seed and proved it by hash at its
                 # join: nothing to download.
-                self._members.holds(site_id, 0, in_sync=True)
+                self._members.holds(member, 0, in_sync=True)
             else:
-                self._delivery.send_full(site_id)
+                self._delivery.send_full(member)
         self._on_changed()
 
     # ---- updates ---------------------------------------------------------------------------
-
-    def _take(self, peer: bytes, msg: Update) -> UpdateRefusal | Taken:
-        """The update to its round (``Lifecycle.take``). Where the rounds hold updates as they
-        came, its encoded bytes are charged to its sender's account from now until its round
-        lets go of them (``coordinator.allowance``): past the sender's allowance it is refused
-        (``oversize``, counted as ``update_over_allowance``) and nothing changes."""
-        chan = self._post.chan
-        if not self._aggregator.holds_updates or chan is None:
-            return self._rounds.take(self._clock(), msg)
-        try:
-            charge = hold_update(chan.charges, peer, sum(enc.nbytes for enc in msg.payload))
-        except WireError as exc:
-            return UpdateRefusal(exc.code, exc.detail, reason="update_over_allowance")
-        return self._rounds.take(self._clock(), msg, charge)
 
     def _on_update(self, peer: bytes, msg: Update) -> None:
         """An update, to its round (``Lifecycle.take``); counted and logged once taken."""
@@ -367,11 +370,11 @@ class Intake:
             self._post.reject(peer, ErrorCode.UNEXPECTED, detail, msg.site_id)
             return
         cpu = time.thread_time()
-        taken = check_reported(msg) or self._take(peer, msg)
+        taken = check_reported(msg) or self._rounds.take(self._clock(), msg)
         if self.on_update is not None and (isinstance(taken, UpdateRefusal) or not taken.late):
             self.on_update(msg, taken.detail if isinstance(taken, UpdateRefusal) else None)
         if isinstance(taken, UpdateRefusal):
-            self._post.reject(peer, taken.code, taken.detail, msg.site_id, reason=taken.reason)
+            self._post.reject(peer, taken.code, taken.detail, msg.site_id)
             return
         self._metrics.fold_cpu_seconds.inc(time.thread_time() - cpu)
         self._metrics.fold_parameter_updates.inc(sum(enc.numel for enc in msg.payload))

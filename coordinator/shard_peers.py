@@ -31,6 +31,8 @@ from comm.wire.schema import (
     ShardFreeze,
     ShardFrozen,
     ShardHello,
+    ShardInitial,
+    ShardInitialDone,
     ShardOpen,
     ShardOpened,
     ShardPrepared,
@@ -42,7 +44,7 @@ from coordinator.shard_plane import AbortAll, CloseAll, CommitAll, Resume, Shard
 
 log = logging.getLogger("crossdc.coordinator.shards")
 
-Decision = ShardOpen | ShardFreeze | ShardClose | ShardCommit | ShardAbort
+Decision = ShardOpen | ShardFreeze | ShardClose | ShardCommit | ShardAbort | ShardInitialDone
 """What shard 0 tells the other shards to do."""
 
 
@@ -69,7 +71,7 @@ class Ready:
     round_id: int
 
 
-LeaderEvent = Joined | Lost | Ready | CloseAll | AbortAll | CommitAll
+LeaderEvent = Joined | Lost | Ready | CloseAll | AbortAll | CommitAll | ShardInitial
 
 
 def plan_fields(plan: RoundPlan) -> dict[str, Any]:
@@ -180,7 +182,9 @@ class ShardLeader:
 
     def _hello(self, peer: bytes, msg: ShardHello) -> list[LeaderEvent]:
         count = self.plane.count
-        if msg.shards != count or not 0 < msg.shard < count or msg.partition != self.partition:
+        # A shard that holds no θ0 yet (an upload to come) knows no cut: its partition is "".
+        other = msg.partition != self.partition and "" not in (msg.partition, self.partition)
+        if msg.shards != count or not 0 < msg.shard < count or other:
             log.error(
                 "[coordinator shards] refused a hello from shard %d of %d (partition %s): this "
                 "is shard 0 of %d (partition %s); every shard must run the same config",
@@ -236,6 +240,10 @@ class ShardLeader:
             digests = {name: bytes.fromhex(str(d)) for name, d in msg.digests.items()}
             prepared = plane.prepared(shard, msg.round_id, msg.global_version, digests)
             return [] if prepared is None else [prepared]
+        if isinstance(msg, ShardInitial):
+            if msg.shard != shard:
+                raise ValueError(f"it reports for shard {msg.shard}")
+            return [msg]
         raise ValueError(f"{type(msg).__name__} is not for shard 0")
 
 
@@ -304,10 +312,12 @@ class ShardFollower:
                 resume(msg.global_version, self._held()[0]), msg.round_counter, msg.state_hash
             )
             return [self.resumed]
-        if isinstance(msg, ShardOpen | ShardFreeze | ShardClose | ShardCommit | ShardAbort):
+        if isinstance(msg, Decision):
             return [msg]
         log.warning("[coordinator shard=%d] %s is not for me", self.shard, type(msg).__name__)
         return []
 
-    def report(self, msg: ShardOpened | ShardFolded | ShardFrozen | ShardPrepared) -> None:
+    def report(
+        self, msg: ShardOpened | ShardFolded | ShardFrozen | ShardPrepared | ShardInitial
+    ) -> None:
         self.client.send(msg)

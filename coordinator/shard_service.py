@@ -32,16 +32,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+
+import numpy as np
 
 from comm.security.rolekits import CoordinatorKit, load_coordinator_kit
 from comm.wire.partition import partition, partition_digest
 from comm.wire.schema import (
+    ErrorCode,
     ShardAbort,
     ShardClose,
     ShardCommit,
     ShardFolded,
     ShardFreeze,
     ShardFrozen,
+    ShardInitial,
+    ShardInitialDone,
     ShardOpen,
     ShardOpened,
     ShardPrepared,
@@ -54,6 +60,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.decisions import Abort
 from coordinator.round import Round
 from coordinator.service import Coordinator, InitialModel
+from coordinator.shard_initial import Held, Initials, read_record, write_record
 from coordinator.shard_link import ShardClient, ShardServer
 from coordinator.shard_peers import (
     FollowerEvent,
@@ -86,21 +93,33 @@ class _Shard:
         self,
         coord: Coordinator,
         identity: ShardIdentity,
-        parts: Sequence[Sequence[str]],
+        parts: Sequence[Sequence[str]] | None,
         *,
         whole_hash0: str | None,
     ) -> None:
         """``whole_hash0``: the state hash of the whole θ0 (every shard digests each tensor as
-        it draws θ0 and keeps its part), the hash the sites hold version 0 by."""
-        if identity.count != len(parts) or identity.count < 2:
-            raise ValueError(f"shard {identity.index} of {identity.count}: {len(parts)} parts")
+        it draws θ0 and keeps its part), the hash the sites hold version 0 by. ``parts`` None:
+        θ0 comes from a site (``coordinator.shard_initial``); the cut and that hash are the
+        state directory's record of it, or unknown until it came."""
+        path = coord.sections.state.path
+        if parts is None:
+            whole = read_record(path) if path is not None else None
+            if whole is not None:
+                parts = partition(whole.shapes, identity.count)
+                whole_hash0 = whole.state_hash
+        if identity.count < 2 or (parts is not None and identity.count != len(parts)):
+            n = "no" if parts is None else len(parts)
+            raise ValueError(f"shard {identity.index} of {identity.count}: {n} parts")
         self.coord = coord
         self.identity = identity
-        self.parts = tuple(tuple(p) for p in parts)
-        self.partition = partition_digest(self.parts)
+        self.parts = tuple(tuple(p) for p in parts) if parts is not None else None
+        """The model's cut, None until θ0 came from a site."""
+        self.partition = partition_digest(self.parts) if self.parts is not None else ""
+        self._initial: Held | None = None
+        """This shard's part of θ0 as a site uploaded it, until shard 0's word on it."""
+        coord.intake.on_initial = self._on_initial
         # The hash the sites know this shard's version by, before its state is loaded (its
         # delta log's chain is checked against it): its last commit's, else θ0's.
-        path = coord.sections.state.path
         record = shard_commit.read(path) if path is not None else None
         if record is not None:
             coord.model.whole_hash = (record.global_version, record.state_hash)
@@ -108,8 +127,6 @@ class _Shard:
             coord.model.whole_hash = (0, whole_hash0)
         self._saved: dict[int, Saved] = {}
         """Rounds this shard saved and has not announced (waiting for the commit)."""
-        self._undone: set[int] = set()
-        """Rounds whose result this shard took back (a save of one finishing later is void)."""
         coord.status_report.shard = (identity.index, identity.count)
         coord.closing.gate = self._on_saved
 
@@ -125,9 +142,11 @@ class _Shard:
         endpoint = self.coord.start()
         st = self.coord.state
         if st is None:
+            return endpoint  # θ0 comes from the first site (coordinator.shard_initial)
+        if self.parts is None:
             raise ValueError(
-                f"shard {self.identity.index}: a coordinator of several shards starts from "
-                "coordinator.initial_model (each shard keeps its part of θ0)"
+                f"shard {self.identity.index} holds a model but no record of the whole model's "
+                "cut (model.json in its state directory, written when θ0 came)"
             )
         owned = set(st.params)
         if owned != set(self.parts[self.identity.index]):
@@ -139,6 +158,54 @@ class _Shard:
 
     def _on_saved(self, saved: Saved) -> None:
         raise NotImplementedError
+
+    # ---- θ0 from a site (coordinator.shard_initial) --------------------------------------------
+
+    def _on_initial(
+        self, peer: bytes, site_id: str, params: dict[str, np.ndarray], fingerprint: str
+    ) -> None:
+        """A site uploaded this shard's part of θ0 (checked): held, and reported to shard 0."""
+        self._initial = Held(peer, site_id, params, fingerprint)
+        self._report_initial(self._initial.report(self.identity.index))
+
+    def _report_initial(self, report: ShardInitial) -> None:
+        raise NotImplementedError
+
+    def _cut(self, parts: Sequence[Sequence[str]]) -> None:
+        """The model's cut, known now that θ0 came."""
+        self.parts = tuple(tuple(p) for p in parts)
+        self.partition = partition_digest(self.parts)
+
+    def _take_initial(self, done: ShardInitialDone) -> bool:
+        """Shard 0's word on a site's θ0: keep this shard's part as version 0 (True), or drop
+        what it holds of that upload."""
+        held, i = self._initial, self.identity.index
+        if held is None or held.site_id != done.site_id:
+            if done.state_hash:
+                log.error("[coordinator shard=%d] θ0 from %s taken, not held", i, done.site_id)
+            return False
+        self._initial = None
+        if not done.state_hash:
+            log.warning(
+                "[coordinator shard=%d] θ0 from %s dropped: %s", i, held.site_id, done.reason
+            )
+            return False
+        whole = WholeModel(
+            {n: tuple(int(d) for d in shape) for n, shape in done.shapes.items()},
+            done.state_hash,
+        )
+        parts = partition(whole.shapes, self.identity.count)
+        why = held.fits(done, parts[i])
+        if why:
+            log.error("[coordinator shard=%d] θ0 from %s not taken: %s", i, held.site_id, why)
+            return False
+        path = self.coord.sections.state.path
+        if path is not None:
+            write_record(path, whole)  # before the state: a restart knows the cut
+        self._cut(parts)
+        self.coord.model.whole_hash = (0, whole.state_hash)
+        self.coord.intake.install_initial(held.site_id, held.params, held.fingerprint)
+        return True
 
     def run(self, stop: threading.Event | None = None) -> None:
         """Serve until the federation finishes or ``stop`` is set."""
@@ -169,9 +236,6 @@ class _Shard:
             version,
             why,
         )
-        # The save of the version dropped may still be in the writer: going back waits for
-        # it, and its Saved, which comes then, is void.
-        self._undone.add(st.global_version)
         state = self.coord.post.roll_back(version)
         self.coord.model.rolled_back(state)
         self.coord.metrics.global_version.set(version)
@@ -192,27 +256,6 @@ class _Shard:
     def _aborted_open(self, decision: Abort) -> None:
         """Rounds this shard undid or aborted on its own (they built on a version dropped)."""
 
-    def _closed_here(self, ids: Sequence[int]) -> Round | None:
-        """The round of ``ids`` whose result this shard's model is (closed here, its save
-        durable or still in the writer, not announced): aborting it takes the model back."""
-        book = self.coord.book
-        r = book.closed.get(book.global_version)
-        if r is not None and r.merged is not None and r.round_id in ids:
-            return r
-        found = [i for i in ids if i in self._saved]
-        return book.closed.get(found[0]) if found else None
-
-    def _void_save(self, saved: Saved) -> bool:
-        """A save that finished after its round was taken back: logged, nothing follows."""
-        if saved.round_id not in self._undone:
-            return False
-        log.warning(
-            "[coordinator shard=%d] round %d saved after it was taken back: ignored",
-            self.identity.index,
-            saved.round_id,
-        )
-        return True
-
     def _live(self, round_id: int) -> Round | None:
         """Round ``round_id`` while it takes parts (open, not frozen)."""
         r = self.coord.book.open_round(round_id)
@@ -226,7 +269,7 @@ class LeadShard(_Shard):
         self,
         coord: Coordinator,
         identity: ShardIdentity,
-        parts: Sequence[Sequence[str]],
+        parts: Sequence[Sequence[str]] | None,
         *,
         kit: CoordinatorKit | None,
         control_bind: str,
@@ -239,7 +282,9 @@ class LeadShard(_Shard):
         self._clock = clock
         self._control_bind = control_bind
         channel = coord.sections.post.channel
-        self.plane = ShardPlane(self.parts)
+        self.plane = ShardPlane(self.parts or [()] * identity.count)
+        self.initials = Initials(identity.count)
+        """The θ0 parts every shard holds of a site's upload (coordinator.shard_initial)."""
         self.server = ShardServer(channel, kit, clock=clock)
         self.leader = ShardLeader(
             self.server,
@@ -269,11 +314,10 @@ class LeadShard(_Shard):
         """Load the state, go back to the last commit, bind both sockets."""
         endpoint = self._start_coordinator()
         st = self.coord.state
-        assert st is not None
         path = self.coord.sections.state.path
         record = shard_commit.read(path) if path is not None else None
-        version = shard_commit.start_version(st.global_version, record)
-        if version is not None and version != st.global_version:
+        version = shard_commit.start_version(st.global_version if st else None, record)
+        if st is not None and version is not None and version != st.global_version:
             self._go_back(version, "shard 0 saved it and stopped before its commit")
         self.committed = self.coord.book.global_version
         self.control_endpoint = self.server.bind(self._control_bind)
@@ -305,6 +349,9 @@ class LeadShard(_Shard):
                 break
             self._events += got
         self._aborted_by_lifecycle()
+        if self.initials.reports:
+            for done in self.initials.gone(self.coord.membership):
+                self._initial_done(done)
         while self._events:
             self._on(self._events.pop(0))
 
@@ -368,14 +415,8 @@ class LeadShard(_Shard):
             log.warning("[coordinator shard=0] %s", exc)
 
     def _on_saved(self, saved: Saved) -> None:
-        if self._void_save(saved):
-            return
-        try:
-            done = self.plane.prepared(0, saved.round_id, saved.version, saved.digests())
-        except ValueError as exc:  # the round is no longer one the shards prepare
-            log.error("[coordinator shard=0] round %d saved: %s", saved.round_id, exc)
-            return
         self._saved[saved.round_id] = saved
+        done = self.plane.prepared(0, saved.round_id, saved.version, saved.digests())
         if done is not None:
             self._events.append(done)
 
@@ -395,7 +436,9 @@ class LeadShard(_Shard):
 
     def _on(self, event: LeaderEvent) -> None:
         now = self._clock()
-        if isinstance(event, Ready):
+        if isinstance(event, ShardInitial):
+            self._report_initial(event)
+        elif isinstance(event, Ready):
             self._ready.add(event.round_id)
             self._send_starts()
         elif isinstance(event, Joined | Lost):
@@ -409,6 +452,39 @@ class LeadShard(_Shard):
             self._abort((event.round_id,), event.why)
         else:
             self._commit(event)
+
+    def _report_initial(self, report: ShardInitial) -> None:
+        try:
+            decided = self.initials.add(report)
+        except ValueError as exc:
+            log.warning("[coordinator shard=0] %s", exc)
+            return
+        for done in decided:
+            claim = self.coord.intake.claims.get(done.site_id, (-1, ""))
+            if done.state_hash and claim[0] == 0 and claim[1] not in ("", done.state_hash):
+                why = (
+                    f"its parts make θ0 {done.state_hash[:16]}, the site joined holding "
+                    f"{claim[1][:16]}"
+                )
+                done = replace(done, state_hash="", shapes={}, reason=why)
+            self._initial_done(done)
+
+    def _initial_done(self, done: ShardInitialDone) -> None:
+        """Every shard told shard 0's word on a site's θ0, and shard 0 does as it says; a site
+        whose upload is dropped is told why."""
+        self.leader.broadcast(done)
+        if self._take_initial(done):
+            self.committed = 0
+            return
+        member = self.coord.membership.get(done.site_id)
+        if member is not None and not done.state_hash:
+            detail = f"initial parameters not taken: {done.reason}"
+            self.coord.post.reject(member.peer, ErrorCode.MODEL_MISMATCH, detail, done.site_id)
+
+    def _cut(self, parts: Sequence[Sequence[str]]) -> None:
+        super()._cut(parts)
+        self.plane.parts = tuple(frozenset(p) for p in parts)
+        self.leader.partition = self.partition
 
     def _send_starts(self) -> None:
         """The plans of the rounds every shard opened, once the version they name is
@@ -424,7 +500,7 @@ class LeadShard(_Shard):
     def _abort(self, ids: tuple[int, ...], why: str) -> None:
         """Rounds the plane aborted, aborted here too (the sites told); a version saved for one
         of them is dropped."""
-        if self._closed_here(ids) is not None:
+        if any(i in self._saved for i in ids):
             self._go_back(self.committed, why)
         for i in ids:
             self._starts.pop(i, None)
@@ -485,7 +561,7 @@ class FollowShard(_Shard):
         self,
         coord: Coordinator,
         identity: ShardIdentity,
-        parts: Sequence[Sequence[str]],
+        parts: Sequence[Sequence[str]] | None,
         *,
         kit: CoordinatorKit | None,
         control_endpoint: str,
@@ -514,6 +590,7 @@ class FollowShard(_Shard):
         self._final_at: float | None = None
         coord.decides = False
         coord.intake.on_update = self._on_update
+        coord.intake.any_initiator = True  # shard 0 asked the site
 
     def _held(self) -> tuple[int, int]:
         st = self.coord.state
@@ -569,9 +646,14 @@ class FollowShard(_Shard):
             )
         )
 
+    def _report_initial(self, report: ShardInitial) -> None:
+        self.follower.report(report)
+
+    def _cut(self, parts: Sequence[Sequence[str]]) -> None:
+        super()._cut(parts)
+        self.follower.partition = self.partition
+
     def _on_saved(self, saved: Saved) -> None:
-        if self._void_save(saved):
-            return
         self._saved[saved.round_id] = saved
         digests = {name: d.hex() for name, d in saved.digests().items()}
         self.follower.report(
@@ -613,9 +695,13 @@ class FollowShard(_Shard):
                     self._final_round = event.round_id
             elif isinstance(event, ShardCommit):
                 self._commit(event)
+            elif isinstance(event, ShardInitialDone):
+                self._take_initial(event)
             else:
-                r = self._closed_here(event.round_ids)
-                if r is not None:
+                saved = [r for r in event.round_ids if r in self._saved]
+                if saved:
+                    r = book.closed.get(saved[0])
+                    assert r is not None
                     self._go_back(r.base_version, f"shard 0: {event.reason}")
                 aborted = abort_as_told(book, event)
                 if aborted is not None:
@@ -668,18 +754,14 @@ def build_shard(
     shard reads): a Coordinator of its own config (``coordinator.sharding.shard_config``) and
     part of θ0, and its end of the control plane. ``initial`` is θ0 whole (the shard keeps its
     part), or with ``whole`` (the whole θ0's shapes and state hash) only the shard's part, as
-    ``coordinator.sharding.keep_part`` draws it without ever holding the rest."""
-    if initial is None:
-        raise ValueError(
-            f"coordinator.shards = {cfg.shards} needs [coordinator.initial_model]: every shard "
-            "draws θ0 and keeps its part"
-        )
-    if whole is None:
+    ``coordinator.sharding.keep_part`` draws it without ever holding the rest; None: the first
+    site to join uploads θ0, each shard its part (``coordinator.shard_initial``)."""
+    if initial is not None and whole is None:
         shapes = {name: tuple(v.shape) for name, v in initial.params.items()}
         whole = WholeModel(shapes, state_hash(initial.params))
         initial = InitialModel(own_part(initial.params, shapes, identity), initial.fingerprint)
-    parts = partition(whole.shapes, identity.count)
-    whole_hash0 = whole.state_hash
+    parts = partition(whole.shapes, identity.count) if whole is not None else None
+    whole_hash0 = whole.state_hash if whole is not None else None
     own = initial
     kit = load_coordinator_kit(cfg.security.kit_dir) if cfg.security.kit_dir else None
     coord = Coordinator(shard_config(cfg, identity), initial=own)

@@ -40,6 +40,8 @@ from comm.wire.schema import (
     ShardFolded,
     ShardFreeze,
     ShardFrozen,
+    ShardInitial,
+    ShardInitialDone,
     ShardOpen,
     ShardOpened,
     ShardPrepared,
@@ -79,6 +81,8 @@ MUST_ARRIVE: frozenset[type] = frozenset(
         ShardPrepared,
         ShardCommit,
         ShardAbort,
+        ShardInitial,
+        ShardInitialDone,
     }
 )
 """Message types delivered with acknowledgements. Heartbeats are liveness (a late one is

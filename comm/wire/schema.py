@@ -55,6 +55,8 @@ class MessageType(enum.IntEnum):
     SHARD_COMMIT = 26
     SHARD_ABORT = 27
     SHARD_OPENED = 28
+    SHARD_INITIAL = 29
+    SHARD_INITIAL_DONE = 30
 
 
 class ErrorCode(enum.IntEnum):
@@ -462,6 +464,31 @@ class ShardAbort:
     reason: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class ShardInitial:
+    """A shard holds its part of θ0 as site ``site_id`` uploaded it (not yet its state):
+    ``shapes`` and ``digests`` (hex, ``comm.wire.tensors.tensor_digest``) of each tensor it got,
+    from which shard 0 checks the parts against the model's cut and makes θ0's whole hash."""
+
+    shard: int
+    site_id: str
+    shapes: dict[str, Any]
+    digests: dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardInitialDone:
+    """Shard 0's word on the θ0 parts site ``site_id`` uploaded: with ``state_hash`` (the whole
+    θ0's) every shard keeps its part as version 0, and ``shapes`` (the whole model's) give the
+    cut; with ``state_hash`` empty every shard drops what it holds of that upload (``reason``:
+    why) and takes the next one."""
+
+    site_id: str
+    state_hash: str
+    shapes: dict[str, Any]
+    reason: str
+
+
 Message = (
     Join
     | Welcome
@@ -491,6 +518,8 @@ Message = (
     | ShardPrepared
     | ShardCommit
     | ShardAbort
+    | ShardInitial
+    | ShardInitialDone
 )
 
 MESSAGE_CLASSES: dict[MessageType, type[Any]] = {
@@ -522,6 +551,8 @@ MESSAGE_CLASSES: dict[MessageType, type[Any]] = {
     MessageType.SHARD_COMMIT: ShardCommit,
     MessageType.SHARD_ABORT: ShardAbort,
     MessageType.SHARD_OPENED: ShardOpened,
+    MessageType.SHARD_INITIAL: ShardInitial,
+    MessageType.SHARD_INITIAL_DONE: ShardInitialDone,
 }
 
 MESSAGE_TYPES: dict[type[Any], MessageType] = {cls: t for t, cls in MESSAGE_CLASSES.items()}

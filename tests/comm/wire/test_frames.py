@@ -129,6 +129,12 @@ SAMPLES: dict[MessageType, object] = {
         round_id=7, global_version=7, state_hash="cd" * 16, shard_hashes=("ef" * 16, "01" * 16)
     ),
     MessageType.SHARD_ABORT: schema.ShardAbort(round_ids=(7, 8), reason="a shard left"),
+    MessageType.SHARD_INITIAL: schema.ShardInitial(
+        shard=1, site_id="eu", shapes={"layers.0.w": [4, 2]}, digests={"layers.0.w": "ab" * 32}
+    ),
+    MessageType.SHARD_INITIAL_DONE: schema.ShardInitialDone(
+        site_id="eu", state_hash="cd" * 16, shapes={"layers.0.w": [4, 2]}, reason=""
+    ),
 }
 
 
