@@ -46,13 +46,14 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from comm.codecs.base import EncodedTensor, FloatArray, PayloadCodec, TensorLike
 from comm.codecs.feedback import ErrorFeedback
 from comm.wire.tensors import (
+    HASH_BLOCK,
     BoundaryPiece,
-    boundary_piece,
     combine,
     encode_slice,
     model_hash,
     partial_digests,
 )
+from site_agent.rankbytes import gather_encoded
 
 
 @dataclass(frozen=True)
@@ -169,22 +170,44 @@ class RankShards:
         parameters, DTensors or their local shards) over ``names`` (default: all), each with the
         residual added and encoded with ``codec``; the residuals keep what the encodings lost.
         When one cannot be encoded (NonFiniteError, ValueError), every residual owes what it
-        owed before and the error propagates."""
-        before = self.feedback.snapshot()
-        out: list[EncodedTensor] = []
-        try:
-            for name in self.ranges if names is None else names:
-                if not self.owns(name):
-                    continue
-                local = local_part(params[name]).to(torch.float32)
-                delta = self._theta[name] - local  # on the shard's device
-                rows = self.ranges[name]
-                encode = None if rows.whole else _slice_encoder(rows.start, codec)
-                out.append(self.feedback.compress(name, delta, codec, encode=encode))
-        except BaseException:
-            self.feedback.restore(before)
-            raise
+        owed before and the error propagates. (:meth:`encode_update`, then
+        :meth:`settle_update`.)"""
+        out = self.encode_update(params, codec, names)
+        self.settle_update(params, codec, out)
         return out
+
+    def encode_update(
+        self,
+        params: Mapping[str, torch.Tensor],
+        codec: PayloadCodec,
+        names: Iterable[str] | None = None,
+    ) -> list[EncodedTensor]:
+        """What :meth:`shard_update` sends, every residual left as it is (NonFiniteError or
+        ValueError when one cannot be encoded): a site sends its ranks' slices all together or
+        none, so each rank encodes first and settles its residuals only once every rank has
+        encoded (:meth:`settle_update`)."""
+        out: list[EncodedTensor] = []
+        for name in self.ranges if names is None else names:
+            if not self.owns(name):
+                continue
+            rows = self.ranges[name]
+            encode = None if rows.whole else _slice_encoder(rows.start, codec)
+            delta = self._delta(name, params[name])
+            out.append(self.feedback.encode_owed(name, delta, codec, encode=encode))
+            del delta
+        return out
+
+    def settle_update(
+        self, params: Mapping[str, torch.Tensor], codec: PayloadCodec, sent: Iterable[EncodedTensor]
+    ) -> None:
+        """The residuals keep what the encodings ``sent`` (:meth:`encode_update` of the same
+        ``params``) lost, each written into its own memory (``ErrorFeedback.settle``)."""
+        for enc in sent:
+            self.feedback.settle(enc.name, self._delta(enc.name, params[enc.name]), enc, codec)
+
+    def _delta(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        """Δ = θ − the local rows of ``param``, float32 on the shard's device."""
+        return self._theta[name] - local_part(param).to(torch.float32)
 
     # ---- a result --------------------------------------------------------------------------
 
@@ -300,39 +323,90 @@ def gather_slices(
     slices: list[EncodedTensor], *, group: dist.ProcessGroup | None = None, dst: int = 0
 ) -> list[EncodedTensor] | None:
     """Every rank's encoded slices, on rank ``dst`` of ``group`` in rank order (None on the
-    others): the encoded tensors are all that cross."""
-    rank = dist.get_rank(group)
-    gathered: list[list[EncodedTensor]] | None = (
-        [[] for _ in range(dist.get_world_size(group))] if rank == dst else None
-    )
-    dist.gather_object(slices, gathered, group=group, group_dst=dst)
-    if gathered is None:
-        return None
-    return [enc for part in gathered for enc in part]
+    others): the encoded bytes are all that cross (``site_agent.rankbytes``)."""
+    return gather_encoded(slices, group=group, dst=dst)
+
+
+ValuesAt = Callable[[int, int], FloatArray]
+"""A tensor's flat float32 values ``[start, start + count)`` as a rank holds them (or would
+hold them after a result): an array valid until the next call."""
+
+_HASH_TILE = 16 * HASH_BLOCK
+"""Values hashed at a time (4 MiB of float32): a whole number of hash blocks."""
+
+
+@dataclass(frozen=True)
+class RangeDigests:
+    """One rank's part of a tensor's hash (``comm.wire.tensors``' state hash of a model held
+    in shards): the digests of the blocks lying wholly in its range, its ``piece`` of the block
+    its range begins inside of (for the rank before), and its ``tail``, the start and values of
+    the block its range ends inside of (completed by the next ranks' pieces)."""
+
+    name: str
+    shape: tuple[int, ...]
+    digests: dict[int, bytes]
+    piece: BoundaryPiece | None
+    tail: tuple[int, FloatArray] | None
+
+
+def digest_range(
+    name: str, shape: tuple[int, ...], flat_start: int, count: int, values_at: ValuesAt
+) -> RangeDigests:
+    """The hash's part of tensor ``name`` (whole ``shape``) whose flat range ``[flat_start,
+    flat_start + count)`` a rank holds, reading its values a few hash blocks at a time with
+    ``values_at``: no copy of the range is made (the piece and the tail are less than a block
+    each)."""
+    numel, end = math.prod(shape), flat_start + count
+    aligned = min(end, -(-flat_start // HASH_BLOCK) * HASH_BLOCK)
+    piece = None
+    if count and aligned > flat_start:
+        piece = BoundaryPiece(name, flat_start, values_at(flat_start, aligned - flat_start).copy())
+    last = end if end == numel else max(aligned, end // HASH_BLOCK * HASH_BLOCK)
+    digests: dict[int, bytes] = {}
+    for at in range(aligned, last, _HASH_TILE):
+        n = min(_HASH_TILE, last - at)
+        digests.update(partial_digests(name, shape, at, values_at(at, n)))
+    tail = (last, values_at(last, end - last).copy()) if last < end else None
+    return RangeDigests(name, shape, digests, piece, tail)
+
+
+def theta_digests(shards: RankShards, name: str) -> RangeDigests:
+    """The hash's part of this rank's rows of θ for ``name``."""
+    rows = shards.ranges[name]
+    flat = _host(shards.theta(name)).reshape(-1)
+    lo = rows.flat_start
+    return digest_range(name, rows.shape, lo, flat.size, lambda at, n: flat[at - lo : at - lo + n])
 
 
 def shard_hash(
-    shards: RankShards, *, group: dist.ProcessGroup | None = None, dst: int = 0
+    shards: RankShards,
+    *,
+    group: dist.ProcessGroup | None = None,
+    dst: int = 0,
+    parts: Mapping[str, RangeDigests] | None = None,
 ) -> str | None:
     """``state_hash`` of the whole θ that ``shards`` of every rank of ``group`` hold, on rank
     ``dst`` (None on the others), without gathering it: boundary pieces (less than a hash block
-    per rank and tensor) are exchanged, each rank's block digests gathered to ``dst``."""
-    owned = [name for name in sorted(shards.ranges) if shards.owns(name)]
-    pieces: list[BoundaryPiece] = []
-    for name in owned:
-        rows = shards.ranges[name]
-        piece = boundary_piece(name, rows.shape, rows.flat_start, _host(shards.theta(name)))
-        if piece is not None:
-            pieces.append(BoundaryPiece(piece.name, piece.start, piece.values.copy()))
+    per rank and tensor) are exchanged, each rank's block digests gathered to ``dst``.
+    ``parts``: the hash's parts of some tensors' rows as they would be (a result's candidate
+    rows, :func:`digest_range`), in place of θ's."""
+    parts = parts or {}
+    mine = [
+        parts[name] if name in parts else theta_digests(shards, name)
+        for name in sorted(shards.ranges)
+        if shards.owns(name)
+    ]
+    pieces = [p.piece for p in mine if p.piece is not None]
     everyone: list[list[BoundaryPiece]] = [[] for _ in range(dist.get_world_size(group))]
     dist.all_gather_object(everyone, pieces, group=group)
     received = [p for part in everyone for p in part]
     digests: dict[str, dict[int, bytes]] = {}
-    for name in owned:
-        rows = shards.ranges[name]
-        mine = [p for p in received if p.name == name]
-        values = _host(shards.theta(name))
-        digests[name] = partial_digests(name, rows.shape, rows.flat_start, values, mine)
+    for part in mine:
+        digests[part.name] = dict(part.digests)
+        if part.tail is not None:
+            start, values = part.tail
+            theirs = [p for p in received if p.name == part.name]
+            digests[part.name].update(partial_digests(part.name, part.shape, start, values, theirs))
     rank = dist.get_rank(group)
     gathered: list[dict[str, dict[int, bytes]]] | None = (
         [{} for _ in range(dist.get_world_size(group))] if rank == dst else None

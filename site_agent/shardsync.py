@@ -44,7 +44,8 @@ from comm.wire.schema import ErrorCode
 from comm.wire.tensors import decode_into, decode_tensors
 from site_agent.allocator import return_large_blocks
 from site_agent.jobs.contract import federated_state
-from site_agent.shards import RankShards, gather_slices, local_part, shard_hash
+from site_agent.rankbytes import broadcast_encoded, gather_encoded
+from site_agent.shards import RangeDigests, RankShards, digest_range, local_part, shard_hash
 
 log = logging.getLogger("crossdc.site")
 
@@ -132,37 +133,37 @@ class RankSync:
         rank keeps a copy of its local rows of ``names``, the reference its result is merged
         against; without, no step comes before the result and the rows then are the reference.
         Not sent (any rank failed): every rank's residuals are as before."""
-        before = self.shards.feedback.snapshot()
+        codec = get_codec(codec_spec)
         slices: list[EncodedTensor] = []
         error, non_finite = "", False
         try:
-            slices = self.shards.shard_update(self.state, get_codec(codec_spec), names)
+            slices = self.shards.encode_update(self.state, codec, names)
         except NonFiniteError as exc:
             error, non_finite = str(exc), True
         except ValueError as exc:
             error = str(exc)
-        mine = (slices, error, non_finite, self.shards.residual_sq_norm())
-        parts = _gather(mine, self.group)
+        errors = _gather((error, non_finite), self.group)
         verdict = _broadcast(
-            None if parts is None else next((p[1:3] for p in parts if p[1]), ("", False)),
+            None if errors is None else next((e for e in errors if e[0]), ("", False)),
             self.group,
         )
         if verdict[0]:
-            self.shards.feedback.restore(before)
             return (
                 UpdateResult((), error=verdict[0], non_finite=verdict[1]) if self.leader else None
             )
+        # Every rank encoded: the residuals keep what the encodings lost, in place.
+        self.shards.settle_update(self.state, codec, slices)
         self._sent[fragment] = (
             {name: local_part(self.state[name]).to(torch.float32, copy=True) for name in names}
             if keep_reference
             else None
         )
-        if parts is None:
+        norms = _gather(self.shards.residual_sq_norm(), self.group)
+        gathered = gather_encoded(slices, group=self.group)
+        del slices
+        if gathered is None or norms is None:
             return None
-        return UpdateResult(
-            tuple(enc for p in parts for enc in p[0]),
-            residual_sq_norm=sum(p[3] for p in parts),
-        )
+        return UpdateResult(tuple(gathered), residual_sq_norm=sum(norms))
 
     def reset_local(self) -> None:
         """The local rows ← θ, and nothing is in flight (the local training diverged)."""
@@ -179,18 +180,36 @@ class RankSync:
         fragment: int | None,
         state_hash: str,
     ) -> ResultOutcome | None:
-        """A result's encoded tensors (``payload`` on the leader, broadcast from it: None on the
-        others), a whole model (``full``) or a delta to θ: each rank decodes its rows; if the
-        candidate θ's hash is ``state_hash``, every rank takes it and merges it into its local
-        rows. The outcome on the leader (None on the others)."""
-        payload = _broadcast(None if payload is None else tuple(payload), self.group)
-        assert payload is not None
-        candidate: dict[str, torch.Tensor] = {}
+        """A result's encoded tensors (``payload`` on the leader, None on the others), a whole
+        model (``full``) or a delta to θ, in two passes over it, the leader broadcasting its
+        tensors' bytes one at a time in each (``site_agent.rankbytes``):
+
+        1. each rank decodes the elements of its rows a few hash blocks at a time, only to hash
+           the candidate θ they make (``shards.digest_range``); the whole candidate's hash is
+           combined from the ranks' parts (``shards.shard_hash``), nothing gathered;
+        2. only when it is ``state_hash`` does every rank decode its rows again and take them,
+           in place: θ's rows, then the local rows (see :meth:`_take`).
+
+        No rank holds a candidate copy of its rows or more than one tensor's encoding of the
+        result. The outcome on the leader (None on the others)."""
+        fits: tuple[str, str] | None = None
+        if payload is not None:
+            fits = self._fits(payload, full=full)
+        count, bad = _broadcast(
+            None if payload is None else (len(payload), fits or ("", "")), self.group
+        )
+        if bad[0]:
+            return ResultOutcome(False, bad[0], bad[1]) if self.leader else None
+        parts: dict[str, RangeDigests] = {}
         error: tuple[str, str] | None = None
-        try:
-            candidate = self._candidate(payload, full=full)
-        except WireError as exc:
-            error = (exc.code.name.lower(), str(exc))
+        for i in range(count):
+            enc = broadcast_encoded(None if payload is None else payload[i], group=self.group)
+            if error is None and self.shards.owns(enc.name):
+                try:
+                    parts[enc.name] = self._candidate_digests(enc, full=full)
+                except WireError as exc:
+                    error = (exc.code.name.lower(), str(exc))
+            del enc
         errors = _gather(error, self.group)
         failed = _broadcast(
             None if errors is None else next((e for e in errors if e is not None), ("", "")),
@@ -198,73 +217,113 @@ class RankSync:
         )
         if failed[0]:
             return ResultOutcome(False, failed[0], failed[1]) if self.leader else None
-        before = self.shards.replace_theta(candidate)
-        digest = shard_hash(self.shards, group=self.group)
+        digest = shard_hash(self.shards, group=self.group, parts=parts)
+        del parts
         matches = _broadcast(None if digest is None else digest == state_hash, self.group)
         if not matches:
-            self.shards.replace_theta(before)
             detail = f"state hash {digest} != coordinator {state_hash}"
             return ResultOutcome(False, "hash_mismatch", detail) if self.leader else None
-        self._merge(candidate, before, full=full, fragment=fragment)
-        return ResultOutcome(True) if self.leader else None
-
-    def _candidate(
-        self, payload: Sequence[EncodedTensor], *, full: bool
-    ) -> dict[str, torch.Tensor]:
-        """θ's new rows of every tensor ``payload`` names, each rank decoding only the range of
-        elements it holds (``comm.wire.tensors.decode_into``); WireError when the payload does
-        not fit the model (a name, a shape, a slice where a whole tensor belongs, a whole model
-        missing a tensor) or a value in the rank's range is not finite."""
-        ranges = self.shards.ranges
-        named = {enc.name for enc in payload}
-        wrong = next(
-            (
-                enc
-                for enc in payload
-                if enc.name not in ranges
-                or enc.rows is not None
-                or tuple(enc.shape) != ranges[enc.name].shape
-            ),
-            None,
-        )
-        if wrong is not None or len(named) != len(payload) or (full and named != set(ranges)):
-            decode_tensors(payload, self.spec())  # raises, naming what is wrong
-            raise WireError(ErrorCode.BAD_PAYLOAD, "a result that does not fit the model")
-        out: dict[str, torch.Tensor] = {}
-        for enc in payload:
-            rows = ranges[enc.name]
-            if rows.stop <= rows.start:
-                continue  # no rows here: nothing decoded
-            theta = self.shards.theta(enc.name)
-            host = np.empty(tuple(theta.shape), dtype=np.float32)
-            decode_into(enc, host.reshape(-1), rows.flat_start)
-            part = torch.from_numpy(host).to(theta.device)
-            out[enc.name] = part if full else theta + part
-        return out
-
-    def _merge(
-        self,
-        new: Mapping[str, torch.Tensor],
-        old: Mapping[str, torch.Tensor],
-        *,
-        full: bool,
-        fragment: int | None,
-    ) -> None:
-        """The local rows after a result: θ_new for a whole model (nothing is in flight then);
-        for a delta, the progress since the fragment's send kept on top of θ_new."""
+        sent: dict[str, torch.Tensor] | None = {}  # not sent: θ before the result
         if full:
             self._sent.clear()
-            self.shards.load_into(self.state)
-            return
-        sent: dict[str, torch.Tensor] | None = {}  # not sent: θ before the result
-        if fragment is not None and fragment in self._sent:
+        elif fragment is not None and fragment in self._sent:
             sent = self._sent.pop(fragment)
+        for i in range(count):
+            enc = broadcast_encoded(None if payload is None else payload[i], group=self.group)
+            self._take(enc, full=full, sent=sent)
+            del enc
+        return ResultOutcome(True) if self.leader else None
+
+    def _fits(self, payload: Sequence[EncodedTensor], *, full: bool) -> tuple[str, str] | None:
+        """Why ``payload`` does not fit the model (a name, a shape, a slice where a whole
+        tensor belongs, a tensor named twice, a whole model missing a tensor): the metric's
+        reason and the detail; None when it fits (checked by the leader, before any bytes
+        cross)."""
+        shapes = self.spec()
+        named = {enc.name for enc in payload}
+        wrong = any(
+            enc.name not in shapes or enc.rows is not None or tuple(enc.shape) != shapes[enc.name]
+            for enc in payload
+        )
+        if not wrong and len(named) == len(payload) and (not full or named == set(shapes)):
+            return None
+        try:
+            decode_tensors(payload, shapes)  # raises, naming what is wrong
+        except WireError as exc:
+            return exc.code.name.lower(), str(exc)
+        return ErrorCode.BAD_PAYLOAD.name.lower(), "a result that does not fit the model"
+
+    def _candidate_digests(self, enc: EncodedTensor, *, full: bool) -> RangeDigests:
+        """The hash's part of this rank's rows of θ after ``enc`` (θ's new value of its tensor,
+        or its delta), decoded a few hash blocks at a time (``comm.wire.tensors.decode_into``:
+        the blockwise codecs read only the blocks covering them); WireError when a value in the
+        rank's range is not finite."""
+        rows = self.shards.ranges[enc.name]
+        theta = self.shards.theta(enc.name).reshape(-1)
+        on_host = theta.device.type == "cpu"
+        host_theta = theta.numpy() if on_host else None
+        lo = rows.flat_start
+        count = theta.numel()
+        buf = np.empty(min(count, _TILE), dtype=np.float32)
+
+        def values_at(at: int, n: int) -> np.ndarray:
+            out = buf[:n] if n <= buf.size else np.empty(n, dtype=np.float32)
+            decode_into(enc, out, at)
+            if not full:
+                a = at - lo
+                base = host_theta[a : a + n] if host_theta is not None else _cpu(theta[a : a + n])
+                np.add(base, out, out=out)  # θ + Δ, as the rows are taken in pass 2
+            return out
+
+        return digest_range(enc.name, rows.shape, lo, count, values_at)
+
+    def _take(
+        self, enc: EncodedTensor, *, full: bool, sent: Mapping[str, torch.Tensor] | None
+    ) -> None:
+        """This rank's rows of ``enc`` taken in place, a tile of rows at a time: θ ← the new
+        value (``full``) or θ + Δ; the local rows ← θ for a whole model (nothing is in flight
+        then), else local + (θ_new − the reference), the reference being the rows at the
+        fragment's send (``sent``: None when no step came after it, so the rows now are the
+        reference; a tensor it does not name: θ before the result)."""
+        rows = self.shards.ranges.get(enc.name)
+        if rows is None or rows.stop <= rows.start:
+            return  # no rows here (or another stage's tensor): nothing decoded
+        theta = self.shards.theta(enc.name)
+        nrows = theta.shape[0] if theta.dim() else 1
+        theta2d = theta.reshape(nrows, -1)
+        param = local_part(self.state[enc.name])
+        local = param if param.is_contiguous() else param.contiguous()
+        local2d = local.reshape(nrows, -1)
+        width = theta2d.shape[1]
+        ref = None if sent is None else sent.get(enc.name)
+        ref2d = None if ref is None else ref.reshape(nrows, -1)
+        step = max(1, _TILE // max(width, 1))
+        buf = np.empty(min(nrows, step) * width, dtype=np.float32)
         with torch.no_grad():
-            for name, theta in new.items():
-                local = local_part(self.state[name])
-                rows = local.to(torch.float32)
-                ref = rows if sent is None else sent.get(name, old[name])
-                local.copy_(rows + (theta - ref))
+            for r0 in range(0, nrows, step):
+                r1 = min(nrows, r0 + step)
+                host = buf[: (r1 - r0) * width]
+                decode_into(enc, host, rows.flat_start + r0 * width)
+                value = torch.from_numpy(host).view(r1 - r0, width).to(theta.device)
+                th, loc = theta2d[r0:r1], local2d[r0:r1]
+                if full:
+                    th.copy_(value)
+                    loc.copy_(th)
+                    continue
+                old = th.clone() if sent is not None and ref2d is None else None
+                th.add_(value)
+                current = loc.to(torch.float32)
+                if sent is None:
+                    base = current
+                elif ref2d is not None:
+                    base = ref2d[r0:r1]
+                else:
+                    assert old is not None
+                    base = old
+                loc.copy_(current + (th - base))
+        if local is not param:
+            with torch.no_grad():
+                param.copy_(local)
 
     # ---- the rest --------------------------------------------------------------------------
 
@@ -302,7 +361,7 @@ class RankSync:
             for name in self.shards.ranges
             if self.shards.owns(name)
         ]
-        gathered = gather_slices(mine, group=self.group)
+        gathered = gather_encoded(mine, group=self.group)
         return None if gathered is None else tuple(gathered)
 
     def num_parameters(self) -> int:
@@ -349,6 +408,14 @@ class RankSync:
         else:
             state["model"] = self.model.state_dict()
         return state
+
+
+_TILE = 1 << 20
+"""Values of a result decoded at a time (4 MiB of float32)."""
+
+
+def _cpu(t: torch.Tensor) -> np.ndarray:
+    return np.asarray(t.detach().cpu().numpy())
 
 
 def _reshard(model: nn.Module) -> None:

@@ -102,6 +102,107 @@ class ErrorFeedback:
         self._residuals[name] = y
         return enc
 
+    def encode_owed(
+        self, name: str, x: TensorLike, codec: PayloadCodec, *, encode: Encode | None = None
+    ) -> EncodedTensor:
+        """What :meth:`compress` sends for ``x`` (``x`` plus the residual carried for ``name``),
+        keeping the residual as it is; :meth:`settle` then keeps what the encoding lost. A
+        sender whose tensors go out all together or not at all encodes every one first and
+        settles them once all are encoded: a tensor that cannot be encoded leaves every
+        residual as it was, with no copy of them kept."""
+        if not _is_tensor(x):
+            return self._encode_host(name, x, codec, encode)
+        import torch
+
+        if not x.is_floating_point():
+            raise ValueError(f"tensor {name!r}: expected a floating dtype, got {x.dtype}")
+        y = x.detach().to(dtype=torch.float32, copy=True)
+        residual = self._residuals.get(name)
+        if residual is not None:
+            self._check_shape(name, tuple(y.shape), tuple(residual.shape))
+            r = _tensor_residual(residual, y.device)
+            if self.decay == 1.0:
+                y += r
+            elif self.decay:
+                y += r * self.decay
+        return codec.encode(name, y) if encode is None else encode(name, y)
+
+    def _encode_host(
+        self, name: str, x: TensorLike, codec: PayloadCodec, encode: Encode | None
+    ) -> EncodedTensor:
+        y = _as_f32(name, x)
+        residual = self._residuals.get(name)
+        if residual is not None:
+            self._check_shape(name, y.shape, tuple(residual.shape))
+            residual = _host_residual(residual)
+            if self.decay == 1.0:
+                y += residual
+            elif self.decay:
+                y += np.float32(self.decay) * residual
+        return codec.encode(name, y) if encode is None else encode(name, y)
+
+    def settle(self, name: str, x: TensorLike, enc: EncodedTensor, codec: PayloadCodec) -> None:
+        """Keep what encoding ``enc`` (:meth:`encode_owed` of the same ``x``) lost: the residual
+        for ``name`` ← x + decay · residual − decoded, written into the residual's own memory
+        (a first one is made from ``x``), the decoded values a tile at a time: bit for bit the
+        residual :meth:`compress` keeps, without a second residual or a decoded copy of the
+        tensor. A :meth:`snapshot` taken before does not hold across it."""
+        residual = self._residuals.get(name)
+        if _is_tensor(x):
+            import torch
+
+            xt = x.detach()
+            if residual is None:
+                r = xt.to(dtype=torch.float32, copy=True).contiguous()
+            else:
+                self._check_shape(name, tuple(xt.shape), tuple(residual.shape))
+                r = _tensor_residual(residual, xt.device)
+                if not r.is_contiguous():
+                    r = r.contiguous()
+                self._decay_add(r, xt)
+            self._residuals[name] = r
+            flat_t = r.view(-1)
+            for lo, part in _decoded_tiles(enc, codec, flat_t.numel()):
+                flat_t[lo : lo + part.size].sub_(torch.from_numpy(part).to(r.device))
+            return
+        values = np.asarray(x, dtype=np.float32)
+        if residual is None:
+            r_host = _as_f32(name, values)
+        else:
+            self._check_shape(name, values.shape, tuple(residual.shape))
+            r_host = residual if isinstance(residual, np.ndarray) else _as_f32(name, residual)
+            self._decay_add_host(r_host, values)
+        self._residuals[name] = r_host
+        flat = r_host.reshape(-1)
+        for lo, part in _decoded_tiles(enc, codec, flat.size):
+            flat[lo : lo + part.size] -= part
+
+    def _decay_add(self, r: torch.Tensor, x: torch.Tensor) -> None:
+        """r ← x + decay · r in place, with :meth:`compress`'s roundings (x + r is r + x)."""
+        if self.decay == 1.0:
+            r.add_(x)
+        elif self.decay:
+            r.mul_(self.decay).add_(x)
+        else:
+            r.copy_(x)
+
+    def _decay_add_host(self, r: FloatArray, x: FloatArray) -> None:
+        if self.decay == 1.0:
+            r += x
+        elif self.decay:
+            r *= np.float32(self.decay)
+            r += x
+        else:
+            r[...] = x
+
+    @staticmethod
+    def _check_shape(name: str, shape: tuple[int, ...], residual: tuple[int, ...]) -> None:
+        if tuple(shape) != tuple(residual):
+            raise ValueError(
+                f"tensor {name!r}: shape {tuple(shape)} differs from its residual's "
+                f"{tuple(residual)}; reset() it first"
+            )
+
     def hold(self, name: str, x: TensorLike) -> None:
         """Fold ``x`` into the residual without sending anything (residual = x + decay ·
         residual): a sync skipped as insignificant keeps its update for a later one."""
@@ -167,9 +268,9 @@ class ErrorFeedback:
         return {name: _host_residual(r).copy() for name, r in self._residuals.items()}
 
     def snapshot(self) -> dict[str, Residual]:
-        """The residuals as they are now, without copying them (a residual is replaced, never
-        changed in place): :meth:`restore` puts them back, e.g. when one tensor of an update
-        cannot be encoded and none of it goes out."""
+        """The residuals as they are now, without copying them (:meth:`compress` replaces a
+        residual, never changes it in place; :meth:`settle` does): :meth:`restore` puts them
+        back, e.g. when one tensor of an update cannot be encoded and none of it goes out."""
         return dict(self._residuals)
 
     def restore(self, snapshot: Mapping[str, Residual]) -> None:
@@ -231,3 +332,20 @@ def _as_f32(name: str, x: TensorLike) -> FloatArray:
     if arr.dtype.kind != "f":
         raise ValueError(f"tensor {name!r}: expected a floating dtype, got {arr.dtype}")
     return np.array(arr, dtype=np.float32, order="C", copy=True)
+
+
+_SETTLE_TILE = 1 << 20
+"""Values decoded at a time when a residual is settled (4 MiB of float32)."""
+
+
+def _decoded_tiles(
+    enc: EncodedTensor, codec: PayloadCodec, numel: int
+) -> Iterator[tuple[int, FloatArray]]:
+    """``enc`` decoded a tile at a time: (flat start, values), the buffer reused."""
+    if not numel:
+        return
+    buf = np.empty(min(_SETTLE_TILE, numel), dtype=np.float32)
+    for lo in range(0, numel, buf.size):
+        part = buf[: min(buf.size, numel - lo)]
+        codec.decode_into(enc, part, lo)
+        yield lo, part

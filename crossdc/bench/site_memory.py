@@ -14,8 +14,8 @@ the state hash of the model it holds.
 
 Printed (``--json``), per site process: ``peak_rss_bytes`` (the process's peak resident set,
 ``VmHWM``), ``base_rss_bytes`` (after the first optimizer step, before any sync), and
-``sync_growth_bytes`` (the most the resident set grew over that base during each sync, sampled
-every 2 ms). ``leader_rss_ratio`` is the sharded site's rank 0 peak over the one-process site's;
+``sync_growth_bytes`` (the most the resident set grew during each sync over its value as the sync
+began: the high-water mark, reset as the sync begins, less that value). ``leader_rss_ratio`` is the sharded site's rank 0 peak over the one-process site's;
 ``max_sync_growth_over_model`` the largest growth of any sharded rank at a sync over the model's
 float32 size.
 """
@@ -78,16 +78,38 @@ def _rss() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+_peak_before_reset = 0
+"""This process's high-water mark before it was last reset (:func:`_reset_peak`)."""
+
+
+def _reset_peak() -> bool:
+    """Start this process's high-water mark (``VmHWM``) again from its resident set now
+    (``/proc/self/clear_refs``), remembering the one before for the process's peak (``peak_rss_bytes``); False
+    where the kernel does not let it."""
+    global _peak_before_reset
+    _peak_before_reset = max(_peak_before_reset, _peak_rss())
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        return False
+    return True
+
+
 class _Sampler:
-    """The most the resident set grew over its value at ``start``, sampled every 2 ms."""
+    """The most the resident set grew over its value at ``start``: the high-water mark since
+    then (reset at ``start``: every page counted, however briefly it was held), or where the
+    kernel cannot reset it, the resident set sampled every 2 ms."""
 
     def __init__(self) -> None:
         self.base = 0
         self.peak = 0
+        self._exact = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> _Sampler:
+        self._exact = _reset_peak()
         self.base = self.peak = _rss()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -102,7 +124,7 @@ class _Sampler:
         self._stop.set()
         assert self._thread is not None
         self._thread.join()
-        self.peak = max(self.peak, _rss())
+        self.peak = max(self.peak, _rss(), _peak_rss() if self._exact else 0)
 
     @property
     def growth(self) -> int:
@@ -329,7 +351,11 @@ def _peak_rss() -> int:
 
 
 def _figures(base: int, growth: list[int]) -> dict[str, Any]:
-    return {"peak_rss_bytes": _peak_rss(), "base_rss_bytes": base, "sync_growth_bytes": growth}
+    return {
+        "peak_rss_bytes": max(_peak_before_reset, _peak_rss()),
+        "base_rss_bytes": base,
+        "sync_growth_bytes": growth,
+    }
 
 
 def _serve(coordinator: _Coordinator, conn: Any, procs: list[Any]) -> list[dict[str, Any]]:

@@ -224,3 +224,33 @@ def test_encode_replaces_the_codecs_encoding_and_the_rule_stays() -> None:
     assert enc.rows == (4, 10)
     residual = ef.residual("w")
     assert torch.equal(residual, x - torch.from_numpy(codec.decode(enc)).reshape(6, 40))
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.5, 0.0])
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_encode_then_settle_is_compress_bit_for_bit_in_the_residuals_own_memory(
+    decay: float, as_tensor: bool
+) -> None:
+    """encode_owed sends what compress sends and leaves the residual alone; settle then keeps
+    bit for bit what compress keeps, in the memory of the residual it had (no second one)."""
+    codec = get_codec("int8:block=64")
+    rng = np.random.default_rng(3)
+    whole, split = ErrorFeedback(decay=decay), ErrorFeedback(decay=decay)
+    memory = None
+    for step in range(4):
+        raw = _delta(rng, (37, 50))
+        x = torch.from_numpy(raw) if as_tensor else raw
+        want = whole.compress("w", x, codec)
+        before = split.residual("w")
+        got = split.encode_owed("w", x, codec)
+        assert got.meta == want.meta
+        assert all(np.array_equal(a, b) for a, b in zip(got.buffers, want.buffers, strict=True))
+        after = split.residual("w")
+        assert (before is None and after is None) or np.array_equal(np.asarray(before), after)
+        split.settle("w", x, got, codec)
+        kept = split._residuals["w"]
+        assert np.array_equal(np.asarray(kept), np.asarray(whole.residual("w")))
+        address = kept.data_ptr() if isinstance(kept, torch.Tensor) else kept.ctypes.data
+        if step:
+            assert address == memory, "settle wrote a new residual"
+        memory = address
