@@ -257,7 +257,16 @@ class Resumed:
     """The whole model's hash at ``resume.version`` (empty: shard 0 did not say)."""
 
 
-FollowerEvent = Resumed | Decision
+@dataclass(frozen=True)
+class Heard:
+    """Shard 0's answer to a later hello (same shard 0): its last committed version and the
+    whole model's hash at it (empty: not known)."""
+
+    version: int
+    state_hash: str
+
+
+FollowerEvent = Resumed | Heard | Decision
 
 
 class ShardFollower:
@@ -307,7 +316,7 @@ class ShardFollower:
         self.heard_at = self._clock()
         if isinstance(msg, ShardState):
             if self.resumed is not None:
-                return []
+                return [Heard(msg.global_version, msg.state_hash)]
             self.resumed = Resumed(
                 resume(msg.global_version, self._held()[0]), msg.round_counter, msg.state_hash
             )

@@ -278,11 +278,12 @@ class Resume:
 def resume(committed: int, held: int) -> Resume:
     """A shard holding version ``held`` meets shard 0, whose last committed version is
     ``committed``. A shard saves a version before shard 0 commits it, so it holds the committed
-    one or the next (to roll back); anything else is a state from another history (a restored
-    backup, another federation), and ValueError says so."""
+    one or the next (to roll back: a version is its round's id, and rounds aborted in between
+    took the ids before it); an older one is a state from another history (a restored backup,
+    another federation), and ValueError says so."""
     if held == committed:
         return Resume(committed, False)
-    if held == committed + 1:
+    if held > committed:
         return Resume(committed, True)
     raise ValueError(
         f"this shard holds version {held} and shard 0 committed {committed}: a shard holds the "

@@ -199,7 +199,9 @@ def test_a_close_merges_the_same_sites_everywhere_or_none(
 def test_a_shard_resumes_at_shard_zeros_version_or_rolls_back_one() -> None:
     assert resume(7, 7) == Resume(7, False)
     assert resume(7, 8) == Resume(7, True)
-    for held in (6, 9):
+    # Rounds 8 and 9 aborted, round 10 saved and never committed: its id is its version.
+    assert resume(7, 10) == Resume(7, True)
+    for held in (0, 6):
         with pytest.raises(ValueError, match=f"holds version {held} and shard 0 committed 7"):
             resume(7, held)
 
