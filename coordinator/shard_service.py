@@ -128,6 +128,8 @@ class _Shard:
             coord.model.whole_hash = (0, whole_hash0)
         self._saved: dict[int, Saved] = {}
         """Rounds this shard saved and has not announced (waiting for the commit)."""
+        self._undone: set[int] = set()
+        """Rounds whose result this shard took back (a save of one finishing later is void)."""
         coord.status_report.shard = (identity.index, identity.count)
         coord.closing.gate = self._on_saved
 
@@ -237,6 +239,9 @@ class _Shard:
             version,
             why,
         )
+        # The save of the version dropped may still be in the writer: going back waits for
+        # it, and its Saved, which comes then, is void.
+        self._undone.add(st.global_version)
         state = self.coord.post.roll_back(version)
         self.coord.model.rolled_back(state)
         self.coord.metrics.global_version.set(version)
@@ -256,6 +261,27 @@ class _Shard:
 
     def _aborted_open(self, decision: Abort) -> None:
         """Rounds this shard undid or aborted on its own (they built on a version dropped)."""
+
+    def _closed_here(self, ids: Sequence[int]) -> Round | None:
+        """The round of ``ids`` whose result this shard's model is (closed here, its save
+        durable or still in the writer, not announced): aborting it takes the model back."""
+        book = self.coord.book
+        r = book.closed.get(book.global_version)
+        if r is not None and r.merged is not None and r.round_id in ids:
+            return r
+        found = [i for i in ids if i in self._saved]
+        return book.closed.get(found[0]) if found else None
+
+    def _void_save(self, saved: Saved) -> bool:
+        """A save that finished after its round was taken back: logged, nothing follows."""
+        if saved.round_id not in self._undone:
+            return False
+        log.warning(
+            "[coordinator shard=%d] round %d saved after it was taken back: ignored",
+            self.identity.index,
+            saved.round_id,
+        )
+        return True
 
     def _live(self, round_id: int) -> Round | None:
         """Round ``round_id`` while it takes parts (open, not frozen)."""
@@ -416,8 +442,14 @@ class LeadShard(_Shard):
             log.warning("[coordinator shard=0] %s", exc)
 
     def _on_saved(self, saved: Saved) -> None:
+        if self._void_save(saved):
+            return
+        try:
+            done = self.plane.prepared(0, saved.round_id, saved.version, saved.digests())
+        except ValueError as exc:  # the round is no longer one the shards prepare
+            log.error("[coordinator shard=0] round %d saved: %s", saved.round_id, exc)
+            return
         self._saved[saved.round_id] = saved
-        done = self.plane.prepared(0, saved.round_id, saved.version, saved.digests())
         if done is not None:
             self._events.append(done)
 
@@ -501,7 +533,7 @@ class LeadShard(_Shard):
     def _abort(self, ids: tuple[int, ...], why: str) -> None:
         """Rounds the plane aborted, aborted here too (the sites told); a version saved for one
         of them is dropped."""
-        if any(i in self._saved for i in ids):
+        if self._closed_here(ids) is not None:
             self._go_back(self.committed, why)
         for i in ids:
             self._starts.pop(i, None)
@@ -660,6 +692,8 @@ class FollowShard(_Shard):
         self.follower.partition = self.partition
 
     def _on_saved(self, saved: Saved) -> None:
+        if self._void_save(saved):
+            return
         self._saved[saved.round_id] = saved
         digests = {name: d.hex() for name, d in saved.digests().items()}
         self.follower.report(
@@ -709,10 +743,8 @@ class FollowShard(_Shard):
             elif isinstance(event, ShardInitialDone):
                 self._take_initial(event)
             else:
-                saved = [r for r in event.round_ids if r in self._saved]
-                if saved:
-                    r = book.closed.get(saved[0])
-                    assert r is not None
+                r = self._closed_here(event.round_ids)
+                if r is not None:
                     self._go_back(r.base_version, f"shard 0: {event.reason}")
                 aborted = abort_as_told(book, event)
                 if aborted is not None:
