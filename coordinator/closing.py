@@ -86,6 +86,8 @@ class Closing:
         """``gate``: see the module doc (None: announce once durable)."""
         self._evaluation = evaluation
         self._faults = faults
+        self._saves = 0
+        """Round results saved under a gate since this process started (a crash point)."""
         self._final_mean = final_mean
         self._members = members
         self._model = model
@@ -146,6 +148,10 @@ class Closing:
 
         def saved(_digest: str, _signature: bytes) -> None:
             assert gate is not None
+            # A shard's crash points lie between its save and the commit (before it reports).
+            self._faults.point("close", r.round_id)
+            self._saves += 1
+            self._faults.saved(self._saves, r.round_id)
             digests = self._model.digests
             gate(Saved(r.round_id, r.round_id, lambda: digests(new_state), announce))
 

@@ -24,7 +24,13 @@ class FaultPlan:
     kill_after_open_round: int = 0
     """SIGKILL right after round N was persisted and announced."""
     kill_after_close_round: int = 0
-    """SIGKILL right after round N's result was persisted, before it is announced."""
+    """SIGKILL right after round N's result was persisted, before it is announced (a shard of
+    several: before it reports the save, so before the commit)."""
+    kill_after_saves: int = 0
+    """A shard of several: SIGKILL once this process saved the result of the Nth round it
+    closed since it started, before it reports the save (so before the commit): a crash point
+    between save and commit that needs no round id (a drill's restart does not know which ids
+    the rounds after it will get)."""
     kill_before_storing_round: int = 0
     """SIGKILL on the state writer just before it stores round N's id: the round was decided
     and never became durable, so it was never announced either."""
@@ -36,6 +42,7 @@ class FaultPlan:
         for name in (
             "kill_after_open_round",
             "kill_after_close_round",
+            "kill_after_saves",
             "kill_before_storing_round",
             "lose_rerun_plan",
         ):
@@ -50,6 +57,16 @@ class FaultPlan:
         }[where]
         if target and target == round_id:
             log.error("[coordinator round=%d] fault injection: SIGKILL at %s", round_id, where)
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def saved(self, count: int, round_id: int) -> None:
+        """This process saved its ``count``-th round result (round ``round_id``'s) since it
+        started, and has not reported it: the ``kill_after_saves`` point."""
+        if self.kill_after_saves and count == self.kill_after_saves:
+            log.error(
+                "[coordinator round=%d] fault injection: SIGKILL after save %d", round_id, count
+            )
             logging.shutdown()
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -57,18 +57,16 @@ def read(state_dir: Path) -> Committed | None:
 def start_version(held: int | None, record: Committed | None) -> int | None:
     """The version shard 0 runs at its start, holding version ``held`` (None: no state yet)
     with ``record``: the held one when it is committed; the one before when shard 0 saved a
-    version and stopped before committing it. ValueError for anything else (a state and a
+    version and stopped before committing it (a version is its round's id: rounds aborted
+    since the commit took the ids between). ValueError for anything else (a state and a
     record from different histories)."""
     if record is None:
-        if held is None or held <= 0:
-            return held  # nothing committed yet: θ0 (version 0) or nothing
-        raise ValueError(
-            f"shard 0 holds version {held} and no commit record: restore its state directory "
-            "whole (the record lives beside the checkpoints)"
-        )
+        # Nothing committed yet: θ0 (version 0), nothing, or the first round's version saved and
+        # never committed (going back checks that θ0 is the checkpoint kept before it).
+        return held if held is None or held <= 0 else 0
     if held == record.global_version:
         return held
-    if held == record.global_version + 1:
+    if held is not None and held > record.global_version:
         return record.global_version
     raise ValueError(
         f"shard 0 holds version {held} but committed {record.global_version}: its state and "

@@ -116,11 +116,14 @@ class ShardLeader:
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         committed_hash: Callable[[], str] = lambda: "",
+        session: str = "",
     ) -> None:
         """``committed``: shard 0's last committed version and its round counter, as the
         answer to each hello says them (with ``committed_hash``, the whole model's hash at that
-        version); ``timeout_s``: silence after which a shard is lost."""
+        version, and ``session``, this process's id); ``timeout_s``: silence after which a
+        shard is lost."""
         self.server = server
+        self.session = session
         self.plane = plane
         self.partition = partition
         self._committed = committed
@@ -203,6 +206,7 @@ class ShardLeader:
                 round_counter=counter,
                 sent_at=msg.sent_at,
                 state_hash=self._committed_hash(),
+                session=self.session,
             ),
         )
         self.heard[msg.shard] = self._clock()
@@ -249,7 +253,8 @@ class ShardLeader:
 
 @dataclass(frozen=True)
 class Resumed:
-    """Shard 0 answered this shard's first hello of a connection: run ``resume.version``."""
+    """Shard 0 answered this shard's first hello, or its first since shard 0 started again (a
+    new session): run ``resume.version``; nothing shard 0 had in flight before is."""
 
     resume: Resume
     round_counter: int
@@ -257,16 +262,7 @@ class Resumed:
     """The whole model's hash at ``resume.version`` (empty: shard 0 did not say)."""
 
 
-@dataclass(frozen=True)
-class Heard:
-    """Shard 0's answer to a later hello (same shard 0): its last committed version and the
-    whole model's hash at it (empty: not known)."""
-
-    version: int
-    state_hash: str
-
-
-FollowerEvent = Resumed | Heard | Decision
+FollowerEvent = Resumed | Decision
 
 
 class ShardFollower:
@@ -291,7 +287,9 @@ class ShardFollower:
         self._clock = clock
         self._hello_at: float | None = None
         self.resumed: Resumed | None = None
-        """Shard 0's first answer (None until it came)."""
+        """Shard 0's first answer (None until it came), or its first since it started again."""
+        self._session = ""
+        """The session of shard 0 that ``resumed`` came from."""
         self.heard_at: float | None = None
 
     def poll(self, timeout_s: float) -> list[FollowerEvent]:
@@ -315,8 +313,15 @@ class ShardFollower:
             return []
         self.heard_at = self._clock()
         if isinstance(msg, ShardState):
+            if self.resumed is not None and msg.session == self._session:
+                return []
             if self.resumed is not None:
-                return [Heard(msg.global_version, msg.state_hash)]
+                log.warning(
+                    "[coordinator shard=%d] shard 0 started again (session %s)",
+                    self.shard,
+                    msg.session,
+                )
+            self._session = msg.session
             self.resumed = Resumed(
                 resume(msg.global_version, self._held()[0]), msg.round_counter, msg.state_hash
             )

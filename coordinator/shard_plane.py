@@ -115,6 +115,10 @@ class ShardPlane:
             s for s, shards in r.folded.items() if len(shards) == self.count and s not in r.poisoned
         )
 
+    def void(self, round_id: int) -> frozenset[str]:
+        """Sites a shard refused a part of: their update counts on no shard."""
+        return frozenset(self._round(round_id).poisoned)
+
     def partial(self, round_id: int) -> frozenset[str]:
         """Sites some shards folded a part of and others have not (yet)."""
         r = self._round(round_id)

@@ -114,6 +114,10 @@ class ShardedLink:
         if isinstance(msg, Join):
             self._welcomed.clear()
             self._site_id = msg.site_id
+            # Joining again: every shard sends what the site lacks anew, a result in part here
+            # may never complete (its shard restarted), and shard 0's plans wait for none.
+            self._results.clear()
+            self._release()
         for link in self.links:
             link.send(msg)
 
@@ -160,7 +164,7 @@ class ShardedLink:
         if isinstance(msg, Global):
             return self._result(shard, msg)
         if shard == 0:
-            if isinstance(msg, _FROM_LEADER) and self._results:
+            if isinstance(msg, _FROM_LEADER) and (self._held or self._waiting()):
                 self._held.append(msg)  # after the result in part here
                 return None
             return msg
@@ -203,9 +207,16 @@ class ShardedLink:
         self._release()
         return replace(lead, payload=payload)
 
+    def _waiting(self) -> bool:
+        """A result shard 0 sent is in part here (another shard's part to come): shard 0's plans
+        after it wait for it. A result of which only other shards' parts came holds nothing:
+        shard 0 sends its part before any plan that names its version, or never (it restarted
+        before it announced it, and the site catches up)."""
+        return any(0 in parts for parts in self._results.values())
+
     def _release(self) -> None:
-        """Shard 0's held plans are due once no result is in part here."""
-        if not self._results and self._held:
+        """Shard 0's held plans are due once no result it sent is in part here."""
+        if not self._waiting() and self._held:
             self._due.extend(self._held)
             self._held.clear()
 

@@ -362,13 +362,15 @@ class ShardHello:
 @dataclass(frozen=True, kw_only=True)
 class ShardState:
     """Shard 0's answer to each hello: its last committed version and round counter (a shard
-    holding the next version rolls back to this one), ``sent_at`` echoed, and ``state_hash``,
-    the whole model's hash at that version (the hash the sites know it by)."""
+    holding the next version rolls back to this one), ``sent_at`` echoed, ``state_hash``, the
+    whole model's hash at that version (the hash the sites know it by), and ``session``, shard
+    0's process (a new one after a restart: the rounds the old one had in flight are gone)."""
 
     global_version: int
     round_counter: int
     sent_at: float
     state_hash: str = ""
+    session: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -241,3 +241,42 @@ def test_a_version_sent_as_a_delta_and_as_the_whole_model_is_asked_for_whole() -
 def test_one_link_per_shard() -> None:
     with pytest.raises(ValueError, match="one link per shard"):
         ShardedLink([Script()], PARTS)
+
+
+def _plan(round_id: int, base: int) -> RoundStart:
+    return RoundStart(
+        round_id=round_id,
+        global_version=base,
+        fragment_base_version=base,
+        fragment=0,
+        num_fragments=1,
+        num_inner_steps=10,
+        overlap=False,
+        codec="fp32",
+        deadline_s=30.0,
+        participants=("eu",),
+        evaluate=False,
+        reason="",
+    )
+
+
+def test_a_result_shard_zero_never_sent_holds_none_of_its_plans() -> None:
+    """Shard 1 announced version 3, shard 0 restarted before it did: shard 0's plans after its
+    restart come at once (the site catches up), not behind a result that never completes."""
+    link, scripts = _link()
+    scripts[1].inbox.append(_global(1))
+    assert _drain(link) == []
+    scripts[0].inbox.append(_plan(5, 2))
+    assert _drain(link) == [_plan(5, 2)]
+
+
+def test_a_join_drops_the_results_in_part_and_the_plans_held_behind_them() -> None:
+    """Shard 0's part of version 3 came, shard 1 restarted before it sent its own: the site
+    joins again, and shard 0's plans no longer wait for a result that never completes."""
+    link, scripts = _link()
+    scripts[0].inbox.extend([_global(0), _plan(4, 3)])
+    assert _drain(link) == []
+    link.send(Join(site_id="eu", model_fingerprint="fp", global_version=2, state_hash="h"))
+    assert _drain(link) == [_plan(4, 3)]
+    scripts[0].inbox.append(_plan(5, 3))
+    assert _drain(link) == [_plan(5, 3)]
