@@ -180,8 +180,11 @@ class CoordinatorConfig:
     shard_ports: str = "offset"
     """With several shards: ``offset`` (shards share a host) makes shard i bind ``bind``'s port
     + i and serve ``metrics_port`` + i; ``same`` (one shard per host or pod) keeps both."""
-    shard_control_bind: str = "tcp://0.0.0.0:7720"
-    """With several shards: where shard 0 listens for the other shards (its control plane)."""
+    shard_control_bind: str = "tcp://127.0.0.1:7720"
+    """With several shards: where shard 0 listens for the other shards (its control plane).
+    This host only by default; shards on several hosts need another address (``0.0.0.0``, a
+    pod's), which needs ``[coordinator.security]`` keys: the plane admits only the
+    coordinator's key, and without keys anyone who reaches it could join as a shard."""
     shard_control: str = ""
     """Where the other shards reach shard 0's ``shard_control_bind``; empty: torchrun's
     ``MASTER_ADDR`` at that port when started by torchrun, else ``127.0.0.1`` (one host)."""
@@ -211,6 +214,14 @@ class CoordinatorConfig:
                 raise ValueError(
                     f"coordinator.{key} must be tcp://HOST:PORT with a port > 0, got {value!r}"
                 )
+        host = self.shard_control_bind[len("tcp://") :].rpartition(":")[0].strip("[]")
+        if self.security.insecure and host not in _LOOPBACK and not host.startswith("127."):
+            raise ValueError(
+                f"coordinator.shard_control_bind = {self.shard_control_bind!r} listens beyond "
+                "this host with security.insecure = true: any host that reaches it could join "
+                "the shards' control plane and forge a shard's results. Bind it to 127.0.0.1 "
+                "(every shard on this host) or give the shards a kit (security.kit_dir)"
+            )
         if self.shard_ports == "offset":
             port = self.bind.rpartition(":")[2] if self.bind.startswith("tcp://") else ""
             for key, first in (
@@ -360,6 +371,9 @@ class CoordinatorConfig:
     @property
     def state_path(self) -> Path:
         return Path(self.state_dir)
+
+
+_LOOPBACK = ("localhost", "::1")
 
 
 def _tcp_port(endpoint: str) -> int:

@@ -136,6 +136,10 @@ class ShardLeader:
         self.held: dict[int, int] = {}
         """The version each shard said it holds in its last hello."""
         self._lost: set[int] = set()
+        self._replaced: set[bytes] = set()
+        """Connections another connection of the same shard took over from."""
+        self.refused_hellos = 0
+        """Hellos refused from a connection another one of the same shard took over from."""
 
     @property
     def present(self) -> bool:
@@ -198,6 +202,20 @@ class ShardLeader:
                 self.partition,
             )
             return []
+        if peer in self._replaced:
+            # Two processes run as this shard (a config copied with its --shard), or an old
+            # connection still speaks: the newer one keeps the shard, this one is never answered
+            # (answered, each would take the shard back from the other at every hello and every
+            # round in flight would be aborted each time).
+            self.refused_hellos += 1
+            log.error(
+                "[coordinator shards] refused a hello as shard %d from a connection another one "
+                "took over from (%d refused): is a second process running as shard %d?",
+                msg.shard,
+                self.refused_hellos,
+                msg.shard,
+            )
+            return []
         version, counter = self._committed()
         self.server.send(
             peer,
@@ -216,6 +234,8 @@ class ShardLeader:
         if before == peer:
             return []
         self.peers[msg.shard] = peer
+        if before is not None:
+            self._replaced.add(before)
         log.info(
             "[coordinator shards] shard %d %s",
             msg.shard,

@@ -239,6 +239,23 @@ def test_a_shard_back_after_a_restart_has_the_rounds_in_flight_aborted_everywher
     assert got == ShardAbort(round_ids=(6,), reason="shard 1 joined again")
 
 
+def test_a_second_process_as_the_same_shard_never_takes_it_back(plane: Plane) -> None:
+    """Two followers as shard 1, both alive: the newer connection keeps the shard, the older
+    one's hellos are refused (counted) and never make it join again."""
+    first = plane.follower()
+    assert _until(_both(plane, first), lambda e: isinstance(e, Joined)) == Joined(1, True)
+    second = plane.follower()
+    assert _until(_both(plane, second), lambda e: isinstance(e, Joined)) == Joined(1, False)
+    newer = plane.leader.peers[1]
+    events: list[object] = []
+    deadline = time.monotonic() + WAIT_S
+    while plane.leader.refused_hellos < 3 and time.monotonic() < deadline:
+        events += [*plane.leader.poll(0.02), *first.poll(0.02), *second.poll(0.02)]
+    assert plane.leader.refused_hellos >= 3
+    assert not [e for e in events if isinstance(e, Joined)], "the shard changed hands again"
+    assert plane.leader.peers[1] == newer and plane.leader.present
+
+
 def test_a_shard_one_version_ahead_rolls_back(plane: Plane) -> None:
     f = plane.follower(held=4)
     resumed = _until(_both(plane, f), lambda e: isinstance(e, Resumed))

@@ -117,6 +117,15 @@ def test_a_shard_of_another_count_is_refused() -> None:
         ({"shards": 2, "shard_control_bind": "tcp://0.0.0.0:0"}, "shard_control_bind must be tcp"),
         ({"shards": 2, "shard_control": "ipc:///x"}, "coordinator.shard_control must be tcp"),
         (
+            {"shards": 2, "shard_control_bind": "tcp://0.0.0.0:7720"},
+            r"shard_control_bind = 'tcp://0.0.0.0:7720' listens beyond this host with "
+            r"security.insecure = true",
+        ),
+        (
+            {"shards": 2, "shard_control_bind": "tcp://10.0.0.5:7720"},
+            "give the shards a kit",
+        ),
+        (
             {"shards": 2, "outer_strategy": "sparseloco", "broadcast": "sparse"},
             r"needs coordinator.broadcast at its default \('dense'\)",
         ),
@@ -170,7 +179,7 @@ def test_the_command_refuses_a_shard_it_cannot_place_with_a_bad_config_status(
 
 
 def test_the_other_shards_find_shard_zero_where_it_listens() -> None:
-    cfg = _cfg(shards=2, shard_control_bind="tcp://0.0.0.0:7730")
+    cfg = _cfg(shards=2, shard_control_bind="tcp://127.0.0.1:7730")
     assert control_endpoint(cfg, {}) == "tcp://127.0.0.1:7730"
     assert control_endpoint(cfg, {"MASTER_ADDR": "node-a", "RANK": "1"}) == "tcp://node-a:7730"
     named = _cfg(shards=2, shard_control="tcp://coordinator-0.shards:7730")

@@ -148,10 +148,12 @@ def test_the_other_shards_reach_shard_zeros_control_plane(
 def test_the_sharded_config_is_the_coordinators_but_for_the_shard_keys() -> None:
     base = tomllib.loads((K8S / "coordinator" / "coordinator.toml").read_text())
     sharded = tomllib.loads((K8S / OVERLAY / "coordinator.toml").read_text())
-    own = {k: sharded["coordinator"].pop(k) for k in ("shards", "shard_ports", "shard_control")}
+    keys = ("shards", "shard_ports", "shard_control_bind", "shard_control")
+    own = {k: sharded["coordinator"].pop(k) for k in keys}
     assert own == {
         "shards": 2,
         "shard_ports": "same",
+        "shard_control_bind": "tcp://0.0.0.0:7720",
         "shard_control": "tcp://crossdc-coordinator-0.crossdc-coordinator-shards:7720",
     }
     assert sharded == base
