@@ -23,6 +23,7 @@ from site_agent.jobs.contract import (
 )
 from site_agent.pipeline.engine import PipelineConfig
 from site_agent.pipeline.rank import SiteRank, broadcast_command
+from site_agent.shardsync import LeaderSync
 from site_agent.trainer import TrainStats, check_parameters
 
 
@@ -41,6 +42,7 @@ class PipelineTrainer:
         self.where = where
         self._closed = False
         self._broken = False
+        self.sharded_sync: LeaderSync | None = None
 
     @property
     def step(self) -> int:
