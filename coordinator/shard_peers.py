@@ -282,16 +282,7 @@ class Resumed:
     """The whole model's hash at ``resume.version`` (empty: shard 0 did not say)."""
 
 
-@dataclass(frozen=True)
-class Heard:
-    """Shard 0's answer to a later hello (same shard 0): its last committed version and the
-    whole model's hash at it (empty: not known)."""
-
-    version: int
-    state_hash: str
-
-
-FollowerEvent = Resumed | Heard | Decision
+FollowerEvent = Resumed | Decision
 
 
 class ShardFollower:
@@ -343,7 +334,7 @@ class ShardFollower:
         self.heard_at = self._clock()
         if isinstance(msg, ShardState):
             if self.resumed is not None and msg.session == self._session:
-                return [Heard(msg.global_version, msg.state_hash)]
+                return []
             if self.resumed is not None:
                 log.warning(
                     "[coordinator shard=%d] shard 0 started again (session %s)",

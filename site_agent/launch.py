@@ -99,6 +99,10 @@ def pipeline_config(cfg: SiteConfig) -> Any:
         schedule=cfg.schedule,
         data_parallel=cfg.data_parallel,
         grad_clip=cfg.job.grad_clip,
+        # Each rank syncs its own tensors, unless the site needs what only the gathered model
+        # does yet (differential privacy, secure aggregation).
+        sync_shards=not cfg.not_for_sharded_sites(),
+        error_feedback_decay=cfg.error_feedback_decay,
     )
 
 

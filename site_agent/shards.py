@@ -33,7 +33,7 @@ and hashes it, the others skip it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,17 +110,27 @@ class RankShards:
     """What one rank of a sharded site keeps for the federation: for each parameter, its rows
     of θ and of the error-feedback residual, float32 on the shard's device.
 
-    ``rank`` is the rank in the site's process group; a tensor held whole is owned by rank 0.
-    Not thread-safe: one caller per instance.
+    ``rank`` is the rank in the site's process group; a tensor held whole is owned by rank 0
+    (``owns_whole`` says otherwise: on a pipelined site each stage's first replica owns the
+    stage's whole tensors). ``shapes``: every federated tensor of the whole model, in
+    ``state_dict`` order, where this rank holds only some of them (a pipeline stage's); by
+    default the tensors it holds are the model's. Not thread-safe: one caller per instance.
     """
 
     def __init__(
-        self, named_params: Iterable[tuple[str, torch.Tensor]], *, rank: int, decay: float = 1.0
+        self,
+        named_params: Iterable[tuple[str, torch.Tensor]],
+        *,
+        rank: int,
+        decay: float = 1.0,
+        owns_whole: bool | None = None,
+        shapes: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
         """θ is the parameters as they are now (the global model the site last synced)."""
         self.feedback = ErrorFeedback(decay=decay)  # its residuals: this rank's rows, on device
         self.rank = rank
         self.decay = decay
+        self._owns_whole = rank == 0 if owns_whole is None else owns_whole
         self.ranges: dict[str, RowRange] = {}
         self._theta: dict[str, torch.Tensor] = {}
         self._meshes: dict[str, DeviceMesh] = {}
@@ -130,6 +140,17 @@ class RankShards:
             if isinstance(param, DTensor) and not rows.whole:
                 self._meshes[name] = param.device_mesh
             self._theta[name] = local_part(param).to(torch.float32, copy=True)
+        self.shapes: dict[str, tuple[int, ...]] = (
+            {name: rows.shape for name, rows in self.ranges.items()}
+            if shapes is None
+            else {name: tuple(int(d) for d in shape) for name, shape in shapes.items()}
+        )
+        """The whole model's federated tensors and their whole shapes (the hash is over them)."""
+        for name, rows in self.ranges.items():
+            if self.shapes.get(name) != rows.shape:
+                raise ValueError(
+                    f"tensor {name!r}: shape {rows.shape}, the model's is {self.shapes.get(name)}"
+                )
 
     @classmethod
     def of_module(
@@ -139,9 +160,10 @@ class RankShards:
         return cls(module.named_parameters(), rank=dist.get_rank(group), decay=decay)
 
     def owns(self, name: str) -> bool:
-        """Whether this rank sends and hashes rows of ``name`` (none when its shard is empty)."""
-        rows = self.ranges[name]
-        return rows.stop > rows.start and (not rows.whole or self.rank == 0)
+        """Whether this rank sends and hashes rows of ``name`` (none when its shard is empty,
+        or when it does not hold the tensor at all)."""
+        rows = self.ranges.get(name)
+        return rows is not None and rows.stop > rows.start and (not rows.whole or self._owns_whole)
 
     def theta(self, name: str) -> torch.Tensor:
         """This rank's rows of θ for ``name`` (the tensor kept: do not change it)."""
@@ -279,7 +301,7 @@ class RankShards:
         out: dict[str, torch.Tensor] = {}
         for name in self.ranges:
             theta = self._theta[name]
-            residual = self.feedback.residual_held(name)  # no copy: the checkpoint reads it
+            residual = self.residual(name)
             if residual is None:
                 residual = torch.zeros_like(theta)
             out[f"theta/{name}"] = self._placed(name, theta)
@@ -416,8 +438,8 @@ def shard_hash(
         return None
     return model_hash(
         {
-            name: combine(name, rows.shape, [part.get(name, {}) for part in gathered])
-            for name, rows in shards.ranges.items()
+            name: combine(name, shape, [part.get(name, {}) for part in gathered])
+            for name, shape in shards.shapes.items()
         }
     )
 

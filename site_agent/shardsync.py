@@ -92,9 +92,12 @@ class RankSync:
         decay: float = 1.0,
         evaluate: Callable[[nn.Module], Metrics] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        shards: RankShards | None = None,
     ) -> None:
         """``evaluate``: the validation every rank runs on θ (None: the site has none);
-        ``optimizer``: the model's, checkpointed with it."""
+        ``optimizer``: the model's, checkpointed with it; ``shards``: what this rank keeps of
+        ``federated_state(model)``, where not the default (a pipeline stage's rank holds some
+        tensors of the model only: ``site_agent.pipeline.stagesync``)."""
         # The layers FSDP2 gathers and frees at every step go back to the system, not to a
         # heap that keeps them (site_agent.allocator).
         return_large_blocks()
@@ -103,7 +106,7 @@ class RankSync:
         self.group = group
         self.rank = dist.get_rank(group)
         self.state = federated_state(model)
-        self.shards = RankShards(self.state.items(), rank=self.rank, decay=decay)
+        self.shards = shards or RankShards(self.state.items(), rank=self.rank, decay=decay)
         self._evaluate = evaluate
         # Per fragment in flight: its local rows at the send, or None where no step is taken
         # before its result (no overlap): the rows as they are then are those.
@@ -115,7 +118,7 @@ class RankSync:
 
     def spec(self) -> dict[str, tuple[int, ...]]:
         """Every federated tensor's whole shape, in ``state_dict`` order."""
-        return {name: rows.shape for name, rows in self.shards.ranges.items()}
+        return dict(self.shards.shapes)
 
     # ---- the update ------------------------------------------------------------------------
 
@@ -154,7 +157,11 @@ class RankSync:
         # Every rank encoded: the residuals keep what the encodings lost, in place.
         self.shards.settle_update(self.state, codec, slices)
         self._sent[fragment] = (
-            {name: local_part(self.state[name]).to(torch.float32, copy=True) for name in names}
+            {
+                name: local_part(self.state[name]).to(torch.float32, copy=True)
+                for name in names
+                if name in self.state
+            }
             if keep_reference
             else None
         )
@@ -365,7 +372,7 @@ class RankSync:
         return None if gathered is None else tuple(gathered)
 
     def num_parameters(self) -> int:
-        return sum(math.prod(rows.shape) for rows in self.shards.ranges.values())
+        return sum(math.prod(shape) for shape in self.shards.shapes.values())
 
     # ---- checkpoint ------------------------------------------------------------------------
 

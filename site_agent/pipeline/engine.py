@@ -68,6 +68,13 @@ class PipelineConfig:
     """Timed passes of the per-unit profile."""
     site_id: str = "site"
     """Shown in log lines."""
+    sync_shards: bool = False
+    """Each rank syncs the federated tensors it holds (``stagesync.StageSync``: θ, residuals
+    and the encoding of its own rows; the leader relays encoded bytes). False: the leader
+    gathers the whole model for the agent (a site with differential privacy or secure
+    aggregation, which a sharded site does not do yet)."""
+    error_feedback_decay: float = 1.0
+    """The decay of each rank's error-feedback residuals under ``sync_shards``."""
 
     def __post_init__(self) -> None:
         layout = self.layout  # PipelineLayout checks num_stages and num_replicas

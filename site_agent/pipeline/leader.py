@@ -17,8 +17,6 @@ from site_agent.jobs.contract import (
     Job,
     JobError,
     StateSpec,
-    check_metrics,
-    federated_state,
     job_fingerprint,
 )
 from site_agent.pipeline.engine import PipelineConfig
@@ -43,6 +41,14 @@ class PipelineTrainer:
         self._closed = False
         self._broken = False
         self.sharded_sync: LeaderSync | None = None
+        """With ``cfg.sync_shards``: the agent syncs through every rank's ``StageSync`` (the
+        agent's replica then holds the version, never the values); else it gathers the model."""
+        stage_sync = self._rank.stage_sync
+        if stage_sync is not None:
+            control = self._rank.control
+            self.sharded_sync = LeaderSync(
+                stage_sync, lambda *call: broadcast_command(("sync", *call), control)
+            )
 
     @property
     def step(self) -> int:
@@ -62,15 +68,8 @@ class PipelineTrainer:
         )
 
     def validate(self) -> dict[str, float]:
-        params = self.parameters_numpy()
-        model = self._rank.eval_model
-        assert model is not None, "rank 0 keeps the model for validation"
-        model.eval()
-        with torch.no_grad():
-            for name, tensor in federated_state(model).items():
-                tensor.copy_(torch.as_tensor(params[name]))
-            metrics = self._rank.job.evaluate(model)
-        return check_metrics(metrics, self.where, finite_loss=False)
+        metrics: dict[str, float] = self._command("evaluate_gathered")
+        return metrics
 
     def state_spec(self) -> StateSpec:
         return self._rank.spec

@@ -2,7 +2,9 @@
 
 Rank 0 checks, profiles and cuts the job and broadcasts the plan; each rank keeps its stages
 (``engine.RankPipeline``). The leader (``leader.PipelineTrainer``) broadcasts each command, a
-:class:`SiteRank` method and its arguments, and every rank runs it (docs/pipelines.md).
+:class:`SiteRank` method and its arguments, and every rank runs it (docs/pipelines.md). With
+``PipelineConfig.sync_shards`` each rank also syncs its own tensors (``stagesync.StageSync``):
+the ``sync`` command is one of its calls.
 """
 
 from __future__ import annotations
@@ -17,16 +19,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from site_agent.allocator import return_large_blocks
 from site_agent.batches import JobBatches, first_dimension, to_cpu, to_device
 from site_agent.jobs.contract import (
     Job,
     StateSpec,
+    check_metrics,
     check_pipeline_job,
     federated_state,
     state_spec,
 )
 from site_agent.jobs.contract import buffer_names as federated_buffer_names
 from site_agent.pipeline.engine import PipelineConfig, RankPipeline, make_stage_plan
+from site_agent.pipeline.stagesync import StageSync
 
 # Workers wait for the leader's next command as long as the leader spends between calls.
 CONTROL_TIMEOUT = timedelta(days=7)
@@ -41,7 +46,15 @@ class SiteRank:
     the leader's (``None`` on the workers)."""
 
     COMMANDS = frozenset(
-        {"train", "gather_parameters", "load_parameters", "gather_state", "load_state"}
+        {
+            "train",
+            "gather_parameters",
+            "load_parameters",
+            "gather_state",
+            "load_state",
+            "evaluate_gathered",
+            "sync",
+        }
     )
 
     def __init__(
@@ -60,6 +73,9 @@ class SiteRank:
             )
         self.job, self.cfg, self.layout, self.rank, self.device = job, cfg, layout, rank, device
         self.where = where
+        # FSDP gathers and frees a block's parameters at every step; a rank's syncs allocate
+        # and free its rows: large blocks go back to the system (site_agent.allocator).
+        return_large_blocks()
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         model = job.model
         self.order = list(federated_state(model))
@@ -84,6 +100,9 @@ class SiteRank:
             raise box[0] from refusal
         self.pipeline = RankPipeline(job, box[0], cfg, rank=rank, device=device)
         self.step = 0
+        self.stage_sync: StageSync | None = None
+        if cfg.sync_shards:
+            self.stage_sync = StageSync(self, decay=cfg.error_feedback_decay)
         dist.barrier(group=self.control)
 
     def _draw_sample(self) -> Any:
@@ -169,19 +188,75 @@ class SiteRank:
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Every rank loads its share under the same layout (FSDP shards under FSDP only); under
         another, or from a single-process checkpoint, the model by name (docs/pipelines.md)."""
-        pipeline = self.pipeline
-        pipeline.load_state(state["model"])
-        taken, key = list(state.get("layout", [])), self._layout_key()
-        sharded = taken[3:] == ["fsdp"]
-        if taken[:3] == key[:3] and sharded == (key[3] == "fsdp"):
-            share = state["ranks"][self.rank]
-            pipeline.load_optimizer_state(share["optimizer"])
-            if pipeline.scheduler is not None and share["scheduler"] is not None:
-                pipeline.scheduler.load_state_dict(share["scheduler"])
+        self.pipeline.load_state(state["model"])
+        if self._same_layout(list(state.get("layout", []))):
+            self._load_share(state["ranks"][self.rank])
         if "job" in state and hasattr(self.job, "load_state_dict"):
             self.job.load_state_dict(state["job"])
         self._batches = JobBatches(self.job, self.where)
         self.step = int(state["step"])
+
+    def sync(self, method: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        """Make sync call ``method`` of this rank's ``StageSync`` (the leader makes it too)."""
+        assert self.stage_sync is not None, "the site syncs through its leader"
+        return getattr(self.stage_sync, method)(*args, **kwargs)
+
+    def evaluate_gathered(self) -> dict[str, float] | None:
+        """The job's ``evaluate`` of the federated tensors as the ranks hold them now, on the
+        leader's copy of the whole model (every rank takes part: the tensors are gathered to
+        it); the metrics on the leader, None elsewhere."""
+        params = self.gather_parameters()
+        if params is None:
+            return None
+        model = self.eval_model
+        assert model is not None, "rank 0 keeps the model for validation"
+        model.eval()
+        with torch.no_grad():
+            for name, tensor in federated_state(model).items():
+                tensor.copy_(torch.as_tensor(params[name]))
+            metrics = self.job.evaluate(model)
+        return check_metrics(metrics, self.where, finite_loss=False)
+
+    def training_state(self) -> dict[str, Any]:
+        """This rank's training state besides the federated tensors: its optimizer and
+        scheduler (its shards under FSDP), the step, the job's state and the layout."""
+        scheduler = self.pipeline.scheduler
+        state: dict[str, Any] = {
+            "layout": self._layout_key(),
+            "optimizer": to_cpu(self.pipeline.optimizer_state()),
+            "scheduler": to_cpu(scheduler.state_dict()) if scheduler is not None else None,
+            "step": self.step,
+        }
+        if hasattr(self.job, "state_dict"):
+            state["job"] = to_cpu(self.job.state_dict())
+        return state
+
+    def load_training_state(
+        self, own: Mapping[str, Any] | None, *, leader: Mapping[str, Any] | None
+    ) -> None:
+        """What :meth:`training_state` gave on this rank (``own``: its optimizer and scheduler
+        are loaded under the same layout only) and on the leader (its step and job state, which
+        every rank shares)."""
+        if own is not None and self._same_layout(own.get("layout", [])):
+            self._load_share(own)
+        common = leader if leader is not None else own
+        if common is None:
+            return
+        if "job" in common and hasattr(self.job, "load_state_dict"):
+            self.job.load_state_dict(common["job"])
+        self._batches = JobBatches(self.job, self.where)
+        self.step = int(common["step"])
+
+    def _same_layout(self, taken: list[Any]) -> bool:
+        key = self._layout_key()
+        sharded = list(taken)[3:] == ["fsdp"]
+        return list(taken)[:3] == key[:3] and sharded == (key[3] == "fsdp")
+
+    def _load_share(self, share: Mapping[str, Any]) -> None:
+        pipeline = self.pipeline
+        pipeline.load_optimizer_state(share["optimizer"])
+        if pipeline.scheduler is not None and share["scheduler"] is not None:
+            pipeline.scheduler.load_state_dict(share["scheduler"])
 
     def _layout_key(self) -> list[Any]:
         layout, cfg = self.layout, self.cfg

@@ -1,0 +1,105 @@
+"""A pipelined site's sync, rank by rank: each rank syncs the tensors its stages hold.
+
+A pipeline rank holds its stages' tensors only: whole, or under ``data_parallel = "fsdp"`` its
+row shard of each (a DTensor on the stage's data-parallel group). :class:`StageSync` is the
+sharded site's :class:`~site_agent.shardsync.RankSync` on such a rank, over the site's control
+group: the rank keeps θ and the error-feedback residual of its own rows, encodes its update where
+they live, decodes only its rows of a result, and the state hash of the whole model is combined
+on the leader from every rank's block digests and the model's spec (``shards.shard_hash``). The
+leader (``leader.PipelineTrainer.sharded_sync``) relays encoded bytes; it keeps no tensor of
+another stage. A stage's tensor held whole by every replica is sent and hashed by the first
+replica's rank; an FSDP shard by each rank holding rows of it.
+
+Validation still gathers θ to the leader's copy of the model (``job.evaluate`` takes a whole
+model); a checkpoint is ``torch.distributed.checkpoint``: θ and the residuals by tensor (each
+rank writes its rows, another layout reshards them), and each rank's optimizer, scheduler, step
+and job state as its own entry.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from site_agent.shards import RankShards
+from site_agent.shardsync import RankSync
+
+if TYPE_CHECKING:
+    from site_agent.pipeline.rank import SiteRank
+
+
+class StageSync(RankSync):
+    """One pipeline rank's :class:`RankSync` (module docstring). Built by every rank of the site
+    (no communication); each call is collective over the site's control group."""
+
+    def __init__(self, site: SiteRank, *, decay: float = 1.0) -> None:
+        pipeline = site.pipeline
+        state = pipeline.state()  # this rank's tensors, by the whole model's names
+        shards = RankShards(
+            state.items(),
+            rank=site.rank,
+            decay=decay,
+            owns_whole=site.layout.replica_of(site.rank) == 0,
+            shapes={name: shape for name, shape, _ in site.spec},
+        )
+        super().__init__(
+            nn.ModuleList(pipeline.modules),
+            group=site.control,
+            decay=decay,
+            evaluate=lambda _model: site.evaluate_gathered() or {},
+            optimizer=pipeline.optimizer,
+            shards=shards,
+        )
+        self.state = state
+        self._site = site
+
+    def holds(self) -> list[str]:
+        """The federated tensors this rank keeps θ of (its stages'), in the model's order."""
+        return [name for name in self.shards.shapes if name in self.shards.ranges]
+
+    # ---- checkpoint ------------------------------------------------------------------------
+
+    def _own_key(self) -> str:
+        return f"pipeline/rank{self.rank}"
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        buffer = io.BytesIO()
+        torch.save(self._site.training_state(), buffer)
+        blob = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        return {"shards": self.shards.state_dict(), self._own_key(): blob}
+
+    def load(self, path: str) -> None:
+        """θ and the residuals of this rank's rows from ``path`` (written under this layout or
+        another), and this rank's training state where one was written for its rank under the
+        same layout (else the leader's step and job state only); then the local rows ← θ."""
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+        from torch.distributed.checkpoint.state_dict_loader import load
+
+        stored = FileSystemReader(path).read_metadata().state_dict_metadata
+        state: dict[str, Any] = {"shards": self.shards.state_dict()}
+        keys = dict.fromkeys([self._own_key(), "pipeline/rank0"])
+        for key in keys:
+            meta = stored.get(key)
+            size = getattr(meta, "size", None)
+            if size is not None:
+                state[key] = torch.empty(tuple(size), dtype=torch.uint8)
+        load(state, checkpoint_id=path, process_group=self.group)
+        self.shards.load_state_dict(state["shards"])
+        trained = {key: _unpack(state[key]) for key in keys if key in state}
+        self._site.load_training_state(
+            trained.get(self._own_key()), leader=trained.get("pipeline/rank0")
+        )
+        self.reset_local()
+
+
+def _unpack(blob: torch.Tensor) -> Mapping[str, Any]:
+    value = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=False)
+    assert isinstance(value, Mapping)
+    return value
+
+
+__all__ = ["StageSync"]
