@@ -179,6 +179,10 @@ class Aggregator(Protocol):
     alignment may plan extra steps from it; False where an update may come from no training
     (a retry's survivors send again the update they already trained): rounds record no
     arrival then."""
+    holds_updates: bool
+    """Whether a fold holds each update as the bytes it came as until its round's result is
+    taken (charged to its sender meanwhile: ``coordinator.allowance``); False where it folds
+    an update on arrival and lets it go."""
 
     def check_join(self, msg: Join) -> None:
         """Refuse (ValueError naming the site) a join that could not take part."""
@@ -239,6 +243,7 @@ class _NoKeys:
     whole_rounds = False
     late_refusal = ""
     arrivals_time_training = True
+    holds_updates = True
 
     def check_join(self, msg: Join) -> None:
         return None

@@ -42,6 +42,7 @@ from comm.wire.schema import (
 )
 from comm.wire.tensors import check_slices, decode_tensors
 from coordinator.aggregate import Aggregator
+from coordinator.allowance import hold_update
 from coordinator.conflicts import ClaimVerdict, IdentityConflicts
 from coordinator.delivery import Delivery
 from coordinator.global_model import GlobalModel
@@ -57,7 +58,7 @@ from coordinator.model_spec import (
 from coordinator.planner import Planner
 from coordinator.post import PostOffice
 from coordinator.reported import check_reported
-from coordinator.round import UpdateRefusal
+from coordinator.round import Taken, UpdateRefusal
 from coordinator.scheduler import SiteView
 
 log = logging.getLogger("crossdc.coordinator")
@@ -366,6 +367,20 @@ class Intake:
 
     # ---- updates ---------------------------------------------------------------------------
 
+    def _take(self, peer: bytes, msg: Update) -> UpdateRefusal | Taken:
+        """The update to its round (``Lifecycle.take``). Where the rounds hold updates as they
+        came, its encoded bytes are charged to its sender's account from now until its round
+        lets go of them (``coordinator.allowance``): past the sender's allowance it is refused
+        (``oversize``, counted as ``update_over_allowance``) and nothing changes."""
+        chan = self._post.chan
+        if not self._aggregator.holds_updates or chan is None:
+            return self._rounds.take(self._clock(), msg)
+        try:
+            charge = hold_update(chan.charges, peer, sum(enc.nbytes for enc in msg.payload))
+        except WireError as exc:
+            return UpdateRefusal(exc.code, exc.detail, reason="update_over_allowance")
+        return self._rounds.take(self._clock(), msg, charge)
+
     def _on_update(self, peer: bytes, msg: Update) -> None:
         """An update, to its round (``Lifecycle.take``); counted and logged once taken."""
         if self._model.state is None:
@@ -374,11 +389,11 @@ class Intake:
             self._post.reject(peer, ErrorCode.UNEXPECTED, detail, msg.site_id)
             return
         cpu = time.thread_time()
-        taken = check_reported(msg) or self._rounds.take(self._clock(), msg)
+        taken = check_reported(msg) or self._take(peer, msg)
         if self.on_update is not None and (isinstance(taken, UpdateRefusal) or not taken.late):
             self.on_update(msg, taken.detail if isinstance(taken, UpdateRefusal) else None)
         if isinstance(taken, UpdateRefusal):
-            self._post.reject(peer, taken.code, taken.detail, msg.site_id)
+            self._post.reject(peer, taken.code, taken.detail, msg.site_id, reason=taken.reason)
             return
         self._metrics.fold_cpu_seconds.inc(time.thread_time() - cpu)
         self._metrics.fold_parameter_updates.inc(sum(enc.numel for enc in msg.payload))

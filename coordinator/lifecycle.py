@@ -32,7 +32,7 @@ from coordinator.aggregate import Aggregator, Fold, WeightedMean
 from coordinator.config import RoundsConfig
 from coordinator.decisions import Abort, Close, Decision, Finish, Open, Remove, Retry
 from coordinator.membership import Membership
-from coordinator.round import Round, Taken, UpdateRefusal
+from coordinator.round import Charge, Round, Taken, UpdateRefusal
 from coordinator.rounds import (
     Action,
     OpenRound,
@@ -134,17 +134,21 @@ class Lifecycle:
 
     # ---- updates -------------------------------------------------------------------------------
 
-    def take(self, now: float, msg: Update) -> UpdateRefusal | Taken:
-        """An update, to the round it names: refused (nothing changes), or checked, folded and
-        recorded there (``Round.take``)."""
+    def take(self, now: float, msg: Update, charge: Charge | None = None) -> UpdateRefusal | Taken:
+        """An update, to the round it names: refused (nothing changes; ``charge``, what holding
+        it costs its sender, is given back), or checked, folded and recorded there, holding the
+        charge (``Round.take``)."""
         r = self.open_round(msg.round_id) or self.closed.get(msg.round_id)
         if r is None:
+            if charge is not None:
+                charge.release()
             return UpdateRefusal(ErrorCode.STALE_ROUND, f"round {msg.round_id} is not open")
         verdict = r.take(
             now,
             msg,
             staleness=self.round_counter - msg.round_id,
             horizon=self.cfg.max_staleness_rounds,
+            charge=charge,
         )
         if isinstance(verdict, Taken):
             if verdict.late:

@@ -80,7 +80,7 @@ class Opening:
                 plan_why,
             )
         )
-        starts: list[tuple[bytes, RoundStart]] = []
+        starts: list[tuple[str, RoundStart]] = []
         for i, site_id in enumerate(participants):
             start = RoundStart(
                 round_id=round_id,
@@ -97,12 +97,16 @@ class Opening:
                 reason=plan_why,
                 **extra,
             )
-            starts.append((self._members[site_id].peer, start))
+            starts.append((site_id, start))
 
         def send() -> None:
-            # Sent and not kept: under some aggregations it carries every peer's keys.
-            for peer, start in starts:
-                self._post.send(peer, start)
+            # Sent and not kept: under some aggregations it carries every peer's keys. Each
+            # site's connection is looked up now: with a release hook the plans go out later,
+            # and a site may have joined again on another connection in between.
+            for site_id, start in starts:
+                member = self._members.get(site_id)
+                if member is not None:
+                    self._post.send(member.peer, start)
 
         if self.release is None:
             send()

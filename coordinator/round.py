@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from comm.wire.schema import ErrorCode, Update
 from coordinator.aggregate import Aggregator, Fold, Late, Refused, RoundResult
@@ -29,12 +30,22 @@ _acceptance = itertools.count()
 """The order in which this process accepts updates, across every round."""
 
 
+class Charge(Protocol):
+    """An accepted update's bytes charged to its sender while a round holds them
+    (``coordinator.allowance.hold_update``)."""
+
+    def release(self) -> None:
+        """Give the bytes back (once; later calls do nothing)."""
+
+
 @dataclass(frozen=True)
 class UpdateRefusal:
     """An update that may not be accepted: the Error code and detail its sender is told."""
 
     code: ErrorCode
     detail: str
+    reason: str = ""
+    """The refusals counter's label (empty: the code's name)."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,11 @@ class Round:
     frozen: bool = False
     """A round of a coordinator of several shards being closed: it takes no more updates, on
     time or late, so every shard merges the same ones (``coordinator.shard_plane``)."""
+    charges: dict[str, Charge] = field(default_factory=dict)
+    """What the on-time updates held cost their senders, until the result is taken or the
+    attempt is let go (:meth:`retry`, :meth:`abort`)."""
+    late_charges: dict[str, Charge] = field(default_factory=dict)
+    """What the late updates waiting cost their senders, until a later close takes them."""
 
     # ---- views ---------------------------------------------------------------------------------
 
@@ -175,10 +191,30 @@ class Round:
         return None
 
     def take(
-        self, now: float, msg: Update, *, staleness: int, horizon: int
+        self,
+        now: float,
+        msg: Update,
+        *,
+        staleness: int,
+        horizon: int,
+        charge: Charge | None = None,
     ) -> UpdateRefusal | Taken:
         """Check an update, fold its tensors in (the on-time fold, or the late one) and record
-        it: a refusal changes nothing."""
+        it: a refusal changes nothing (``charge``, what holding it costs its sender, is given
+        back). An update taken keeps its ``charge`` until the round lets go of it."""
+        verdict = self._take(now, msg, staleness=staleness, horizon=horizon)
+        if charge is not None:
+            if isinstance(verdict, UpdateRefusal):
+                charge.release()
+            elif verdict.late:
+                self.late_charges[msg.site_id] = charge
+            else:
+                self.charges[msg.site_id] = charge
+        return verdict
+
+    def _take(
+        self, now: float, msg: Update, *, staleness: int, horizon: int
+    ) -> UpdateRefusal | Taken:
         refusal = self.check(
             msg.site_id, msg.fragment, msg.global_version, staleness=staleness, horizon=horizon
         )
@@ -235,6 +271,7 @@ class Round:
         gathered, no plan to send again (the retry's go out once)."""
         self.participants = survivors
         self.fold = fold
+        _release(self.charges)
         self.accepted, self.arrived = {}, {}
         self.dropped = frozenset()
         self.quorum_at = None
@@ -245,10 +282,14 @@ class Round:
         self.merged = frozenset(merged)
 
     def abort(self) -> None:
-        """What the round gathered is void."""
+        """What the round gathered is void, its late updates too (a close undone: nothing
+        merges them)."""
         self.merged = frozenset()
         self.fold = None
         self.accepted, self.arrived = {}, {}
+        self.late_waiting, self.late_fold = [], None
+        _release(self.charges)
+        _release(self.late_charges)
 
     def take_late(self, round_id: int) -> tuple[list[Accepted], Late]:
         """The late updates waiting, merged now by round ``round_id`` of the same fragment: down-
@@ -256,13 +297,15 @@ class Round:
         assert self.late_fold is not None
         taken, fold = self.late_waiting, self.late_fold
         self.late_waiting, self.late_fold = [], None
+        _release(self.late_charges)
         divisor = 1 + max(1, (round_id - self.round_id) // self.num_fragments)
         return taken, Late(self.round_id, divisor, fold)
 
     def result(self, earlier: Sequence[Round] = ()) -> tuple[RoundResult, list[Accepted]]:
         """What the strategy merges: this round's on-time updates and the late updates waiting
         in ``earlier`` rounds of its fragment (which let go of them), and those late updates in
-        the order they were accepted. The round lets go of its fold."""
+        the order they were accepted. The round lets go of its fold, and every update it takes
+        gives its sender's charge back: the result holds them until the step has read them."""
         fold, self.fold = self.fold, None
         assert fold is not None and not self.is_open, "a closed round's result, once"
         late: list[Accepted] = []
@@ -272,4 +315,13 @@ class Round:
             late += taken
             folds.append(lf)
         late.sort(key=lambda u: u.order)
-        return fold.result(str(self.round_id), folds), late
+        result = fold.result(str(self.round_id), folds)
+        _release(self.charges)
+        return result, late
+
+
+def _release(charges: dict[str, Charge]) -> None:
+    """Give back every charge of ``charges`` and forget them."""
+    for charge in charges.values():
+        charge.release()
+    charges.clear()

@@ -189,6 +189,7 @@ class MaskedSumAggregator:
     whole_rounds = True
     late_refusal = "masked updates cannot be merged late"
     arrivals_time_training = False
+    holds_updates = False  # a masked update is added to the masked sum as it arrives
     name = "secure aggregation"
     reveals = Revealed.SUM
 

@@ -242,6 +242,7 @@ class Coordinator:
             members=self.membership,
             numel=lambda: None if self.model.state is None else self.model.numel,
             unknown_model_bytes=self.sections.post.channel.max_transfer_bytes,
+            held_updates=self.sections.rounds.max_open + self.sections.rounds.num_fragments,
         )
         endpoint = self.status_report.endpoint = self.post.bind(allowance)
         if self.sections.state.path is not None:

@@ -282,7 +282,16 @@ class Resumed:
     """The whole model's hash at ``resume.version`` (empty: shard 0 did not say)."""
 
 
-FollowerEvent = Resumed | Decision
+@dataclass(frozen=True)
+class Heard:
+    """Shard 0's answer to a later hello (same shard 0): its last committed version and the
+    whole model's hash at it (empty: not known)."""
+
+    version: int
+    state_hash: str
+
+
+FollowerEvent = Resumed | Heard | Decision
 
 
 class ShardFollower:
@@ -334,7 +343,7 @@ class ShardFollower:
         self.heard_at = self._clock()
         if isinstance(msg, ShardState):
             if self.resumed is not None and msg.session == self._session:
-                return []
+                return [Heard(msg.global_version, msg.state_hash)]
             if self.resumed is not None:
                 log.warning(
                     "[coordinator shard=%d] shard 0 started again (session %s)",

@@ -64,6 +64,7 @@ from coordinator.shard_initial import Held, Initials, read_record, write_record
 from coordinator.shard_link import ShardClient, ShardServer
 from coordinator.shard_peers import (
     FollowerEvent,
+    Heard,
     Joined,
     LeaderEvent,
     Lost,
@@ -127,6 +128,8 @@ class _Shard:
             coord.model.whole_hash = (0, whole_hash0)
         self._saved: dict[int, Saved] = {}
         """Rounds this shard saved and has not announced (waiting for the commit)."""
+        self._undone: set[int] = set()
+        """Rounds whose result this shard took back (a save of one finishing later is void)."""
         coord.status_report.shard = (identity.index, identity.count)
         coord.closing.gate = self._on_saved
 
@@ -236,6 +239,9 @@ class _Shard:
             version,
             why,
         )
+        # The save of the version dropped may still be in the writer: going back waits for
+        # it, and its Saved, which comes then, is void.
+        self._undone.add(st.global_version)
         state = self.coord.post.roll_back(version)
         self.coord.model.rolled_back(state)
         self.coord.metrics.global_version.set(version)
@@ -255,6 +261,27 @@ class _Shard:
 
     def _aborted_open(self, decision: Abort) -> None:
         """Rounds this shard undid or aborted on its own (they built on a version dropped)."""
+
+    def _closed_here(self, ids: Sequence[int]) -> Round | None:
+        """The round of ``ids`` whose result this shard's model is (closed here, its save
+        durable or still in the writer, not announced): aborting it takes the model back."""
+        book = self.coord.book
+        r = book.closed.get(book.global_version)
+        if r is not None and r.merged is not None and r.round_id in ids:
+            return r
+        found = [i for i in ids if i in self._saved]
+        return book.closed.get(found[0]) if found else None
+
+    def _void_save(self, saved: Saved) -> bool:
+        """A save that finished after its round was taken back: logged, nothing follows."""
+        if saved.round_id not in self._undone:
+            return False
+        log.warning(
+            "[coordinator shard=%d] round %d saved after it was taken back: ignored",
+            self.identity.index,
+            saved.round_id,
+        )
+        return True
 
     def _live(self, round_id: int) -> Round | None:
         """Round ``round_id`` while it takes parts (open, not frozen)."""
@@ -428,8 +455,14 @@ class LeadShard(_Shard):
             log.warning("[coordinator shard=0] %s", exc)
 
     def _on_saved(self, saved: Saved) -> None:
+        if self._void_save(saved):
+            return
+        try:
+            done = self.plane.prepared(0, saved.round_id, saved.version, saved.digests())
+        except ValueError as exc:  # the round is no longer one the shards prepare
+            log.error("[coordinator shard=0] round %d saved: %s", saved.round_id, exc)
+            return
         self._saved[saved.round_id] = saved
-        done = self.plane.prepared(0, saved.round_id, saved.version, saved.digests())
         if done is not None:
             self._events.append(done)
 
@@ -513,7 +546,7 @@ class LeadShard(_Shard):
     def _abort(self, ids: tuple[int, ...], why: str) -> None:
         """Rounds the plane aborted, aborted here too (the sites told); a version saved for one
         of them is dropped."""
-        if any(i in self._saved for i in ids):
+        if self._closed_here(ids) is not None:
             self._go_back(self.committed, why)
         for i in ids:
             self._starts.pop(i, None)
@@ -600,6 +633,11 @@ class FollowShard(_Shard):
         )
         self._final_round: int | None = None
         """The run's last round, once shard 0 closed it."""
+        self._out_of_step: ShardOpen | None = None
+        """A round shard 0 opened on another version than this shard's: opened once this
+        shard met shard 0 again (it missed an abort, or a commit)."""
+        self._resynced = -1
+        """The last round whose opening made this shard meet shard 0 again."""
         self._final_at: float | None = None
         coord.decides = False
         coord.intake.on_update = self._on_update
@@ -667,6 +705,8 @@ class FollowShard(_Shard):
         self.follower.partition = self.partition
 
     def _on_saved(self, saved: Saved) -> None:
+        if self._void_save(saved):
+            return
         self._saved[saved.round_id] = saved
         digests = {name: d.hex() for name, d in saved.digests().items()}
         self.follower.report(
@@ -687,9 +727,14 @@ class FollowShard(_Shard):
                 if event.resume.roll_back:
                     self._go_back(event.resume.version, "shard 0 never committed it")
                 self._met_again(event.resume.version)
-                book.round_counter = max(book.round_counter, event.round_counter)
+                counter = event.round_counter
+                if self._out_of_step is not None:  # shard 0 counted the round to open again
+                    counter = min(counter, self._out_of_step.round_id - 1)
+                book.round_counter = max(book.round_counter, counter)
                 if event.state_hash:
                     self._known(event.resume.version, event.state_hash, met=True)
+            elif isinstance(event, Heard):
+                self._heard(event)
             elif isinstance(event, ShardOpen):
                 st = self.coord.state
                 assert st is not None
@@ -712,10 +757,8 @@ class FollowShard(_Shard):
             elif isinstance(event, ShardInitialDone):
                 self._take_initial(event)
             else:
-                saved = [r for r in event.round_ids if r in self._saved]
-                if saved:
-                    r = book.closed.get(saved[0])
-                    assert r is not None
+                r = self._closed_here(event.round_ids)
+                if r is not None:
                     self._go_back(r.base_version, f"shard 0: {event.reason}")
                 aborted = abort_as_told(book, event)
                 if aborted is not None:
@@ -727,6 +770,14 @@ class FollowShard(_Shard):
                     )
         except ValueError as exc:
             log.error("[coordinator shard=%d] out of step with shard 0: %s", i, exc)
+            if isinstance(event, ShardOpen) and event.round_id != self._resynced:
+                # A decision it missed (the transport gave it up): meet shard 0 again (its
+                # next answer says the version it committed), then open the round.
+                self._out_of_step, self._resynced = event, event.round_id
+                self.follower.resumed = None
+        if isinstance(event, Resumed) and self._out_of_step is not None:
+            again, self._out_of_step = self._out_of_step, None
+            self._on(again)
 
     def _met_again(self, version: int) -> None:
         """Shard 0 (started again) runs ``version``: the rounds open here are none of its own
@@ -754,6 +805,25 @@ class FollowShard(_Shard):
         path = self.coord.sections.state.path
         if path is not None:
             shard_commit.write(path, shard_commit.Committed(version, digest))
+
+    def _heard(self, event: Heard) -> None:
+        """Shard 0 committed the version this shard saved, and its commit never came (the
+        transport gave it up): committed here too, under the hash shard 0 says."""
+        saved = next((s for s in self._saved.values() if s.version == event.version), None)
+        if saved is None or not event.state_hash:
+            return
+        log.warning(
+            "[coordinator shard=%d] round %d committed by shard 0, its commit never came",
+            self.identity.index,
+            saved.round_id,
+        )
+        commit = ShardCommit(
+            round_id=saved.round_id,
+            global_version=saved.version,
+            state_hash=event.state_hash,
+            shard_hashes=(),
+        )
+        self._commit(commit)
 
     def _commit(self, event: ShardCommit) -> None:
         saved = self._saved.pop(event.round_id, None)

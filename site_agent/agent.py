@@ -40,7 +40,6 @@ from site_agent.rounds import Drop, Send, SiteRounds, Stop, Train, Wait
 from site_agent.sender import UpdateSender
 from site_agent.session import CoordinatorLink, ErrorResponse, Session
 from site_agent.shardreplica import ShardedReplica
-from site_agent.shardsync import LeaderSync
 from site_agent.status import SiteStatus, status_server
 from site_agent.throughput import SlotTally, Throughput
 from site_agent.trainer import NonFiniteLossError, SiteTrainer, TrainStats
@@ -77,7 +76,7 @@ class SiteAgent:
         feedback = ErrorFeedback(decay=cfg.error_feedback_decay)
         # A trainer whose model is sharded over its ranks syncs shard by shard: the replica
         # holds no parameters, the ranks do (site_agent.shardsync).
-        sync: LeaderSync | None = getattr(trainer, "sharded_sync", None)
+        sync = trainer.sharded_sync
         self.replica: Replica | ShardedReplica
         if sync is not None:
             self.replica = ShardedReplica.for_site(

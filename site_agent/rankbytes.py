@@ -15,6 +15,7 @@ through it there (a host copy each way, one buffer at a time); on gloo they stay
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -63,11 +64,15 @@ def _device(group: dist.ProcessGroup | None) -> torch.device:
 
 
 def _outgoing(buf: Any, device: torch.device) -> torch.Tensor:
-    """A buffer's bytes as a flat uint8 tensor on ``device`` (on the host: the buffer itself)."""
+    """A buffer's bytes as a flat uint8 tensor on ``device`` (on the host: the buffer itself,
+    read-only ones too: it is only sent)."""
     arr = np.ascontiguousarray(_array(buf)).reshape(-1).view(np.uint8)
-    if not arr.flags.writeable:
-        arr = arr.copy()  # torch shares only writable arrays
-    t = torch.from_numpy(arr)
+    if arr.flags.writeable:
+        t = torch.from_numpy(arr)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "not writable": nothing writes it
+            t = torch.frombuffer(arr, dtype=torch.uint8)
     return t if device.type == "cpu" else t.to(device)
 
 

@@ -301,7 +301,7 @@ class RankShards:
         out: dict[str, torch.Tensor] = {}
         for name in self.ranges:
             theta = self._theta[name]
-            residual = self.residual(name)
+            residual = self.feedback.residual_held(name)  # no copy: the checkpoint reads it
             if residual is None:
                 residual = torch.zeros_like(theta)
             out[f"theta/{name}"] = self._placed(name, theta)

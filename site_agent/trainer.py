@@ -18,7 +18,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ from site_agent.jobs.contract import (
 )
 from site_agent.jobs.contract import buffer_names as federated_buffer_names
 from site_agent.jobs.contract import state_spec as model_state_spec
+
+if TYPE_CHECKING:
+    from site_agent.shardsync import LeaderSync
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,11 @@ class SiteTrainer(Protocol):
     evaluates: bool
     """Whether ``validate`` gives metrics (the site says so at its join, so that one that
     cannot is never asked to validate)."""
+
+    sharded_sync: LeaderSync | None
+    """How the agent syncs a model held in shards over the site's ranks (its replica then holds
+    the version, never the values: ``site_agent.shardreplica``); None: the trainer's process
+    holds the whole model and the agent syncs ``parameters_numpy``."""
 
     def train_steps(self, num_steps: int) -> TrainStats: ...
 
@@ -113,6 +121,7 @@ class JobTrainer:
     """
 
     evaluates = True  # every job has evaluate
+    sharded_sync: LeaderSync | None = None  # the model is held whole in this process
 
     def __init__(
         self,

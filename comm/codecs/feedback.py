@@ -235,6 +235,11 @@ class ErrorFeedback:
             return None
         return r.clone() if _is_tensor(r) else r.copy()
 
+    def residual_held(self, name: str) -> Any:
+        """The residual carried for ``name`` itself, not a copy (to read, e.g. to checkpoint it
+        without a second copy of every residual: do not change it), or None."""
+        return self._residuals.get(name)
+
     def residual_norm(self, name: str | None = None) -> float:
         """L2 norm of one residual, or of all of them together (a metric: the error still owed)."""
         return math.sqrt(self.residual_sq_norm(name))

@@ -3,16 +3,19 @@
 Every byte a peer can make this end keep beyond the message at hand is charged here, to that
 peer: a chunked transfer's reassembly (its size and its chunk flags, charged when its first
 chunk opens it and released when it completes or is dropped) and the messages held behind a
-gap in its delivery stream (released when the gap fills). A charge that would take a peer past
+gap in its delivery stream (released when the gap fills); its owner may charge what it keeps
+of a peer's messages after delivery too (a coordinator: the updates its rounds hold, released
+by account, :meth:`PeerCharges.release_account`). A charge that would take a peer past
 its allowance is refused (:class:`~comm.wire.frames.WireError`, ``oversize``, naming what was
 asked and what the peer holds) and changes nothing.
 
 The allowance is the owner's: a coordinator allows a site that has not joined a few KiB and a
-member about the largest message its model makes (``coordinator.allowance``); without an owner's
-rule every peer may hold ``default_bytes``. Charges are keyed by :attr:`PeerCharges.key`: the
-routing id, or, where a channel knows the certified identity behind it, that identity, so one
-site's connections share one allowance. A peer that sends nothing for a while is *quiet*:
-:meth:`PeerCharges.quiet` names it so its owner frees what it holds and keeps for it.
+member a few times the largest message its model makes (``coordinator.allowance``); without an
+owner's rule every peer may hold ``default_bytes``. Charges are keyed by
+:attr:`PeerCharges.key`: the routing id, or, where a channel knows the certified identity
+behind it, that identity, so one site's connections share one allowance. A peer that sends
+nothing for a while is *quiet*: :meth:`PeerCharges.quiet` names it so its owner frees what it
+holds and keeps for it.
 """
 
 from __future__ import annotations
@@ -54,8 +57,9 @@ class PeerCharges:
         """Bytes ``peer`` may still make this end hold."""
         return max(0, self.allowance(peer) - self.held(peer))
 
-    def charge(self, peer: bytes, nbytes: int, what: str) -> None:
-        """Charge ``nbytes`` to ``peer``; refuse (``oversize``) past its allowance."""
+    def charge(self, peer: bytes, nbytes: int, what: str) -> bytes:
+        """Charge ``nbytes`` to ``peer``; refuse (``oversize``) past its allowance. Returns the
+        account charged, for :meth:`release_account`."""
         assert nbytes >= 0, nbytes
         account = self.key(peer)
         held = self._held.get(account, 0)
@@ -68,10 +72,15 @@ class PeerCharges:
             )
         self._held[account] = held + nbytes
         self.peak_bytes = max(self.peak_bytes, self.total)
+        return account
 
     def release(self, peer: bytes, nbytes: int) -> None:
         """Give back ``nbytes`` charged to ``peer`` before."""
-        account = self.key(peer)
+        self.release_account(self.key(peer), nbytes)
+
+    def release_account(self, account: bytes, nbytes: int) -> None:
+        """Give back ``nbytes`` charged to ``account`` (what :meth:`charge` returned): for a
+        charge that may outlive the routing id's mapping to its account."""
         left = self._held.get(account, 0) - nbytes
         assert left >= 0, f"released more than {account!r} held"
         if left:

@@ -204,10 +204,12 @@ def _run_attacks(env: AttackEnv, watch: Watch) -> list[Outcome]:
     return out
 
 
-def bound_bytes(num_parameters: int, members: int, not_joined: int) -> int:
-    """docs/security.md: ``2 x (members x (8 P + 4 MiB) + sites connected without joining x
-    64 KiB)`` plus one message sent whole being read (``chunk_bytes + 64 KiB``)."""
-    member = 8 * num_parameters + MEMBER_SLACK_BYTES
+def bound_bytes(num_parameters: int, members: int, not_joined: int, held_updates: int = 3) -> int:
+    """docs/security.md: ``2 x (members x ((2 + held) x 4 P + 4 MiB) + sites connected without
+    joining x 64 KiB)`` plus one message sent whole being read (``chunk_bytes + 64 KiB``), where
+    ``held`` (``held_updates``) is the updates of a member its rounds may hold: rounds open at
+    once plus fragments (3 with the bench's coordinator: sync overlaps compute, one fragment)."""
+    member = (2 + held_updates) * 4 * num_parameters + MEMBER_SLACK_BYTES
     return 2 * (members * member + not_joined * PRE_JOIN_BYTES) + CHUNK_BYTES + (64 << 10)
 
 

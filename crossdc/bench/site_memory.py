@@ -131,6 +131,41 @@ class _Sampler:
         return self.peak - self.base
 
 
+def _send(conn: Any, encs: Any, extra: Any = None) -> None:
+    """Encoded tensors over a pipe as the agent's transport sends them: each buffer's bytes as
+    they are (a pickle of them would copy them), the headers first."""
+    from dataclasses import replace
+
+    heads = [
+        (
+            replace(e, buffers=()),
+            [(np.asarray(b).dtype.str, np.asarray(b).shape) for b in e.buffers],
+        )
+        for e in encs
+    ]
+    conn.send((heads, extra))
+    for e in encs:
+        for b in e.buffers:
+            conn.send_bytes(np.ascontiguousarray(b).reshape(-1).view(np.uint8).data)
+
+
+def _recv(conn: Any) -> tuple[tuple[Any, ...], Any]:
+    """What :func:`_send` sent: each buffer received into an array of its size."""
+    from dataclasses import replace
+
+    heads, extra = conn.recv()
+    out = []
+    for head, layouts in heads:
+        bufs = []
+        for dtype, shape in layouts:
+            buf = np.empty(shape, dtype=dtype)
+            if buf.nbytes:
+                conn.recv_bytes_into(buf.reshape(-1).view(np.uint8).data)
+            bufs.append(buf)
+        out.append(replace(head, buffers=tuple(bufs)))
+    return tuple(out), extra
+
+
 def _train_step(model: Any, optimizer: Any, rank: int) -> None:
     import torch
 
@@ -239,9 +274,9 @@ def _site_one(params: int, codec: str, conn: Any, state_dir: str) -> None:
             assert payload is not None
             replica.sent(0, taken[1], 0)
             del taken
-            conn.send(payload.tensors)
+            _send(conn, payload.tensors)
             del payload
-            result, digest = conn.recv()
+            result, digest = _recv(conn)
             outcome = replica.apply_global(_result(round_id, result, digest), at_step=0)
             assert outcome.value == "applied", outcome
             del result
@@ -314,9 +349,9 @@ def _site_rank(rank: int, world: int, params: int, codec: str, conn: Any, state_
                 rs = _plan(round_id, codec)
                 payload = replica.take_update(rs, stats, tokens=1, at_step=0)
                 assert payload is not None
-                conn.send(payload.tensors)
+                _send(conn, payload.tensors)
                 del payload
-                result, digest = conn.recv()
+                result, digest = _recv(conn)
                 outcome = replica.apply_global(_result(round_id, result, digest), at_step=0)
                 assert outcome.value == "applied", outcome
                 del result
@@ -361,8 +396,10 @@ def _figures(base: int, growth: list[int]) -> dict[str, Any]:
 def _serve(coordinator: _Coordinator, conn: Any, procs: list[Any]) -> list[dict[str, Any]]:
     """Answer the leader's two updates, then collect every process's figures."""
     for _ in range(2):
-        payload = conn[0].recv()
-        conn[0].send(coordinator.answer(payload))
+        payload, _ = _recv(conn[0])
+        result, digest = coordinator.answer(payload)
+        _send(conn[0], result, digest)
+        del payload, result
     figures = [c.recv() for c in conn]
     for p in procs:
         p.join(timeout=120)

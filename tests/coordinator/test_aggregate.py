@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from comm.codecs.base import EncodedTensor
 from comm.codecs.registry import get_codec
-from comm.wire.schema import ErrorCode
+from comm.wire.frames import from_wire, to_wire
+from comm.wire.schema import ErrorCode, Update
 from comm.wire.tensors import encode_slice, encode_tensors
 from coordinator.aggregate import HeldMean, Late, MeanFold, MeanResult, Refused
 from coordinator.strategies.base import weighted_mean
@@ -165,6 +166,36 @@ def test_an_update_is_held_as_the_bytes_it_came_as_without_a_copy() -> None:
         assert all(np.shares_memory(a, b) for a, b in zip(piece.buffers, enc.buffers, strict=True))
     assert 16 << 20 <= fold_peak < 24 << 20, fold_peak
     assert mean.folded == len(shapes)
+
+
+def test_an_update_off_the_wire_is_held_in_the_bytes_it_arrived_in() -> None:
+    """From the reassembled frames to the fold, nothing copies an update: the pieces the fold
+    holds are views of the buffer the transport reassembled."""
+    payload = encode_tensors(_update(0), get_codec("int4"))
+    msg = Update(
+        site_id="a",
+        round_id=1,
+        global_version=0,
+        fragment=0,
+        weight=1.0,
+        train_loss=1.0,
+        compute_seconds=1.0,
+        step_seconds=0.1,
+        link_rtt_s=0.0,
+        link_goodput_bps=0.0,
+        payload=payload,
+    )
+    frames = [bytearray(bytes(f)) for f in to_wire(msg, session="s", seq=1)]
+    received = from_wire(frames)
+    assert isinstance(received, Update)
+    fold = MeanFold(1e9, ["a"])
+    assert isinstance(fold.add("a", 1.0, received.payload, SHAPES), str)
+    (held,) = fold.ordered()
+    for pieces in held.pieces.values():
+        for enc in pieces:
+            for buf in enc.buffers:
+                assert any(np.shares_memory(buf, np.frombuffer(f, np.uint8)) for f in frames)
+    assert fold.nbytes == sum(enc.nbytes for enc in payload)
 
 
 def test_every_tensor_of_a_mean_is_folded_into_one_buffer() -> None:

@@ -51,6 +51,7 @@ class FakeTrainer:
     """Two parameters; every inner step adds 1 to each and trains 10 tokens."""
 
     evaluates = True
+    sharded_sync = None
 
     def __init__(self) -> None:
         self.params = {"a": np.zeros(4, np.float32), "b": np.zeros(3, np.float32)}
