@@ -61,6 +61,11 @@ class SiteConfig:
     coordinator_shards: tuple[str, ...] = ()
     """A coordinator of several shards: every shard's endpoint, shard 0's first (it is
     ``coordinator``; the site's kit names them all). Empty: one coordinator process."""
+    shard_result_wait_s: float = 300.0
+    """With ``coordinator_shards``: how long shard 0's plans wait behind a result of which a
+    shard's part has not come (shard 0 sends a result before the plan naming its version);
+    then the result is dropped and the site catches up. Shard 0's next round's plan drops it
+    at once."""
     state_dir: str = "./site-state"
     """Site-local checkpoint directory."""
     metrics_port: int = 0
@@ -115,6 +120,10 @@ class SiteConfig:
 
     def _check_shards(self) -> None:
         """A sharded coordinator's endpoints: two or more, distinct, shard 0's ``coordinator``."""
+        if not self.shard_result_wait_s > 0:
+            raise ValueError(
+                f"site.shard_result_wait_s must be > 0, got {self.shard_result_wait_s!r}"
+            )
         shards = self.coordinator_shards
         if not shards:
             return

@@ -134,8 +134,10 @@ class Session:
         heartbeat_version: Callable[[], int],
         link: CoordinatorLink | None = None,
         shards: tuple[str, ...] = (),
+        shard_wait_s: float = 300.0,
     ) -> None:
-        """``shards``: a sharded coordinator's endpoints, shard 0's first (``coordinator``)."""
+        """``shards``: a sharded coordinator's endpoints, shard 0's first (``coordinator``);
+        ``shard_wait_s``: ``site.shard_result_wait_s``."""
         self.identity = identity
         self.site_id = identity.site_id
         self._channel = channel
@@ -145,6 +147,7 @@ class Session:
         self._heartbeat_version = heartbeat_version
         self.link = link
         self._shards = shards
+        self._shard_wait_s = shard_wait_s
         self.session_id = ""
         self.auth = AuthWatch()
         self._echoes_seen, self._last_echo_at = 0, clock()
@@ -174,6 +177,7 @@ class Session:
             heartbeat_version=heartbeat_version,
             link=link,
             shards=cfg.coordinator_shards,
+            shard_wait_s=cfg.shard_result_wait_s,
         )
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -226,7 +230,8 @@ class Session:
             for started in links:
                 started.close()
             raise
-        return ShardedLink(links, partition(spec, len(self._shards)))
+        parts = partition(spec, len(self._shards))
+        return ShardedLink(links, parts, wait_s=self._shard_wait_s, clock=self._clock)
 
     def close(self) -> None:
         if self.link is not None:

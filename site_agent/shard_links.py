@@ -13,7 +13,9 @@ whether its coordinator is one process or S:
   every shard, each of which admits the site for its tensors;
 - what it receives: shard 0's plans (``RoundStart``, ``RoundCancel``, ``Shutdown``) in their
   order with the results (held while a result is in part here: one coordinator sends a result
-  before the plan that names its version, on one connection, and the site counts on that),
+  before the plan that names its version, on one connection, and the site counts on that; not
+  for good: a result whose other parts have not come when shard 0 sends its next round's plan,
+  or within ``wait_s``, is dropped, and the site catches up as after any lost result),
   heartbeat echoes as they come, any shard's ``Error``; a ``Welcome`` once every shard has welcomed the
   join (shard 0's); a ``Global`` once every shard's result of that version has arrived, as one
   message: every shard's tensors, and shard 0's state hash (the combined hash over every shard,
@@ -28,8 +30,9 @@ channel itself.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -79,7 +82,16 @@ _ResultKey = tuple[int, int, int, bool]
 class ShardedLink:
     """One link per coordinator shard, shard 0 first, behind one interface (module doc)."""
 
-    def __init__(self, links: Sequence[ShardChannel], parts: Sequence[Sequence[str]]) -> None:
+    def __init__(
+        self,
+        links: Sequence[ShardChannel],
+        parts: Sequence[Sequence[str]],
+        *,
+        wait_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``wait_s``: how long shard 0's plans wait behind a result in part here (``site.
+        shard_result_wait_s``)."""
         if len(links) != len(parts) or len(links) < 2:
             raise ValueError(
                 f"{len(links)} links for {len(parts)} shards: one link per shard, at least two"
@@ -93,6 +105,10 @@ class ShardedLink:
         """The site's id, from the join this link forwarded (for a ``SyncRequest`` it sends)."""
         self._held: list[Message] = []
         """Shard 0's plans that came while a result was in part here, in order."""
+        self._held_since = 0.0
+        """When the first of them came."""
+        self._wait_s = wait_s
+        self._clock = clock
         self._due: deque[Message] = deque()
         """Messages for the site, in order, before anything received next."""
 
@@ -138,6 +154,8 @@ class ShardedLink:
         """The next message for the site, waiting up to ``timeout_s`` over all the shards."""
         # Each shard in turn gets the wait, starting after the one that answered last, so a busy
         # shard does not starve the others.
+        if self._held and self._clock() - self._held_since > self._wait_s:
+            self._give_up(f"not complete after {self._wait_s:.0f}s")
         if self._due:
             return self._due.popleft()
         count = len(self.links)
@@ -165,7 +183,16 @@ class ShardedLink:
             return self._result(shard, msg)
         if shard == 0:
             if isinstance(msg, _FROM_LEADER) and (self._held or self._waiting()):
+                if not self._held:
+                    self._held_since = self._clock()
                 self._held.append(msg)  # after the result in part here
+                if (
+                    isinstance(msg, RoundStart)
+                    and sum(isinstance(m, RoundStart) for m in self._held) > 1
+                ):
+                    # A round went by since the plan held first: the result it waits for has
+                    # had its time (its other parts were lost: a shard's announcement given up).
+                    self._give_up(f"shard 0 sent round {msg.round_id}'s plan", msg.global_version)
                 return None
             return msg
         if not isinstance(msg, _FROM_LEADER):
@@ -213,6 +240,21 @@ class ShardedLink:
         shard 0 sends its part before any plan that names its version, or never (it restarted
         before it announced it, and the site catches up)."""
         return any(0 in parts for parts in self._results.values())
+
+    def _give_up(self, why: str, upto: int | None = None) -> None:
+        """Drop the results in part here that shard 0 sent its part of (of versions up to
+        ``upto``): the plans held behind them are due, and the site catches up (a plan naming a
+        version it lacks makes it ask; without one, this link asks every shard)."""
+        dropped = [k for k, p in self._results.items() if 0 in p and (upto is None or k[2] <= upto)]
+        for key in dropped:
+            log.warning("[site] result of version %d never completed (%s): dropped", key[2], why)
+            del self._results[key]
+        plan = any(isinstance(m, RoundStart) for m in self._held)
+        self._release()
+        if dropped and not plan and self._site_id:
+            base = min(k[1] if not k[3] else -1 for k in dropped)
+            for link in self.links:
+                link.send(SyncRequest(site_id=self._site_id, global_version=base))
 
     def _release(self) -> None:
         """Shard 0's held plans are due once no result it sent is in part here."""

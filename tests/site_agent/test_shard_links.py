@@ -19,6 +19,7 @@ from comm.wire.schema import (
     Heartbeat,
     Join,
     Message,
+    RoundCancel,
     RoundStart,
     SyncRequest,
     Update,
@@ -280,3 +281,58 @@ def test_a_join_drops_the_results_in_part_and_the_plans_held_behind_them() -> No
     assert _drain(link) == [_plan(4, 3)]
     scripts[0].inbox.append(_plan(5, 3))
     assert _drain(link) == [_plan(5, 3)]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _cancel(round_id: int) -> RoundCancel:
+    return RoundCancel(round_ids=(round_id,), reason="test")
+
+
+def test_plans_held_behind_a_result_that_never_completes_come_after_the_wait() -> None:
+    """Shard 1's part of version 3 never comes (its announcement was given up): after
+    ``wait_s`` the result is dropped and shard 0's plans come (the site catches up on the plan
+    naming a version it lacks); the part coming later holds nothing."""
+    clock = _Clock()
+    scripts = [Script(), Script()]
+    link = ShardedLink(scripts, PARTS, wait_s=30.0, clock=clock)
+    scripts[0].inbox.extend([_global(0), _plan(4, 3)])
+    assert _drain(link) == []
+    clock.now += 30.0
+    assert _drain(link) == []
+    clock.now += 0.5
+    assert _drain(link) == [_plan(4, 3)]
+    scripts[1].inbox.append(_global(1))
+    scripts[0].inbox.append(_plan(5, 3))
+    assert _drain(link) == [_plan(5, 3)]
+
+
+def test_shard_zeros_next_rounds_plan_drops_a_result_that_never_completed() -> None:
+    link, scripts = _link()
+    scripts[0].inbox.extend([_global(0), _plan(4, 3), _cancel(4), _plan(5, 3)])
+    assert _drain(link) == [_plan(4, 3), _cancel(4), _plan(5, 3)]
+    scripts[0].inbox.append(_plan(6, 3))
+    assert _drain(link) == [_plan(6, 3)]
+
+
+def test_a_cancel_held_behind_a_result_that_never_completes_asks_every_shard() -> None:
+    """No plan among what was held: the link asks every shard for what the site lacks (from
+    the version the result built on)."""
+    clock = _Clock()
+    scripts = [Script(), Script()]
+    link = ShardedLink(scripts, PARTS, wait_s=30.0, clock=clock)
+    link.send(Join(site_id="eu", model_fingerprint="fp", global_version=2, state_hash="h"))
+    for script in scripts:
+        script.sent.clear()
+    scripts[0].inbox.extend([_global(0), _cancel(4)])
+    assert _drain(link) == []
+    clock.now += 31.0
+    assert _drain(link) == [_cancel(4)]
+    for script in scripts:
+        assert script.sent == [SyncRequest(site_id="eu", global_version=2)]
