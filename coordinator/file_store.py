@@ -215,6 +215,10 @@ class FileStateStore:
             arrays.update({f"m/{k}": v for k, v in state.momentum.items()})
             arrays.update({f"r/{k}": v for k, v in state.residual.items()})
             npz_path = self.dir / self._npz_name(state.global_version)
+            # Room first: the checkpoints older than the newest keep - 1 go before the new one
+            # is written (never the newest: meta.json names it until the new one is in place),
+            # so the directory holds at most ``keep`` checkpoints, not keep + 1, at any time.
+            self._prune(max(1, self.keep - 1))
             atomic_write(npz_path, lambda fh: np.savez(fh, **arrays))
             if self.signing_key is not None:
                 signature = sign_digest(self.signing_key, _file_digest(npz_path))
@@ -224,10 +228,14 @@ class FileStateStore:
             self._append_logs(state)
             self._base = _Base(npz_path.name, state.global_version, state.model_fingerprint)
             self._write_meta(state.round_counter)
-            kept = sorted(self.dir.glob("global-v*.npz"))
-            for old in kept[: max(0, len(kept) - self.keep)]:
-                old.unlink()
-                old.with_name(old.name + ".sig").unlink(missing_ok=True)
+            self._prune(self.keep)
+
+    def _prune(self, keep: int) -> None:
+        """Remove every checkpoint but the newest ``keep``."""
+        kept = sorted(self.dir.glob("global-v*.npz"))
+        for old in kept[: max(0, len(kept) - keep)]:
+            old.unlink()
+            old.with_name(old.name + ".sig").unlink(missing_ok=True)
 
     def roll_back(self, version: int) -> None:
         """Make ``version``, the checkpoint kept before the newest, the stored one again: the

@@ -71,6 +71,32 @@ def test_file_store_keeps_last_n_and_leaves_no_temp_files(tmp_path: Path) -> Non
     assert got is not None and got.global_version == 4
 
 
+def test_file_store_never_holds_more_than_keep_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save makes room before it writes: a checkpoint is a model's worth of disk (three at
+    1B parameters on four shards would be 36 GB)."""
+    fs = FileStateStore(tmp_path, keep=2)
+    fs.save(make_state(0))
+    fs.save(make_state(1))
+    seen: list[list[str]] = []
+    savez = np.savez
+
+    def watched(fh: Any, **arrays: Any) -> None:
+        seen.append(sorted(p.name for p in tmp_path.glob("global-v*.npz")))
+        savez(fh, **arrays)
+
+    monkeypatch.setattr(np, "savez", watched)
+    fs.save(make_state(2))
+    assert seen == [["global-v00000001.npz"]]  # the newest kept while the next is written
+    assert sorted(p.name for p in tmp_path.glob("global-v*.npz")) == [
+        "global-v00000001.npz",
+        "global-v00000002.npz",
+    ]
+    got = fs.load()
+    assert got is not None and got.global_version == 2
+
+
 def test_file_store_survives_a_crash_between_npz_and_meta(tmp_path: Path) -> None:
     fs = FileStateStore(tmp_path, keep=3)
     fs.save(make_state(1))
