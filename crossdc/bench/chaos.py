@@ -25,10 +25,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from coordinator import shard_commit
 from crossdc.bench import chaos_analysis as an
 from crossdc.bench import print_report
 from crossdc.bench.chaos_faults import Injector
 from crossdc.bench.chaos_fed import Federation, FedSpec
+from crossdc.bench.chaos_shards import shard_figures
 from crossdc.demo_args import add_job_arguments
 from crossdc.demo_roles import job_options
 from crossdc.progress import (
@@ -42,6 +44,8 @@ from crossdc.progress import (
 TICK_S = 0.25
 START_TIMEOUT_S = 300.0
 DRAIN_ROUNDS = 3
+SAVE_KILL = "fault injection: SIGKILL after save"
+"""What a shard's log says when its armed crash point (kill_shard_at_save) fired."""
 
 
 def _ticker(fed: Federation, injector: Injector | None, samples: list[tuple[float, bool]]) -> None:
@@ -103,15 +107,20 @@ def drain(fed: Federation, injector: Injector, timeout_s: float, samples: list[A
 
 
 def stop(fed: Federation, wait_s: float = 30.0) -> None:
-    """Stop the coordinator, let the sites apply what it sent last, then stop everything."""
+    """Stop the coordinator (every shard), let the sites apply what it sent last, then stop
+    everything."""
     fed.stopping = True
-    coord = fed.roles["coordinator"]
-    if fed.signal(coord, signal.SIGTERM) and coord.proc is not None:
+    coords = [fed.roles[name] for name in fed.coordinators]
+    for coord in coords:
+        fed.signal(coord, signal.SIGTERM)
+    for coord in coords:
+        if coord.proc is None:
+            continue
         try:
             coord.proc.wait(wait_s)
         except subprocess.TimeoutExpired:  # a coordinator that hangs is killed by close()
-            fed.event("coordinator_stop_timeout")
-    version, _, _ = an.final_coordinator(fed.coord_dir)
+            fed.event("coordinator_stop_timeout", role=coord.name)
+    version = final_version(fed)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         versions = [an.site_checkpoint(fed.workdir / f"site-{s}")[0] for s in fed.site_ids]
@@ -119,6 +128,15 @@ def stop(fed: Federation, wait_s: float = 30.0) -> None:
             break
         time.sleep(1.0)
     fed.close()
+
+
+def final_version(fed: Federation) -> int:
+    """The version the coordinator ended at: its state's, or with several shards shard 0's
+    commit record's."""
+    if fed.spec.shards == 1:
+        return an.final_coordinator(fed.coord_dir)[0]
+    record = shard_commit.read(fed.lead_dir)
+    return 0 if record is None else record.global_version
 
 
 def hash_agreement(fed: Federation) -> dict[str, Any]:
@@ -144,7 +162,7 @@ def run_chaos(
     drained, soak_start = False, 0.0
     phases = 3 if args.skip_fault_free else 4
     try:
-        with progress.follow(fed.coord_dir, site_dirs=_site_dirs(fed)):
+        with progress.follow(fed.lead_dir, site_dirs=_site_dirs(fed)):
             progress.phase("starting the federation, waiting for the first round", 1, phases)
             fed.start()
             wait_first_round(fed, samples)
@@ -168,18 +186,27 @@ def _chaos_figures(
     soak_start: float,
     drained: bool,
 ) -> dict[str, Any]:
-    log = (fed.workdir / "coordinator.log").read_text(errors="replace")
-    ids = an.coordinator_log_ids(log)
-    final = hash_agreement(fed)
-    observed = set(fed.closed_at) | set(ids["closed"])
-    lost = sorted(observed - set(final["history"]))
+    logs = _logs(fed)
+    ids = an.coordinator_log_ids(logs[0])  # shard 0 opens and aborts every round
+    sharded: dict[str, Any] = {}
+    if fed.spec.shards == 1:
+        final = hash_agreement(fed)
+        observed = set(fed.closed_at) | set(ids["closed"])
+        lost = sorted(observed - set(final["history"]))
+        params = an.final_params(fed.coord_dir)
+    else:
+        final = shard_figures(fed.shard_dirs, logs, _site_dirs(fed))
+        final["history"] = final["shards"][0]["history"]
+        params = final.pop("params")
+        observed = set(fed.closed_at).union(*(an.coordinator_log_ids(t)["closed"] for t in logs))
+        lost = sorted(set().union(*(observed - set(sh["history"]) for sh in final["shards"])))
+        sharded = _shard_report(final, observed, logs)
     closes = sorted(fed.closed_at.values())
     soak_samples = [s for s in samples if s[0] >= soak_start]
     stall, stall_span = an.stall_figures(soak_samples, closes)
     recoveries = an.coordinator_recoveries(fed.events, closes)
     rejoins = an.site_rejoins(fed.events, fed.closed_at, fed.merged)
     restarts = [r for r in rejoins if r["after"] == "start"]
-    params = an.final_params(fed.coord_dir)
     config = fed.site_config(fed.site_ids[0])
     return {
         "faults": len(injector.applied),
@@ -210,6 +237,37 @@ def _chaos_figures(
         "val_loss_final": an.evaluate(config, params) if params is not None else None,
         "fault_log": injector.applied,
         "faults_skipped_log": injector.skipped,
+        **sharded,
+    }
+
+
+def _logs(fed: Federation) -> list[str]:
+    """Every coordinator process's log (all its incarnations), shard 0's first."""
+    return [(fed.workdir / f"{name}.log").read_text(errors="replace") for name in fed.coordinators]
+
+
+def _shard_report(final: dict[str, Any], observed: set[int], logs: list[str]) -> dict[str, Any]:
+    """The per-shard fields of a run on several shards (``docs/reliability.md``)."""
+    shards = []
+    for sh in final["shards"]:
+        lost = sorted(set(sh["rounds_lost_list"]) | (observed - set(sh["history"])))
+        shards.append(
+            {
+                "shard": sh["shard"],
+                "final_version": sh["version"],
+                "rounds_completed": sh["rounds"],
+                "rounds_lost": len(lost),
+                "rounds_lost_list": lost,
+                "state_hash": sh["state_hash"],
+                "sites_hold_its_part": sh["sites_agree"],
+            }
+        )
+    return {
+        "shards": shards,
+        "committed_version": final["committed"],
+        "combined_hash": final["combined_hash"],
+        "combined_hash_is_committed": final["committed_hash"] in ("", final["combined_hash"]),
+        "kills_between_save_and_commit": sum(text.count(SAVE_KILL) for text in logs),
     }
 
 
@@ -229,10 +287,11 @@ def run_fault_free(
     fed = Federation(workdir / "fault-free", replace(spec, max_rounds=rounds))
     samples: list[tuple[float, bool]] = []
     try:
-        with progress.follow(fed.coord_dir, total=rounds, site_dirs=_site_dirs(fed)):
+        with progress.follow(fed.lead_dir, total=rounds, site_dirs=_site_dirs(fed)):
             fed.start()
             deadline = fed.now() + timeout_s
-            while fed.roles["coordinator"].final_exit is None and fed.now() < deadline:
+            coords = [fed.roles[name] for name in fed.coordinators]
+            while any(c.final_exit is None for c in coords) and fed.now() < deadline:
                 _ticker(fed, None, samples)
             for _ in range(int(30 / TICK_S)):  # sites stop on the coordinator's Shutdown
                 if all(r.final_exit is not None for r in fed.roles.values()):
@@ -241,8 +300,12 @@ def run_fault_free(
     finally:
         fed.close()
         (fed.workdir / "events.json").write_text(json.dumps(fed.events, indent=1))
-    _, _, history = an.final_coordinator(fed.coord_dir)
-    params = an.final_params(fed.coord_dir)
+    if spec.shards == 1:
+        _, _, history = an.final_coordinator(fed.coord_dir)
+        params = an.final_params(fed.coord_dir)
+    else:
+        final = shard_figures(fed.shard_dirs, _logs(fed), _site_dirs(fed))
+        history, params = final["shards"][0]["history"], final["params"]
     config = fed.site_config(fed.site_ids[0])
     return {
         "rounds": len(history),
@@ -287,6 +350,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--period", type=float, default=20.0, help="seconds between faults")
     p.add_argument("--seed", type=int, default=0, help="seed of the fault RNG")
     p.add_argument("--sites", type=int, default=3, help="number of site agents")
+    p.add_argument("--shards", type=int, default=1, help="coordinator processes (shards)")
     p.add_argument("--min-sites", type=int, default=0, help="sites to open a round (0: sites-1)")
     p.add_argument("--inner-steps", type=int, default=20, help="H: inner steps per round")
     p.add_argument("--no-overlap", action="store_true", help="block each site on every sync")
@@ -301,8 +365,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]:
-    if args.sites < 2 or args.minutes < 0 or args.period <= 0:
-        raise ValueError("--sites must be >= 2, --minutes >= 0 and --period > 0")
+    if args.sites < 2 or args.minutes < 0 or args.period <= 0 or args.shards < 1:
+        raise ValueError("--sites must be >= 2, --shards >= 1, --minutes >= 0 and --period > 0")
     job = job_argv(args)
     spec = FedSpec(
         sites=args.sites,
@@ -312,6 +376,7 @@ def run(args: argparse.Namespace, progress: Progress = SILENT) -> dict[str, Any]
         site_timeout_s=args.site_timeout,
         round_deadline_s=args.round_deadline,
         job=job,
+        shards=args.shards,
     )
     workdir = Path(args.workdir or f"runs/chaos-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     started = time.monotonic()

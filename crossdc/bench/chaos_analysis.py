@@ -47,14 +47,20 @@ def final_coordinator(state_dir: Path) -> tuple[int, str, list[int]]:
 
 def site_checkpoint(state_dir: Path) -> tuple[int, str]:
     """A site's checkpointed global version and the state hash of its global parameters."""
+    version, params = site_params(state_dir)
+    return version, state_hash(params) if version >= 0 else ""
+
+
+def site_params(state_dir: Path) -> tuple[int, dict[str, np.ndarray]]:
+    """A site's checkpointed global version and its global parameters (-1, {}: none)."""
     import torch
 
     path = state_dir / "checkpoint.pt"
     if not path.exists():
-        return -1, ""
+        return -1, {}
     ckpt = torch.load(path, weights_only=True)
     params = {k: v.numpy() for k, v in ckpt["global_params"].items()}
-    return int(ckpt["global_version"]), state_hash(params)
+    return int(ckpt["global_version"]), params
 
 
 def stall_figures(
@@ -78,17 +84,17 @@ def stall_figures(
 
 
 def coordinator_recoveries(events: list[dict[str, Any]], closes: list[float]) -> list[float]:
-    """Seconds from each fault that stopped the coordinator to the first round closed after
-    the coordinator's next start (``inf`` when none closed)."""
+    """Seconds from each fault that stopped the coordinator (or one of its shards) to the first
+    round closed after that process's next start (``inf`` when none closed)."""
     out = []
     for i, ev in enumerate(events):
-        if ev["event"] != "fault" or ev["target"] != "coordinator":
+        if ev["event"] != "fault" or not str(ev["target"]).startswith("coordinator"):
             continue
         restart = next(
             (
                 e["t"]
                 for e in events[i + 1 :]
-                if e["event"] == "start" and e["role"] == "coordinator"
+                if e["event"] == "start" and e["role"] == ev["target"]
             ),
             None,
         )
@@ -105,16 +111,19 @@ def site_rejoins(
     order = sorted(closed_at, key=lambda r: (closed_at[r], r))
     starts: dict[str, int] = {}
     out = []
+    links_up: set[tuple[str, float]] = set()
     for ev in events:
         role = ev.get("role", "")
-        if role in ("", "coordinator"):
+        if role == "" or role.startswith("coordinator"):
             continue
         if ev["event"] == "start":
             starts[role] = starts.get(role, 0) + 1
             if starts[role] == 1:
                 continue
-        elif ev["event"] != "link_up":
-            continue
+        elif ev["event"] != "link_up" or (role, ev["t"]) in links_up:
+            continue  # with several shards a site's links come up together: one rejoin
+        else:
+            links_up.add((role, ev["t"]))
         after = [r for r in order if closed_at[r] > ev["t"]]
         rounds = next((i + 1 for i, r in enumerate(after) if role in merged[r]), None)
         out.append({"site": role, "t": ev["t"], "after": ev["event"], "rounds": rounds})

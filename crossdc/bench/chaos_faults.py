@@ -13,7 +13,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from crossdc.bench.chaos_fed import Federation
+from crossdc.bench.chaos_fed import Federation, Role
 
 KINDS = (
     "kill_site",
@@ -26,12 +26,25 @@ KINDS = (
 )
 """kill_*: SIGKILL; term_*: SIGTERM, then a start (a graceful restart); cut_link: a site's link
 down for a few seconds; partition_site: down for longer than the coordinator's site timeout;
-pause_site: SIGSTOP, SIGCONT a few seconds later (a straggler)."""
+pause_site: SIGSTOP, SIGCONT a few seconds later (a straggler). With several shards a
+coordinator fault hits one shard, and cut_link and partition_site cut every link of the site."""
+
+SHARD_KINDS = ("kill_shard_at_save", "cut_shard_link")
+"""Drawn too with several shards. kill_shard_at_save: SIGKILL of a shard now, and its next
+incarnation kills itself once it saved the first round it closes, before that round is
+committed (``[coordinator.faults] kill_after_saves = 1``: shard 0 before its commit record, any
+other shard before its report); cut_shard_link: a site's link to one shard only down for a few
+seconds (the site half-way through a round: one part of its update in, the other not)."""
 
 CUT_SECONDS = (2.0, 5.0)
 PAUSE_SECONDS = (3.0, 8.0)
 PARTITION_EXTRA_S = 5.0
 """A partition lasts the coordinator's site timeout plus this."""
+
+
+def kinds(shards: int = 1) -> tuple[str, ...]:
+    """The fault kinds drawn for a coordinator of ``shards`` processes."""
+    return KINDS if shards == 1 else KINDS + SHARD_KINDS
 
 
 @dataclass(frozen=True)
@@ -40,15 +53,25 @@ class Fault:
     kind: str
     target: str
     duration_s: float
+    shard: int | None = None
+    """The shard a coordinator fault or a one-shard cut hits (None with one shard)."""
 
 
-def draw_fault(rng: random.Random, index: int, sites: list[str], site_timeout_s: float) -> Fault:
-    """The ``index``-th fault; always consumes the same number of draws from ``rng``."""
-    kind = rng.choice(KINDS)
+def draw_fault(
+    rng: random.Random, index: int, sites: list[str], site_timeout_s: float, shards: int = 1
+) -> Fault:
+    """The ``index``-th fault; always consumes the same number of draws from ``rng`` (one more
+    with several shards: the shard)."""
+    kind = rng.choice(kinds(shards))
     site = rng.choice(sites)
     span = rng.random()
-    target = "coordinator" if kind.endswith("coordinator") else site
-    if kind == "cut_link":
+    shard = rng.randrange(shards) if shards > 1 else None
+    on_coordinator = kind.endswith("coordinator") or kind == "kill_shard_at_save"
+    if not on_coordinator:
+        target = site
+    else:
+        target = "coordinator" if shard is None else f"coordinator-{shard}"
+    if kind in ("cut_link", "cut_shard_link"):
         duration = CUT_SECONDS[0] + span * (CUT_SECONDS[1] - CUT_SECONDS[0])
     elif kind == "pause_site":
         duration = PAUSE_SECONDS[0] + span * (PAUSE_SECONDS[1] - PAUSE_SECONDS[0])
@@ -56,7 +79,8 @@ def draw_fault(rng: random.Random, index: int, sites: list[str], site_timeout_s:
         duration = site_timeout_s + PARTITION_EXTRA_S
     else:
         duration = 0.0
-    return Fault(index, kind, target, round(duration, 2))
+    on_shard = shard is not None and (on_coordinator or kind == "cut_shard_link")
+    return Fault(index, kind, target, round(duration, 2), shard if on_shard else None)
 
 
 @dataclass
@@ -69,6 +93,8 @@ class Injector:
     timers: list[tuple[float, str, Callable[[], None]]] = field(default_factory=list)
     applied: list[dict[str, object]] = field(default_factory=list)
     skipped: list[dict[str, object]] = field(default_factory=list)
+    armed: list[str] = field(default_factory=list)
+    """The role of every crash point armed by kill_shard_at_save."""
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -79,17 +105,25 @@ class Injector:
             len(self.applied) + len(self.skipped),
             self.fed.site_ids,
             self.fed.spec.site_timeout_s,
+            self.fed.spec.shards,
         )
+        self.inject(fault)
+        return fault
+
+    def inject(self, fault: Fault) -> bool:
+        """Apply ``fault`` now (drawn, or chosen by a test); recorded as applied or skipped."""
         ok = self._apply(fault)
-        record = {
+        record: dict[str, object] = {
             "t": round(self.fed.now(), 3),
             "kind": fault.kind,
             "target": fault.target,
             "duration_s": fault.duration_s,
         }
+        if fault.shard is not None:
+            record["shard"] = fault.shard
         (self.applied if ok else self.skipped).append(record)
         self.fed.event("fault" if ok else "fault_skipped", **record)
-        return fault
+        return ok
 
     def _apply(self, fault: Fault) -> bool:
         fed = self.fed
@@ -104,11 +138,17 @@ class Injector:
             if role.paused:
                 fed.signal(role, signal.SIGCONT)  # a stopped process handles SIGTERM on continue
             return True
-        if fault.kind in ("cut_link", "partition_site"):
-            if fed.link_down[fault.target]:
+        if fault.kind == "kill_shard_at_save":
+            return self._kill_at_save(role)
+        if fault.kind in ("cut_link", "partition_site", "cut_shard_link"):
+            names = fed.links_of[fault.target]
+            if fault.shard is not None:
+                names = [names[fault.shard]]
+            if any(fed.link_down[n] for n in names):
                 return False
-            self._link(fault.target, down=True)
-            self._after(fault.duration_s, f"link up {fault.target}", self._link_up(fault.target))
+            for name in names:
+                self._link(name, down=True)
+                self._after(fault.duration_s, f"link up {name}", self._link_up(name))
             return True
         if fault.kind == "pause_site":
             if role.paused or not fed.signal(role, signal.SIGSTOP):
@@ -124,13 +164,28 @@ class Injector:
             return True
         raise ValueError(f"unknown fault kind {fault.kind!r}")
 
-    def _link(self, site_id: str, *, down: bool) -> None:
-        self.fed.run.links[site_id].set_down(down)
-        self.fed.link_down[site_id] = down
-        self.fed.event("link_down" if down else "link_up", role=site_id)
+    def _kill_at_save(self, role: Role) -> bool:
+        """SIGKILL ``role`` (a shard) and arm its next incarnation to kill itself once it saved
+        the first round it closes, before that round is committed."""
+        if not role.alive:
+            return False
+        self.fed.arm(role, {"kill_after_saves": 1})
+        role.exit_expected = True
+        self.fed.signal(role, signal.SIGKILL)
+        self.armed.append(role.name)
+        return True
 
-    def _link_up(self, site_id: str) -> Callable[[], None]:
-        return lambda: self._link(site_id, down=False)
+    def _link(self, name: str, *, down: bool) -> None:
+        """Link ``name`` (``Federation.links_of``) down or up; events name the site (and the
+        shard with several)."""
+        self.fed.run.links[name].set_down(down)
+        self.fed.link_down[name] = down
+        site, _, shard = name.partition("@")
+        where = {"shard": int(shard)} if shard else {}
+        self.fed.event("link_down" if down else "link_up", role=site, **where)
+
+    def _link_up(self, name: str) -> Callable[[], None]:
+        return lambda: self._link(name, down=False)
 
     def _after(self, seconds: float, label: str, fn: Callable[[], None]) -> None:
         self.timers.append((self.fed.now() + seconds, label, fn))
@@ -150,7 +205,7 @@ class Injector:
             fn()
 
     def kind_counts(self) -> dict[str, int]:
-        counts = dict.fromkeys(KINDS, 0)
+        counts = dict.fromkeys(kinds(self.fed.spec.shards), 0)
         for record in self.applied:
             counts[str(record["kind"])] += 1
         return counts
