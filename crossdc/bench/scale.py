@@ -15,7 +15,18 @@ the rounds), how many sites ended on the coordinator's last version and state ha
 process's own peak resident memory (``bench_peak_rss_bytes``, its ``VmHWM`` over the case: it
 is reset when the case starts; 0 where the kernel refuses that).
 
-Per coordinator process (the list ``shards``; one process today, so one entry) it reports:
+With ``--shards S`` (S > 1) the coordinator is S processes, ``crossdc coordinator --shard N``
+for N in 0 to S-1 from one config with ``shards = S`` (each its own port, state directory and
+status file; shard 0's control plane on a port of its own), and no process builds θ0 but the
+first site, which uploads it: each site holds one channel per shard put together as a real
+site's (``site_agent.shard_links.ShardedLink``), which sends each shard its tensors of θ0 and of
+every update (the cut of ``comm.wire.partition.partition``) and hands the site a result once
+every shard's part of it came, under the whole model's hash that shard 0 signs; the sites apply
+and hash it as with one process, and ``sites_on_final_hash`` counts the sites on shard 0's last
+version and that hash. With one shard everything is as above.
+
+Per coordinator process (the list ``shards``, shard 0 first; one entry with one process) it
+reports (``params``: the parameters it owns, all of them with one process):
 
 - ``peak_rss_bytes``: its peak resident memory (``VmHWM``);
 - ``base_rss_bytes``: its resident memory (``VmRSS``) once it is up and has welcomed the first
@@ -50,6 +61,7 @@ Per coordinator process (the list ``shards``; one process today, so one entry) i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -58,19 +70,29 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
 from comm.ops.configio import dump_toml
 from comm.transport.dealer import DealerChannel
 from comm.transport.profile import ChannelConfig
+from comm.wire.partition import partition
 from comm.wire.schema import Join, Welcome
 from coordinator.config import CoordinatorConfig, load_coordinator_config, sections
 from coordinator.memory import state_budget
 from crossdc.bench import print_report
-from crossdc.bench.scale_sites import FINGERPRINT, Layout, SharedTheta, Site, Sites, drain
+from crossdc.bench.scale_sites import (
+    FINGERPRINT,
+    TENSOR_NUMEL,
+    Layout,
+    SharedTheta,
+    Site,
+    Sites,
+    drain,
+)
 from crossdc.progress import add_progress_argument, open_progress
+from site_agent.shard_links import ShardedLink
 
 
 def _free_port() -> int:
@@ -111,9 +133,12 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def coordinator_table(workdir: Path, *, sites: int, rounds: int, port: int) -> dict[str, Any]:
-    """The ``[coordinator]`` table of one coordinator process of a case."""
-    return {
+def coordinator_table(
+    workdir: Path, *, sites: int, rounds: int, port: int, shards: int = 1, control_port: int = 0
+) -> dict[str, Any]:
+    """The ``[coordinator]`` table of a case's coordinator: one process, or with ``shards`` > 1
+    every shard's (shard i on ``port`` + i, shard 0's control plane on ``control_port``)."""
+    table: dict[str, Any] = {
         "bind": f"tcp://127.0.0.1:{port}",
         "state_dir": str(workdir / "coordinator"),
         "metrics_port": 0,
@@ -131,6 +156,23 @@ def coordinator_table(workdir: Path, *, sites: int, rounds: int, port: int) -> d
         "max_update_norm": 1e12,
         "security": {"insecure": True},
     }
+    if shards > 1:
+        # A shard may have to go back a version: it keeps the one before.
+        table.update(
+            shards=shards,
+            shard_control_bind=f"tcp://127.0.0.1:{control_port}",
+            keep_checkpoints=2,
+            channel={"heartbeat_timeout_s": SHARD_HEARTBEAT_TIMEOUT_S},
+        )
+    return table
+
+
+SHARD_HEARTBEAT_TIMEOUT_S = 60.0
+"""With several shards, the silence after which a connection is cut and a shard counted lost
+(the channel's ``heartbeat_timeout_s``, 10 s by default), on the shards and the sites alike: S
+coordinator processes and the sites share this machine's cores, and a shard busy with a pass
+over its part of a large model (θ0's digests, a close) may not be heard from for seconds. A
+shard lost aborts the rounds in flight, which the bench does not measure."""
 
 
 # ---- the budget --------------------------------------------------------------------------------
@@ -172,6 +214,8 @@ class _Coordinator:
     peak_rss: int = 0
     base_rss: int = 0
     cpu_seconds: float = 0.0
+    owned: tuple[int, int] | None = None
+    """A shard of several: the parameters it owns and its largest tensor; None: the whole."""
 
     @classmethod
     def start(cls, workdir: Path, *, sites: int, rounds: int) -> _Coordinator:
@@ -188,6 +232,38 @@ class _Coordinator:
         )
         return cls(workdir, load_coordinator_config(cfg), f"tcp://127.0.0.1:{port}", proc, log)
 
+    @classmethod
+    def start_shards(
+        cls, workdir: Path, *, sites: int, rounds: int, shards: int, layout: Layout
+    ) -> list[_Coordinator]:
+        """``shards`` processes ``crossdc coordinator --shard N`` of one config, shard 0 first,
+        each owning its part of ``layout``'s tensors."""
+        from coordinator.sharding import ShardIdentity, shard_config
+
+        port, control = _free_ports(shards), _free_port()
+        table = coordinator_table(
+            workdir, sites=sites, rounds=rounds, port=port, shards=shards, control_port=control
+        )
+        path = workdir / "coordinator.toml"
+        path.write_text(dump_toml({"coordinator": table}))
+        whole = load_coordinator_config(path)
+        parts = partition({name: (n,) for _, name, _, n in layout.tensors()}, shards)
+        sizes = dict(zip(layout.names, layout.sizes, strict=True))
+        out: list[_Coordinator] = []
+        for i, part in enumerate(parts):
+            log = open(workdir / f"coordinator-{i}.log", "wb")  # noqa: SIM115 (closed by stop)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "crossdc", "coordinator", "--config", str(path)]
+                + ["--shard", str(i)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+            cfg = shard_config(whole, ShardIdentity(i, shards, "bench"))
+            owned = (sum(sizes[n] for n in part), max(sizes[n] for n in part))
+            out.append(cls(workdir, cfg, f"tcp://127.0.0.1:{port + i}", proc, log, owned=owned))
+        return out
+
     def sample(self) -> None:
         self.peak_rss = max(self.peak_rss, _rss(self.proc.pid))
         self.cpu_seconds = max(self.cpu_seconds, _cpu_seconds(self.proc.pid))
@@ -203,7 +279,24 @@ class _Coordinator:
         self.log.close()
 
     def status(self) -> dict[str, Any]:
-        return dict(json.loads((self.workdir / "coordinator" / "status.json").read_text()))
+        return dict(json.loads((Path(self.config.state_dir) / "status.json").read_text()))
+
+
+def _free_ports(count: int) -> int:
+    """The first of ``count`` consecutive TCP ports free on the loopback now."""
+    for _ in range(100):
+        first = _free_port()
+        if first + count > 65536:
+            continue
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first, first + count):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return first
+    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 # ---- a case ------------------------------------------------------------------------------------
@@ -252,21 +345,36 @@ def _serve(sites: Sites, coords: list[_Coordinator], timeout_s: float) -> None:
 
 
 def run_case(
-    sites: int, numel: int, rounds: int, workdir: Path, timeout_s: float
+    sites: int, numel: int, rounds: int, workdir: Path, timeout_s: float, shards: int = 1
 ) -> dict[str, Any]:
+    """One case: ``sites`` simulated sites, a model of ``numel`` parameters, ``rounds`` rounds,
+    and a coordinator of ``shards`` processes. ValueError when the model has fewer tensors than
+    shards (each shard owns at least one)."""
+    layout = Layout.of(numel)
+    parts = partition({name: (n,) for _, name, _, n in layout.tensors()}, shards)
     workdir.mkdir(parents=True)
     own_peak = _reset_own_peak()
-    coord = _Coordinator.start(workdir, sites=sites, rounds=rounds)
-    coords = [coord]
-    layout = Layout.of(numel)
+    if shards == 1:
+        coords = [_Coordinator.start(workdir, sites=sites, rounds=rounds)]
+    else:
+        coords = _Coordinator.start_shards(
+            workdir, sites=sites, rounds=rounds, shards=shards, layout=layout
+        )
     run = Sites(SharedTheta(layout, workdir / "sites"))
     channel = ChannelConfig(max_transfer_bytes=max(1 << 30, 8 * numel))
+    if shards > 1:
+        channel = replace(channel, heartbeat_timeout_s=SHARD_HEARTBEAT_TIMEOUT_S)
     try:
         digest = run.theta.write_theta0()  # before the sites connect: none has joined to beat
         for i in range(sites):
-            chan = DealerChannel(channel, identity=f"site{i:02d}")
-            chan.connect(coord.endpoint)
-            run.sites.append(Site(i, f"site{i:02d}", chan, hash=digest))
+            chans = tuple(DealerChannel(channel, identity=f"site{i:02d}") for _ in coords)
+            for chan, c in zip(chans, coords, strict=True):
+                chan.connect(c.endpoint)
+            if shards == 1:
+                run.sites.append(Site(i, f"site{i:02d}", chans[0], hash=digest))
+            else:
+                link = ShardedLink(chans, parts)
+                run.sites.append(Site(i, f"site{i:02d}", link, chans, hash=digest))
         for i, site in enumerate(run.sites):
             # The first joins with nothing and is asked for θ0; the others prove it by hash.
             site.chan.send(
@@ -279,9 +387,10 @@ def run_case(
             )
             if i == 0:
                 # So the first join is the one asked for θ0; the coordinator is up and holds no
-                # model yet: its resident memory now is its base.
-                def base(c: _Coordinator = coord) -> None:
-                    c.base_rss = _rss(c.proc.pid, "VmRSS")
+                # model yet: its resident memory now is its base (every shard's).
+                def base() -> None:
+                    for c in coords:
+                        c.base_rss = _rss(c.proc.pid, "VmRSS")
 
                 _await_welcome(run, site, timeout_s, before=base)
         started = time.monotonic()
@@ -291,7 +400,8 @@ def run_case(
             c.proc.wait(timeout=120)
     finally:
         for site in run.sites:
-            site.chan.close(flush_timeout_s=0)
+            for wire in site.wires:
+                wire.close(flush_timeout_s=0)
         for c in coords:
             c.stop()
         run.theta.close()
@@ -303,6 +413,8 @@ def _shard(
     coord: _Coordinator, status: dict[str, Any], params: int, largest: int, sites: int
 ) -> dict[str, Any]:
     """One coordinator process's figures (an entry of ``shards``)."""
+    if coord.owned is not None:
+        params, largest = coord.owned
     folded = int(status.get("fold_parameter_updates", 0))
     fold_cpu = round(float(status.get("fold_cpu_seconds", 0.0)), 6)
     per_param = (coord.peak_rss - coord.base_rss) / params
@@ -356,8 +468,8 @@ def _figures(
         "wan_bytes_total": wan,
         # The sites' side of the coordinator's receive budget: uploads it held back (they waited
         # with every chunk acknowledged) and chunks sent again after a stall.
-        "uploads_waited": sum(s.chan.stats.credit_waits for s in run.sites),
-        "chunks_resent": sum(s.chan.stats.chunks_resent for s in run.sites),
+        "uploads_waited": sum(w.stats.credit_waits for s in run.sites for w in s.wires),
+        "chunks_resent": sum(w.stats.chunks_resent for s in run.sites for w in s.wires),
         "wall_seconds": round(wall, 2),
         "sites_on_final_hash": sum((s.version, s.hash) == final for s in run.sites),
         "bench_peak_rss_bytes": bench_peak,
@@ -370,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sites", default="2,8,32,64", help="comma-separated site counts")
     p.add_argument("--params", default="1000000,10000000,50000000", help="model sizes")
     p.add_argument("--rounds", type=int, default=2, help="rounds per case")
+    p.add_argument("--shards", type=int, default=1, help="coordinator processes (shards)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
     p.add_argument("--workdir", default="", help="keep configs, state and logs here")
     p.add_argument("--json", action="store_true")
@@ -384,8 +497,16 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if min(site_counts) < 1 or min(sizes) < 1 or args.rounds < 1:
-        print("crossdc bench scale: sites, params and rounds must be >= 1", file=sys.stderr)
+    if min(site_counts) < 1 or min(sizes) < 1 or args.rounds < 1 or args.shards < 1:
+        print("crossdc bench scale: sites, params, rounds and shards must be >= 1", file=sys.stderr)
+        return 2
+    few = [n for n in sizes if len(Layout.of(n).sizes) < args.shards]
+    if few:
+        print(
+            f"crossdc bench scale: {few[0]:,} parameters make {len(Layout.of(few[0]).sizes)} "
+            f"tensors of at most {TENSOR_NUMEL:,} values, fewer than {args.shards} shards",
+            file=sys.stderr,
+        )
         return 2
     runs = []
     cases = [(numel, sites) for numel in sizes for sites in site_counts]
@@ -395,8 +516,9 @@ def main(argv: list[str] | None = None) -> int:
         for i, (numel, sites) in enumerate(cases, 1):
             workdir = root / f"p{numel}-s{sites}"
             progress.phase(f"{numel:,} parameters x {sites} sites", i, len(cases))
-            with progress.follow(workdir / "coordinator", total=args.rounds):
-                runs.append(run_case(sites, numel, args.rounds, workdir, args.timeout))
+            status_dir = workdir / "coordinator" / ("shard-0" if args.shards > 1 else "")
+            with progress.follow(status_dir, total=args.rounds):
+                runs.append(run_case(sites, numel, args.rounds, workdir, args.timeout, args.shards))
             # Each case as it finishes (a long run that fails later keeps what it measured).
             progress.log(json.dumps(runs[-1]))
     print_report({"runs": runs}, as_json=args.json)

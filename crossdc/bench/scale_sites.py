@@ -27,6 +27,11 @@ The model is a list of flat float32 tensors of at most :data:`TENSOR_NUMEL` valu
   and the state hash from the tensors' (:func:`comm.wire.tensors.model_hash`), and compared
   with the coordinator's.
 
+With a coordinator of several shards a site's link is one channel per shard put together
+(``site_agent.shard_links.ShardedLink``, as a real site's): θ0 and each update go out cut by the
+shard owning each tensor, a result comes in once every shard's part of it arrived, and is taken
+as above.
+
 The file is read and written with ``pread``/``pwrite``, so θ lives in the page cache, not in
 the process's resident memory. One θ serves every simulated site, and only where they provably
 hold the same (:meth:`SharedTheta.admit`): a result must be a delta from the version the site
@@ -85,6 +90,7 @@ from comm.wire.tensors import (
     model_hash,
     partial_digests,
 )
+from site_agent.shard_links import ShardedLink
 
 TENSOR_NUMEL = 1 << 22
 """The model is cut into tensors of at most this many values (4M, 16 MiB of float32)."""
@@ -433,11 +439,16 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 @dataclass
 class Site:
-    """One simulated site: its channel, the version and state hash it holds."""
+    """One simulated site: its link, the version and state hash it holds."""
 
     index: int
     site_id: str
-    chan: DealerChannel
+    chan: DealerChannel | ShardedLink
+    """Its link to the coordinator: one channel, or with a coordinator of several shards one
+    channel per shard put together as a real site's (``site_agent.shard_links``: each shard sent
+    its tensors of θ0 and of every update, a result taken once every shard's part came)."""
+    channels: tuple[DealerChannel, ...] = ()
+    """The channels of a link to several shards (empty: ``chan`` is the one channel)."""
     done: bool = False
     version: int = 0
     """The version it holds (its last result taken)."""
@@ -445,6 +456,14 @@ class Site:
     received: int = 0
     """The version of its last result received (taken or waiting)."""
     next_beat: float = 0.0
+
+    @property
+    def wires(self) -> tuple[DealerChannel, ...]:
+        """Every channel of the site (one per coordinator process)."""
+        if self.channels:
+            return self.channels
+        assert isinstance(self.chan, DealerChannel)
+        return (self.chan,)
 
     def beat(self) -> None:
         """A heartbeat each interval, as a real site sends: the coordinator cuts a connection
@@ -454,7 +473,7 @@ class Site:
             self.chan.send(
                 Heartbeat(site_id=self.site_id, global_version=self.version, sent_at=now)
             )
-            self.next_beat = now + self.chan.cfg.heartbeat_interval_s
+            self.next_beat = now + self.wires[0].cfg.heartbeat_interval_s
 
 
 @dataclass
@@ -573,13 +592,13 @@ def drain(sites: Sites, site: Site) -> bool:
     """Read what waits on one site's socket (up to FRAMES_PER_PASS); True if there was any."""
     busy = False
     for _ in range(FRAMES_PER_PASS):
-        before = site.chan.stats.bytes_received
+        before = sum(w.stats.bytes_received for w in site.wires)
         msg = site.chan.recv(0.0)
         if msg is not None:
             sites.answer(site, msg)
             if not isinstance(msg, Heartbeat):
                 site.next_beat = 0.0  # its acknowledgement rides on the next heartbeat
-        elif site.chan.stats.bytes_received == before:
+        elif sum(w.stats.bytes_received for w in site.wires) == before:
             return busy  # nothing came in
         busy = True
     return busy

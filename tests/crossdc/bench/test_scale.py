@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from comm.codecs.registry import get_codec
 from comm.ops.configio import dump_toml
 from coordinator.config import CoordinatorConfig, load_coordinator_config
 from crossdc.bench import scale
+from crossdc.bench.scale_sites import Layout
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,3 +75,38 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert scale.main(["--sites", "two"]) == 2
     assert scale.main(["--params", "0"]) == 2
     assert "crossdc bench scale" in capsys.readouterr().err
+
+
+def test_a_case_on_two_shards_takes_theta0_from_a_site_and_ends_on_the_whole_hash(
+    tmp_path: Path,
+) -> None:
+    # Two tensors (4M and 1.8M values): one per shard.
+    numel = 6_000_000
+    out = scale.run_case(3, numel, 2, tmp_path / "case", timeout_s=240, shards=2)
+    assert out["rounds"] == 2 and out["messages_refused"] == 0
+    assert len(out["round_close_seconds"]) == 2
+    first, second = out["shards"]  # one entry per process, shard 0 first
+    sizes = Layout.of(numel).sizes
+    assert (first["params"], second["params"]) == (sizes[0], sizes[1])
+    for shard in (first, second):
+        assert 0 < shard["base_rss_bytes"] <= shard["peak_rss_bytes"]
+        per_param = (shard["peak_rss_bytes"] - shard["base_rss_bytes"]) / shard["params"]
+        assert shard["bytes_per_param"] == round(per_param, 2)
+        # Each shard folds three sites' parts of its own tensors in each of two rounds.
+        assert shard["fold_parameter_updates"] == 3 * 2 * shard["params"]
+        assert shard["round_close_seconds"] == out["round_close_seconds"]
+    assert out["coordinator_peak_rss_bytes"] == max(s["peak_rss_bytes"] for s in out["shards"])
+    # Every site applied every result put together from both shards, on the whole model's hash.
+    assert out["sites_on_final_hash"] == 3
+    statuses = [
+        json.loads((tmp_path / "case" / "coordinator" / f"shard-{i}" / "status.json").read_text())
+        for i in range(2)
+    ]
+    assert statuses[0]["state_hash"] == statuses[1]["state_hash"]
+    assert statuses[0]["shard_hash"] != statuses[1]["shard_hash"]
+    assert not list((tmp_path / "case" / "sites").iterdir())
+
+
+def test_more_shards_than_tensors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert scale.main(["--params", "1000000", "--shards", "2"]) == 2
+    assert "fewer than 2 shards" in capsys.readouterr().err
