@@ -29,14 +29,18 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _start_federation(
-    procs: Procs, workdir: Path, num_sites: int = 2, start_sites: int | None = None, **coord: object
+    procs: Procs,
+    workdir: Path,
+    num_sites: int = 2,
+    start_sites: int | None = None,
+    site_over: dict[str, Any] | None = None,
+    **coord: object,
 ) -> None:
     cfg = write_coordinator_config(workdir, **coord)
     procs.start("coordinator", "coordinator", "--config", str(cfg))
     for i, site in enumerate(["eu", "us", "ap"][: start_sites or num_sites]):
-        procs.start(
-            f"site-{site}", "agent", "--config", str(write_site_config(workdir, site, i, num_sites))
-        )
+        path = write_site_config(workdir, site, i, num_sites, **(site_over or {}))
+        procs.start(f"site-{site}", "agent", "--config", str(path))
 
 
 def test_two_sites_learn_and_stop_cleanly(procs: Procs, tmp_path: Path) -> None:
@@ -86,7 +90,12 @@ def _kill_after_open_3_and_resume(
     # A restarted coordinator must come back on the same address the sites know.
     bind = f"tcp://127.0.0.1:{_free_port()}"
     faults = {crash: 3}
-    _start_federation(procs, tmp_path, max_rounds=5, bind=bind, overlap=overlap, faults=faults)
+    # The sites' sockets try the dead address again at least every 0.5 s (not up to 5 s, the
+    # default back-off ceiling), so they find the restarted coordinator soon after it listens.
+    channel = {"channel": {"reconnect_interval_max_s": 0.5}}
+    _start_federation(
+        procs, tmp_path, max_rounds=5, bind=bind, overlap=overlap, faults=faults, site_over=channel
+    )
     assert procs.procs["coordinator"].wait(timeout=240) == -signal.SIGKILL, procs.log("coordinator")
     meta = json.loads((tmp_path / "coordinator" / "meta.json").read_text())
     (tmp_path / "coordinator-crashed.log").write_text(procs.log("coordinator"))
