@@ -136,6 +136,8 @@ class ShardLeader:
         self.held: dict[int, int] = {}
         """The version each shard said it holds in its last hello."""
         self._lost: set[int] = set()
+        self._polled_at: float | None = None
+        """When the last poll ended (a gap since is this process's, not the others')."""
         self._replaced: set[bytes] = set()
         """Connections another connection of the same shard took over from."""
         self.refused_hellos = 0
@@ -149,10 +151,17 @@ class ShardLeader:
     def poll(self, timeout_s: float) -> list[LeaderEvent]:
         """Handle at most one message (waiting up to ``timeout_s``), then check liveness."""
         events: list[LeaderEvent] = []
+        start = self._clock()
+        if self._polled_at is not None and start - self._polled_at > self._timeout_s / 2:
+            # This process was busy between two polls (a close over its tensors): what the
+            # other shards said meanwhile waits unread, so the silence is not theirs. Each gets
+            # half the timeout from now to be read.
+            for shard, at in self.heard.items():
+                self.heard[shard] = max(at, start - self._timeout_s / 2)
         got = self.server.recv(timeout_s)
         if got is not None:
             events += self._handle(*got)
-        now = self._clock()
+        now = self._polled_at = self._clock()
         for shard, at in self.heard.items():
             if now - at > self._timeout_s and shard not in self._lost:
                 self._lost.add(shard)

@@ -214,13 +214,29 @@ def test_a_silent_shard_is_lost_and_found_again(plane: Plane) -> None:
     f = plane.follower()
     step = _both(plane, f)
     _until(step, lambda e: isinstance(e, Joined))
-    plane.clock.now += 11.0
-    assert _until(lambda: plane.leader.poll(0.02), lambda e: isinstance(e, Lost)) == Lost(1)
+
+    def silent() -> list[object]:  # shard 0 polls on, shard 1 says nothing
+        plane.clock.now += 1.0
+        return list(plane.leader.poll(0.02))
+
+    assert _until(silent, lambda e: isinstance(e, Lost)) == Lost(1)
     assert not plane.leader.present
     deadline = time.monotonic() + WAIT_S
     while not plane.leader.present and time.monotonic() < deadline:
         step()
     assert plane.leader.present, "its next hello brings it back"
+
+
+def test_shard_0_busy_past_the_timeout_does_not_count_the_others_lost(plane: Plane) -> None:
+    f = plane.follower()
+    step = _both(plane, f)
+    _until(step, lambda e: isinstance(e, Joined))
+    # Shard 0 busy for three timeouts (a close), while shard 1 said hello on and on, unread.
+    plane.clock.now += 30.0
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        assert not [e for e in step() if isinstance(e, Lost)]
+    assert plane.leader.present
 
 
 def test_a_shard_back_after_a_restart_has_the_rounds_in_flight_aborted_everywhere(
