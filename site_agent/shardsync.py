@@ -341,11 +341,11 @@ class RankSync:
     def validate(self) -> dict[str, float] | None:
         """The script's ``evaluate`` of θ (every rank runs it: a sharded forward is collective),
         the local rows put back afterwards; its metrics on the leader (None elsewhere, or
-        without an ``evaluate``)."""
+        without an ``evaluate``). Float32 local rows trade places with θ's, a tile at a time,
+        and back after (no copy of them); others are copied aside."""
         if self._evaluate is None:
             return None
-        local = {n: local_part(t).clone() for n, t in self.state.items()}
-        self.shards.load_into(self.state)
+        kept = self._swap_in_theta()
         was_training = self.model.training
         self.model.eval()
         try:
@@ -354,10 +354,32 @@ class RankSync:
         finally:
             self.model.train(was_training)
             _reshard(self.model)
-            with torch.no_grad():
-                for name, t in self.state.items():
-                    local_part(t).copy_(local[name])
+            self._swap_in_theta(kept)
         return metrics if self.leader else None
+
+    def _swap_in_theta(
+        self, kept: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The local rows ← θ and θ's storage ← the local rows (float32 rows: exchanged), or
+        for other rows a copy of them returned (``kept``); called again with that, it undoes
+        it exactly."""
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, t in self.state.items():
+                local, theta = local_part(t), self.shards.theta(name)
+                if kept is not None and name in kept:
+                    local.copy_(kept[name])
+                    continue
+                if not _exchangeable(local, theta):
+                    out[name] = local.clone()
+                    local.copy_(theta)
+                    continue
+                a, b = local.view(-1), theta.view(-1)
+                for lo in range(0, a.numel(), _TILE):
+                    tile = a[lo : lo + _TILE].clone()
+                    a[lo : lo + _TILE].copy_(b[lo : lo + _TILE])
+                    b[lo : lo + _TILE].copy_(tile)
+        return out
 
     def initial_payload(self) -> tuple[EncodedTensor, ...] | None:
         """θ as fp32 slices gathered to the leader (a coordinator that holds no model yet takes
@@ -419,6 +441,18 @@ class RankSync:
 
 _TILE = 1 << 20
 """Values of a result decoded at a time (4 MiB of float32)."""
+
+
+def _exchangeable(local: torch.Tensor, theta: torch.Tensor) -> bool:
+    """Whether a rank's local rows and θ's can trade places exactly (same dtype, float32,
+    shape and device, both contiguous)."""
+    return (
+        local.dtype == theta.dtype == torch.float32
+        and local.shape == theta.shape
+        and local.device == theta.device
+        and local.is_contiguous()
+        and theta.is_contiguous()
+    )
 
 
 def _cpu(t: torch.Tensor) -> np.ndarray:

@@ -26,7 +26,9 @@ def test_site_memory_benchmark_report(capsys: pytest.CaptureFixture[str]) -> Non
         assert len(site["sync_growth_bytes"]) == 2
     leader = out["fsdp_ranks"][0]["peak_rss_bytes"]
     assert out["leader_rss_ratio"] == leader / out["one_process"]["peak_rss_bytes"]
-    assert out["max_sync_growth_over_model"] >= 0
+    growth = [g / out["model_bytes"] for r in out["fsdp_ranks"] for g in r["sync_growth_bytes"]]
+    assert len(out["sync_growth_over_model"]) == 2
+    assert out["max_sync_growth_over_model"] == max(out["sync_growth_over_model"]) == max(growth)
 
 
 def test_site_memory_benchmark_refuses_a_model_smaller_than_a_layer(
