@@ -136,7 +136,11 @@ def _group_worker(rank: int, tasks: Any, results: Any) -> None:
     while True:
         task = tasks.get()
         if task is None:
-            return
+            # Every result is flushed to the parent; then leave without the interpreter's
+            # teardown, which with torch loaded takes a second or more of CPU per process.
+            results.close()
+            results.join_thread()
+            os._exit(0)
         fn, args, store, world_size, timeout_s = task
         try:
             dist.init_process_group(
