@@ -20,23 +20,41 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from site_agent.jobs.contract import StateSpec
+from site_agent.pipeline.engine import RankPipeline
+from site_agent.pipeline.layout import PipelineLayout
 from site_agent.shards import RankShards
 from site_agent.shardsync import RankSync
 
-if TYPE_CHECKING:
-    from site_agent.pipeline.rank import SiteRank
+
+class StageSite(Protocol):
+    """What a :class:`StageSync` uses of its rank (``rank.SiteRank``)."""
+
+    pipeline: RankPipeline
+    rank: int
+    layout: PipelineLayout
+    spec: StateSpec
+    control: Any
+
+    def evaluate_gathered(self) -> dict[str, float] | None: ...
+
+    def training_state(self) -> dict[str, Any]: ...
+
+    def load_training_state(
+        self, own: Mapping[str, Any] | None, *, leader: Mapping[str, Any] | None
+    ) -> None: ...
 
 
 class StageSync(RankSync):
     """One pipeline rank's :class:`RankSync` (module docstring). Built by every rank of the site
     (no communication); each call is collective over the site's control group."""
 
-    def __init__(self, site: SiteRank, *, decay: float = 1.0) -> None:
+    def __init__(self, site: StageSite, *, decay: float = 1.0) -> None:
         pipeline = site.pipeline
         state = pipeline.state()  # this rank's tensors, by the whole model's names
         shards = RankShards(

@@ -3,6 +3,8 @@ torchrun's RANK, a StatefulSet pod's ordinal) and the config each shard runs wit
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +22,7 @@ from coordinator.sharding import (
     shard_config,
 )
 from crossdc.cli_common import EXIT_BAD_CONFIG
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -195,18 +198,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize(
-    ("procs", "said"),
-    [
-        (2, "coordinator.shards = 2 needs [coordinator.initial_model]"),
-        (3, "torchrun started 3 processes (WORLD_SIZE) but coordinator.shards = 2"),
-    ],
-)
-def test_torchrun_starts_one_process_per_shard(tmp_path: Path, procs: int, said: str) -> None:
-    """``torchrun --nproc-per-node N -m crossdc coordinator`` on a config of 2 shards: with 2,
-    each process reads its shard from torchrun's rank and refuses to run without θ0 to cut;
-    with 3, each says the counts differ."""
+def _torchrun_coordinator(tmp_path: Path, procs: int) -> list[str]:
     torchrun = Path(sys.executable).parent / "torchrun"
     if not torchrun.exists():
         pytest.skip("torchrun is not installed")
@@ -215,35 +207,64 @@ def test_torchrun_starts_one_process_per_shard(tmp_path: Path, procs: int, said:
         '[coordinator]\nshards = 2\nbind = "tcp://127.0.0.1:0"\nmetrics_port = 0\n'
         f'state_dir = "{tmp_path / "state"}"\n'
     )
+    return [
+        str(torchrun),
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(procs),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        # torchrun stops every rank once one has failed: look only after all have run (a
+        # rank refuses about a second after it starts, before it imports torch).
+        "--monitor-interval",
+        "5",
+        "-m",
+        "crossdc",
+        "coordinator",
+        "--config",
+        str(path),
+        "--insecure",
+    ]
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_starts_one_process_per_shard(tmp_path: Path) -> None:
+    """``torchrun --nproc-per-node 2 -m crossdc coordinator`` on a config of 2 shards: each
+    process reads its shard from torchrun's rank, keeps its state in its own directory and
+    listens (waiting for a site to upload θ0); SIGTERM to torchrun stops both."""
+    args = _torchrun_coordinator(tmp_path, 2)
+    log = tmp_path / "torchrun.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        dirs = [tmp_path / "state" / f"shard-{i}" for i in range(2)]
+
+        def both_listen() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(log.read_text()[-3000:])
+            return all(d.is_dir() for d in dirs) and log.read_text().count("listening on") >= 2
+
+        wait_for(both_listen, timeout_s=180, what="both shards listening")
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_with_more_processes_than_shards_is_refused(tmp_path: Path) -> None:
+    """With 3 processes for 2 shards, each process says the counts differ and torchrun fails."""
     proc = subprocess.run(
-        [
-            str(torchrun),
-            "--nnodes",
-            "1",
-            "--nproc-per-node",
-            str(procs),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(_free_port()),
-            # torchrun stops every rank once one has failed: look only after all have run (a
-            # rank refuses about a second after it starts, before it imports torch).
-            "--monitor-interval",
-            "5",
-            "-m",
-            "crossdc",
-            "coordinator",
-            "--config",
-            str(path),
-            "--insecure",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=200,
+        _torchrun_coordinator(tmp_path, 3), capture_output=True, text=True, timeout=200
     )
     assert proc.returncode != 0
-    for rank in range(procs):
-        assert said.format(rank=rank) in proc.stderr, proc.stderr[-3000:]
+    said = "torchrun started 3 processes (WORLD_SIZE) but coordinator.shards = 2"
+    assert said in proc.stderr, proc.stderr[-3000:]
 
 
 def test_each_shard_keeps_its_part_of_the_model() -> None:
