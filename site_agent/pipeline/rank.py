@@ -10,6 +10,7 @@ the ``sync`` command is one of its calls.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -32,6 +33,8 @@ from site_agent.jobs.contract import (
 from site_agent.jobs.contract import buffer_names as federated_buffer_names
 from site_agent.pipeline.engine import PipelineConfig, RankPipeline, make_stage_plan
 from site_agent.pipeline.stagesync import StageSync
+
+log = logging.getLogger(__name__)
 
 # Workers wait for the leader's next command as long as the leader spends between calls.
 CONTROL_TIMEOUT = timedelta(days=7)
@@ -248,9 +251,23 @@ class SiteRank:
         self.step = int(common["step"])
 
     def _same_layout(self, taken: list[Any]) -> bool:
-        key = self._layout_key()
-        sharded = list(taken)[3:] == ["fsdp"]
-        return list(taken)[:3] == key[:3] and sharded == (key[3] == "fsdp")
+        """Whether a rank's optimizer state written under ``taken`` fits this rank's stages:
+        the same stages, replicas and schedule, FSDP or not alike, and the same cut of the
+        model into stages where the checkpoint records it (the cut follows measured step
+        times, so a restart may cut differently: its optimizer then starts afresh, θ still
+        resumes)."""
+        key, taken = self._layout_key(), list(taken)
+        sharded = taken[3:4] == ["fsdp"]
+        same_cut = len(taken) <= 4 or taken[4:] == key[4:]
+        same = taken[:3] == key[:3] and sharded == (key[3] == "fsdp") and same_cut
+        if taken and not same and self.rank == 0:
+            log.warning(
+                "[site rank=0] the checkpoint was written under layout %s, this run is %s: "
+                "the model resumes, the ranks' optimizer state starts afresh",
+                taken,
+                key,
+            )
+        return same
 
     def _load_share(self, share: Mapping[str, Any]) -> None:
         pipeline = self.pipeline
@@ -260,7 +277,14 @@ class SiteRank:
 
     def _layout_key(self) -> list[Any]:
         layout, cfg = self.layout, self.cfg
-        return [layout.num_stages, layout.num_replicas, cfg.schedule, self.pipeline.data_parallel]
+        cut = [int(b) for b in self.pipeline.plan.partition.boundaries]
+        return [
+            layout.num_stages,
+            layout.num_replicas,
+            cfg.schedule,
+            self.pipeline.data_parallel,
+            cut,
+        ]
 
     def _gather(self, share: Any) -> list[Any] | None:
         """Every rank's ``share`` (index = rank) on the leader; ``None`` elsewhere."""

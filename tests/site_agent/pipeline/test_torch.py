@@ -367,6 +367,10 @@ def _site_run(
         trainer.load_state_dict({**state, "layout": state["layout"][:3]})
         legacy = trainer.train_steps(1)
         params_legacy = trainer.parameters_numpy()
+        # A checkpoint of another cut into stages: the model by name, the optimizer afresh.
+        trainer.load_state_dict({**state, "layout": [*state["layout"][:4], [0]]})
+        other_cut = trainer.train_steps(1)
+        params_other_cut = trainer.parameters_numpy()
         trainer.load_parameters({k: v * 0 for k, v in params_again.items()})
         zeros = trainer.parameters_numpy()
         return {
@@ -375,6 +379,8 @@ def _site_run(
             "params_again": params_again,
             "loss_legacy": legacy.loss_mean,
             "params_legacy": params_legacy,
+            "loss_other_cut": other_cut.loss_mean,
+            "params_other_cut": params_other_cut,
             "layout": state["layout"],
             "zeros": max(float(np.abs(v).max()) for v in zeros.values()),
             "metrics": metrics,
@@ -416,6 +422,12 @@ def check_site_run(out: dict[str, Any], data_parallel: str) -> None:
         np.array_equal(out["params_legacy"][name], value) for name, value in out["params"].items()
     )
     assert legacy_equal == (data_parallel != "fsdp")
+    assert out["loss_other_cut"] == out["losses"][1]
+    assert not all(
+        np.array_equal(out["params_other_cut"][name], value)
+        for name, value in out["params"].items()
+    )
+    assert len(out["layout"]) == 5 and out["layout"][4][0] == 0
     assert out["zeros"] == 0.0
     assert out["metrics"]["loss"] > 0
     assert out["fingerprint"] == single.fingerprint("site_agent.jobs.bytegpt:make_job")
