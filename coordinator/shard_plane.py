@@ -143,7 +143,10 @@ class ShardPlane:
         )
 
     def norm(self, round_id: int, site_id: str) -> float | None:
-        """The L2 norm of ``site_id``'s whole update, once every shard took its part."""
+        """The L2 norm of ``site_id``'s whole update, once every shard took its part: the
+        square root of its parts' squared norms summed in shard order. One coordinator sums the
+        same squares tensor by tensor in another order, so the two may differ in their last
+        bits; the bound judges them alike except for an update within a few ulps of it."""
         return self._norm(self._round(round_id), site_id)
 
     # ---- events ------------------------------------------------------------------------------
