@@ -404,10 +404,11 @@ class LeadShard(_Shard):
             self._on(self._events.pop(0))
 
     def _drop_void(self) -> None:
-        """A site a shard refused a part of (it was not joined there: a shard back from a
-        restart before the site joined it again) never completes its update: the lifecycle
-        counts it as gone from the round, which closes without it or aborts at once instead of
-        at its deadline."""
+        """A site whose update is void (a shard refused a part of it, say one it was not
+        joined to: a shard back from a restart before the site joined it again; or its parts
+        together are over the norm bound) never completes its update: the lifecycle counts it
+        as gone from the round, which closes without it or aborts at once instead of at its
+        deadline."""
         for rid in self.plane.in_flight():
             r = self.coord.book.open_round(rid)
             if r is not None and self.plane.phase(rid) is Phase.OPEN:
