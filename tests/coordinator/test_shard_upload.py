@@ -235,4 +235,4 @@ def test_a_shard_restarted_after_theta0_knows_the_cut_from_its_record(tmp_path: 
         assert shard.parts == PARTS
         assert again.model.whole_hash == (0, WHOLE)
     finally:
-        again.close()
+        shard.close()  # the coordinator and the client it made (its context, never started)
