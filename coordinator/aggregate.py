@@ -157,6 +157,17 @@ class Fold(Protocol):
         late folds given."""
         ...
 
+    def squared_norm(self, site_id: str) -> float:
+        """Σ x² over the values of the update held from ``site_id`` (the square of the norm
+        its check bounded): a coordinator of several shards bounds a site's whole update by
+        its shards' parts (``coordinator.shard_plane``). KeyError: none held."""
+        ...
+
+    def leave_out(self, site_id: str) -> None:
+        """Let go of the update held from ``site_id`` as if it had never been taken (the shards
+        of a coordinator agreed to merge it nowhere); nothing when none is held."""
+        ...
+
     @property
     def nbytes(self) -> int: ...
 
@@ -273,6 +284,8 @@ class Held:
     weight: float
     pieces: Mapping[str, Sequence[EncodedTensor]]
     shapes: Shapes
+    norm: float = 0.0
+    """Its L2 norm over every piece, as its check computed it."""
 
     @property
     def nbytes(self) -> int:
@@ -429,8 +442,19 @@ class MeanFold:
                 f"round's float32 sum (limit {_SUM_LIMIT:.3g} over its updates)",
             )
         self._bound = bound
-        self._held[site_id] = Held(site_id, weight, pieces, dict(shapes))
+        self._held[site_id] = Held(site_id, weight, pieces, dict(shapes), norm)
         return f"norm={norm:.4g}"
+
+    def squared_norm(self, site_id: str) -> float:
+        norm = self._held[site_id].norm
+        return norm * norm
+
+    def leave_out(self, site_id: str) -> None:
+        if self._held.pop(site_id, None) is None:
+            return
+        self._bound = 0.0
+        for u in self.ordered():
+            self._bound += u.weight * u.norm
 
     def ordered(self) -> list[Held]:
         """The updates held, in the canonical order: the participants' order, then any other
@@ -656,6 +680,7 @@ class ForwardFold:
     def __init__(self, max_norm: float) -> None:
         self._max_norm = max_norm
         self.kept: dict[str, tuple[float, tuple[EncodedTensor, ...]]] = {}
+        self._norms: dict[str, float] = {}
 
     def add(
         self, site_id: str, weight: float, payload: Sequence[EncodedTensor], shapes: Shapes
@@ -665,7 +690,16 @@ class ForwardFold:
         if isinstance(decoded, Refused):
             return decoded
         self.kept[site_id] = (weight, tuple(payload))
+        self._norms[site_id] = decoded[1]
         return f"norm={decoded[1]:.4g}"
+
+    def squared_norm(self, site_id: str) -> float:
+        norm = self._norms[site_id]
+        return norm * norm
+
+    def leave_out(self, site_id: str) -> None:
+        self.kept.pop(site_id, None)
+        self._norms.pop(site_id, None)
 
     def result(self, label: str, late: Sequence[Late]) -> RoundResult:
         """The on-time updates in site order, then each late one (by round, then site),

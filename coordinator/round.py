@@ -264,6 +264,20 @@ class Round:
         if site_id in self.participants and site_id not in self.accepted:
             self.dropped = self.dropped | {site_id}
 
+    def leave_out(self, site_id: str) -> None:
+        """An on-time update taken and not merged after all (the shards of a coordinator agreed
+        to merge it nowhere, ``coordinator.shard_plane``): the fold lets go of it, its sender's
+        charge is given back, and the round holds it as never received."""
+        if site_id not in self.accepted:
+            return
+        assert self.fold is not None and self.is_open, "an open round leaves an update out"
+        self.fold.leave_out(site_id)
+        del self.accepted[site_id]
+        self.arrived.pop(site_id, None)
+        charge = self.charges.pop(site_id, None)
+        if charge is not None:
+            charge.release()
+
     def retry(
         self, survivors: tuple[str, ...], fold: Fold, deadline_at: float, quorum: int
     ) -> None:

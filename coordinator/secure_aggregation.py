@@ -178,6 +178,12 @@ class MaskedFold:
         mean, total = self.sum.mean(self.plan.participants)
         return MeanResult([("secure-aggregate", total, mean)])
 
+    def squared_norm(self, site_id: str) -> float:
+        raise ValueError("a masked update's values are hidden: it has no norm to report")
+
+    def leave_out(self, site_id: str) -> None:
+        raise ValueError("a masked sum cannot leave an update out: the masks would not cancel")
+
     @property
     def nbytes(self) -> int:
         return self.sum.nbytes

@@ -262,9 +262,9 @@ class ShardLeader:
             if msg.shard != shard:
                 raise ValueError(f"it reports for shard {msg.shard}")
             if msg.accepted:
-                plane.folded(shard, msg.round_id, msg.site_id)
+                plane.folded(shard, msg.round_id, msg.site_id, msg.squared_norm)
             else:
-                plane.refused(shard, msg.round_id, msg.site_id)
+                plane.refused(shard, msg.round_id, msg.site_id, msg.detail)
             return []
         if isinstance(msg, ShardFrozen):
             frozen = plane.frozen(shard, msg.round_id, frozenset(msg.folded))

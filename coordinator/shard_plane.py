@@ -6,16 +6,24 @@ site sends each shard its part of an update. Shard 0 decides (membership, openin
 holds no socket and no clock; the shards' messages are its events, its answers are the
 decisions shard 0 sends to every shard.
 
-The merged set is the same on every shard, or the round is aborted everywhere. A fold cannot be
-taken back exactly, so a site whose part one shard folded and another never did (or refused)
-cannot be left out of one shard's mean and kept in another's. A close therefore goes in two
-steps:
+The merged set is the same on every shard. A shard holds each part it took as the bytes it
+came as until the round closes (``coordinator.aggregate``: nothing is folded before the close),
+so a site's update can still be left out of every shard's mean until then. Each shard checks its
+own part of a site's update as a single coordinator checks a whole one (finite, the round's
+tensors, the norm bound over its part) and reports the verdict to shard 0, with its part's
+squared norm when it took it; shard 0 decides whose updates the round merges. A close goes in
+two steps:
 
 1. freeze: shard 0 stops taking parts of the round and asks every shard which sites' parts it
-   folded (:meth:`ShardPlane.freeze`, each answer :meth:`ShardPlane.frozen`); when every shard
-   holds the same sites, every shard closes over exactly those (:class:`CloseAll`), else the
-   round is aborted everywhere (:class:`AbortAll`). Shard 0 freezes once no participant is
-   half-way (:meth:`ShardPlane.partial`), so an abort needs a site that failed between its parts;
+   holds (:meth:`ShardPlane.freeze`, each answer :meth:`ShardPlane.frozen`). The round merges
+   the sites whose part every shard holds and took, whose whole update is within the norm
+   bound (the square root of the sum of the parts' squared norms: a single coordinator's
+   bound on the same update); every other site some shard holds a part of is left out on
+   every shard (:class:`CloseAll` names it and why: a shard refused its part, its whole norm
+   is over the bound, or a shard holds no part of it). Each shard lets go of what it holds of
+   a site left out and closes over exactly the sites merged; the round is aborted everywhere
+   (:class:`AbortAll`) only when fewer than its quorum are left. Shard 0 freezes once no
+   participant is half-way (:meth:`ShardPlane.partial`), or once the grace ceiling passed;
 2. commit: each shard (shard 0 too) runs the outer step over its tensors, saves its new version
    and reports its tensors' digests (:meth:`ShardPlane.prepared`); once every shard has, shard
    0 writes its commit record (``coordinator.shard_commit``), which is the commit, and every
@@ -30,6 +38,7 @@ A shard is thus at most one version ahead of the record (it saved a version neve
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -46,10 +55,12 @@ class Phase(enum.Enum):
 
 @dataclass(frozen=True)
 class CloseAll:
-    """Every shard closes the round over exactly ``merged``."""
+    """Every shard closes the round over exactly ``merged``, and lets go of what it holds of
+    the sites ``left_out`` (each with why, by site id)."""
 
     round_id: int
     merged: frozenset[str]
+    left_out: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -75,13 +86,15 @@ class CommitAll:
 @dataclass
 class _Round:
     participants: frozenset[str]
+    quorum: int = 1
+    """The fewest updates the round may merge (the lifecycle's quorum of its participants)."""
     phase: Phase = Phase.OPEN
     opened_by: set[int] = field(default_factory=lambda: {0})
     """Shards that opened the round (shard 0 by opening it)."""
-    folded: dict[str, set[int]] = field(default_factory=dict)
-    """Per site, the shards that folded its part."""
-    poisoned: set[str] = field(default_factory=set)
-    """Sites a shard refused a part of: their update cannot be merged whole anywhere."""
+    taken: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Per site, the shards that took its part, each with the part's squared norm."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Sites a shard refused a part of, with why: their update is merged nowhere."""
     frozen: dict[int, frozenset[str]] = field(default_factory=dict)
     merged: frozenset[str] = frozenset()
     version: int | None = None
@@ -96,11 +109,14 @@ class ShardPlane:
     exactly ``parts[s]``. A report that breaks the protocol (an unknown shard or round, a phase
     it does not belong to) raises ValueError naming it; nothing is changed by it."""
 
-    def __init__(self, parts: Sequence[Sequence[str]]) -> None:
+    def __init__(self, parts: Sequence[Sequence[str]], *, max_norm: float = math.inf) -> None:
+        """``max_norm``: the bound on a site's whole update's L2 norm (the aggregator's
+        ``max_update_norm``), which no shard can check alone."""
         if not parts:
             raise ValueError("a sharded coordinator has at least one shard")
         self.parts = tuple(frozenset(p) for p in parts)
         self.count = len(self.parts)
+        self.max_norm = max_norm
         self._rounds: dict[int, _Round] = {}
 
     # ---- views -------------------------------------------------------------------------------
@@ -109,30 +125,38 @@ class ShardPlane:
         return self._round(round_id).phase
 
     def complete(self, round_id: int) -> frozenset[str]:
-        """Sites whose part every shard folded (a refused part counts against its site)."""
+        """Sites whose part every shard took, their whole update within the norm bound."""
         r = self._round(round_id)
-        return frozenset(
-            s for s, shards in r.folded.items() if len(shards) == self.count and s not in r.poisoned
-        )
+        return self._complete(r, self._void(r))
 
     def void(self, round_id: int) -> frozenset[str]:
-        """Sites a shard refused a part of: their update counts on no shard."""
-        return frozenset(self._round(round_id).poisoned)
+        """Sites whose update is merged on no shard: a shard refused a part of it, or its
+        parts together are over the norm bound."""
+        return frozenset(self._void(self._round(round_id)))
 
     def partial(self, round_id: int) -> frozenset[str]:
-        """Sites some shards folded a part of and others have not (yet)."""
+        """Sites some shards took a part of and others have not (yet), none refused."""
         r = self._round(round_id)
+        void = self._void(r)
         return frozenset(
-            s for s, shards in r.folded.items() if len(shards) < self.count or s in r.poisoned
+            s for s, parts in r.taken.items() if len(parts) < self.count and s not in void
         )
+
+    def norm(self, round_id: int, site_id: str) -> float | None:
+        """The L2 norm of ``site_id``'s whole update, once every shard took its part: the
+        square root of its parts' squared norms summed in shard order. One coordinator sums the
+        same squares tensor by tensor in another order, so the two may differ in their last
+        bits; the bound judges them alike except for an update within a few ulps of it."""
+        return self._norm(self._round(round_id), site_id)
 
     # ---- events ------------------------------------------------------------------------------
 
-    def opened(self, round_id: int, participants: Sequence[str]) -> None:
-        """Shard 0 opened ``round_id`` (every shard opens it from shard 0's plan)."""
+    def opened(self, round_id: int, participants: Sequence[str], quorum: int = 1) -> None:
+        """Shard 0 opened ``round_id`` (every shard opens it from shard 0's plan); it may
+        merge no fewer than ``quorum`` updates."""
         if round_id in self._rounds:
             raise ValueError(f"round {round_id} is opened twice")
-        self._rounds[round_id] = _Round(frozenset(participants))
+        self._rounds[round_id] = _Round(frozenset(participants), quorum=quorum)
 
     def acknowledged(self, shard: int, round_id: int) -> bool:
         """Shard ``shard`` opened ``round_id``; True when every shard now has (the round may be
@@ -146,22 +170,29 @@ class ShardPlane:
         """Every shard opened ``round_id``."""
         return len(self._round(round_id).opened_by) == self.count
 
-    def folded(self, shard: int, round_id: int, site_id: str) -> None:
-        """Shard ``shard`` folded ``site_id``'s part of ``round_id``."""
+    def folded(self, shard: int, round_id: int, site_id: str, squared_norm: float = 0.0) -> None:
+        """Shard ``shard`` took ``site_id``'s part of ``round_id`` (checked, held until the
+        close), whose values' squares sum to ``squared_norm``."""
         r = self._in(round_id, shard, Phase.OPEN, Phase.FREEZING)
         if site_id not in r.participants:
             raise ValueError(f"round {round_id}: {site_id!r} is not a participant")
-        r.folded.setdefault(site_id, set()).add(shard)
+        if not (math.isfinite(squared_norm) and squared_norm >= 0):
+            raise ValueError(f"round {round_id}: {site_id!r}'s part has norm² {squared_norm}")
+        r.taken.setdefault(site_id, {})[shard] = squared_norm
 
-    def refused(self, shard: int, round_id: int, site_id: str) -> None:
+    def refused(self, shard: int, round_id: int, site_id: str, why: str = "") -> None:
         """Shard ``shard`` refused ``site_id``'s part of ``round_id``: the site's update is
-        void on every shard; a shard that folded its part makes the round unable to close
-        with or without it (the freeze finds the shards' sets differ)."""
+        merged on no shard (each lets go of what it holds of it at the close). A refusal from a
+        shard that took the site's part already (a second copy, refused as a duplicate) changes
+        nothing: the part it holds stands."""
         r = self._in(round_id, shard, Phase.OPEN, Phase.FREEZING)
-        r.poisoned.add(site_id)
+        if shard in r.taken.get(site_id, {}):
+            return
+        detail = f": {why}" if why else ""
+        r.refused.setdefault(site_id, f"shard {shard} refused its part{detail}")
 
     def freeze(self, round_id: int) -> None:
-        """Shard 0 closes ``round_id`` to further parts and asks the shards what they folded."""
+        """Shard 0 closes ``round_id`` to further parts and asks the shards what they hold."""
         r = self._in(round_id, 0, Phase.OPEN)
         r.phase = Phase.FREEZING
 
@@ -169,26 +200,33 @@ class ShardPlane:
         self, shard: int, round_id: int, folded: frozenset[str]
     ) -> CloseAll | AbortAll | None:
         """Shard ``shard`` froze ``round_id`` holding the parts of ``folded``. None until every
-        shard has answered; then :class:`CloseAll` when they hold the same sites (and none was
-        refused anywhere), else :class:`AbortAll`."""
+        shard has answered; then :class:`CloseAll` over the sites every shard holds and took,
+        within the norm bound, naming every other site some shard holds (left out everywhere);
+        :class:`AbortAll` when fewer than the round's quorum are merged."""
         r = self._in(round_id, shard, Phase.FREEZING)
         if shard in r.frozen:
             raise ValueError(f"round {round_id}: shard {shard} froze twice")
         r.frozen[shard] = frozenset(folded)
         if len(r.frozen) < self.count:
             return None
-        sets = set(r.frozen.values())
-        if len(sets) > 1:
-            differ = sorted(frozenset.union(*sets) - frozenset.intersection(*sets))
-            return self._abort(r, round_id, f"shards folded different sites: {differ[:3]}")
-        (merged,) = sets
-        poisoned = sorted(merged & r.poisoned)
-        if poisoned:
-            return self._abort(r, round_id, f"a shard refused a part of {poisoned[:3]}")
+        sets = list(r.frozen.values())
+        void = self._void(r)
+        merged = frozenset.intersection(*sets) & self._complete(r, void)
+        left = tuple(
+            (s, self._left_out(r, s, void)) for s in sorted(frozenset.union(*sets) - merged)
+        )
         if not merged:
-            return self._abort(r, round_id, "no shard folded any update")
+            why = "no update every shard holds and took"
+            return self._abort(r, round_id, why + "".join(f"; {s}: {w}" for s, w in left[:3]))
+        if len(merged) < r.quorum:
+            return self._abort(
+                r,
+                round_id,
+                f"{len(merged)} updates every shard holds and took, quorum {r.quorum}"
+                + "".join(f"; {s}: {w}" for s, w in left[:3]),
+            )
         r.phase, r.merged = Phase.PREPARING, merged
-        return CloseAll(round_id, merged)
+        return CloseAll(round_id, merged, left)
 
     def prepared(
         self, shard: int, round_id: int, version: int, digests: Mapping[str, bytes]
@@ -252,6 +290,44 @@ class ShardPlane:
     def _abort(self, r: _Round, round_id: int, why: str) -> AbortAll:
         r.phase = Phase.ABORTED
         return AbortAll(round_id, why)
+
+    def _void(self, r: _Round) -> dict[str, str]:
+        """Sites whose update is merged nowhere, with why."""
+        void = dict(r.refused)
+        for site in r.taken:
+            if site in void:
+                continue
+            norm = self._norm(r, site)
+            if norm is not None and norm > self.max_norm:
+                void[site] = (
+                    f"update norm {norm:.3g} > bound {self.max_norm:.3g} (its {self.count} "
+                    "shards' parts together)"
+                )
+        return void
+
+    def _norm(self, r: _Round, site_id: str) -> float | None:
+        parts = r.taken.get(site_id, {})
+        if len(parts) < self.count:
+            return None
+        total = 0.0
+        for shard in range(self.count):  # the parts in shard order: the same sum every time
+            total += parts[shard]
+        return math.sqrt(total)
+
+    def _complete(self, r: _Round, void: Mapping[str, str]) -> frozenset[str]:
+        return frozenset(
+            s for s, parts in r.taken.items() if len(parts) == self.count and s not in void
+        )
+
+    def _left_out(self, r: _Round, site_id: str, void: Mapping[str, str]) -> str:
+        """Why a site some shard holds a part of is merged nowhere."""
+        if site_id in void:
+            return void[site_id]
+        missing = [s for s in range(self.count) if site_id not in r.frozen[s]]
+        if missing:
+            return f"shard {missing[0]} holds no part of it at the freeze"
+        unheard = [s for s in range(self.count) if s not in r.taken.get(site_id, {})]
+        return f"shard {unheard[0]} never said it took its part"
 
     def _round(self, round_id: int) -> _Round:
         r = self._rounds.get(round_id)

@@ -6,14 +6,16 @@ one a :class:`~coordinator.round.Round` in its own :class:`~coordinator.lifecycl
 taking the sites' parts through the same ``take``. Only the transitions come from shard 0's
 messages instead of the lifecycle's own decision (a follower never calls ``Lifecycle.tick``):
 :func:`open_as_told` (``ShardOpen``), :func:`freeze` (``ShardFreeze``: no more parts, and
-whose it holds), :func:`close_as_told` (``ShardClose``), :func:`abort_as_told`
+whose it holds), :func:`close_as_told` (``ShardClose``: what it holds of a site shard 0 leaves
+out is let go, :func:`leave_out`), :func:`abort_as_told`
 (``ShardAbort``). Each checks that shard 0's word fits what this shard holds and raises
 ValueError when it does not (this shard is out of step and must meet shard 0 again).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 
 from comm.wire.schema import ShardAbort, ShardClose, ShardOpen
@@ -21,6 +23,8 @@ from coordinator.decisions import Abort, Close
 from coordinator.lifecycle import Lifecycle
 from coordinator.round import Round
 from coordinator.shard_peers import plan_of
+
+log = logging.getLogger("crossdc.coordinator.shards")
 
 
 def open_as_told(
@@ -69,27 +73,44 @@ def _open(book: Lifecycle, round_id: int) -> Round:
 
 
 def freeze(book: Lifecycle, round_id: int) -> frozenset[str]:
-    """Round ``round_id`` takes no more parts; the sites whose parts it folded."""
+    """Round ``round_id`` takes no more parts; the sites whose parts it holds."""
     r = _open(book, round_id)
     r.frozen = True
     return r.received
 
 
 def close_as_told(book: Lifecycle, msg: ShardClose) -> Close:
-    """Close the frozen round over exactly shard 0's ``merged`` (which must be what this shard
-    folded), as the lifecycle closes one: the decision the closing carries out."""
+    """Close the frozen round over exactly shard 0's ``merged`` (which this shard must hold),
+    as the lifecycle closes one: the decision the closing carries out. What it holds of any
+    other site is let go first (:func:`leave_out`)."""
     r = _open(book, msg.round_id)
     if not r.frozen:
         raise ValueError(f"round {msg.round_id} is closed before it was frozen")
     if r is not book.open_rounds[0]:
         raise ValueError(f"round {msg.round_id} is closed before an older round")
-    if frozenset(msg.merged) != r.received:
+    if not frozenset(msg.merged) <= r.received:
         raise ValueError(
-            f"round {msg.round_id}: shard 0 merges {sorted(msg.merged)}, this shard folded "
+            f"round {msg.round_id}: shard 0 merges {sorted(msg.merged)}, this shard holds "
             f"{sorted(r.received)}"
         )
+    leave_out(r, msg.merged)
     decision = book.close(r, tuple(msg.merged), "shard 0 closed it")
     return replace(decision, final=msg.final)
+
+
+def leave_out(r: Round, merged: Collection[str]) -> tuple[str, ...]:
+    """Let go of what the frozen round ``r`` holds of every site not in ``merged`` (the
+    shards agreed to merge it nowhere): its fold drops it, its sender's charge is given back.
+    The sites left out, by id."""
+    left = tuple(sorted(r.received - frozenset(merged)))
+    for site_id in left:
+        r.leave_out(site_id)
+        log.info(
+            "[coordinator site=%s round=%d] its part held here let go: merged on no shard",
+            site_id,
+            r.round_id,
+        )
+    return left
 
 
 def abort_as_told(book: Lifecycle, msg: ShardAbort) -> Abort | None:

@@ -9,15 +9,18 @@ endpoint) whose rounds cover its tensors; the sites send each shard its part of 
 - :class:`LeadShard` is shard 0. Its lifecycle decides (only while every shard is there): a
   round's plans go to the sites once every shard opened it (``ShardOpen``/``ShardOpened``, the
   opening's ``release``); a site's update counts once every shard took its part (the lifecycle's
-  :class:`~coordinator.lifecycle.RoundGate`); a close waits while a site is half-way (up to
-  the grace ceiling), then freezes the round everywhere and closes it over what every shard
-  holds, or aborts it everywhere (``coordinator.shard_plane``); each shard saves its result and
+  :class:`~coordinator.lifecycle.RoundGate`: each shard took its part, and their squared norms
+  add up to a whole update within the norm bound); a close waits while a site is half-way (up
+  to the grace ceiling), then freezes the round everywhere and closes it over the sites whose
+  part every shard holds and took, leaving every other site's update out on every shard (an
+  Error to the site, counted as ``left_out``), or aborts it everywhere when fewer than its
+  quorum are left (``coordinator.shard_plane``); each shard saves its result and
   reports its tensors' digests; shard 0 writes its commit record (``coordinator.shard_commit``)
   and every shard announces the result with the whole model's hash, which shard 0 signs. A
   shard lost, or back after a restart, aborts every round in flight.
 - :class:`FollowShard` is every other shard: it decides nothing, opens, freezes, closes and
-  aborts rounds as shard 0 says (``coordinator.shard_rounds``), reports every part it folded or
-  refused, and announces a result when shard 0 committed it.
+  aborts rounds as shard 0 says (``coordinator.shard_rounds``), reports every part it took
+  (with its squared norm) or refused, and announces a result when shard 0 committed it.
 
 A shard that saved a round's version and sees the round aborted before the commit goes back to
 the version before (``PostOffice.roll_back``: the store's checkpoint kept before its newest,
@@ -75,7 +78,13 @@ from coordinator.shard_peers import (
     plan_fields,
 )
 from coordinator.shard_plane import AbortAll, CloseAll, CommitAll, Phase, ShardPlane
-from coordinator.shard_rounds import abort_as_told, close_as_told, freeze, open_as_told
+from coordinator.shard_rounds import (
+    abort_as_told,
+    close_as_told,
+    freeze,
+    leave_out,
+    open_as_told,
+)
 from coordinator.sharding import (
     ShardIdentity,
     WholeModel,
@@ -288,6 +297,13 @@ class _Shard:
         r = self.coord.book.open_round(round_id)
         return r if r is not None and not r.frozen else None
 
+    def _squared_norm(self, msg: Update) -> float:
+        """Σ x² over the values of the part of ``msg`` this shard just took (its open round
+        holds it): shard 0 bounds the site's whole update by its parts'."""
+        r = self.coord.book.open_round(msg.round_id)
+        assert r is not None and r.fold is not None, "an update taken on time: its round holds it"
+        return r.fold.squared_norm(msg.site_id)
+
 
 class LeadShard(_Shard):
     """Shard 0 (see the module doc)."""
@@ -309,7 +325,10 @@ class LeadShard(_Shard):
         self._clock = clock
         self._control_bind = control_bind
         channel = coord.sections.post.channel
-        self.plane = ShardPlane(self.parts or [()] * identity.count)
+        self.plane = ShardPlane(
+            self.parts or [()] * identity.count,
+            max_norm=coord.sections.aggregation.max_update_norm,
+        )
         self.initials = Initials(identity.count)
         """The θ0 parts every shard holds of a site's upload (coordinator.shard_initial)."""
         self.server = ShardServer(channel, kit, clock=clock)
@@ -385,10 +404,11 @@ class LeadShard(_Shard):
             self._on(self._events.pop(0))
 
     def _drop_void(self) -> None:
-        """A site a shard refused a part of (it was not joined there: a shard back from a
-        restart before the site joined it again) never completes its update: the lifecycle
-        counts it as gone from the round, which closes without it or aborts at once instead of
-        at its deadline."""
+        """A site whose update is void (a shard refused a part of it, say one it was not
+        joined to: a shard back from a restart before the site joined it again; or its parts
+        together are over the norm bound) never completes its update: the lifecycle counts it
+        as gone from the round, which closes without it or aborts at once instead of at its
+        deadline."""
         for rid in self.plane.in_flight():
             r = self.coord.book.open_round(rid)
             if r is not None and self.plane.phase(rid) is Phase.OPEN:
@@ -430,7 +450,7 @@ class LeadShard(_Shard):
         assert r is not None and r.plan is not None
         st = self.coord.state
         assert st is not None
-        self.plane.opened(round_id, r.participants)
+        self.plane.opened(round_id, r.participants, r.quorum)
         self._starts[round_id] = (st.global_version, send)
         msg = ShardOpen(
             round_id=round_id,
@@ -448,9 +468,9 @@ class LeadShard(_Shard):
             return  # a late or stray update: no part of a round in flight
         try:
             if refused is None:
-                self.plane.folded(0, msg.round_id, msg.site_id)
+                self.plane.folded(0, msg.round_id, msg.site_id, self._squared_norm(msg))
             else:
-                self.plane.refused(0, msg.round_id, msg.site_id)
+                self.plane.refused(0, msg.round_id, msg.site_id, refused)
         except ValueError as exc:
             log.warning("[coordinator shard=0] %s", exc)
 
@@ -565,6 +585,9 @@ class LeadShard(_Shard):
         book, rid = self.coord.book, event.round_id
         r = book.open_round(rid)
         assert r is not None, f"round {rid} closed by the shards is not open on shard 0"
+        for site_id, why in event.left_out:
+            self._left_out(rid, site_id, why)
+        leave_out(r, event.merged)
         merged = tuple(s for s in r.participants if s in event.merged)
         decision = book.close(r, merged, self._why.pop(rid, "every shard holds the same"))
         self._close_asked.pop(rid, None)
@@ -575,6 +598,17 @@ class LeadShard(_Shard):
             ShardClose(round_id=rid, merged=merged, inner_steps=inner_steps, final=decision.final)
         )
         self.coord.carry_out(now, decision)
+
+    def _left_out(self, round_id: int, site_id: str, why: str) -> None:
+        """A site's update merged on no shard: refused as a single coordinator refuses an
+        update (an Error to the site, counted by reason), why said."""
+        detail = f"round {round_id}: update left out on every shard: {why}"
+        member = self.coord.membership.get(site_id)
+        if member is not None:
+            self.coord.post.reject(member.peer, ErrorCode.BAD_PAYLOAD, detail, site_id, "left_out")
+            return
+        self.coord.metrics.rejected.labels(reason="left_out").inc()
+        log.warning("[coordinator site=%s] rejected: left_out: %s", site_id, detail)
 
     def _commit(self, event: CommitAll) -> None:
         """Every shard saved the round: the commit record, then every shard announces."""
@@ -694,6 +728,7 @@ class FollowShard(_Shard):
                 site_id=msg.site_id,
                 accepted=refused is None,
                 detail=refused or "",
+                squared_norm=self._squared_norm(msg) if refused is None else 0.0,
             )
         )
 

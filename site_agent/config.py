@@ -113,6 +113,11 @@ class SiteConfig:
     """``[site.job]``: what this site trains (the embedded byte GPT unless set) and with which
     options."""
     channel: ChannelConfig = field(default_factory=ChannelConfig)
+    rank_timeout_s: float = 1800.0
+    """A site whose model is sharded over its ranks (library mode under torchrun): how long a
+    rank waits for the others in one collective of a sync call (an update's or a result's
+    bytes, the state hash, a checkpoint) before it fails. The ranks' wait for rank 0 between
+    two steps, as long as its agent spends talking to the coordinator, is not bounded by it."""
     error_feedback_decay: float = 1.0
     """β of the uplink's error feedback: each round sends C(Δ + β e) and keeps the rest as e. 1
     conserves every dropped value; SparseLoCo's recipe (``coordinator.outer_strategy =
@@ -141,6 +146,8 @@ class SiteConfig:
             )
 
     def __post_init__(self) -> None:
+        if not self.rank_timeout_s > 0:
+            raise ValueError(f"site.rank_timeout_s must be > 0, got {self.rank_timeout_s!r}")
         if not 0.0 <= self.error_feedback_decay <= 1.0:
             raise ValueError(
                 f"site.error_feedback_decay must be in [0, 1], got {self.error_feedback_decay}"

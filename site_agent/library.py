@@ -20,16 +20,25 @@ step rank 0 tells the other ranks through torch.distributed what follows:
   make it with it. Every rank encodes its own rows' update and decodes its own rows of a
   result; what crosses the process group is encoded bytes, and no rank holds more of the model
   than its shards.
+
+A rank that fails in a sync call does not leave the others waiting: every rank raises the same
+``RankFailure`` at one collective (``site_agent.rankfailure``), rank 0's agent stops, and the
+other ranks follow on until rank 0 says the federation is over for the site, with its exit
+code; each rank then raises from its ``with`` block. The sync calls' collectives travel on a
+group of their own whose timeout is ``site.rank_timeout_s``; the wait for rank 0 between two
+steps, on the control group, is not bounded by it.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import pickle
 import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -43,6 +52,7 @@ from site_agent.exits import EXIT_CRASHED, EXIT_OK
 from site_agent.jobs.contract import StateSpec, check_metrics, federated_state, job_fingerprint
 from site_agent.jobs.contract import buffer_names as federated_buffer_names
 from site_agent.jobs.contract import state_spec as model_state_spec
+from site_agent.rankfailure import RankFailure, failed
 from site_agent.shardsync import LeaderSync, RankSync, is_sharded
 from site_agent.trainer import TrainStats
 
@@ -265,16 +275,23 @@ class Federation:
         self.exit_code: int | None = None
         self._finished = False
         self._finish_announced = False
+        self._failure: RankFailure | None = None  # a sync call's on this rank (not rank 0)
         # Rank 0's flags and sync calls travel on a gloo group of every rank: CPU objects,
-        # whatever backend the script's own group has (NCCL for CUDA tensors).
+        # whatever backend the script's own group has (NCCL for CUDA tensors). The sync calls'
+        # own collectives on another, whose timeout bounds a wait for a rank that failed.
         self._control: Any = None
+        sync_group: Any = None
         if _distributed() and self.world_size > 1:
-            self._control = torch.distributed.new_group(backend="gloo")
+            self._control = torch.distributed.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+            if self.sharded:
+                sync_group = torch.distributed.new_group(
+                    backend="gloo", timeout=timedelta(seconds=self.config.rank_timeout_s)
+                )
         self._ranks: RankSync | None = None
         if self.sharded:
             self._ranks = RankSync(
                 model,
-                group=self._control,
+                group=sync_group,
                 decay=self.config.error_feedback_decay,
                 evaluate=evaluate,
                 optimizer=optimizer,
@@ -360,7 +377,10 @@ class Federation:
             return
         self._finish_announced = self._finished
         changed = self._changed and not self.sharded
-        flag = torch.tensor([changed * _STATE | self._finished * _FINISHED], dtype=torch.int64)
+        bits = changed * _STATE | self._finished * _FINISHED
+        if self._finished:
+            bits |= (self.exit_code or 0) << _CODE_SHIFT  # the agent's exit status, with it
+        flag = torch.tensor([bits], dtype=torch.int64)
         torch.distributed.broadcast(flag, src=0, group=self._control)
         if changed:
             self._broadcast_state()
@@ -371,6 +391,7 @@ class Federation:
         steps (``_follow``), are told to make it too."""
         if self.world_size == 1:
             return
+        pickle.dumps((method, args, kwargs))  # what cannot be sent fails before the flag goes
         call = torch.tensor([_CALL], dtype=torch.int64)
         torch.distributed.broadcast(call, src=0, group=self._control)
         torch.distributed.broadcast_object_list(
@@ -388,12 +409,27 @@ class Federation:
                 torch.distributed.broadcast_object_list(box, src=0, group=self._control)
                 method, args, kwargs = box[0]
                 assert self._ranks is not None, "sync calls are for a sharded model"
-                getattr(self._ranks, method)(*args, **kwargs)
+                try:
+                    getattr(self._ranks, method)(*args, **kwargs)
+                except Exception as exc:
+                    # Raised on every rank at one collective (RankFailure: rank 0's agent stops
+                    # on it), or rank 0 learns of it at its next one, the sync group's timeout
+                    # at the latest: follow on until rank 0 says what follows.
+                    log.error(
+                        "[site=%s rank=%d] sync call %s failed: %s",
+                        self.config.site_id,
+                        self.rank,
+                        method,
+                        exc,
+                    )
+                    if self._failure is None:
+                        self._failure = _as_rank_failure(exc, self.rank, method)
                 continue
             if int(flag) & _STATE:
                 self._broadcast_state()
             if int(flag) & _FINISHED:
                 self._finished = True
+                self.exit_code = int(flag) >> _CODE_SHIFT
             return
 
     def _broadcast_state(self) -> None:
@@ -417,6 +453,13 @@ class Federation:
             # Rank 0's agent may still sync (a checkpoint as it leaves): make its calls until
             # it says the federation is over for this site.
             self._follow()
+            if exc_type is None and self._failure is not None:
+                raise self._failure
+            if exc_type is None and self.exit_code:
+                raise RuntimeError(
+                    f"[site={self.config.site_id}] the site agent on rank 0 stopped with exit "
+                    f"code {self.exit_code}; its log says why"
+                )
             return
         if self._agent is None:
             return
@@ -437,8 +480,24 @@ class Federation:
 
 
 # What rank 0 tells the other ranks at a step (bits of a flag): the federated state follows
-# (a model every rank holds whole), the federation finished, a sync call follows.
+# (a model every rank holds whole), the federation finished (its agent's exit status in the bits
+# from _CODE_SHIFT), a sync call follows.
 _STATE, _FINISHED, _CALL = 1, 2, 4
+_CODE_SHIFT = 8
+
+CONTROL_TIMEOUT = timedelta(days=7)
+"""How long the other ranks wait for rank 0's word between two steps: as long as its agent
+spends between them (waiting for a round, a result, the other sites)."""
+
+
+def _as_rank_failure(exc: Exception, rank: int, method: str) -> RankFailure:
+    """``exc``, raised on ``rank`` in sync call ``method``, as a RankFailure naming them (a
+    RankFailure as it is: it names the rank that failed)."""
+    if isinstance(exc, RankFailure):
+        return exc
+    failure = RankFailure(failed(exc, rank, f"making sync call {method!r}"))
+    failure.__cause__ = exc
+    return failure
 
 
 def _distributed() -> bool:

@@ -129,6 +129,13 @@ class ShardedReplica:
     def _meta_path(self) -> Path:
         return self._state_path / "checkpoint.json"
 
+    def _named_dir(self) -> str | None:
+        """The directory ``checkpoint.json`` names now (None: none, or unreadable)."""
+        try:
+            return str(json.loads(self._meta_path.read_text())["dir"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def load_checkpoint(self) -> None:
         if not self._meta_path.exists():
             self._rehash()
@@ -140,8 +147,18 @@ class ShardedReplica:
         log.info("[site=%s] resumed from checkpoint at v%d", self.site_id, self.global_version)
 
     def save_checkpoint(self) -> None:
-        self._saves += 1
-        name = f"checkpoint-v{max(self.global_version, 0)}-{self._saves}"
+        """Every rank's shards into a new directory, then ``checkpoint.json`` names it, then the
+        older directories go. The new one is never the one named now, nor any left on disk (a
+        save that stopped part way): a process restarted at the same version counts its saves
+        from 1 again, and writing into the named directory would lose the only checkpoint to a
+        crash during the save."""
+        named = self._named_dir()
+        version = max(self.global_version, 0)
+        while True:
+            self._saves += 1
+            name = f"checkpoint-v{version}-{self._saves}"
+            if name != named and not (self._state_path / name).exists():
+                break
         self._sync.save(str(self._state_path / name))
         meta = {"global_version": self.global_version, "dir": name}
         atomic_write(self._meta_path, json.dumps(meta).encode())

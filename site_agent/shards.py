@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,6 +55,7 @@ from comm.wire.tensors import (
     partial_digests,
 )
 from site_agent.rankbytes import gather_encoded
+from site_agent.rankfailure import Failed, failed, raise_first
 
 
 @dataclass(frozen=True)
@@ -411,37 +413,61 @@ def shard_hash(
     ``dst`` (None on the others), without gathering it: boundary pieces (less than a hash block
     per rank and tensor) are exchanged, each rank's block digests gathered to ``dst``.
     ``parts``: the hash's parts of some tensors' rows as they would be (a result's candidate
-    rows, :func:`digest_range`), in place of θ's."""
-    parts = parts or {}
-    mine = [
-        parts[name] if name in parts else theta_digests(shards, name)
-        for name in sorted(shards.ranges)
-        if shards.owns(name)
-    ]
-    pieces = [p.piece for p in mine if p.piece is not None]
-    everyone: list[list[BoundaryPiece]] = [[] for _ in range(dist.get_world_size(group))]
-    dist.all_gather_object(everyone, pieces, group=group)
+    rows, :func:`digest_range`), in place of θ's. A rank that fails in its part still makes
+    every collective, carrying the failure, and every rank raises the same ``RankFailure``
+    (``site_agent.rankfailure``): ``dst`` says at the end whether it got the hash."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    own: Failed | None = None
+    cause: BaseException | None = None
+    mine: list[RangeDigests] = []
+    pieces: list[BoundaryPiece] = []
+    try:
+        parts = parts or {}
+        mine = [
+            parts[name] if name in parts else theta_digests(shards, name)
+            for name in sorted(shards.ranges)
+            if shards.owns(name)
+        ]
+        pieces = [p.piece for p in mine if p.piece is not None]
+    except Exception as exc:
+        own, cause = failed(exc, rank, "hashing its rows of θ"), exc
+    everyone: list[Any] = [[] for _ in range(world)]
+    dist.all_gather_object(everyone, pieces if own is None else own, group=group)
+    raise_first((p if isinstance(p, Failed) else None for p in everyone), own, cause)
     received = [p for part in everyone for p in part]
     digests: dict[str, dict[int, bytes]] = {}
-    for part in mine:
-        digests[part.name] = dict(part.digests)
-        if part.tail is not None:
-            start, values = part.tail
-            theirs = [p for p in received if p.name == part.name]
-            digests[part.name].update(partial_digests(part.name, part.shape, start, values, theirs))
-    rank = dist.get_rank(group)
-    gathered: list[dict[str, dict[int, bytes]]] | None = (
-        [{} for _ in range(dist.get_world_size(group))] if rank == dst else None
-    )
-    dist.gather_object(digests, gathered, group=group, group_dst=dst)
-    if gathered is None:
-        return None
-    return model_hash(
-        {
-            name: combine(name, shape, [part.get(name, {}) for part in gathered])
-            for name, shape in shards.shapes.items()
-        }
-    )
+    try:
+        for part in mine:
+            digests[part.name] = dict(part.digests)
+            if part.tail is not None:
+                start, values = part.tail
+                theirs = [p for p in received if p.name == part.name]
+                digests[part.name].update(
+                    partial_digests(part.name, part.shape, start, values, theirs)
+                )
+    except Exception as exc:
+        own, cause = failed(exc, rank, "hashing the edges of its rows of θ"), exc
+    gathered: list[Any] | None = [{} for _ in range(world)] if rank == dst else None
+    dist.gather_object(digests if own is None else own, gathered, group=group, group_dst=dst)
+    word: str | Failed | None = None  # dst's: the hash, or the first failure
+    if gathered is not None:
+        word = next((g for g in gathered if isinstance(g, Failed)), None)
+        try:
+            if word is None:
+                word = model_hash(
+                    {
+                        name: combine(name, shape, [part.get(name, {}) for part in gathered])
+                        for name, shape in shards.shapes.items()
+                    }
+                )
+        except Exception as exc:
+            word = own = failed(exc, rank, "combining the site's state hash")
+            cause = exc
+    box: list[Any] = [word]
+    dist.broadcast_object_list(box, group=group, group_src=dst)
+    if isinstance(box[0], Failed):
+        raise_first([box[0]], own, cause)
+    return word if isinstance(word, str) else None
 
 
 def _host(t: torch.Tensor) -> FloatArray:

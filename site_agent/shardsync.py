@@ -22,6 +22,11 @@ ranks over the site's process group). What crosses the process group is encoded 
 Each rank decodes only the elements of the rows it holds (``comm.wire.tensors.decode_into``:
 the blockwise codecs read only the blocks covering them); a tensor of which the rank holds no
 rows it does not decode.
+
+A rank whose own part of a call fails (a bug, ``MemoryError``: not a value it cannot encode nor
+a result that does not fit, which have answers of their own) still makes the call's next
+collective, carrying the failure, and there every rank raises the same ``RankFailure`` naming
+it (``site_agent.rankfailure``): no rank is left waiting for it, and the ranks stay in step.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -45,11 +50,13 @@ from comm.wire.tensors import decode_into, decode_tensors
 from site_agent.allocator import return_large_blocks
 from site_agent.jobs.contract import federated_state
 from site_agent.rankbytes import broadcast_encoded, gather_encoded
+from site_agent.rankfailure import Failed, agree, failed, raise_first
 from site_agent.shards import RangeDigests, RankShards, digest_range, local_part, shard_hash
 
 log = logging.getLogger("crossdc.site")
 
 Metrics = Mapping[str, float]
+_T = TypeVar("_T")
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -116,6 +123,20 @@ class RankSync:
     def leader(self) -> bool:
         return self.rank == 0
 
+    def _local(self, what: str, work: Callable[[], _T]) -> _T:
+        """``work()``, this rank's own part between two collectives, then every rank learns
+        whether every rank's succeeded: RankFailure on all of them where one failed (naming
+        it and ``what`` it was doing), so that none waits for it in a later collective."""
+        out: Any = None
+        own: Failed | None = None
+        cause: BaseException | None = None
+        try:
+            out = work()
+        except Exception as exc:
+            own, cause = failed(exc, self.rank, what), exc
+        agree(own, self.group, cause)
+        return out  # type: ignore[no-any-return]
+
     def spec(self) -> dict[str, tuple[int, ...]]:
         """Every federated tensor's whole shape, in ``state_dict`` order."""
         return dict(self.shards.shapes)
@@ -135,45 +156,57 @@ class RankSync:
         Sent: with ``keep_reference`` (the site trains on while the result is in flight) each
         rank keeps a copy of its local rows of ``names``, the reference its result is merged
         against; without, no step comes before the result and the rows then are the reference.
-        Not sent (any rank failed): every rank's residuals are as before."""
-        codec = get_codec(codec_spec)
+        Not sent (a rank could not encode: a non-finite value, a codec that refuses): every
+        rank's residuals are as before. A rank that failed otherwise: RankFailure on every rank
+        (``site_agent.rankfailure``)."""
         slices: list[EncodedTensor] = []
-        error, non_finite = "", False
+        refused: tuple[str, bool] | None = None  # why not sent, and whether non-finite
+        own: Failed | None = None
+        cause: BaseException | None = None
         try:
+            codec = get_codec(codec_spec)
             slices = self.shards.encode_update(self.state, codec, names)
         except NonFiniteError as exc:
-            error, non_finite = str(exc), True
+            refused = (str(exc), True)
         except ValueError as exc:
-            error = str(exc)
-        errors = _gather((error, non_finite), self.group)
-        verdict = _broadcast(
-            None if errors is None else next((e for e in errors if e[0]), ("", False)),
-            self.group,
-        )
-        if verdict[0]:
-            return (
-                UpdateResult((), error=verdict[0], non_finite=verdict[1]) if self.leader else None
+            refused = (str(exc), False)
+        except Exception as exc:
+            own, cause = failed(exc, self.rank, "encoding its update"), exc
+        statuses = _everyone((own, refused), self.group)
+        raise_first((f for f, _ in statuses), own, cause)
+        why = next((r for _, r in statuses if r is not None), None)
+        if why is not None:
+            return UpdateResult((), error=why[0], non_finite=why[1]) if self.leader else None
+        norm = 0.0
+        try:
+            # Every rank encoded: the residuals keep what the encodings lost, in place.
+            self.shards.settle_update(self.state, codec, slices)
+            self._sent[fragment] = (
+                {
+                    name: local_part(self.state[name]).to(torch.float32, copy=True)
+                    for name in names
+                    if name in self.state
+                }
+                if keep_reference
+                else None
             )
-        # Every rank encoded: the residuals keep what the encodings lost, in place.
-        self.shards.settle_update(self.state, codec, slices)
-        self._sent[fragment] = (
-            {
-                name: local_part(self.state[name]).to(torch.float32, copy=True)
-                for name in names
-                if name in self.state
-            }
-            if keep_reference
-            else None
-        )
-        norms = _gather(self.shards.residual_sq_norm(), self.group)
+            norm = self.shards.residual_sq_norm()
+        except Exception as exc:
+            own, cause = failed(exc, self.rank, "keeping the residuals of its update"), exc
+        norms = _everyone((own, norm), self.group)
+        raise_first((f for f, _ in norms), own, cause)
         gathered = gather_encoded(slices, group=self.group)
         del slices
-        if gathered is None or norms is None:
+        if gathered is None:
             return None
-        return UpdateResult(tuple(gathered), residual_sq_norm=sum(norms))
+        return UpdateResult(tuple(gathered), residual_sq_norm=sum(n for _, n in norms))
 
     def reset_local(self) -> None:
         """The local rows ← θ, and nothing is in flight (the local training diverged)."""
+        self._local("resetting its rows to θ", self._reset_here)
+
+    def _reset_here(self) -> None:
+        """:meth:`reset_local` on this rank alone."""
         self.shards.load_into(self.state)
         self._sent.clear()
 
@@ -198,32 +231,41 @@ class RankSync:
            in place: θ's rows, then the local rows (see :meth:`_take`).
 
         No rank holds a candidate copy of its rows or more than one tensor's encoding of the
-        result. The outcome on the leader (None on the others)."""
+        result. The outcome on the leader (None on the others). A rank that fails in its part
+        (not a result that does not fit: a bug, memory) still makes every collective of the pass,
+        and every rank raises the same RankFailure at its end (``site_agent.rankfailure``): in
+        the first pass no rank has taken anything; in the second θ may be taken in part."""
+        own: Failed | None = None
+        cause: BaseException | None = None
         fits: tuple[str, str] | None = None
         if payload is not None:
-            fits = self._fits(payload, full=full)
-        count, bad = _broadcast(
-            None if payload is None else (len(payload), fits or ("", "")), self.group
+            try:
+                fits = self._fits(payload, full=full)
+            except Exception as exc:
+                own, cause = failed(exc, self.rank, "checking the result's tensors"), exc
+        count, bad, leader_failed = _broadcast(
+            None if payload is None else (len(payload), fits or ("", ""), own), self.group
         )
+        raise_first([leader_failed], own, cause)
         if bad[0]:
             return ResultOutcome(False, bad[0], bad[1]) if self.leader else None
         parts: dict[str, RangeDigests] = {}
         error: tuple[str, str] | None = None
         for i in range(count):
             enc = broadcast_encoded(None if payload is None else payload[i], group=self.group)
-            if error is None and self.shards.owns(enc.name):
+            if error is None and own is None and self.shards.owns(enc.name):
                 try:
                     parts[enc.name] = self._candidate_digests(enc, full=full)
                 except WireError as exc:
                     error = (exc.code.name.lower(), str(exc))
+                except Exception as exc:
+                    own, cause = failed(exc, self.rank, "decoding its rows of the result"), exc
             del enc
-        errors = _gather(error, self.group)
-        failed = _broadcast(
-            None if errors is None else next((e for e in errors if e is not None), ("", "")),
-            self.group,
-        )
-        if failed[0]:
-            return ResultOutcome(False, failed[0], failed[1]) if self.leader else None
+        errors = _everyone((own, error), self.group)
+        raise_first((f for f, _ in errors), own, cause)
+        rejected = next((e for _, e in errors if e is not None), None)
+        if rejected is not None:
+            return ResultOutcome(False, *rejected) if self.leader else None
         digest = shard_hash(self.shards, group=self.group, parts=parts)
         del parts
         matches = _broadcast(None if digest is None else digest == state_hash, self.group)
@@ -237,8 +279,13 @@ class RankSync:
             sent = self._sent.pop(fragment)
         for i in range(count):
             enc = broadcast_encoded(None if payload is None else payload[i], group=self.group)
-            self._take(enc, full=full, sent=sent)
+            if own is None:
+                try:
+                    self._take(enc, full=full, sent=sent)
+                except Exception as exc:
+                    own, cause = failed(exc, self.rank, "taking its rows of the result"), exc
             del enc
+        agree(own, self.group, cause)
         return ResultOutcome(True) if self.leader else None
 
     def _fits(self, payload: Sequence[EncodedTensor], *, full: bool) -> tuple[str, str] | None:
@@ -342,9 +389,15 @@ class RankSync:
         """The script's ``evaluate`` of θ (every rank runs it: a sharded forward is collective),
         the local rows put back afterwards; its metrics on the leader (None elsewhere, or
         without an ``evaluate``). Float32 local rows trade places with θ's, a tile at a time,
-        and back after (no copy of them); others are copied aside."""
+        and back after (no copy of them); others are copied aside. A rank that fails here:
+        RankFailure on every rank."""
         if self._evaluate is None:
             return None
+        metrics = self._local("validating θ", self._validate_here)
+        return metrics if self.leader else None
+
+    def _validate_here(self) -> dict[str, float]:
+        assert self._evaluate is not None
         kept = self._swap_in_theta()
         was_training = self.model.training
         self.model.eval()
@@ -355,7 +408,7 @@ class RankSync:
             self.model.train(was_training)
             _reshard(self.model)
             self._swap_in_theta(kept)
-        return metrics if self.leader else None
+        return metrics
 
     def _swap_in_theta(
         self, kept: dict[str, torch.Tensor] | None = None
@@ -384,12 +437,16 @@ class RankSync:
     def initial_payload(self) -> tuple[EncodedTensor, ...] | None:
         """θ as fp32 slices gathered to the leader (a coordinator that holds no model yet takes
         θ0 from the first site to join): None on the others."""
-        codec = get_codec("fp32")
-        mine = [
-            self.shards.encode_theta(name, codec)
-            for name in self.shards.ranges
-            if self.shards.owns(name)
-        ]
+
+        def encode() -> list[EncodedTensor]:
+            codec = get_codec("fp32")
+            return [
+                self.shards.encode_theta(name, codec)
+                for name in self.shards.ranges
+                if self.shards.owns(name)
+            ]
+
+        mine = self._local("encoding its rows of θ", encode)
         gathered = gather_encoded(mine, group=self.group)
         return None if gathered is None else tuple(gathered)
 
@@ -400,20 +457,31 @@ class RankSync:
 
     def save(self, path: str) -> None:
         """θ, the residuals, the model and its optimizer with ``torch.distributed.checkpoint``
-        into directory ``path`` (each rank writes its shards)."""
+        into directory ``path`` (each rank writes its shards; a rank's failure in the save is
+        raised on every rank, by torch's checkpoint or as RankFailure)."""
         from torch.distributed.checkpoint.state_dict_saver import save
 
-        save(self._checkpoint_state(), checkpoint_id=path, process_group=self.group)
+        state = self._local("collecting its checkpoint", self._checkpoint_state)
+        save(state, checkpoint_id=path, process_group=self.group)
 
     def load(self, path: str) -> None:
         """What :meth:`save` wrote to ``path`` (in another layout too: it reshards), then the
         local rows ← θ (progress not synced when the site stopped is not trusted)."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load
 
-        optimizer = self.optimizer
-        state = self._checkpoint_state()
+        state = self._local("preparing to load the checkpoint", lambda: self._load_target(path))
         load(state, checkpoint_id=path, process_group=self.group)
+        self._local("taking the checkpoint", lambda: self._take_loaded(state))
+
+    def _load_target(self, path: str) -> dict[str, Any]:
+        """What :meth:`load` reads ``path`` into (this rank's part of every entry)."""
+        return self._checkpoint_state()
+
+    def _take_loaded(self, state: dict[str, Any]) -> None:
+        """This rank's part of a loaded checkpoint taken; the local rows ← θ."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        optimizer = self.optimizer
         self.shards.load_state_dict(state["shards"])
         if optimizer is not None:
             set_state_dict(
@@ -424,7 +492,7 @@ class RankSync:
             )
         else:
             self.model.load_state_dict(state["model"])
-        self.reset_local()
+        self._reset_here()
 
     def _checkpoint_state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -469,19 +537,18 @@ def _reshard(model: nn.Module) -> None:
             module.reshard()
 
 
-def _gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
-    """``obj`` of every rank on the leader in rank order (None on the others)."""
-    rank = dist.get_rank(group)
-    out: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
-    dist.gather_object(obj, out, group=group, group_dst=0)
-    return out
-
-
 def _broadcast(obj: Any, group: dist.ProcessGroup | None) -> Any:
     """The leader's ``obj`` on every rank."""
     box = [obj]
     dist.broadcast_object_list(box, group=group, group_src=0)
     return box[0]
+
+
+def _everyone(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """``obj`` of every rank on every rank, in rank order."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 class LeaderSync:

@@ -398,13 +398,16 @@ class ShardOpened:
 
 @dataclass(frozen=True, kw_only=True)
 class ShardFolded:
-    """A shard took (``accepted``) or refused a site's part of a round (``detail``: why)."""
+    """A shard took (``accepted``) or refused a site's part of a round (``detail``: why);
+    ``squared_norm``: the sum of the squares of the part's values (a part taken), from which
+    shard 0 bounds the site's whole update."""
 
     shard: int
     round_id: int
     site_id: str
     accepted: bool
     detail: str
+    squared_norm: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -90,28 +90,30 @@ class StageSync(RankSync):
         blob = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
         return {"shards": self.shards.state_dict(), self._own_key(): blob}
 
-    def load(self, path: str) -> None:
-        """θ and the residuals of this rank's rows from ``path`` (written under this layout or
-        another), and this rank's training state where one was written for its rank under the
-        same layout (else the leader's step and job state only); then the local rows ← θ."""
+    def _load_target(self, path: str) -> dict[str, Any]:
+        """θ and the residuals of this rank's rows (written under this layout or another), and
+        this rank's training state where one was written for its rank under the same layout
+        (else the leader's step and job state only)."""
         from torch.distributed.checkpoint.filesystem import FileSystemReader
-        from torch.distributed.checkpoint.state_dict_loader import load
 
         stored = FileSystemReader(path).read_metadata().state_dict_metadata
         state: dict[str, Any] = {"shards": self.shards.state_dict()}
-        keys = dict.fromkeys([self._own_key(), "pipeline/rank0"])
-        for key in keys:
+        for key in dict.fromkeys([self._own_key(), "pipeline/rank0"]):
             meta = stored.get(key)
             size = getattr(meta, "size", None)
             if size is not None:
                 state[key] = torch.empty(tuple(size), dtype=torch.uint8)
-        load(state, checkpoint_id=path, process_group=self.group)
+        return state
+
+    def _take_loaded(self, state: dict[str, Any]) -> None:
+        """What :meth:`_load_target` read taken; then the local rows ← θ."""
         self.shards.load_state_dict(state["shards"])
+        keys = dict.fromkeys([self._own_key(), "pipeline/rank0"])
         trained = {key: _unpack(state[key]) for key in keys if key in state}
         self._site.load_training_state(
             trained.get(self._own_key()), leader=trained.get("pipeline/rank0")
         )
-        self.reset_local()
+        self._reset_here()
 
 
 def _unpack(blob: torch.Tensor) -> Mapping[str, Any]:

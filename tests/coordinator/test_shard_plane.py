@@ -1,6 +1,7 @@
-"""Shard 0's bookkeeping of the shards' rounds: every shard merges the same sites or the round is
-aborted everywhere, a version is committed only once every shard saved it, and the combined hash
-is the one-process state hash."""
+"""Shard 0's bookkeeping of the shards' rounds: every shard merges the same sites (those whose
+part every shard holds and took, within the norm bound over the whole update; every other site
+is left out everywhere), or the round is aborted everywhere, a version is committed only once
+every shard saved it, and the combined hash is the one-process state hash."""
 
 from __future__ import annotations
 
@@ -73,26 +74,81 @@ def test_a_site_half_way_shows_as_partial() -> None:
     assert plane.complete(1) == {"eu"}
 
 
-def test_shards_that_folded_different_sites_abort_everywhere() -> None:
+def _took(plane: ShardPlane, site: str, squared: tuple[float, ...] = (0.0, 0.0, 0.0)) -> None:
+    for shard, sq in enumerate(squared):
+        plane.folded(shard, 1, site, sq)
+
+
+def test_a_site_a_shard_holds_no_part_of_is_left_out_and_the_others_close() -> None:
     plane = _plane()
+    _took(plane, "eu")
+    plane.folded(1, 1, "us")
     plane.freeze(1)
     plane.frozen(0, 1, frozenset({"eu"}))
     plane.frozen(1, 1, frozenset({"eu", "us"}))
     got = plane.frozen(2, 1, frozenset({"eu"}))
-    assert isinstance(got, AbortAll) and "different sites: ['us']" in got.why
-    assert plane.phase(1) is Phase.ABORTED
+    assert got == CloseAll(
+        1, frozenset({"eu"}), (("us", "shard 0 holds no part of it at the freeze"),)
+    )
+    assert plane.phase(1) is Phase.PREPARING
 
 
-def test_a_part_refused_anywhere_voids_its_site() -> None:
+def test_a_part_refused_anywhere_leaves_its_site_out_everywhere() -> None:
     plane = _plane()
+    _took(plane, "us")
     plane.folded(0, 1, "eu")
-    plane.refused(1, 1, "eu")
-    assert plane.partial(1) == {"eu"}
+    plane.refused(1, 1, "eu", "bad_payload: tensor 'b' is not finite")
+    assert plane.void(1) == {"eu"} and plane.partial(1) == frozenset()
+    plane.folded(2, 1, "eu")
+    assert plane.complete(1) == {"us"}, "a part refused: never complete"
     plane.freeze(1)
-    plane.frozen(0, 1, frozenset({"eu"}))
-    plane.frozen(1, 1, frozenset({"eu"}))  # a shard that says it folded what it refused
-    got = plane.frozen(2, 1, frozenset({"eu"}))
-    assert isinstance(got, AbortAll) and "refused a part of ['eu']" in got.why
+    plane.frozen(0, 1, frozenset({"eu", "us"}))
+    plane.frozen(1, 1, frozenset({"eu", "us"}))  # a shard that says it holds what it refused
+    got = plane.frozen(2, 1, frozenset({"eu", "us"}))
+    assert isinstance(got, CloseAll) and got.merged == {"us"}
+    assert got.left_out == (
+        ("eu", "shard 1 refused its part: bad_payload: tensor 'b' is not finite"),
+    )
+
+
+def test_a_refusal_from_a_shard_that_took_the_part_is_a_duplicate_and_changes_nothing() -> None:
+    plane = _plane()
+    plane.folded(1, 1, "eu")
+    plane.refused(1, 1, "eu", "duplicate")
+    assert plane.void(1) == frozenset() and plane.partial(1) == {"eu"}
+
+
+def test_the_norm_bound_is_the_whole_updates_over_every_shards_part() -> None:
+    plane = ShardPlane(PARTS, max_norm=1e6)
+    plane.opened(1, SITES)
+    # 8e5 in a tensor of shard 0 and 8e5 in one of shard 2: each part within the bound, the
+    # whole update 1.13e6 over it.
+    _took(plane, "eu", (8e5**2, 0.0, 8e5**2))
+    _took(plane, "us", (6e5**2, 0.0, 8e5**2 - 1))  # just under 1e6
+    assert plane.norm(1, "eu") == pytest.approx(1.1314e6, rel=1e-4)
+    assert plane.void(1) == {"eu"} and plane.complete(1) == {"us"}
+    plane.freeze(1)
+    for shard in range(3):
+        got = plane.frozen(shard, 1, frozenset({"eu", "us"}))
+    assert isinstance(got, CloseAll) and got.merged == {"us"}
+    ((site, why),) = got.left_out
+    assert site == "eu" and "update norm 1.13e+06 > bound 1e+06" in why
+
+
+def test_fewer_than_the_quorum_left_aborts() -> None:
+    plane = ShardPlane(PARTS)
+    plane.opened(1, SITES, quorum=2)
+    _took(plane, "eu")
+    plane.folded(0, 1, "us")
+    plane.folded(1, 1, "us")
+    plane.refused(2, 1, "us", "not finite")
+    plane.freeze(1)
+    for shard in range(3):
+        got = plane.frozen(shard, 1, frozenset({"eu", "us"}))
+    assert isinstance(got, AbortAll)
+    assert "1 updates every shard holds and took, quorum 2" in got.why
+    assert "us: shard 2 refused its part: not finite" in got.why
+    assert plane.phase(1) is Phase.ABORTED
 
 
 def test_nothing_folded_is_an_abort() -> None:
@@ -105,6 +161,7 @@ def test_nothing_folded_is_an_abort() -> None:
 
 def test_shards_preparing_different_versions_abort() -> None:
     plane = _plane()
+    _took(plane, "eu")
     plane.freeze(1)
     for shard in range(3):
         plane.frozen(shard, 1, frozenset({"eu"}))
@@ -134,6 +191,7 @@ def test_a_report_out_of_protocol_is_refused_in_words(call: object, message: str
 
 def test_a_shard_digesting_tensors_it_does_not_own_is_refused() -> None:
     plane = _plane()
+    _took(plane, "eu")
     plane.freeze(1)
     for shard in range(3):
         plane.frozen(shard, 1, frozenset({"eu"}))
@@ -146,6 +204,7 @@ def test_a_shard_digesting_tensors_it_does_not_own_is_refused() -> None:
 
 def test_a_committed_round_cannot_be_aborted() -> None:
     plane = _plane()
+    _took(plane, "eu")
     plane.freeze(1)
     for shard in range(3):
         plane.frozen(shard, 1, frozenset({"eu"}))
@@ -163,20 +222,20 @@ _event = st.tuples(st.integers(0, 2), st.sampled_from(SITES), st.booleans())
 def test_a_close_merges_the_same_sites_everywhere_or_none(
     events: list[tuple[int, str, bool]], freeze_at: int, rnd: object
 ) -> None:
-    """Parts folded or refused in any order, the freeze at any point, the shards' answers in
-    any order: a CloseAll names exactly the sites every shard folded and none refused, and
-    each shard folded exactly those."""
+    """Parts taken or refused in any order, the freeze at any point, the shards' answers in any
+    order: a CloseAll names exactly the sites every shard took and none refused, and as left
+    out every other site some shard holds; it aborts only when no site is left."""
     plane = _plane()
-    folded: list[set[str]] = [set(), set(), set()]
+    taken: list[set[str]] = [set(), set(), set()]
     refused: set[str] = set()
     for i, (shard, site, ok) in enumerate(events):
         if i == freeze_at:
             plane.freeze(1)
-        if site in folded[shard]:
+        if site in taken[shard]:
             continue
         if ok:
             plane.folded(shard, 1, site)
-            folded[shard].add(site)
+            taken[shard].add(site)
         else:
             plane.refused(shard, 1, site)
             refused.add(site)
@@ -186,14 +245,15 @@ def test_a_close_merges_the_same_sites_everywhere_or_none(
     rnd.shuffle(order)  # type: ignore[attr-defined]
     outcome = None
     for shard in order:
-        outcome = plane.frozen(shard, 1, frozenset(folded[shard]))
-    same = folded[0] == folded[1] == folded[2]
+        outcome = plane.frozen(shard, 1, frozenset(taken[shard]))
+    everywhere = (taken[0] & taken[1] & taken[2]) - refused
     if isinstance(outcome, CloseAll):
-        assert same and outcome.merged == folded[0] and not (outcome.merged & refused)
-        assert outcome.merged
+        assert outcome.merged == everywhere and outcome.merged
+        held = taken[0] | taken[1] | taken[2]
+        assert {s for s, _ in outcome.left_out} == held - everywhere
     else:
         assert isinstance(outcome, AbortAll)
-        assert not same or folded[0] & refused or not folded[0]
+        assert not everywhere
 
 
 def test_a_shard_resumes_at_shard_zeros_version_or_rolls_back_one() -> None:
@@ -210,6 +270,8 @@ def test_rounds_in_flight_abort_together_and_committed_ones_stay() -> None:
     plane = _plane(1)
     plane.opened(2, SITES)
     plane.opened(3, SITES)
+    for shard in range(3):
+        plane.folded(shard, 1, "eu")
     plane.freeze(1)
     for shard in range(3):
         plane.frozen(shard, 1, frozenset({"eu"}))

@@ -1,5 +1,6 @@
 """A shard following shard 0 runs the same rounds in its own lifecycle: opened, frozen, closed
-and aborted as told, taking the sites' parts of its tensors with the lifecycle's own ``take``."""
+and aborted as told, taking the sites' parts of its tensors with the lifecycle's own ``take``;
+a close lets go of what it holds of a site shard 0 leaves out."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from comm.codecs.floats import Fp32Codec
 from comm.wire.schema import ErrorCode, ShardAbort, ShardClose, ShardOpen, Update
 from comm.wire.tensors import encode_tensors
-from coordinator.aggregate import WeightedMean
+from coordinator.aggregate import MeanResult, WeightedMean
 from coordinator.config import RoundsConfig
 from coordinator.lifecycle import Lifecycle
 from coordinator.membership import Membership
@@ -102,7 +103,7 @@ def test_shard_zeros_word_that_does_not_fit_is_refused() -> None:
     with pytest.raises(ValueError, match="closed before it was frozen"):
         close_as_told(book, ShardClose(round_id=4, merged=("eu",), inner_steps=40, final=False))
     freeze(book, 4)
-    with pytest.raises(ValueError, match=r"shard 0 merges \['eu', 'us'\], this shard folded"):
+    with pytest.raises(ValueError, match=r"shard 0 merges \['eu', 'us'\], this shard holds"):
         close_as_told(
             book, ShardClose(round_id=4, merged=("eu", "us"), inner_steps=40, final=False)
         )
@@ -118,3 +119,31 @@ def test_an_overlapping_round_builds_on_the_one_in_flight_and_aborts_with_it() -
     assert got is not None and got.round_ids == (4, 5)
     assert not book.open_rounds and book.global_version == 3
     assert abort_as_told(book, ShardAbort(round_ids=(4, 5), reason="again")) is None
+
+
+class _Charge:
+    def __init__(self) -> None:
+        self.released = 0
+
+    def release(self) -> None:
+        self.released += 1
+
+
+def test_a_close_lets_go_of_a_site_shard_zero_leaves_out() -> None:
+    """The round holds eu's and us's parts; shard 0 merges eu only: us's part is dropped from
+    the fold and its charge given back, and the result is eu's alone."""
+    book = _book()
+    r = open_as_told(book, 10.0, _open(), TENSORS)
+    charges = {s: _Charge() for s in ("eu", "us")}
+    for site in ("eu", "us"):
+        assert isinstance(book.take(11.0, _part(site), charges[site]), Taken)
+    assert r.fold is not None and r.fold.squared_norm("us") == pytest.approx(6 * 0.25)
+    assert freeze(book, 4) == {"eu", "us"}
+    close = close_as_told(book, ShardClose(round_id=4, merged=("eu",), inner_steps=40, final=False))
+    assert close.merged == ("eu",) and r.received == {"eu"}
+    assert (charges["us"].released, charges["eu"].released) == (1, 0)
+    result, late = r.result()
+    assert isinstance(result, MeanResult) and not late
+    ((_, weight, _),) = result.updates
+    assert weight == 2.0, "eu's weight alone: us's part is not in the mean"
+    assert charges["eu"].released == 1, "the result taken: every charge given back"
