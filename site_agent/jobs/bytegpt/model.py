@@ -15,52 +15,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from site_agent.jobs.bytegpt.model_config import ModelConfig as ModelConfig  # its home: no torch
 from site_agent.jobs.contract import BYTEGPT_FACTORY, job_fingerprint, state_spec
 
 INIT_STD = 0.02
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """Shape of the byte-level GPT. Every site in a federation must use the same one."""
-
-    vocab_size: int = 256
-    """Number of token ids; 256 for raw bytes."""
-    context_len: int = 128
-    """Longest sequence, in tokens, the position embedding covers."""
-    num_layers: int = 4
-    """Number of transformer blocks."""
-    d_model: int = 128
-    """Width of the residual stream."""
-    num_heads: int = 4
-    """Attention heads per block; must divide ``d_model``."""
-    mlp_ratio: int = 4
-    """Hidden width of each block's MLP as a multiple of ``d_model``."""
-
-    def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "context_len",
-            "num_layers",
-            "d_model",
-            "num_heads",
-            "mlp_ratio",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
-        if self.d_model % self.num_heads != 0:
-            raise ValueError(
-                f"model.d_model must be divisible by model.num_heads, "
-                f"got d_model={self.d_model} num_heads={self.num_heads}"
-            )
 
 
 class Embedding(nn.Module):
