@@ -55,8 +55,10 @@ class Harness:
     def site(self, site_id: str) -> Site:
         return Site(self.ctx, self.coord.endpoint, site_id)
 
-    def expect(self, site: Site, kind: type, steps: int = 400) -> Any:
-        """Run the coordinator until ``site`` receives a message of ``kind`` (others skipped)."""
+    def expect(self, site: Site, kind: type, steps: int = 4000) -> Any:
+        """Run the coordinator until ``site`` receives a message of ``kind`` (others skipped).
+        ``steps`` bounds a test that fails: a passing one returns at the message, and on a
+        starved machine a new connection's first message can take seconds of steps."""
         for _ in range(steps):
             self.coord.step(0.005)
             msg = site.chan.recv(0.0)
