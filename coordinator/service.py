@@ -30,10 +30,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from comm.codecs.base import load_encoders
 from comm.security.registry import CertificateRegistry
@@ -49,6 +46,7 @@ from coordinator.decisions import Abort, Close, Decision, Open, Remove, Retry
 from coordinator.delivery import Delivery
 from coordinator.file_store import FileStateStore
 from coordinator.global_model import GlobalModel
+from coordinator.initial_model import DescribedModel, InitialModel, check_holds, remember
 from coordinator.intake import Intake
 from coordinator.lifecycle import Lifecycle
 from coordinator.membership import Member, Membership
@@ -66,15 +64,6 @@ from coordinator.strategies.base import Strategy
 log = logging.getLogger("crossdc.coordinator")
 
 
-@dataclass(frozen=True)
-class InitialModel:
-    """θ_0 handed to the coordinator at its start (built from the federation's seed by its
-    launcher), so that no site has to upload it."""
-
-    params: Mapping[str, np.ndarray]
-    fingerprint: str
-
-
 class Coordinator:
     """One federation's coordinator. ``start``, then ``run`` (or ``step``), then ``close``."""
 
@@ -86,8 +75,10 @@ class Coordinator:
         strategy: Strategy | None = None,
         metrics: CoordinatorMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
-        initial: InitialModel | None = None,
+        initial: InitialModel | DescribedModel | None = None,
     ) -> None:
+        """``initial``: θ0 from the launcher (``coordinator.initial_model``), installed as
+        version 0 when the start finds no state, else checked against the state's model."""
         self.cfg = cfg
         self.sections = s = sections(cfg)
         self.clock = clock
@@ -98,6 +89,8 @@ class Coordinator:
         only while every shard is there (``coordinator.shard_service``)."""
         self._finish_started: float | None = None
         self._initial = initial
+        self._encoders: _Loading | None = None
+        """The encoders' library loading while a restarted coordinator serves."""
         kit = load_coordinator_kit(cfg.security.kit_dir) if cfg.security.kit_dir else None
         signing_key = kit.signing_key if kit else None
         state_path = s.state.path
@@ -222,21 +215,25 @@ class Coordinator:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> str:
-        """Load the encoders' library and the durable state, bind the socket; return the bound
-        endpoint."""
-        load_encoders()
+        """Load the durable state and the encoders' library, bind the socket; return the bound
+        endpoint. A start without a state loads the library first (a broken install fails
+        before any site joins); a restart that found its state serves while it loads
+        (:class:`_Loading`), and it builds no θ0 unless it must (``coordinator.initial_model``),
+        so that it listens again at once."""
         state = self.post.load()
+        if state is None:
+            load_encoders()
         self.post.start_writer()
-        if state is None and self._initial is not None:
-            self.model.install(self._initial.params, self._initial.fingerprint)
+        initial, state_path = self._initial, self.sections.state.path
+        if state is None and initial is not None:
+            theta0 = initial.built()
+            self.model.install(theta0.params, theta0.fingerprint)
+            remember(initial, theta0.fingerprint, state_path)
             self.book.set_model(0)
         elif state is not None:
-            if self._initial is not None and self._initial.fingerprint != state.model_fingerprint:
-                raise ValueError(
-                    f"coordinator.initial_model describes model {self._initial.fingerprint}, "
-                    f"but {self.sections.state.dir or 'the state store'} holds model "
-                    f"{state.model_fingerprint}"
-                )
+            if initial is not None:  # built only where the state's record cannot vouch for it
+                where = self.sections.state.dir or "the state store"
+                check_holds(initial, state.model_fingerprint, state_path, where)
             self._resume(state)
         allowance = PeerAllowance(
             members=self.membership,
@@ -248,6 +245,8 @@ class Coordinator:
         if self.sections.state.path is not None:
             write_endpoint(self.sections.state.path, endpoint, self.session_id)
         log.info("[coordinator] listening on %s session=%s", endpoint, self.session_id)
+        if state is not None:
+            self._encoders = _Loading(load_encoders)
         self._publish_status()
         return endpoint
 
@@ -283,6 +282,8 @@ class Coordinator:
         """Handle at most one message (waiting up to ``timeout_s``), then tick."""
         chan, outbox = self.post.chan, self.post.outbox
         assert chan is not None and outbox is not None, "start() first"
+        if self._encoders is not None:
+            self._encoders.check()
         outbox.flush()
         got = chan.recv(min(timeout_s, 0.002) if outbox.waiting else timeout_s)
         if got is not None:
@@ -404,6 +405,27 @@ class Coordinator:
 
     def _publish_status(self) -> None:
         self.status_report.publish(finished=self.finished)
+
+
+class _Loading:
+    """A library loaded on a thread of its own while the service serves (a message that needs
+    it waits on the import); an error there stops the service at its next step, as it would
+    have stopped its start."""
+
+    def __init__(self, load: Callable[[], None]) -> None:
+        self._load = load
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, name="load-encoders", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self._load()
+        except BaseException as exc:  # re-raised on the service's thread
+            self._error = exc
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"cannot load the encoders' library: {self._error}")
 
 
 def _configured_aggregator(aggregation: AggregationConfig, post: PostOffice) -> Aggregator:

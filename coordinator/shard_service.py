@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
@@ -61,8 +62,9 @@ from coordinator import shard_commit
 from coordinator.closing import Saved
 from coordinator.config import CoordinatorConfig
 from coordinator.decisions import Abort
+from coordinator.initial_model import DescribedModel, InitialModel
 from coordinator.round import Round
-from coordinator.service import Coordinator, InitialModel
+from coordinator.service import Coordinator
 from coordinator.shard_initial import Held, Initials, read_record, write_record
 from coordinator.shard_link import ShardClient, ShardServer
 from coordinator.shard_peers import (
@@ -141,6 +143,8 @@ class _Shard:
         """Rounds whose result this shard took back (a save of one finishing later is void)."""
         coord.status_report.shard = (identity.index, identity.count)
         coord.closing.gate = self._on_saved
+        self._cut_to_record: WholeModel | None = None
+        """The whole model as θ0 from the launcher gave it, recorded once the state holds θ0."""
 
     @property
     def finished(self) -> bool:
@@ -166,7 +170,17 @@ class _Shard:
                 f"shard {self.identity.index} holds other tensors than the model's cut gives it "
                 f"({len(owned)} held, {len(self.parts[self.identity.index])} in its part)"
             )
+        path = self.coord.sections.state.path
+        if self._cut_to_record is not None and path is not None:
+            write_record(path, self._cut_to_record)  # a restart knows the cut, builds no θ0
+            self._cut_to_record = None
         return endpoint
+
+    def record_cut(self, whole: WholeModel) -> None:
+        """θ0 came from the launcher as ``whole``'s cut: write the record of it
+        (:func:`~coordinator.shard_initial.write_record`) once the state holds θ0 (not before:
+        a state that turns out to hold another model must not get this model's record)."""
+        self._cut_to_record = whole
 
     def _on_saved(self, saved: Saved) -> None:
         raise NotImplementedError
@@ -878,28 +892,37 @@ class FollowShard(_Shard):
 def build_shard(
     cfg: CoordinatorConfig,
     identity: ShardIdentity,
-    initial: InitialModel | None,
+    initial: InitialModel | DescribedModel | None,
     env: Mapping[str, str],
-    *,
-    whole: WholeModel | None = None,
 ) -> LeadShard | FollowShard:
     """Shard ``identity`` of the federation's ``cfg`` (the one ``[coordinator]`` table every
     shard reads): a Coordinator of its own config (``coordinator.sharding.shard_config``) and
     part of θ0, and its end of the control plane. ``initial`` is θ0 whole (the shard keeps its
-    part), or with ``whole`` (the whole θ0's shapes and state hash) only the shard's part, as
-    ``coordinator.sharding.keep_part`` draws it without ever holding the rest; None: the first
-    site to join uploads θ0, each shard its part (``coordinator.shard_initial``)."""
-    if initial is not None and whole is None:
-        shapes = {name: tuple(v.shape) for name, v in initial.params.items()}
-        whole = WholeModel(shapes, state_hash(initial.params))
-        initial = InitialModel(own_part(initial.params, shapes, identity), initial.fingerprint)
+    part), or only the shard's part with the whole θ0's shapes and state hash
+    (``InitialModel.whole``, as ``coordinator.sharding.keep_part`` draws it without ever holding
+    the rest), or described (``coordinator.initial_model.DescribedModel``, built into such a
+    part): built here only where the shard's state directory has no record of the model's cut
+    (``coordinator.shard_initial.write_record``, written once the shard's state holds θ0), else
+    left to the coordinator's start, which builds it only if it needs it. None: the first site
+    to join uploads θ0, each shard its part (``coordinator.shard_initial``)."""
+    own_cfg = shard_config(cfg, identity)
+    path = Path(own_cfg.state_dir) if own_cfg.state_dir else None
+    recorded = read_record(path) if path is not None else None
+    whole: WholeModel | None = None
+    if initial is not None and (initial.digest is None or recorded is None):
+        theta0 = initial.built()  # the cut from θ0 (none recorded yet, or θ0 given built)
+        whole = theta0.whole
+        if whole is None:  # θ0 whole: this shard keeps its part
+            shapes = {name: tuple(v.shape) for name, v in theta0.params.items()}
+            whole = WholeModel(shapes, state_hash(theta0.params))
+            initial = InitialModel(own_part(theta0.params, shapes, identity), theta0.fingerprint)
     parts = partition(whole.shapes, identity.count) if whole is not None else None
     whole_hash0 = whole.state_hash if whole is not None else None
-    own = initial
     kit = load_coordinator_kit(cfg.security.kit_dir) if cfg.security.kit_dir else None
-    coord = Coordinator(shard_config(cfg, identity), initial=own)
+    coord = Coordinator(own_cfg, initial=initial)
+    shard: LeadShard | FollowShard
     if identity.leader:
-        return LeadShard(
+        shard = LeadShard(
             coord,
             identity,
             parts,
@@ -907,11 +930,15 @@ def build_shard(
             control_bind=cfg.shard_control_bind,
             whole_hash0=whole_hash0,
         )
-    return FollowShard(
-        coord,
-        identity,
-        parts,
-        kit=kit,
-        control_endpoint=control_endpoint(cfg, env),
-        whole_hash0=whole_hash0,
-    )
+    else:
+        shard = FollowShard(
+            coord,
+            identity,
+            parts,
+            kit=kit,
+            control_endpoint=control_endpoint(cfg, env),
+            whole_hash0=whole_hash0,
+        )
+    if whole is not None and recorded is None and path is not None:
+        shard.record_cut(whole)
+    return shard

@@ -32,10 +32,12 @@ from crossdc.demo_args import add_demo_arguments
 
 if TYPE_CHECKING:
     from coordinator.config import CoordinatorConfig, InitialModelConfig
-    from coordinator.service import Coordinator, InitialModel
+    from coordinator.initial_model import DescribedModel, InitialModel
+    from coordinator.service import Coordinator
     from coordinator.shard_service import FollowShard, LeadShard
-    from coordinator.sharding import ShardIdentity, WholeModel
+    from coordinator.sharding import ShardIdentity
     from site_agent.config import SiteConfig
+    from site_agent.jobs.bytegpt.model_config import ModelConfig
 
 
 class _VersionAction(argparse.Action):
@@ -81,20 +83,17 @@ def _insecure_override(args: argparse.Namespace) -> dict[str, Any]:
 
 def _initial_model(
     cfg: InitialModelConfig | None, identity: ShardIdentity
-) -> tuple[InitialModel | None, WholeModel | None]:
-    """θ0 as every site builds it from ``[coordinator.initial_model]`` (the embedded model); with
-    several shards only this shard's part, and the whole θ0's shapes and state hash: a shard draws θ0 a tensor at a time and
-    keeps only its part (``coordinator.sharding.keep_part``), never holding the rest."""
+) -> DescribedModel | None:
+    """θ0 as every site builds it from ``[coordinator.initial_model]`` (the embedded model),
+    described: built only if the coordinator's start needs it (``coordinator.initial_model``), so
+    that a restart that finds its state imports no torch. Its model options are checked here,
+    at every start. With several shards only this shard's part is built, with the whole θ0's
+    shapes and state hash: a shard draws θ0 a tensor at a time and keeps only its part
+    (``coordinator.sharding.keep_part``), never holding the rest."""
     if cfg is None:
-        return None, None
-    from coordinator.service import InitialModel
-    from site_agent.jobs.bytegpt.model import (
-        ByteGPT,
-        ModelConfig,
-        initial_parameters,
-        initial_tensors,
-        model_fingerprint,
-    )
+        return None
+    from coordinator.initial_model import DescribedModel
+    from site_agent.jobs.bytegpt.model_config import ModelConfig
 
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(cfg.model) - known)
@@ -107,17 +106,30 @@ def _initial_model(
         model_cfg = ModelConfig(**cfg.model)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"coordinator.initial_model.model: {exc}") from None
-    fingerprint = model_fingerprint(model_cfg)
-    if identity.count == 1:
-        return InitialModel(initial_parameters(model_cfg, cfg.seed), fingerprint), None
+    description = {"job": "bytegpt", "seed": cfg.seed, "model": dataclasses.asdict(model_cfg)}
+    return DescribedModel(description, lambda: _build_initial(model_cfg, cfg.seed, identity))
+
+
+def _build_initial(model_cfg: ModelConfig, seed: int, identity: ShardIdentity) -> InitialModel:
+    """θ0 of the byte GPT at ``model_cfg`` and ``seed`` (this shard's part with several)."""
     import torch
 
+    from coordinator.initial_model import InitialModel
     from coordinator.sharding import keep_part
+    from site_agent.jobs.bytegpt.model import (
+        ByteGPT,
+        initial_parameters,
+        initial_tensors,
+        model_fingerprint,
+    )
 
+    fingerprint = model_fingerprint(model_cfg)
+    if identity.count == 1:
+        return InitialModel(initial_parameters(model_cfg, seed), fingerprint)
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in ByteGPT(model_cfg).named_parameters()}
-    own, whole = keep_part(initial_tensors(model_cfg, cfg.seed), shapes, identity)
-    return InitialModel(own, fingerprint), whole
+    own, whole = keep_part(initial_tensors(model_cfg, seed), shapes, identity)
+    return InitialModel(own, fingerprint, whole)
 
 
 def _this_shard(cfg: CoordinatorConfig, flag: str | None) -> ShardIdentity:
@@ -150,7 +162,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         print(f"crossdc coordinator: bad config: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     try:
-        initial, whole = _initial_model(cfg.initial_model, identity)
+        initial = _initial_model(cfg.initial_model, identity)
     except ValueError as exc:
         print(f"crossdc coordinator: bad config: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -159,7 +171,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         if identity.count > 1:
             from coordinator.shard_service import build_shard
 
-            service = build_shard(cfg, identity, initial, os.environ, whole=whole)
+            service = build_shard(cfg, identity, initial, os.environ)
             coord, cfg = service.coord, service.coord.cfg
         else:
             service = coord = Coordinator(cfg, initial=initial)
