@@ -30,10 +30,12 @@ from coordinator.scheduler import SchedulePolicy, directions
 
 @dataclass(frozen=True, kw_only=True)
 class InitialModelConfig:
-    """θ0 from the federation's seed and model config, built at the coordinator's start exactly
-    as every site builds it: no site uploads it, and each proves by hash at its join that it
-    holds the same. Without this table the first site to join uploads its parameters as θ0 (for
-    a model that cannot be rebuilt from a seed, e.g. a user's checkpoint)."""
+    """θ0 from the federation's seed and model config, built at the coordinator's first start
+    exactly as every site builds it: no site uploads it, and each proves by hash at its join
+    that it holds the same (a restart on its state builds it only if this table changed:
+    ``coordinator.initial_model``). Without this table the first site to join uploads its
+    parameters as θ0 (for a model that cannot be rebuilt from a seed, e.g. a user's
+    checkpoint)."""
 
     seed: int
     """The sites' ``site.seed``."""
