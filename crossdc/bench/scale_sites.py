@@ -76,6 +76,7 @@ from comm.wire.schema import (
     Global,
     Heartbeat,
     InitParams,
+    Leave,
     Message,
     RoundStart,
     Shutdown,
@@ -543,6 +544,8 @@ class Sites:
             )
         elif isinstance(msg, Shutdown):
             site.done = True
+            # As a site agent does when it stops: every shard stops serving it at once.
+            site.chan.send(Leave(site_id=site.site_id, reason=msg.reason))
 
     def step(self) -> bool:
         """One step of taking the results waiting: a tensor of the one being applied to the
