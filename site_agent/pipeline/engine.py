@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +35,7 @@ from site_agent.pipeline.layout import (
     stage_indices,
     stages_per_rank,
 )
-from site_agent.pipeline.partition import PartitionPlan, partition_layers
+from site_agent.pipeline.partition import PartitionPlan, partition_at, partition_layers
 from site_agent.pipeline.profile import profile_units
 
 log = logging.getLogger(__name__)
@@ -75,6 +78,11 @@ class PipelineConfig:
     aggregation, which a sharded site does not do yet)."""
     error_feedback_decay: float = 1.0
     """The decay of each rank's error-feedback residuals under ``sync_shards``."""
+    cut_record: str = ""
+    """A file where rank 0 keeps its cut of the job into stages (the units' names and each
+    stage's first unit): a later start of the same job into as many stages cuts the same way,
+    so that a restarted site's ranks hold the tensors their checkpointed optimizer state is of
+    (the cut follows measured step times otherwise). Empty: cut afresh at every start."""
 
     def __post_init__(self) -> None:
         layout = self.layout  # PipelineLayout checks num_stages and num_replicas
@@ -148,7 +156,11 @@ def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePl
     try:
         with torch.random.fork_rng(devices=[]):
             costs, sizes = profile_units(model, units, run, steps=cfg.profile_steps)
-            plan = partition_layers(costs, sizes, num_stages)
+            starts = recorded_cut(cfg.cut_record, list(units.names), num_stages)
+            if starts is None:
+                plan = partition_layers(costs, sizes, num_stages)
+            else:
+                plan = partition_at(costs, sizes, starts)
             cut = Cut.traced(model, units, plan.stages, mb_inputs)
             check_stages_compose(model, cut, mb_inputs)
     finally:
@@ -163,7 +175,34 @@ def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePl
         f"stage_times_s={[round(t, 6) for t in plan.stage_times]} "
         f"predicted_bottleneck_s={plan.bottleneck:.6f} lower_bound_s={plan.lower_bound:.6f}"
     )
+    if cfg.cut_record:
+        record_cut(cfg.cut_record, list(units.names), list(plan.boundaries))
     return StagePlan(cut=cut, partition=plan)
+
+
+def recorded_cut(path: str, units: list[str], num_stages: int) -> list[int] | None:
+    """The stages' starts kept in ``path`` by an earlier start of the same job (the same units)
+    into as many stages; None: none kept, or kept for another model or number of stages."""
+    if not path:
+        return None
+    try:
+        record = json.loads(Path(path).read_text())
+        starts = [int(b) for b in record["boundaries"]]
+        if record["units"] != units or len(starts) != num_stages:
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    log.info("[pipeline] cutting as the last start did (%s): stages start at %s", path, starts)
+    return starts
+
+
+def record_cut(path: str, units: list[str], boundaries: list[int]) -> None:
+    """Keep the cut for the next start (written whole, then renamed into place)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps({"units": units, "boundaries": boundaries}))
+    os.replace(tmp, target)
 
 
 class RankPipeline:

@@ -105,6 +105,23 @@ def partition_layers(
     return _plan(costs, send_s, boundaries)
 
 
+def partition_at(
+    layer_costs_s: Sequence[float],
+    activation_bytes: Sequence[int],
+    boundaries: Sequence[int],
+    transfer: TransferModel | None = None,
+) -> PartitionPlan:
+    """The plan of a given cut: stage k starts at layer ``boundaries[k]`` (``boundaries[0]`` is
+    0, the starts increase); its times as :func:`partition_layers` counts them."""
+    starts = [int(b) for b in boundaries]
+    costs, sizes, link = _check_inputs(layer_costs_s, activation_bytes, len(starts), transfer)
+    if starts[0] != 0 or any(b >= a for a, b in zip(starts[1:], starts, strict=False)):
+        raise ValueError(f"boundaries must start at 0 and increase, got {starts}")
+    if starts[-1] >= len(costs):
+        raise ValueError(f"boundaries {starts} leave the last stage no layer of {len(costs)}")
+    return _plan(costs, [link.seconds(b) for b in sizes], starts)
+
+
 def _check_inputs(
     layer_costs_s: Sequence[float],
     activation_bytes: Sequence[int],

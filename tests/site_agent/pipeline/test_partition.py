@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from site_agent.pipeline.partition import (
     PartitionPlan,
     TransferModel,
+    partition_at,
     partition_layers,
 )
 
@@ -155,3 +156,22 @@ def test_partitioner_does_not_import_torch() -> None:
     code = "import sys, site_agent.pipeline; assert 'torch' not in sys.modules"
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=root)
+
+
+@given(instances())
+@settings(max_examples=200, deadline=None)
+def test_the_plan_of_a_given_cut_is_the_partitions_own(
+    instance: tuple[list[float], list[int], int, TransferModel],
+) -> None:
+    costs, sizes, num_stages, transfer = instance
+    plan = partition_layers(costs, sizes, num_stages, transfer)
+    assert partition_at(costs, sizes, plan.boundaries, transfer) == plan
+
+
+@pytest.mark.parametrize(
+    ("boundaries", "said"),
+    [([1, 3], "start at 0"), ([0, 3, 3], "increase"), ([0, 8], "no layer")],
+)
+def test_a_given_cut_that_is_no_cut_is_refused(boundaries: list[int], said: str) -> None:
+    with pytest.raises(ValueError, match=said):
+        partition_at(GOLDEN_COSTS, [0] * 8, boundaries)

@@ -11,6 +11,7 @@ stages x two replicas averaging by one all-reduce (DDP and FSDP: ``test_pipeline
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -459,3 +460,30 @@ def test_a_pipelined_site_begins_the_jobs_batches_again_when_they_run_out(
     single.train_steps(steps)
     for name, value in single.parameters_numpy().items():
         np.testing.assert_allclose(params[name], value, rtol=0, atol=5e-5, err_msg=name)
+
+
+@pytest.mark.timeout(120)
+def test_a_restart_cuts_as_the_last_start_did(tmp_path: Path) -> None:
+    """With ``cut_record``, rank 0 keeps the cut it made and the next start of the same job into
+    as many stages takes it instead of cutting by the step times it measures (which vary);
+    a record of another model or number of stages is ignored."""
+    torch.set_num_threads(1)
+    record = tmp_path / "state" / "pipeline-cut.json"
+    cfg = PipelineConfig(num_stages=2, num_microbatches=2, profile_steps=1, cut_record=str(record))
+    job = make_job("bytegpt")
+    sample = next(iter(job.batches()))
+    first = make_stage_plan(job, sample, cfg)
+    kept = json.loads(record.read_text())
+    assert kept["boundaries"] == list(first.partition.boundaries)
+    units = kept["units"]
+    # Another cut than the measured one, as a start under another load may have made.
+    other = [0, len(units) - 1] if first.partition.boundaries != (0, len(units) - 1) else [0, 1]
+    record.write_text(json.dumps({"units": units, "boundaries": other}))
+    again = make_stage_plan(make_job("bytegpt"), sample, cfg)
+    assert list(again.partition.boundaries) == other
+    assert json.loads(record.read_text())["boundaries"] == other
+    # Kept for another model: cut afresh (and keep the new cut).
+    record.write_text(json.dumps({"units": [*units, "extra"], "boundaries": other}))
+    fresh = make_stage_plan(make_job("bytegpt"), sample, cfg)
+    assert json.loads(record.read_text())["units"] == units
+    assert fresh.partition.num_stages == 2
