@@ -199,10 +199,13 @@ def recorded_cut(path: str, units: list[str], num_stages: int) -> list[int] | No
 def record_cut(path: str, units: list[str], boundaries: list[int]) -> None:
     """Keep the cut for the next start (written whole, then renamed into place)."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps({"units": units, "boundaries": boundaries}))
-    os.replace(tmp, target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"units": units, "boundaries": boundaries}))
+        os.replace(tmp, target)
+    except OSError as exc:  # the site still runs; its next start cuts afresh
+        log.warning("[pipeline] cannot keep the cut in %s: %s", path, exc)
 
 
 class RankPipeline:
