@@ -103,6 +103,7 @@ def pipeline_config(cfg: SiteConfig) -> Any:
         # does yet (differential privacy, secure aggregation).
         sync_shards=not cfg.not_for_sharded_sites(),
         error_feedback_decay=cfg.error_feedback_decay,
+        rank_timeout_s=cfg.rank_timeout_s,
         # A restart cuts as the last start did: each rank finds its optimizer state's tensors.
         cut_record=str(cfg.state_path / "pipeline-cut.json"),
     )

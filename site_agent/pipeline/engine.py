@@ -78,6 +78,10 @@ class PipelineConfig:
     aggregation, which a sharded site does not do yet)."""
     error_feedback_decay: float = 1.0
     """The decay of each rank's error-feedback residuals under ``sync_shards``."""
+    rank_timeout_s: float = 1800.0
+    """How long a rank waits in one of a sync call's collectives under ``sync_shards`` (for a
+    rank that died or failed inside the call) before it gives up with an error. The wait for
+    the leader's next command, which spans its WAN exchanges, is not bounded by it."""
     cut_record: str = ""
     """A file where rank 0 keeps its cut of the job into stages (the units' names and each
     stage's first unit): a later start of the same job into as many stages cuts the same way,

@@ -80,6 +80,12 @@ class SiteRank:
         # and free its rows: large blocks go back to the system (site_agent.allocator).
         return_large_blocks()
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        # A sync call's collectives wait no longer than a rank's local work can take.
+        self.sync_group = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.rank_timeout_s))
+            if cfg.sync_shards
+            else None
+        )
         model = job.model
         self.order = list(federated_state(model))
         self.spec: StateSpec = state_spec(model)

@@ -2,9 +2,10 @@
 
 A pipeline rank holds its stages' tensors only: whole, or under ``data_parallel = "fsdp"`` its
 row shard of each (a DTensor on the stage's data-parallel group). :class:`StageSync` is the
-sharded site's :class:`~site_agent.shardsync.RankSync` on such a rank, over the site's control
-group: the rank keeps θ and the error-feedback residual of its own rows, encodes its update where
-they live, decodes only its rows of a result, and the state hash of the whole model is combined
+sharded site's :class:`~site_agent.shardsync.RankSync` on such a rank, over a group of the
+site's own (``SiteRank.sync_group``, whose collectives time out after ``rank_timeout_s``):
+the rank keeps θ and the error-feedback residual of its own rows, encodes its update where they
+live, decodes only its rows of a result, and the state hash of the whole model is combined
 on the leader from every rank's block digests and the model's spec (``shards.shard_hash``). The
 leader (``leader.PipelineTrainer.sharded_sync``) relays encoded bytes; it keeps no tensor of
 another stage. A stage's tensor held whole by every replica is sent and hashed by the first
@@ -39,7 +40,7 @@ class StageSite(Protocol):
     rank: int
     layout: PipelineLayout
     spec: StateSpec
-    control: Any
+    sync_group: Any
 
     def evaluate_gathered(self) -> dict[str, float] | None: ...
 
@@ -52,7 +53,8 @@ class StageSite(Protocol):
 
 class StageSync(RankSync):
     """One pipeline rank's :class:`RankSync` (module docstring). Built by every rank of the site
-    (no communication); each call is collective over the site's control group."""
+    (no communication); each call is collective over the site's sync group (its
+    collectives time out after ``PipelineConfig.rank_timeout_s``)."""
 
     def __init__(self, site: StageSite, *, decay: float = 1.0) -> None:
         pipeline = site.pipeline
@@ -66,7 +68,7 @@ class StageSync(RankSync):
         )
         super().__init__(
             nn.ModuleList(pipeline.modules),
-            group=site.control,
+            group=site.sync_group,
             decay=decay,
             evaluate=lambda _model: site.evaluate_gathered() or {},
             optimizer=pipeline.optimizer,

@@ -182,3 +182,32 @@ def test_a_whole_model_is_taken_only_with_the_coordinators_hash(
         np.testing.assert_array_equal(leader["after"][name], value, err_msg=name)
     assert leader["hash_after"] == state_hash(leader["new"])
     assert leader["metrics"]["loss"] > 0
+
+
+def _alone_in_a_sync_call(rank: int, world_size: int) -> str:
+    """Rank 1 makes a sync call (the state hash) that rank 0 never makes, as when the leader
+    died inside a call: rank 1 gives up after ``rank_timeout_s``; rank 0 waits for it."""
+    from dataclasses import replace
+
+    from site_agent.pipeline.rank import SiteRank
+
+    torch.set_num_threads(1)
+    cfg = replace(_config(world_size, 1), rank_timeout_s=2.0)
+    site = SiteRank(make_job("bytegpt"), cfg, torch.device("cpu"))
+    assert site.stage_sync is not None
+    said = ""
+    if rank == 1:
+        try:
+            site.stage_sync.state_hash()
+        except Exception as exc:  # torch's timeout error (its type varies between releases)
+            said = f"{type(exc).__name__}: {exc}"
+    dist.barrier(group=site.control)  # both are done: the group closes cleanly
+    return said
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_alone_in_a_sync_call_gives_up_after_the_rank_timeout(
+    group: LocalProcessGroup,
+) -> None:
+    said = group.run(_alone_in_a_sync_call, world_size=2)
+    assert said[0] == "" and "timed out" in said[1].lower(), said
