@@ -34,6 +34,7 @@ from tests.coordinator.test_shard_service import (
     _Federation,
     _join_all,
     _update,
+    running_shards,
 )
 
 pytestmark = pytest.mark.timeout(90)
@@ -64,43 +65,16 @@ class _HeldStore(MemoryStateStore):
 def _two_shards(
     stores: list[_HeldStore],
 ) -> Iterator[tuple[_Federation, LeadShard, FollowShard]]:
-    def coordinator(i: int) -> Coordinator:
-        return Coordinator(
+    coords = [
+        Coordinator(
             _config(shards=2),
             store=stores[i],
             initial=InitialModel(own_part(PARAMS, SHAPES, IDS[i]), "fp"),
         )
-
-    lead = LeadShard(
-        coordinator(0), IDS[0], PARTS, kit=None, control_bind="tcp://127.0.0.1:0", whole_hash0=WHOLE
-    )
-    follow: FollowShard | None = None
-    fed: _Federation | None = None
-    try:
-        lead.start()
-        follow = FollowShard(
-            coordinator(1),
-            IDS[1],
-            PARTS,
-            kit=None,
-            control_endpoint=lead.control_endpoint,
-            whole_hash0=WHOLE,
-        )
-        follow.start()
-        both = follow
-
-        def step() -> None:
-            lead.step(0.002)
-            both.step(0.002)
-
-        fed = _Federation(step, [lead.endpoint, follow.endpoint])
-        yield fed, lead, follow
-    finally:
-        if fed is not None:
-            fed.close()
-        lead.close()
-        if follow is not None:
-            follow.close()
+        for i in range(2)
+    ]
+    with running_shards(coords, PARTS, WHOLE) as running:
+        yield running
 
 
 def _round_2_closing(fed: _Federation, lead: LeadShard, follow: FollowShard, **watch: Any) -> int:

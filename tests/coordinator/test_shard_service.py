@@ -8,7 +8,7 @@ one hash (a site whose part one shard never got is left out on both: test_shard_
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -142,36 +142,32 @@ def _single() -> Iterator[tuple[_Federation, Coordinator]]:
 
 
 @contextlib.contextmanager
-def _sharded(**overrides: Any) -> Iterator[tuple[_Federation, LeadShard, FollowShard]]:
-    whole = state_hash(PARAMS)
-    shards = []
-    for i in range(2):
-        identity = ShardIdentity(i, 2, "test")
-        coord = Coordinator(
-            _config(shards=2, **overrides),
-            store=MemoryStateStore(),
-            initial=InitialModel(own_part(PARAMS, SHAPES, identity), "fp"),
-        )
-        shards.append((coord, identity))
+def running_shards(
+    coords: Sequence[Coordinator],
+    parts: Sequence[Sequence[str]] | None,
+    whole_hash0: str | None,
+) -> Iterator[tuple[_Federation, LeadShard, FollowShard]]:
+    """Shard 0 and shard 1 of 2 over ``coords`` (each a shard's Coordinator), stepped in turn,
+    and the sites; everything closed after (a coordinator whose shard never started too)."""
     lead = LeadShard(
-        shards[0][0],
-        shards[0][1],
-        PARTS,
+        coords[0],
+        ShardIdentity(0, 2, "test"),
+        parts,
         kit=None,
         control_bind="tcp://127.0.0.1:0",
-        whole_hash0=whole,
+        whole_hash0=whole_hash0,
     )
     follow: FollowShard | None = None
     fed: _Federation | None = None
     try:
         lead.start()
         follow = FollowShard(
-            shards[1][0],
-            shards[1][1],
-            PARTS,
+            coords[1],
+            ShardIdentity(1, 2, "test"),
+            parts,
             kit=None,
             control_endpoint=lead.control_endpoint,
-            whole_hash0=whole,
+            whole_hash0=whole_hash0,
         )
         follow.start()
         both = follow
@@ -189,7 +185,21 @@ def _sharded(**overrides: Any) -> Iterator[tuple[_Federation, LeadShard, FollowS
         if follow is not None:
             follow.close()
         else:
-            shards[1][0].close()
+            coords[1].close()
+
+
+@contextlib.contextmanager
+def _sharded(**overrides: Any) -> Iterator[tuple[_Federation, LeadShard, FollowShard]]:
+    coords = [
+        Coordinator(
+            _config(shards=2, **overrides),
+            store=MemoryStateStore(),
+            initial=InitialModel(own_part(PARAMS, SHAPES, ShardIdentity(i, 2, "test")), "fp"),
+        )
+        for i in range(2)
+    ]
+    with running_shards(coords, PARTS, state_hash(PARAMS)) as running:
+        yield running
 
 
 def _join_all(fed: _Federation) -> None:

@@ -32,6 +32,7 @@ from tests.coordinator.test_shard_service import (
     _Federation,
     _single,
     _update,
+    running_shards,
 )
 
 pytestmark = pytest.mark.timeout(90)
@@ -50,37 +51,8 @@ def _uploading(
             coords.append(Coordinator(_config(shards=2), store=MemoryStateStore()))
         else:
             coords.append(Coordinator(_config(shards=2, state_dir=str(state_dir / f"shard-{i}"))))
-    lead = LeadShard(
-        coords[0], ShardIdentity(0, 2, "test"), None, kit=None, control_bind="tcp://127.0.0.1:0"
-    )
-    follow: FollowShard | None = None
-    fed: _Federation | None = None
-    try:
-        lead.start()
-        follow = FollowShard(
-            coords[1],
-            ShardIdentity(1, 2, "test"),
-            None,
-            kit=None,
-            control_endpoint=lead.control_endpoint,
-        )
-        follow.start()
-        both = follow
-
-        def step() -> None:
-            lead.step(0.002)
-            both.step(0.002)
-
-        fed = _Federation(step, [lead.endpoint, follow.endpoint])
-        yield fed, lead, follow
-    finally:
-        if fed is not None:
-            fed.close()
-        lead.close()
-        if follow is not None:
-            follow.close()
-        else:
-            coords[1].close()
+    with running_shards(coords, None, None) as running:
+        yield running
 
 
 def _join(fed: _Federation, site: str, version: int, digest: str) -> Welcome:
