@@ -181,20 +181,28 @@ def test_under_torchrun_rank_0_talks_and_the_other_ranks_follow(
     )
 
 
+def _start_torchrun(
+    jobs: Path, script: str, site: Path, *args: str, ranks: int = 2, out: Any = subprocess.PIPE
+) -> subprocess.Popen[Any]:
+    """``script`` (in ``jobs``) started under torchrun on ``ranks`` CPU ranks, in a session of
+    its own, its output to ``out`` (a pipe of text by default)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+        + [script, str(site), *args],
+        cwd=jobs,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        text=out is subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        start_new_session=True,
+    )
+
+
 def _torchrun(
     jobs: Path, script: str, site: Path, timeout_s: float, *args: str, ranks: int = 2
 ) -> tuple[int, str]:
     """``script`` under torchrun on ``ranks`` CPU ranks; its exit code and output."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-        + [script, str(site), *args],
-        cwd=jobs,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-        start_new_session=True,
-    )
+    proc = _start_torchrun(jobs, script, site, *args, ranks=ranks)
     try:
         output, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -353,15 +361,7 @@ def test_sigterm_drains_a_sharded_site_and_sends_leave(procs: Procs, tmp_path: P
     procs.start("site-eu", "agent", "--config", str(_site(tmp_path, jobs, "eu", -1.0)))
     site = _site(tmp_path, jobs, "lib", 0.0)
     with (tmp_path / "lib.log").open("wb") as log:
-        lib = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-            + ["train.py", str(site), "1000000"],
-            cwd=jobs,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-            start_new_session=True,
-        )
+        lib = _start_torchrun(jobs, "train.py", site, "1000000", out=log)
         try:
             # The site itself holds v1 (a round the coordinator closed may still be on its way
             # to it), so the checkpoint its drain writes must name v1 or later.
@@ -416,15 +416,7 @@ def test_a_killed_sharded_site_resumes_from_its_shards(procs: Procs, tmp_path: P
     site = _site(tmp_path, jobs, "lib", 0.0)
     state_dir = tmp_path / "site-lib"
     with (tmp_path / "lib-killed.log").open("wb") as log:
-        lib = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-            + ["train.py", str(site), "1000000"],
-            cwd=jobs,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-            start_new_session=True,
-        )
+        lib = _start_torchrun(jobs, "train.py", site, "1000000", out=log)
         try:
             wait_for(
                 lambda: _saved(state_dir) >= 1,
