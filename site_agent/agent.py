@@ -359,6 +359,9 @@ class SiteAgent:
             return self._on_error(msg)
         elif isinstance(msg, Shutdown):
             log.info("[site=%s] shutdown: %s", self.site_id, msg.reason)
+            # Every coordinator process stops serving this site now: with several shards, the
+            # others learn here that the federation ended (only shard 0 says Shutdown).
+            self.leave(f"shutdown: {msg.reason}")
             self.rounds.shutdown()
             self.save_checkpoint()
             self.status_doc.write()
