@@ -598,7 +598,11 @@ class LeadShard(_Shard):
     def _close(self, now: float, event: CloseAll) -> None:
         book, rid = self.coord.book, event.round_id
         r = book.open_round(rid)
-        assert r is not None, f"round {rid} closed by the shards is not open on shard 0"
+        if r is None or rid not in self.plane.in_flight():
+            # A shard lost or back in the same step as the last freeze answer: the round was
+            # aborted on every shard before its close was read, so there is nothing to close.
+            log.warning("[coordinator shards] round %d aborted before its close was read", rid)
+            return
         for site_id, why in event.left_out:
             self._left_out(rid, site_id, why)
         leave_out(r, event.merged)

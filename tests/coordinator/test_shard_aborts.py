@@ -20,7 +20,7 @@ import pytest
 from comm.wire.schema import Global, RoundCancel, RoundStart, ShardAbort
 from comm.wire.tensors import state_hash
 from coordinator.service import Coordinator, InitialModel
-from coordinator.shard_peers import Lost
+from coordinator.shard_peers import Joined, Lost
 from coordinator.shard_plane import Phase
 from coordinator.shard_service import FollowShard, LeadShard
 from coordinator.sharding import ShardIdentity, own_part
@@ -33,6 +33,7 @@ from tests.coordinator.test_shard_service import (
     _config,
     _Federation,
     _join_all,
+    _sharded,
     _update,
     running_shards,
 )
@@ -164,3 +165,31 @@ def test_shard_1_takes_back_a_round_aborted_while_its_save_is_in_the_writer() ->
         assert stores[1].state is not None and stores[1].state.global_version == 1
         _next_round_builds_on_v1(fed, lead, follow, rid)
         assert not follow._saved
+
+
+def test_a_shard_back_in_the_step_of_the_last_freeze_answer_aborts_the_round_once() -> None:
+    """Shard 0 reads, in one step, a restarted shard's hello and then the last freeze answer
+    of a round: the hello aborts the round on every shard, and the close the answer completes
+    is dropped (it once stopped shard 0 on an assertion)."""
+    quick = {"quorum_fraction": 0.6, "grace_floor_s": 0.0, "grace_ceiling_s": 0.0}
+    with _sharded(**quick) as (fed, lead, follow):
+        _join_all(fed)
+        starts = {s: fed.expect(s, RoundStart) for s in SITES}
+        rid = starts["eu"].round_id
+        for s in SITES:
+            fed.sites[s].link.send(_update(s, starts[s]))
+        for _ in range(4000):  # shard 0 and the other shard's sites, not its control plane
+            lead.step(0.002)
+            follow.coord.step(0.002)
+            if rid in lead.plane.in_flight() and lead.plane.phase(rid) is Phase.FREEZING:
+                break
+        assert lead.plane.phase(rid) is Phase.FREEZING
+        open_on_1 = follow.coord.book.open_round(rid)
+        assert open_on_1 is not None
+        close = lead.plane.frozen(1, rid, open_on_1.received)
+        assert close is not None
+        lead._events += [Joined(1, False), close]
+        lead.step(0.002)
+        assert lead.coord.book.open_round(rid) is None
+        assert rid not in lead.plane.in_flight()
+        assert lead.coord.state is not None and lead.coord.state.global_version == 0
