@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from site_agent.jobs.contract import StateSpec
@@ -41,6 +42,7 @@ class StageSite(Protocol):
     layout: PipelineLayout
     spec: StateSpec
     sync_group: Any
+    control: Any
 
     def evaluate_gathered(self) -> dict[str, float] | None: ...
 
@@ -70,7 +72,7 @@ class StageSync(RankSync):
             nn.ModuleList(pipeline.modules),
             group=site.sync_group,
             decay=decay,
-            evaluate=lambda _model: site.evaluate_gathered() or {},
+            evaluate=lambda _model: _evaluated(site),
             optimizer=pipeline.optimizer,
             shards=shards,
         )
@@ -116,6 +118,15 @@ class StageSync(RankSync):
             trained.get(self._own_key()), leader=trained.get("pipeline/rank0")
         )
         self._reset_here()
+
+
+def _evaluated(site: StageSite) -> dict[str, float]:
+    """The job's metrics of the model as the ranks hold it (on the leader; empty elsewhere).
+    The workers wait for the leader's evaluation on the control group, whose wait has no
+    bound to speak of: an evaluation may take longer than ``rank_timeout_s``."""
+    metrics = site.evaluate_gathered()
+    dist.barrier(group=site.control)
+    return metrics or {}
 
 
 def _unpack(blob: torch.Tensor) -> Mapping[str, Any]:
