@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import logging
 import os
@@ -83,8 +84,9 @@ class PipelineConfig:
     rank that died or failed inside the call) before it gives up with an error. The wait for
     the leader's next command, which spans its WAN exchanges, is not bounded by it."""
     cut_record: str = ""
-    """A file where rank 0 keeps its cut of the job into stages (the units' names and each
-    stage's first unit): a later start of the same job into as many stages cuts the same way,
+    """A file where rank 0 keeps its cut of the job into stages (the units' names, a digest of
+    the parameters' shapes, each stage's first unit): a later start of the same model into as
+    many stages cuts the same way,
     so that a restarted site's ranks hold the tensors their checkpointed optimizer state is of
     (the cut follows measured step times otherwise). Empty: cut afresh at every start."""
 
@@ -160,11 +162,10 @@ def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePl
     try:
         with torch.random.fork_rng(devices=[]):
             costs, sizes = profile_units(model, units, run, steps=cfg.profile_steps)
-            starts = recorded_cut(cfg.cut_record, list(units.names), num_stages)
-            if starts is None:
+            key = _cut_key(model, units.names)
+            plan = _recorded_plan(cfg.cut_record, key, num_stages, costs, sizes)
+            if plan is None:
                 plan = partition_layers(costs, sizes, num_stages)
-            else:
-                plan = partition_at(costs, sizes, starts)
             cut = Cut.traced(model, units, plan.stages, mb_inputs)
             check_stages_compose(model, cut, mb_inputs)
     finally:
@@ -180,33 +181,44 @@ def make_stage_plan(job: Any, sample_batch: Any, cfg: PipelineConfig) -> StagePl
         f"predicted_bottleneck_s={plan.bottleneck:.6f} lower_bound_s={plan.lower_bound:.6f}"
     )
     if cfg.cut_record:
-        record_cut(cfg.cut_record, list(units.names), list(plan.boundaries))
+        record_cut(cfg.cut_record, key, list(plan.boundaries))
     return StagePlan(cut=cut, partition=plan)
 
 
-def recorded_cut(path: str, units: list[str], num_stages: int) -> list[int] | None:
-    """The stages' starts kept in ``path`` by an earlier start of the same job (the same units)
-    into as many stages; None: none kept, or kept for another model or number of stages."""
+def _cut_key(model: nn.Module, units: Sequence[str]) -> dict[str, Any]:
+    """What a kept cut is of: the units' names and a digest of the model's parameter names and
+    shapes (a model of the same names but other sizes is cut afresh)."""
+    shapes = [[name, list(p.shape)] for name, p in model.named_parameters()]
+    digest = hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
+    return {"units": list(units), "model": digest}
+
+
+def _recorded_plan(
+    path: str, key: dict[str, Any], num_stages: int, costs: list[float], sizes: list[int]
+) -> PartitionPlan | None:
+    """The plan of the cut kept in ``path`` by an earlier start of the same model into as many
+    stages; None: none kept, kept for another model or number of stages, or not a cut."""
     if not path:
         return None
     try:
         record = json.loads(Path(path).read_text())
         starts = [int(b) for b in record["boundaries"]]
-        if record["units"] != units or len(starts) != num_stages:
+        if {k: record.get(k) for k in key} != key or len(starts) != num_stages:
             return None
-    except (OSError, ValueError, KeyError, TypeError):
+        plan = partition_at(costs, sizes, starts)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     log.info("[pipeline] cutting as the last start did (%s): stages start at %s", path, starts)
-    return starts
+    return plan
 
 
-def record_cut(path: str, units: list[str], boundaries: list[int]) -> None:
+def record_cut(path: str, key: dict[str, Any], boundaries: list[int]) -> None:
     """Keep the cut for the next start (written whole, then renamed into place)."""
     target = Path(path)
     tmp = target.with_name(target.name + ".tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"units": units, "boundaries": boundaries}))
+        tmp.write_text(json.dumps({**key, "boundaries": boundaries}))
         os.replace(tmp, target)
     except OSError as exc:  # the site still runs; its next start cuts afresh
         log.warning("[pipeline] cannot keep the cut in %s: %s", path, exc)

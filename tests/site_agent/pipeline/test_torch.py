@@ -478,12 +478,20 @@ def test_a_restart_cuts_as_the_last_start_did(tmp_path: Path) -> None:
     units = kept["units"]
     # Another cut than the measured one, as a start under another load may have made.
     other = [0, len(units) - 1] if first.partition.boundaries != (0, len(units) - 1) else [0, 1]
-    record.write_text(json.dumps({"units": units, "boundaries": other}))
+    record.write_text(json.dumps({**kept, "boundaries": other}))
     again = make_stage_plan(make_job("bytegpt"), sample, cfg)
     assert list(again.partition.boundaries) == other
     assert json.loads(record.read_text())["boundaries"] == other
-    # Kept for another model: cut afresh (and keep the new cut).
-    record.write_text(json.dumps({"units": [*units, "extra"], "boundaries": other}))
-    fresh = make_stage_plan(make_job("bytegpt"), sample, cfg)
-    assert json.loads(record.read_text())["units"] == units
-    assert fresh.partition.num_stages == 2
+    # Kept for another model (other units, or the same names in other shapes), or not a cut
+    # of this one: cut afresh, and keep the new cut.
+    for stale in (
+        {**kept, "units": [*units, "extra"], "boundaries": other},
+        {**kept, "model": "another", "boundaries": other},
+        {**kept, "boundaries": [0, len(units)]},
+    ):
+        record.write_text(json.dumps(stale))
+        fresh = make_stage_plan(make_job("bytegpt"), sample, cfg)
+        assert json.loads(record.read_text()) == {
+            **kept,
+            "boundaries": list(fresh.partition.boundaries),
+        }
