@@ -349,12 +349,13 @@ class Federation:
     def _run_agent(self) -> None:
         assert self._agent is not None
         try:
-            self.exit_code = self._agent.run()
-        except _Stopped:
-            log.info("[site=%s] the training loop ended: leaving", self.config.site_id)
-            self._agent.leave("the training loop ended")
-            self._agent.save_checkpoint()
-            self.exit_code = EXIT_OK
+            try:
+                self.exit_code = self._agent.run()
+            except _Stopped:
+                log.info("[site=%s] the training loop ended: leaving", self.config.site_id)
+                self._agent.leave("the training loop ended")
+                self._agent.save_checkpoint()  # may fail too: then the site crashed
+                self.exit_code = EXIT_OK
         except BaseException:
             log.exception("[site=%s] the agent failed", self.config.site_id)
             self.exit_code = EXIT_CRASHED
