@@ -62,6 +62,7 @@ from coordinator import shard_commit
 from coordinator.closing import Saved
 from coordinator.config import CoordinatorConfig
 from coordinator.decisions import Abort
+from coordinator.history_log import META_FILE
 from coordinator.initial_model import DescribedModel, InitialModel
 from coordinator.round import Round
 from coordinator.service import Coordinator
@@ -912,14 +913,23 @@ def build_shard(
     own_cfg = shard_config(cfg, identity)
     path = Path(own_cfg.state_dir) if own_cfg.state_dir else None
     recorded = read_record(path) if path is not None else None
+    has_state = path is not None and (path / META_FILE).exists()
     whole: WholeModel | None = None
-    if initial is not None and (initial.digest is None or recorded is None):
-        theta0 = initial.built()  # the cut from θ0 (none recorded yet, or θ0 given built)
+    if initial is not None and (initial.digest is None or recorded is None or not has_state):
+        # The cut from θ0 (none recorded yet, θ0 given built, or θ0 about to be installed).
+        theta0 = initial.built()
         whole = theta0.whole
         if whole is None:  # θ0 whole: this shard keeps its part
             shapes = {name: tuple(v.shape) for name, v in theta0.params.items()}
             whole = WholeModel(shapes, state_hash(theta0.params))
             initial = InitialModel(own_part(theta0.params, shapes, identity), theta0.fingerprint)
+        if recorded is not None and recorded.state_hash != whole.state_hash:
+            raise ValueError(
+                f"{path}/model.json records a θ0 of state hash {recorded.state_hash}, "
+                f"but coordinator.initial_model gives {whole.state_hash}: a shard must start "
+                "from the θ0 every shard and site holds (restore the shard's state, or start "
+                "every shard afresh)"
+            )
     parts = partition(whole.shapes, identity.count) if whole is not None else None
     whole_hash0 = whole.state_hash if whole is not None else None
     kit = load_coordinator_kit(cfg.security.kit_dir) if cfg.security.kit_dir else None

@@ -7,6 +7,7 @@ is still checked against the state, and a state directory without the records a 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -173,3 +174,34 @@ def test_a_changed_initial_model_is_still_refused_against_the_state(
     assert proc.returncode == 2, proc.stderr
     assert "coordinator.initial_model describes model" in proc.stderr
     assert "holds model" in proc.stderr.splitlines()[-1], proc.stderr
+
+
+@pytest.mark.timeout(240)
+def test_a_shard_that_lost_its_state_is_refused_another_theta0_than_its_record(
+    tmp_path: Path,
+) -> None:
+    """A shard's state gone but its record of θ0's cut and hash kept: a start with another
+    ``[coordinator.initial_model]`` would install a θ0 that is not the one the record, the
+    other shards and the sites hold, so it is refused naming both hashes."""
+    _serve_until_listening(_config(tmp_path, shards=2), 2)
+    shard = tmp_path / "state" / "shard-1"
+    assert (shard / "model.json").exists()
+    for name in os.listdir(shard):
+        if name != "model.json":
+            target = shard / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            else:
+                target.unlink()
+    changed = _config(tmp_path, shards=2)
+    text = changed.read_text().replace("seed = 7", "seed = 8")
+    assert text != changed.read_text()
+    changed.write_text(text)
+    proc = subprocess.run(
+        [sys.executable, "-m", "crossdc", *_argv(changed, 1)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "model.json records a θ0 of state hash" in proc.stderr, proc.stderr
