@@ -12,8 +12,7 @@ in, and a site half-way is left out at once; each step waits for what it needs b
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -22,16 +21,14 @@ import pytest
 from comm.codecs.floats import Fp32Codec
 from comm.wire.schema import Error, Global, RoundStart, Update
 from comm.wire.tensors import encode_tensors
-from coordinator.service import Coordinator, InitialModel
-from coordinator.state import MemoryStateStore
 from tests.coordinator.test_shard_service import (
     PARAMS,
     PARTS,
-    _config,
     _Federation,
     _join_all,
     _params_after,
     _sharded,
+    _single,
     _update,
 )
 
@@ -80,22 +77,6 @@ CASES: dict[str, tuple[Callable[[RoundStart], Update] | None, str, str]] = {
 }
 
 
-@contextlib.contextmanager
-def _single() -> Iterator[tuple[_Federation, Coordinator]]:
-    coord = Coordinator(
-        _config(**QUICK, max_update_norm=BOUND),
-        store=MemoryStateStore(),
-        initial=InitialModel(dict(PARAMS), "fp"),
-    )
-    coord.start()
-    fed = _Federation(lambda: coord.step(0.002), [coord.endpoint])
-    try:
-        yield fed, coord
-    finally:
-        fed.close()
-        coord.close()
-
-
 def _pump_until(fed: _Federation, done: Callable[[], bool], steps: int = 3000) -> None:
     for _ in range(steps):
         if done():
@@ -116,7 +97,7 @@ def _round_2(fed: _Federation) -> Global:
 def _run_single(bad: Callable[[RoundStart], Update] | None, reason: str) -> list[Global]:
     """Round 1: ap's bad update (refused, counted under ``reason``) or none, then eu's and
     us's; round 2: ap and eu. The results."""
-    with _single() as (fed, coord):
+    with _single(**QUICK, max_update_norm=BOUND) as (fed, coord):
         _join_all(fed)
         starts = {s: fed.expect(s, RoundStart) for s in fed.sites}
         if bad is not None:

@@ -128,9 +128,10 @@ class _Federation:
 
 
 @contextlib.contextmanager
-def _single() -> Iterator[tuple[_Federation, Coordinator]]:
+def _single(**overrides: Any) -> Iterator[tuple[_Federation, Coordinator]]:
+    """One coordinator of the whole model (``_config(**overrides)``), started, and the sites."""
     coord = Coordinator(
-        _config(), store=MemoryStateStore(), initial=InitialModel(dict(PARAMS), "fp")
+        _config(**overrides), store=MemoryStateStore(), initial=InitialModel(dict(PARAMS), "fp")
     )
     coord.start()
     fed = _Federation(lambda: coord.step(0.002), [coord.endpoint])
